@@ -1,0 +1,104 @@
+"""fnaccel: Accelerate-style PyTorch training as pure functions over a frozen `RunState`.
+
+The public surface is curated here; the implementation lives in private
+modules and may move freely behind it (see fnaccel/README.md for the design).
+"""
+
+# isort: off
+# `fnaccel.utils` first: it re-exports modules that import `fnaccel.utils.constants`.
+from fnaccel import utils
+# isort: on
+from fnaccel import ops
+from fnaccel._errors import (
+    CheckpointError,
+    CollectiveMismatchError,
+    ConfigError,
+    FnaccelError,
+    StaleStateError,
+)
+from fnaccel.config import LaunchConfig
+from fnaccel.dist import DistContext
+from fnaccel.process import (
+    local_main_process_first,
+    main_process_first,
+    on_main_process,
+    print_on_main,
+    split_between_processes,
+    wait_for_everyone,
+)
+from fnaccel.rng import RNGState
+from fnaccel.runtime import init, shutdown
+from fnaccel.seeding import set_seed, synchronize_rng_states, with_rng
+from fnaccel.state import RunState
+from fnaccel.transforms import (
+    Pipeline,
+    Transform,
+    broadcast,
+    broadcast_object_list,
+    compose,
+    gather,
+    gather_for_metrics,
+    gather_object,
+    pad_across_processes,
+    reduce,
+)
+from fnaccel.utils.constants import DistributedType, PrecisionType
+from fnaccel.utils.kwargs import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    FP8RecipeKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # the run
+    "RunState",
+    "DistContext",
+    "RNGState",
+    "LaunchConfig",
+    "init",
+    "shutdown",
+    "with_rng",
+    # transforms and collectives
+    "Transform",
+    "Pipeline",
+    "compose",
+    "gather",
+    "reduce",
+    "broadcast",
+    "pad_across_processes",
+    "gather_object",
+    "broadcast_object_list",
+    "gather_for_metrics",
+    # process and random helpers
+    "wait_for_everyone",
+    "main_process_first",
+    "local_main_process_first",
+    "on_main_process",
+    "split_between_processes",
+    "print_on_main",
+    "set_seed",
+    "synchronize_rng_states",
+    # kwargs handlers and enums
+    "AutocastKwargs",
+    "DistributedDataParallelKwargs",
+    "FP8RecipeKwargs",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "ProfileKwargs",
+    "DistributedType",
+    "PrecisionType",
+    # errors
+    "FnaccelError",
+    "StaleStateError",
+    "ConfigError",
+    "CollectiveMismatchError",
+    "CheckpointError",
+    # modules
+    "ops",
+    "utils",
+]

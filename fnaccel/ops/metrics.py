@@ -1,0 +1,134 @@
+"""`gather_for_metrics`: every evaluated sample exactly once, in dataset order.
+
+How padding is known, without hidden state: an evaluation loader that evens
+out the ranks' batches pads the *end* of a rank's batch with repeated
+samples, and says, for each batch, how many of its leading samples are real:
+``num_valid``. `fnaccel.data.sharding.eval_shards` computes exactly that
+split (step ``s`` gives rank ``r`` the samples
+``[s*B*W + r*B, s*B*W + (r+1)*B)``), so that concatenating the ranks' real
+samples in rank order gives the dataset order. A loader that does not pad
+(``even_batches=False``) yields uneven, possibly empty, batches instead;
+both are handled, and they combine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fnaccel._errors import CollectiveMismatchError
+from fnaccel.dist import DistContext, as_dist
+from fnaccel.ops._shapes import all_gather_bytes, exchange_shapes
+from fnaccel.ops.collectives import gather_object
+from fnaccel.ops.tree import is_torch_tensor, recursively_apply, tree_leaves, tree_unflatten
+
+__all__ = ["gather_for_metrics"]
+
+
+def _all_tensors(data: Any) -> bool:
+    try:
+        recursively_apply(lambda t: t, data, error_on_other_type=True)
+    except TypeError:
+        return False
+    return bool(tree_leaves(data))
+
+
+def _samples(leaves: list[torch.Tensor]) -> int:
+    for t in leaves:
+        if t.ndim == 0:
+            raise ValueError(
+                "gather_for_metrics needs per-sample outputs (dim 0 = samples), got a 0-d "
+                "tensor: a value already reduced over the batch cannot be de-duplicated. "
+                "Gather the per-sample values and reduce afterwards, or use fa.ops.reduce."
+            )
+    counts = {t.shape[0] for t in leaves}
+    if len(counts) > 1:
+        raise ValueError(
+            f"gather_for_metrics: the tensors disagree on the number of samples "
+            f"(dim 0 sizes {sorted(counts)}); every leaf must hold one row per sample"
+        )
+    return leaves[0].shape[0]
+
+
+def gather_for_metrics(
+    ctx: DistContext | Any,
+    input_data: Any,
+    use_gather_object: bool = False,
+    *,
+    num_valid: int | None = None,
+) -> Any:
+    """Gather per-sample outputs from all ranks, dropping the padding samples.
+
+    Args:
+        ctx: a `RunState` or its `DistContext`.
+        input_data: a tree of tensors whose dim 0 is the sample, or a list of
+            per-sample Python objects (gathered with `gather_object`). Ranks
+            may hold different numbers of samples, zero included.
+        use_gather_object: gather ``input_data`` as picklable objects.
+        num_valid: how many leading samples of this rank's batch are real;
+            the rest is padding the loader added (default: all of them).
+
+    Returns:
+        The same structure holding every real sample once, rank by rank.
+
+    Raises:
+        ValueError: a 0-d (already reduced) tensor, or leaves with different
+            sample counts.
+        CollectiveMismatchError: the ranks' trees differ beyond dim 0.
+
+    >>> import fnaccel as fa
+    >>> state = fa.init(cpu=True)
+    >>> fa.ops.gather_for_metrics(state, torch.tensor([4, 5, 5]), num_valid=2)
+    tensor([4, 5])
+    """
+    ctx = as_dist(ctx)
+    if use_gather_object or not _all_tensors(input_data):
+        if not isinstance(input_data, (list, tuple)):
+            raise TypeError(
+                "gather_for_metrics: non-tensor outputs must be a list with one entry "
+                f"per sample, got {type(input_data).__name__}"
+            )
+        return gather_object(ctx, list(input_data[:num_valid]))
+    leaves = tree_leaves(input_data)
+    count = _samples(leaves)
+    valid = count if num_valid is None else num_valid
+    if not 0 <= valid <= count:
+        raise ValueError(
+            f"gather_for_metrics: num_valid={num_valid} but this rank's batch holds "
+            f"{count} samples"
+        )
+    if ctx.num_processes == 1:
+        if valid == count:
+            return input_data
+        return recursively_apply(lambda t: t[:valid], input_data)
+
+    table = exchange_shapes(
+        ctx, "gather_for_metrics", leaves, extras=[valid],
+        hint="Every rank must pass the same structure and dtypes.",
+    )
+    rows = [shapes[0][0] for shapes in table.shapes]
+    valids = [extras[0] for extras in table.extras]
+    for i, t in enumerate(leaves):
+        trailing = {shapes[i][1:] for shapes in table.shapes}
+        if len(trailing) > 1:
+            per_rank = "; ".join(
+                f"rank {r}: {shapes[i]}" for r, shapes in enumerate(table.shapes)
+            )
+            raise CollectiveMismatchError(
+                f"gather_for_metrics: tensor {i} differs beyond dim 0 across ranks ({per_rank}); "
+                "pad it first: fa.compose(fa.pad_across_processes(dim=1), fa.gather_for_metrics())"
+            )
+    most = max(rows)
+    out = []
+    for t in leaves:
+        if t.shape[0] < most:
+            padded = t.new_zeros((most, *t.shape[1:]))
+            padded[: t.shape[0]] = t
+            t = padded
+        everyone = all_gather_bytes(ctx, t).view(ctx.num_processes, most, *t.shape[1:])
+        if all(v == most for v in valids):
+            out.append(everyone.reshape(ctx.num_processes * most, *t.shape[1:]))
+        else:
+            out.append(torch.cat([everyone[r, :v] for r, v in enumerate(valids)]))
+    return tree_unflatten(input_data, out, test_type=is_torch_tensor)

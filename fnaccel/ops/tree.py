@@ -1,0 +1,223 @@
+"""Operations on nested containers of tensors, with no communication.
+
+A *tree* is any nesting of dicts (and other mappings), lists, tuples,
+namedtuples and dataclass instances whose leaves are tensors or other values.
+Every function here rebuilds the containers with their own types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "concatenate",
+    "convert_outputs_to_fp32",
+    "convert_to_fp32",
+    "is_torch_tensor",
+    "listify",
+    "recursively_apply",
+    "send_to_device",
+    "slice_tensors",
+    "tree_leaves",
+    "tree_unflatten",
+]
+
+
+def is_torch_tensor(value: Any) -> bool:
+    """True for a `torch.Tensor`."""
+    return isinstance(value, torch.Tensor)
+
+
+def _rebuild_mapping(data: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    if isinstance(data, defaultdict):
+        return type(data)(data.default_factory, items)
+    return type(data)(items)
+
+
+def _is_namedtuple(data: Any) -> bool:
+    return isinstance(data, tuple) and hasattr(data, "_fields")
+
+
+def recursively_apply(
+    func: Callable[..., Any],
+    data: Any,
+    *args: Any,
+    test_type: Callable[[Any], bool] = is_torch_tensor,
+    error_on_other_type: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Apply ``func`` to every leaf of ``data`` that passes ``test_type``.
+
+    Args:
+        func: called as ``func(leaf, *args, **kwargs)``.
+        data: a tree of dicts, lists, tuples, namedtuples and dataclasses.
+        test_type: which leaves ``func`` applies to (default: tensors).
+        error_on_other_type: raise `TypeError` on a leaf that fails
+            ``test_type`` instead of passing it through unchanged.
+
+    Returns:
+        A tree of the same shape and container types.
+
+    >>> recursively_apply(lambda t: t * 2, {"a": [torch.tensor(1), "x"]})
+    {'a': [tensor(2), 'x']}
+    """
+
+    def apply(node: Any) -> Any:
+        if test_type(node):
+            return func(node, *args, **kwargs)
+        if _is_namedtuple(node):
+            return type(node)(*(apply(v) for v in node))
+        if isinstance(node, (list, tuple)):
+            return type(node)(apply(v) for v in node)
+        if isinstance(node, Mapping):
+            return _rebuild_mapping(node, {k: apply(v) for k, v in node.items()})
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            changes = {f.name: apply(getattr(node, f.name)) for f in dataclasses.fields(node) if f.init}
+            return dataclasses.replace(node, **changes)
+        if error_on_other_type:
+            raise TypeError(
+                f"cannot apply {getattr(func, '__name__', 'the function')} to a "
+                f"{type(node).__name__}: only nested lists, tuples, dicts and dataclasses "
+                "of tensors are supported"
+            )
+        return node
+
+    return apply(data)
+
+
+def tree_leaves(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) -> list[Any]:
+    """The leaves of ``data`` passing ``test_type``, in a fixed traversal order."""
+    leaves: list[Any] = []
+    recursively_apply(leaves.append, data, test_type=test_type)
+    return leaves
+
+
+def tree_unflatten(
+    data: Any, leaves: Sequence[Any], test_type: Callable[[Any], bool] = is_torch_tensor
+) -> Any:
+    """``data`` with its leaves replaced, in `tree_leaves` order, by ``leaves``."""
+    replacements: Iterator[Any] = iter(leaves)
+    return recursively_apply(lambda _: next(replacements), data, test_type=test_type)
+
+
+def send_to_device(
+    tensor: Any,
+    device: torch.device | str | int,
+    non_blocking: bool = False,
+    skip_keys: str | Sequence[str] | None = None,
+) -> Any:
+    """Move every tensor of a tree to ``device``.
+
+    Args:
+        tensor: a tensor or a tree of them; other leaves with a ``.to``
+            method (a tokenizer's ``BatchEncoding``) are moved too.
+        device: the target device.
+        non_blocking: overlap the copy with compute (pinned CPU memory to CUDA).
+        skip_keys: mapping keys whose values stay where they are.
+
+    >>> send_to_device({"x": torch.ones(1), "ids": [1, 2]}, "cpu")
+    {'x': tensor([1.]), 'ids': [1, 2]}
+    """
+    skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
+
+    def is_target(node: Any) -> bool:
+        if isinstance(node, torch.Tensor):
+            return True
+        if isinstance(node, Mapping):
+            return bool(skip)  # `move` rebuilds it, leaving the skipped keys alone
+        if isinstance(node, (list, tuple, type)) or dataclasses.is_dataclass(node):
+            return False
+        return callable(getattr(node, "to", None))
+
+    def move(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return node.to(device, non_blocking=non_blocking)
+        if isinstance(node, Mapping):
+            return _rebuild_mapping(
+                node,
+                {
+                    k: v if k in skip else recursively_apply(move, v, test_type=is_target)
+                    for k, v in node.items()
+                },
+            )
+        return node.to(device)
+
+    return recursively_apply(move, tensor, test_type=is_target)
+
+
+def listify(data: Any) -> Any:
+    """Turn every tensor of a tree into nested Python lists (``tensor.tolist()``)."""
+
+    def to_list(t: torch.Tensor) -> Any:
+        return (t.float() if t.dtype == torch.bfloat16 else t).tolist()
+
+    return recursively_apply(to_list, data)
+
+
+def convert_to_fp32(tensor: Any) -> Any:
+    """Cast the fp16 and bf16 tensors of a tree to fp32; others are left alone.
+
+    >>> convert_to_fp32({"y": torch.ones(1, dtype=torch.float16)})["y"].dtype
+    torch.float32
+    """
+
+    def is_half(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16)
+
+    return recursively_apply(lambda t: t.float(), tensor, test_type=is_half)
+
+
+class ConvertOutputsToFp32:
+    """A forward function whose outputs are cast to fp32 (picklable, unlike a closure)."""
+
+    def __init__(self, model_forward: Callable[..., Any]) -> None:
+        self.model_forward = model_forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return convert_to_fp32(self.model_forward(*args, **kwargs))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"model_forward": self.model_forward}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.model_forward = state["model_forward"]
+
+
+def convert_outputs_to_fp32(model_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a forward function so that its fp16 / bf16 outputs come back in fp32."""
+    return ConvertOutputsToFp32(model_forward)
+
+
+def slice_tensors(data: Any, tensor_slice: slice | int | tuple[Any, ...]) -> Any:
+    """Index every tensor of a tree with ``tensor_slice``.
+
+    >>> slice_tensors({"x": torch.arange(4)}, slice(1, 3))
+    {'x': tensor([1, 2])}
+    """
+    return recursively_apply(lambda t: t[tensor_slice], data)
+
+
+def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
+    """Concatenate a list of trees of the same shape, leaf by leaf, along ``dim``.
+
+    >>> concatenate([{"x": torch.ones(1)}, {"x": torch.zeros(2)}])
+    {'x': tensor([1., 0., 0.])}
+    """
+    if not data:
+        raise ValueError("concatenate needs at least one tree")
+    columns = [tree_leaves(tree) for tree in data]
+    width = len(columns[0])
+    for i, column in enumerate(columns):
+        if len(column) != width:
+            raise ValueError(
+                f"concatenate: tree {i} has {len(column)} tensors but tree 0 has {width}; "
+                "every tree must have the same structure"
+            )
+    if width == 0 and not isinstance(data[0], torch.Tensor):
+        raise TypeError("concatenate: the trees hold no tensors")
+    return tree_unflatten(data[0], [torch.cat(list(parts), dim=dim) for parts in zip(*columns)])

@@ -1,0 +1,129 @@
+"""Random-number-generator states as values.
+
+A `RNGState` holds the states of every generator a training step can draw
+from: Python's `random`, torch's CPU generator, one per CUDA device, and
+NumPy's legacy global generator when NumPy is installed. `installed(rng)`
+puts them into the process's generators for the duration of a block, captures
+what they became, and gives the process its own generators back afterwards,
+so code outside the block never sees the run's random streams and two runs
+interleaved in one process draw exactly what each draws alone.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["RNGState", "installed"]
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RNGState:
+    """The states of the process's generators, as an immutable value.
+
+    Attributes:
+        python: `random.getstate()`.
+        torch: torch's CPU generator state (a uint8 tensor).
+        cuda: one generator state per visible CUDA device.
+        numpy: NumPy's legacy global state, or None without NumPy.
+    """
+
+    python: tuple[Any, ...] = field(repr=False)
+    torch: torch.Tensor = field(repr=False)
+    cuda: tuple[torch.Tensor, ...] = field(default=(), repr=False)
+    numpy: tuple[Any, ...] | None = field(default=None, repr=False)
+
+    @classmethod
+    def seeded(cls, seed: int) -> RNGState:
+        """States that every generator would have after being seeded with ``seed``.
+
+        No process generator is touched.
+
+        >>> a, b = RNGState.seeded(3), RNGState.seeded(3)
+        >>> bool(torch.equal(a.torch, b.torch)) and a.python == b.python
+        True
+        """
+        seed = int(seed)
+        cuda = tuple(
+            torch.Generator(device=f"cuda:{i}").manual_seed(seed).get_state()
+            for i in range(_cuda_count())
+        )
+        np = _numpy()
+        return cls(
+            python=random.Random(seed).getstate(),
+            torch=torch.Generator().manual_seed(seed).get_state(),
+            cuda=cuda,
+            numpy=np.random.RandomState(seed % 2**32).get_state() if np else None,
+        )
+
+    @classmethod
+    def capture(cls) -> RNGState:
+        """The process generators' current states (nothing is reseeded)."""
+        np = _numpy()
+        return cls(
+            python=random.getstate(),
+            torch=torch.get_rng_state(),
+            cuda=tuple(torch.cuda.get_rng_state_all()) if _cuda_count() else (),
+            numpy=np.random.get_state() if np else None,
+        )
+
+    def install(self) -> None:
+        """Put these states into the process's generators."""
+        random.setstate(self.python)
+        torch.set_rng_state(self.torch)
+        if self.cuda:
+            torch.cuda.set_rng_state_all(list(self.cuda))
+        if self.numpy is not None:
+            np = _numpy()
+            if np is not None:
+                np.random.set_state(self.numpy)
+
+
+class _Captured:
+    """The value `installed` yields: ``after`` is set when the block ends."""
+
+    __slots__ = ("after",)
+
+    def __init__(self) -> None:
+        self.after: RNGState | None = None
+
+
+@contextmanager
+def installed(rng: RNGState) -> Iterator[_Captured]:
+    """Run a block with ``rng`` installed; capture the states it leaves behind.
+
+    The process's own generator states are restored when the block ends,
+    normally or by an exception.
+
+    >>> with installed(RNGState.seeded(0)) as cap:
+    ...     first = torch.rand(1)
+    >>> with installed(RNGState.seeded(0)):
+    ...     again = torch.rand(1)
+    >>> bool(torch.equal(first, again)) and cap.after is not None
+    True
+    """
+    outer = RNGState.capture()
+    rng.install()
+    captured = _Captured()
+    try:
+        yield captured
+        captured.after = RNGState.capture()
+    finally:
+        outer.install()

@@ -1,0 +1,251 @@
+"""`fa.init` and `fa.shutdown`: from the launch environment to a `RunState`, and back.
+
+`init` reads, in increasing precedence: the YAML launch config, the
+environment that `fnaccel launch` / torchrun set, then its own arguments. When
+the world is larger than one it starts a process group and keeps it in the
+state's `DistContext`; nothing is stored at module level.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fnaccel._errors import ConfigError
+from fnaccel.config import LaunchConfig, resolve_config
+from fnaccel.dist import DistContext
+from fnaccel.rng import RNGState
+from fnaccel.state import RunState
+from fnaccel.utils.constants import DistributedType, PrecisionType
+from fnaccel.utils.environment import parse_flag_from_env
+from fnaccel.utils.kwargs import InitProcessGroupKwargs, KwargsHandler
+
+__all__ = ["init", "shutdown"]
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"environment variable {name}={raw!r} is not an integer; "
+            "launch with `fnaccel launch` or torchrun, which set it for you"
+        ) from None
+
+
+def _read_launch_env(config: LaunchConfig) -> dict[str, int]:
+    """Ranks and sizes from torchrun's variables, checked for consistency."""
+    num_processes = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    num_local = _env_int("LOCAL_WORLD_SIZE", num_processes)
+    node_rank = _env_int("GROUP_RANK", config.machine_rank if num_processes > 1 else 0)
+    num_nodes = _env_int("GROUP_WORLD_SIZE", max(1, num_processes // max(num_local, 1)))
+    if num_processes < 1:
+        raise ConfigError(f"WORLD_SIZE={num_processes} must be at least 1")
+    if not 0 <= rank < num_processes:
+        raise ConfigError(f"RANK={rank} is outside the world of WORLD_SIZE={num_processes}")
+    if not 0 <= local_rank < num_local:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} is outside this machine's LOCAL_WORLD_SIZE={num_local}"
+        )
+    if num_processes > 1 and not os.environ.get("MASTER_ADDR"):
+        raise ConfigError(
+            f"WORLD_SIZE={num_processes} but MASTER_ADDR is not set; start the script "
+            "with `fnaccel launch` or torchrun, which set the rendezvous variables"
+        )
+    return {
+        "num_processes": num_processes,
+        "rank": rank,
+        "local_rank": local_rank,
+        "num_local_processes": num_local,
+        "node_rank": node_rank,
+        "num_nodes": num_nodes,
+    }
+
+
+def _destroy_group(group: Any, is_default: bool) -> None:
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group(None if is_default else group)
+
+
+class _GroupOwner:
+    """Owns a process group fnaccel started: destroys it on shutdown or at exit.
+
+    Destroying the group before the interpreter tears down is what keeps gloo's
+    worker threads from aborting the process at exit.
+    """
+
+    __slots__ = ("_finalizer", "__weakref__")
+
+    def __init__(self, group: Any, is_default: bool) -> None:
+        self._finalizer = weakref.finalize(self, _destroy_group, group, is_default)
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _start_process_group(
+    handler: InitProcessGroupKwargs, backend: str, device: torch.device, env: Mapping[str, int]
+) -> tuple[Any, _GroupOwner]:
+    options = handler.to_kwargs()
+    timeout = options.get("timeout")
+    if dist.is_initialized():
+        # The process already has a default group (the user's, or another run's):
+        # this run gets its own communicator over the same ranks.
+        if dist.get_world_size() != env["num_processes"]:
+            raise ConfigError(
+                f"a default process group of size {dist.get_world_size()} already exists "
+                f"but the launch environment says WORLD_SIZE={env['num_processes']}"
+            )
+        group = dist.new_group(backend=backend, timeout=timeout)
+        return group, _GroupOwner(group, is_default=False)
+    kwargs: dict[str, Any] = {
+        "backend": backend,
+        "init_method": options.get("init_method", "env://"),
+        "rank": env["rank"],
+        "world_size": env["num_processes"],
+    }
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    group = dist.group.WORLD
+    return group, _GroupOwner(group, is_default=True)
+
+
+def _handlers_by_name(kwargs_handlers: Iterable[KwargsHandler]) -> dict[str, KwargsHandler]:
+    by_name: dict[str, KwargsHandler] = {}
+    for handler in kwargs_handlers:
+        if not isinstance(handler, KwargsHandler):
+            raise TypeError(
+                f"kwargs_handlers takes fnaccel kwargs handlers (AutocastKwargs, "
+                f"GradScalerKwargs, ...), got {type(handler).__name__}"
+            )
+        name = type(handler).__name__
+        if name in by_name:
+            raise ValueError(f"kwargs_handlers holds two {name}; pass one and merge their fields")
+        by_name[name] = handler
+    return by_name
+
+
+def _resolve_precision(argument: str | PrecisionType | None, config: LaunchConfig) -> PrecisionType:
+    raw = argument or os.environ.get("FNACCEL_MIXED_PRECISION") or config.mixed_precision
+    try:
+        return PrecisionType(str(raw).lower())
+    except ValueError:
+        choices = ", ".join(p.value for p in PrecisionType)
+        raise ConfigError(f"unknown mixed_precision {raw!r}; use one of {choices}") from None
+
+
+def init(
+    *,
+    seed: int | None = None,
+    cpu: bool = False,
+    mixed_precision: str | PrecisionType | None = None,
+    config: str | os.PathLike[str] | LaunchConfig | None = None,
+    kwargs_handlers: Iterable[KwargsHandler] = (),
+    project_dir: str | os.PathLike[str] | None = None,
+) -> RunState:
+    """Create the first `RunState` of a run from its launch environment.
+
+    Reads the YAML launch config (``config``, else ``FNACCEL_CONFIG_FILE``,
+    else the default file when it exists), then the variables torchrun and
+    `fnaccel launch` set; explicit arguments win. Starts a process group when
+    the world is larger than one (gloo on CPU, nccl on CUDA, unless an
+    `InitProcessGroupKwargs` says otherwise).
+
+    Args:
+        seed: gives the run its own generator states, as if every generator
+            were seeded with it; no process generator is reseeded. None starts
+            from the process's current generator states.
+        cpu: compute on the CPU even when CUDA is available.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
+        config: a config file path or a `LaunchConfig`.
+        kwargs_handlers: kwargs handlers, at most one of each class.
+        project_dir: where checkpoints and logs go by default.
+
+    Returns:
+        A fresh `RunState` at step 0.
+
+    Raises:
+        ConfigError: an invalid config file or launch environment.
+
+    >>> import fnaccel as fa
+    >>> state = fa.init(seed=0, cpu=True)
+    >>> state.dist.num_processes, state.dist.device.type, state.step
+    (1, 'cpu', 0)
+    """
+    launch_config = resolve_config(config)
+    handlers = _handlers_by_name(kwargs_handlers)
+    env = _read_launch_env(launch_config)
+    use_cpu = cpu or parse_flag_from_env("FNACCEL_USE_CPU") or launch_config.use_cpu
+    if not use_cpu and torch.cuda.is_available():
+        device = torch.device("cuda", env["local_rank"])
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    group: Any = None
+    owner: _GroupOwner | None = None
+    backend: str | None = None
+    distributed_type = DistributedType.NO
+    if env["num_processes"] > 1:
+        pg_handler = handlers.get("InitProcessGroupKwargs", InitProcessGroupKwargs())
+        assert isinstance(pg_handler, InitProcessGroupKwargs)
+        backend = pg_handler.to_kwargs().get("backend") or (
+            "nccl" if device.type == "cuda" else "gloo"
+        )
+        group, owner = _start_process_group(pg_handler, backend, device, env)
+        distributed_type = (
+            DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU
+        )
+
+    ctx = DistContext(
+        **env,
+        device=device,
+        backend=backend,
+        distributed_type=distributed_type,
+        process_group=group,
+        debug=parse_flag_from_env("FNACCEL_DEBUG_MODE") or launch_config.debug,
+        _owner=owner,
+    )
+    return RunState(
+        dist=ctx,
+        rng=RNGState.capture() if seed is None else RNGState.seeded(seed),
+        seed=seed,
+        mixed_precision=_resolve_precision(mixed_precision, launch_config),
+        config=launch_config,
+        kwargs_handlers=MappingProxyType(handlers),
+        project_dir=None if project_dir is None else os.fspath(project_dir),
+    )
+
+
+def shutdown(state: RunState) -> None:
+    """End the run's process group cleanly; consumes nothing and may be called twice.
+
+    Waits for every rank (a barrier), then destroys the group this run
+    started. Call it at the end of a distributed script; a group left open is
+    destroyed at interpreter exit instead.
+    """
+    ctx = state.dist
+    owner = ctx._owner
+    if owner is None or not owner.alive:
+        return
+    dist.barrier(group=ctx.process_group)
+    owner.close()

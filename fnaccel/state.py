@@ -1,0 +1,129 @@
+"""`RunState`: the one value that holds every fact about a run.
+
+A `RunState` is frozen; functions that advance a run return a new one. The
+model and optimizer inside are live PyTorch objects updated in place (no
+parameter copies), so a state may be *advanced* only once, like a donated
+buffer in JAX: each state carries a lease, and advancing marks the lease spent
+and hands the new state a fresh one. Advancing, saving or loading into a spent
+state raises `StaleStateError` naming what spent it; reading its fields is
+always fine. `state.replace(...)` edits fields without advancing, so the
+result shares the lease with its source: they describe the same live objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fnaccel._errors import StaleStateError
+from fnaccel.config import LaunchConfig
+from fnaccel.rng import RNGState
+from fnaccel.dist import DistContext
+from fnaccel.utils.constants import PrecisionType
+
+if TYPE_CHECKING:
+    from fnaccel.transforms.base import Pipeline
+
+__all__ = ["RunState"]
+
+
+class _Lease:
+    """Whether the state holding it may still be advanced, and what spent it."""
+
+    __slots__ = ("spent_by",)
+
+    def __init__(self) -> None:
+        self.spent_by: str | None = None
+
+    def __repr__(self) -> str:
+        return f"<lease spent by {self.spent_by}>" if self.spent_by else "<lease>"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunState:
+    """Every fact about a run, as one frozen value.
+
+    Attributes:
+        dist: the distributed context.
+        rng: the run's generator states, installed around each step.
+        seed: the seed the run started from, or None.
+        step: optimizer steps taken.
+        micro_step: batches stepped (counts accumulation micro-steps too).
+        epoch: the current epoch of the data loader.
+        mixed_precision: the precision the launch asked for.
+        model, optimizer, scheduler, loader: live objects, once prepared.
+        pipeline: the composed transforms, once prepared.
+        transform_states: each transform's state record, keyed by its name.
+        config: the launch configuration the run resolved.
+        kwargs_handlers: the handlers passed to `fa.init`, keyed by class name.
+        project_dir: where checkpoints and logs go by default.
+    """
+
+    dist: DistContext
+    rng: RNGState
+    seed: int | None = None
+    step: int = 0
+    micro_step: int = 0
+    epoch: int = 0
+    mixed_precision: PrecisionType = PrecisionType.NO
+    model: torch.nn.Module | None = field(default=None, repr=False)
+    optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
+    scheduler: Any = field(default=None, repr=False)
+    loader: Any = field(default=None, repr=False)
+    pipeline: Pipeline | None = None
+    transform_states: Mapping[str, Any] = field(
+        default_factory=lambda: MappingProxyType({}), repr=False
+    )
+    config: LaunchConfig = field(default_factory=LaunchConfig, repr=False)
+    kwargs_handlers: Mapping[str, Any] = field(
+        default_factory=lambda: MappingProxyType({}), repr=False
+    )
+    project_dir: str | None = None
+    _lease: _Lease = field(default_factory=_Lease, repr=False, compare=False)
+
+    def replace(self, **changes: Any) -> RunState:
+        """A copy with ``changes`` applied, sharing this state's lease.
+
+        >>> import fnaccel as fa
+        >>> s = fa.init(seed=0, cpu=True)
+        >>> s.replace(epoch=2).epoch
+        2
+        """
+        if "_lease" in changes:
+            raise TypeError("the lease is not a field a caller may replace")
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def is_spent(self) -> bool:
+        """True once a call has advanced this state; it can only be read now."""
+        return self._lease.spent_by is not None
+
+    def check_fresh(self, action: str) -> None:
+        """Raise `StaleStateError` if this state was already advanced.
+
+        Args:
+            action: what the caller wanted to do, for the message.
+        """
+        spent_by = self._lease.spent_by
+        if spent_by is not None:
+            raise StaleStateError(
+                f"cannot {action}: this RunState was already consumed by {spent_by}. "
+                "Use the state that call returned (state, metrics = fa.step(state, "
+                "batch) rebinds it); an old state's fields can still be read."
+            )
+
+    def advance(self, by: str, **changes: Any) -> RunState:
+        """Spend this state and return its successor with ``changes`` applied.
+
+        Args:
+            by: what is advancing it (e.g. ``"fa.step at step 12"``), recorded
+                for the error a later use of this state raises.
+        """
+        self.check_fresh(by)
+        self._lease.spent_by = by
+        return dataclasses.replace(self, _lease=_Lease(), **changes)

@@ -1,0 +1,243 @@
+"""Run functions on N real gloo processes on localhost, without a launcher.
+
+`World` starts N processes once (the expensive part: each imports torch and
+joins a process group) and then runs any number of functions on all of them:
+
+    >>> def total(state, x):                        # doctest: +SKIP
+    ...     return fa.ops.reduce(state, torch.tensor(x), "sum").item()
+    >>> with World(2) as world:                     # doctest: +SKIP
+    ...     world.run(total, 1.0)
+    [2.0, 2.0]
+
+Each call gets, on every rank, a fresh `RunState` (seed 0, CPU) over the
+world's process group, plus the arguments. Return values come back in rank
+order. An exception on any rank is re-raised here as the same exception type,
+with the rank and its remote traceback attached as a note; a rank that hangs
+past ``timeout`` or dies gets the world torn down and a clear error. The
+functions must be importable by the workers (defined at module level).
+
+The rendezvous follows torchrun: this process hosts the TCP store and the
+workers join it as clients (``TORCHELASTIC_USE_AGENT_STORE``), so no port is
+guessed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from fnaccel._errors import FnaccelError
+
+__all__ = ["DistributedTestError", "World", "run_distributed"]
+
+_GRACE_SECONDS = 5.0  # how long the other ranks get to fail too once one failed
+
+
+class DistributedTestError(FnaccelError):
+    """A world's rank died, hung past its timeout, or failed to start."""
+
+
+def _worker(
+    rank: int, num_processes: int, port: int, conn: Connection, env: Mapping[str, str]
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(num_processes),
+        LOCAL_WORLD_SIZE=str(num_processes),
+        GROUP_RANK="0",
+        GROUP_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    from fnaccel.rng import RNGState
+    from fnaccel.runtime import init, shutdown
+    from fnaccel.state import _Lease
+
+    try:
+        base = init(cpu=True, seed=0)
+    except BaseException as exc:  # report why this rank could not start
+        conn.send(("error", _describe(exc)))
+        return
+    conn.send(("ready", None))
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        function, args, kwargs = message
+        state = dataclasses.replace(base, rng=RNGState.seeded(0), _lease=_Lease())
+        try:
+            conn.send(("ok", function(state, *args, **kwargs)))
+        except BaseException as exc:
+            conn.send(("error", _describe(exc)))
+    shutdown(base)
+    conn.close()
+
+
+def _describe(exc: BaseException) -> tuple[BaseException | None, str, str]:
+    text = "".join(traceback.format_exception(exc))
+    try:
+        import pickle
+
+        pickle.dumps(exc)
+        return exc, type(exc).__name__, text
+    except Exception:
+        return None, type(exc).__name__, text
+
+
+class World:
+    """N worker processes in one gloo process group; see the module docstring.
+
+    Args:
+        num_processes: how many ranks.
+        timeout: seconds each `run` (and the start) may take before the world
+            is torn down.
+        env: extra environment variables for the workers (e.g.
+            ``{"FNACCEL_DEBUG_MODE": "1"}``).
+    """
+
+    def __init__(
+        self, num_processes: int = 2, *, timeout: float = 120.0, env: Mapping[str, str] | None = None
+    ) -> None:
+        import torch.distributed as dist
+
+        if num_processes < 1:
+            raise ValueError(f"World needs at least one process, got {num_processes}")
+        self.num_processes = num_processes
+        self.timeout = timeout
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=timeout),
+        )
+        worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        context = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for rank in range(num_processes):
+            parent, child = context.Pipe()
+            proc = context.Process(
+                target=_worker,
+                args=(rank, num_processes, self._store.port, child, worker_env),
+                name=f"fnaccel-world-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect("start")
+
+    @property
+    def alive(self) -> bool:
+        """True while every worker is running and usable."""
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``function(state, *args, **kwargs)`` on every rank; return the results
+        in rank order. Re-raises the lowest failing rank's exception."""
+        if not self.alive:
+            raise DistributedTestError("this World was closed or broke; create a new one")
+        for conn in self._conns:
+            conn.send((function, args, kwargs))
+        return self._collect(getattr(function, "__name__", repr(function)))
+
+    def _collect(self, what: str) -> list[Any]:
+        import time
+
+        replies: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + self.timeout
+        waiting = {conn: rank for rank, conn in enumerate(self._conns)}
+        sentinels = {self._procs[rank].sentinel: rank for rank in range(self.num_processes)}
+        while waiting:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            ready = wait([*waiting, *sentinels], timeout=deadline - now)
+            for item in ready:
+                if item in waiting:
+                    rank = waiting.pop(item)  # type: ignore[call-overload]
+                    try:
+                        replies[rank] = item.recv()  # type: ignore[union-attr]
+                    except EOFError:
+                        replies[rank] = ("died", None)
+                elif item in sentinels:
+                    rank = sentinels.pop(item)  # type: ignore[call-overload]
+                    conn = self._conns[rank]
+                    if conn in waiting and not conn.poll():
+                        waiting.pop(conn)
+                        replies[rank] = ("died", None)
+            if any(kind != "ok" and kind != "ready" for kind, _ in replies.values()):
+                deadline = min(deadline, time.monotonic() + _GRACE_SECONDS)
+        failed = {r: reply for r, reply in replies.items() if reply[0] not in ("ok", "ready")}
+        if not failed and not waiting:
+            return [replies[r][1] for r in range(self.num_processes)]
+        if waiting or any(kind == "died" for kind, _ in failed.values()):
+            self.close(force=True)
+        raise self._error(what, failed, sorted(waiting.values()))
+
+    def _error(self, what: str, failed: dict[int, tuple[str, Any]], hung: list[int]) -> BaseException:
+        notes = []
+        first: BaseException | None = None
+        for rank in sorted(failed):
+            kind, detail = failed[rank]
+            if kind == "died":
+                code = self._procs[rank].exitcode
+                notes.append(f"rank {rank} died (exit code {code}) while running {what}")
+                continue
+            exc, name, text = detail
+            notes.append(f"rank {rank} raised {name} in {what}:\n{text}")
+            if first is None and exc is not None:
+                first = exc
+        if hung:
+            notes.append(
+                f"rank(s) {hung} did not finish {what} within {self.timeout:.0f}s; "
+                "the world was torn down"
+            )
+        error = first or DistributedTestError(notes[0] if notes else f"{what} failed")
+        for note in notes:
+            error.add_note(note)
+        return error
+
+    def close(self, force: bool = False) -> None:
+        """Stop the workers (politely unless ``force``); idempotent."""
+        for conn, proc in zip(self._conns, self._procs):
+            if not force and proc.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=0 if force else 30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def run_distributed(
+    function: Callable[..., Any], num_processes: int = 2, *args: Any, timeout: float = 120.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Start a `World`, run ``function(state, *args, **kwargs)`` on every rank, stop it.
+
+    Returns:
+        Each rank's return value, in rank order.
+    """
+    with World(num_processes, timeout=timeout) as world:
+        return world.run(function, *args, **kwargs)

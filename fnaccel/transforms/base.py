@@ -1,0 +1,193 @@
+"""The transform record and `compose`.
+
+A `Transform` is a small named record of optional hooks, built by a lowercase
+factory (``gather()``, ``pad_across_processes(dim=1)``), in the spirit of
+optax's ``GradientTransformation``. `compose` turns transforms into a
+`Pipeline`: a value that prints as the code that built it, compares equal to
+an identical pipeline, and keys each transform's state by the transform's
+name (optax's ``named_chain``), so saved states survive reordering.
+
+Hooks:
+    init(ctx) -> state: the transform's own state record (None for stateless ones).
+    apply(ctx, tree, call) -> (tree, call): a collective step; ``call`` is the
+        `CallInfo` passed along the chain (what earlier steps learnt).
+
+Every transform has a ``phase``; a pipeline lists phases in non-decreasing
+order (padding before gathering), and ``conflicts`` names the transforms it
+cannot be combined with. `compose` enforces both, and rejects duplicates,
+with a message that names the transforms and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from fnaccel.dist import DistContext, as_dist
+from fnaccel.ops._shapes import ShapeTable
+
+__all__ = ["CallInfo", "Pipeline", "Transform", "compose"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallInfo:
+    """What one call of a pipeline carries from step to step.
+
+    Attributes:
+        num_valid: leading real samples of this rank's batch (for
+            `gather_for_metrics`), or None when all are real.
+        shapes: every rank's shapes, once a step has exchanged them (padding
+            does); a following gather uses them instead of checking again.
+    """
+
+    num_valid: int | None = None
+    shapes: ShapeTable | None = None
+
+
+class TransformInitFn(Protocol):
+    """Builds a transform's state record for a run."""
+
+    def __call__(self, ctx: DistContext) -> Any: ...
+
+
+class TransformApplyFn(Protocol):
+    """Applies a collective step to a tree."""
+
+    def __call__(self, ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Transform:
+    """A named record of hooks; see the module docstring.
+
+    Attributes:
+        name: a stable key (the factory's name); the transform's state is
+            stored under it.
+        options: the factory's non-default arguments, for printing and equality.
+        phase: its canonical position in a pipeline.
+        conflicts: names of transforms it cannot be composed with.
+        init: builds its state record, or None when it has none.
+        apply: its collective step, or None.
+    """
+
+    name: str
+    options: tuple[tuple[str, Any], ...] = ()
+    phase: int = 0
+    conflicts: frozenset[str] = frozenset()
+    init: TransformInitFn | None = field(default=None, compare=False)
+    apply: TransformApplyFn | None = field(default=None, compare=False)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{key}={value!r}" for key, value in self.options)
+        return f"{self.name}({args})"
+
+    def __call__(self, ctx: Any, tree: Any, *, num_valid: int | None = None) -> Any:
+        """Apply this one transform: ``fa.gather()(state, tree)``."""
+        return compose(self)(ctx, tree, num_valid=num_valid)
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """Transforms in order, validated by `compose`.
+
+    Call it on a tree to run its collective steps: ``collect(state, tree)``.
+    """
+
+    transforms: tuple[Transform, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"compose({', '.join(map(repr, self.transforms))})"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The transforms' names, in order."""
+        return tuple(t.name for t in self.transforms)
+
+    def init(self, ctx: Any) -> Mapping[str, Any]:
+        """Each stateful transform's initial state, keyed by its name."""
+        dist_ctx = as_dist(ctx)
+        return MappingProxyType(
+            {t.name: t.init(dist_ctx) for t in self.transforms if t.init is not None}
+        )
+
+    def __call__(self, ctx: Any, tree: Any, *, num_valid: int | None = None) -> Any:
+        """Run the collective steps on ``tree``; ``ctx`` is a `RunState` or a `DistContext`.
+
+        Args:
+            num_valid: leading real samples of this rank's batch, for
+                `gather_for_metrics`.
+        """
+        steps = [t for t in self.transforms if t.apply is not None]
+        if not steps:
+            raise TypeError(
+                f"{self!r} has no collective steps to apply to a tree; a training "
+                "pipeline is passed to fa.prepare(..., pipeline=...)"
+            )
+        dist_ctx = as_dist(ctx)
+        call = CallInfo(num_valid=num_valid)
+        for t in steps:
+            assert t.apply is not None
+            tree, call = t.apply(dist_ctx, tree, call)
+        return tree
+
+
+def _flatten(items: tuple[Transform | Pipeline, ...]) -> list[Transform]:
+    flat: list[Transform] = []
+    for item in items:
+        if isinstance(item, Pipeline):
+            flat.extend(item.transforms)
+        elif isinstance(item, Transform):
+            flat.append(item)
+        else:
+            raise TypeError(
+                f"compose takes transforms such as fa.gather() or fa.autocast(fa.bf16), "
+                f"got {item!r}; did you forget to call the factory?"
+            )
+    return flat
+
+
+def compose(*transforms: Transform | Pipeline) -> Pipeline:
+    """Combine transforms into a validated `Pipeline`; nested pipelines are flattened.
+
+    Raises:
+        ValueError: a transform appears twice, two transforms conflict, or
+            they are out of order; the message names them and the fix.
+
+    >>> import fnaccel as fa
+    >>> fa.compose(fa.pad_across_processes(dim=1, pad_index=-100), fa.gather())
+    compose(pad_across_processes(dim=1, pad_index=-100), gather())
+    """
+    flat = _flatten(transforms)
+    seen: dict[str, Transform] = {}
+    for t in flat:
+        if t.name in seen:
+            raise ValueError(
+                f"compose: {seen[t.name]!r} and {t!r} both appear; keep one {t.name}"
+            )
+        for other in seen.values():
+            if other.name in t.conflicts or t.name in other.conflicts:
+                raise ValueError(
+                    f"compose: {other!r} and {t!r} cannot be combined; keep one of them "
+                    "(compose a second pipeline for the other)"
+                )
+        seen[t.name] = t
+    for before, after in zip(flat, flat[1:]):
+        if after.phase < before.phase:
+            fixed = sorted(flat, key=lambda t: t.phase)
+            raise ValueError(
+                f"compose: {after!r} must come before {before!r}; write "
+                f"compose({', '.join(map(repr, fixed))})"
+            )
+    return Pipeline(tuple(flat))
+
+
+def options(**kwargs: Any) -> tuple[tuple[str, Any], ...]:
+    """A factory's arguments as a transform's ``options`` (call with the non-defaults)."""
+    return tuple(kwargs.items())
+
+
+def with_call(call: CallInfo, **changes: Any) -> CallInfo:
+    """``call`` with ``changes`` applied."""
+    return replace(call, **changes)

@@ -1,0 +1,488 @@
+"""Kwargs handlers: frozen records that customise the PyTorch objects fnaccel builds.
+
+Each handler has Accelerate's class name, field names, order and defaults, is
+validated when built, and gives back with `to_kwargs()` only the fields the user
+changed, so torch's own defaults apply to everything else.
+
+>>> GradScalerKwargs(init_scale=1024.0).to_kwargs()
+{'init_scale': 1024.0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import inspect
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from fnaccel.utils.constants import PROFILE_PATTERN_NAME, DDPCommunicationHookType
+
+__all__ = [
+    "KwargsHandler",
+    "AutocastKwargs",
+    "DistributedDataParallelKwargs",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "FP8RecipeKwargs",
+    "ProfileKwargs",
+]
+
+_Hook = DDPCommunicationHookType
+_POWER_SGD_HOOKS = (_Hook.POWER_SGD, _Hook.BATCHED_POWER_SGD)
+_KNOWN_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "ccl", "hccl", "cncl", "mccl", "smddp", "xla")
+_SCHEDULE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first", "skip_first_wait")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require_bool(name: str, value: object, *, optional: bool = False) -> None:
+    ok = isinstance(value, bool) or (optional and value is None)
+    _require(ok, f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
+
+
+def _require_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    _require(value in choices, f"unknown {name} {value!r}: use one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KwargsHandler:
+    """Base of the kwargs handlers: `to_kwargs()` returns the fields changed from their defaults."""
+
+    # Fields that configure fnaccel itself rather than the torch call `to_kwargs` feeds.
+    _not_kwargs: ClassVar[frozenset[str]] = frozenset()
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """Returns the fields whose value differs from the field's default, as a new dict."""
+        changed: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in self._not_kwargs:
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            value = getattr(self, f.name)
+            if value != default:
+                changed[f.name] = dict(value) if isinstance(value, MappingProxyType) else value
+        return changed
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AutocastKwargs(KwargsHandler):
+    """Arguments for `torch.autocast` beyond the device type and dtype.
+
+    Args:
+        enabled: Whether autocasting is on inside the region.
+        cache_enabled: Whether to cache weight casts; None keeps torch's default.
+
+    >>> AutocastKwargs(cache_enabled=False).to_kwargs()
+    {'cache_enabled': False}
+    """
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
+
+    def __post_init__(self) -> None:
+        _require_bool("enabled", self.enabled)
+        _require_bool("cache_enabled", self.cache_enabled, optional=True)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DistributedDataParallelKwargs(KwargsHandler):
+    """Arguments for `torch.nn.parallel.DistributedDataParallel`, plus its comm hook.
+
+    `to_kwargs()` gives the constructor arguments only; the hook fields are applied
+    after wrapping by `register_comm_hook`, as in Accelerate. Hook names may be given
+    as strings and are stored as `DDPCommunicationHookType`.
+
+    Args:
+        dim: The dimension inputs are scattered on.
+        broadcast_buffers: Whether buffers are broadcast from rank 0 each forward.
+        bucket_cap_mb: The gradient bucket size in megabytes (> 0).
+        find_unused_parameters: Whether to search for parameters without gradients.
+        check_reduction: Deprecated in torch; passed through.
+        gradient_as_bucket_view: Whether gradients are views into the buckets.
+        static_graph: Whether the graph is the same every iteration.
+        comm_hook: The gradient communication hook ("fp16", "bf16", "power_sgd", ...).
+        comm_wrapper: "fp16" or "bf16" to compress a PowerSGD hook's traffic.
+        comm_state_option: Keyword arguments of `PowerSGDState` (PowerSGD hooks only).
+
+    Raises:
+        ValueError: A field is out of range or the hook fields do not fit together.
+
+    >>> kw = DistributedDataParallelKwargs(find_unused_parameters=True, comm_hook="fp16")
+    >>> kw.comm_hook, kw.to_kwargs()
+    (<DDPCommunicationHookType.FP16: 'fp16'>, {'find_unused_parameters': True})
+    """
+
+    _not_kwargs: ClassVar[frozenset[str]] = frozenset({"comm_hook", "comm_wrapper", "comm_state_option"})
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
+    comm_state_option: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.dim), f"dim must be an int, got {self.dim!r}")
+        _require(
+            _is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+            f"bucket_cap_mb must be a positive number of megabytes, got {self.bucket_cap_mb!r}: "
+            "pass e.g. bucket_cap_mb=25 (the default)",
+        )
+        for name in ("broadcast_buffers", "find_unused_parameters", "check_reduction",
+                     "gradient_as_bucket_view", "static_graph"):
+            _require_bool(name, getattr(self, name))
+        hook = _to_hook_type("comm_hook", self.comm_hook)
+        wrapper = _to_hook_type("comm_wrapper", self.comm_wrapper)
+        _require(
+            wrapper in (_Hook.NO, _Hook.FP16, _Hook.BF16),
+            f"comm_wrapper must be 'no', 'fp16' or 'bf16', got {wrapper.value!r}: "
+            "PowerSGD is a comm_hook, not a wrapper",
+        )
+        _require(
+            wrapper is _Hook.NO or hook in _POWER_SGD_HOOKS,
+            f"comm_wrapper={wrapper.value!r} wraps a PowerSGD hook but comm_hook={hook.value!r}: "
+            "set comm_hook='power_sgd' or 'batched_power_sgd', or leave comm_wrapper='no'",
+        )
+        _require(
+            isinstance(self.comm_state_option, Mapping),
+            f"comm_state_option must be a dict, got {type(self.comm_state_option).__name__}",
+        )
+        options = dict(self.comm_state_option)
+        if options:
+            _require(
+                hook in _POWER_SGD_HOOKS,
+                f"comm_state_option configures PowerSGD but comm_hook={hook.value!r}: "
+                "set comm_hook='power_sgd' or 'batched_power_sgd', or drop comm_state_option",
+            )
+            from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+            valid = [p for p in inspect.signature(PowerSGDState.__init__).parameters
+                     if p not in ("self", "process_group")]
+            unknown = sorted(set(options) - set(valid))
+            _require(not unknown, f"unknown comm_state_option keys {unknown}: use among {', '.join(valid)}")
+        object.__setattr__(self, "comm_hook", hook)
+        object.__setattr__(self, "comm_wrapper", wrapper)
+        object.__setattr__(self, "comm_state_option", MappingProxyType(options))
+
+    def register_comm_hook(self, model: DistributedDataParallel) -> None:
+        """Registers the configured communication hook on a DDP-wrapped model.
+
+        Does nothing when `comm_hook` is "no". PowerSGD hooks get a fresh
+        `PowerSGDState(process_group=None, **comm_state_option)`.
+
+        Args:
+            model: The `DistributedDataParallel` model, before its first backward.
+
+        Raises:
+            TypeError: `model` is not a `DistributedDataParallel`.
+        """
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(
+                f"register_comm_hook needs a DistributedDataParallel model, got {type(model).__name__}: "
+                "wrap the model in DDP first"
+            )
+        if self.comm_hook is _Hook.NO:
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        hooks: dict[DDPCommunicationHookType, Callable[..., Any]] = {
+            _Hook.FP16: default_hooks.fp16_compress_hook,
+            _Hook.BF16: default_hooks.bf16_compress_hook,
+            _Hook.POWER_SGD: powerSGD_hook.powerSGD_hook,
+            _Hook.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
+        }
+        wrappers: dict[DDPCommunicationHookType, Callable[..., Any]] = {
+            _Hook.FP16: default_hooks.fp16_compress_wrapper,
+            _Hook.BF16: default_hooks.bf16_compress_wrapper,
+        }
+        hook = hooks[DDPCommunicationHookType(self.comm_hook)]
+        if self.comm_wrapper is not _Hook.NO:
+            hook = wrappers[DDPCommunicationHookType(self.comm_wrapper)](hook)
+        state = None
+        if self.comm_hook in _POWER_SGD_HOOKS:
+            state = powerSGD_hook.PowerSGDState(process_group=None, **self.comm_state_option)
+        model.register_comm_hook(state=state, hook=hook)
+
+
+def _to_hook_type(name: str, value: object) -> DDPCommunicationHookType:
+    if isinstance(value, str) and value.lower() in DDPCommunicationHookType:
+        return DDPCommunicationHookType(value.lower())
+    raise ValueError(f"unknown {name} {value!r}: use one of {', '.join(DDPCommunicationHookType.list())}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradScalerKwargs(KwargsHandler):
+    """Arguments for `torch.amp.GradScaler`, the loss scaler of fp16 training.
+
+    Args:
+        init_scale: The first loss scale (> 0).
+        growth_factor: Factor the scale grows by after `growth_interval` good steps (> 1).
+        backoff_factor: Factor the scale shrinks by after an overflow (in (0, 1)).
+        growth_interval: Good steps between two growths (>= 1).
+        enabled: Whether scaling happens at all.
+
+    >>> GradScalerKwargs(backoff_factor=0.25).to_kwargs()
+    {'backoff_factor': 0.25}
+    """
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        _require(_is_number(self.init_scale) and self.init_scale > 0,
+                 f"init_scale must be a number > 0, got {self.init_scale!r}: try 65536.0 (the default)")
+        _require(_is_number(self.growth_factor) and self.growth_factor > 1,
+                 f"growth_factor must be a number > 1, got {self.growth_factor!r}: try 2.0 (the default)")
+        _require(_is_number(self.backoff_factor) and 0 < self.backoff_factor < 1,
+                 f"backoff_factor must be strictly between 0 and 1, got {self.backoff_factor!r}: "
+                 "try 0.5 (the default)")
+        _require(_is_int(self.growth_interval) and self.growth_interval >= 1,
+                 f"growth_interval must be an int >= 1, got {self.growth_interval!r}: try 2000 (the default)")
+        _require_bool("enabled", self.enabled)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InitProcessGroupKwargs(KwargsHandler):
+    """Arguments for `torch.distributed.init_process_group`.
+
+    As in Accelerate, `to_kwargs()` drops defaults, so the default `backend="nccl"`
+    means "let fnaccel pick" (gloo on CPU, nccl on CUDA); any other backend, such
+    as "gloo", is honoured. `timeout=None` keeps torch's default for the backend.
+
+    Args:
+        backend: A backend name, or a device mapping such as "cpu:gloo,cuda:nccl".
+        init_method: A rendezvous URL ("env://", "tcp://host:port", "file:///path").
+        timeout: How long collectives wait before failing; must be positive.
+
+    >>> from datetime import timedelta
+    >>> InitProcessGroupKwargs(backend="gloo", timeout=timedelta(seconds=60)).to_kwargs()
+    {'backend': 'gloo', 'timeout': datetime.timedelta(seconds=60)}
+    """
+
+    backend: str = "nccl"
+    init_method: str | None = None
+    timeout: datetime.timedelta | None = None
+
+    def __post_init__(self) -> None:
+        known = sorted(set(_KNOWN_BACKENDS) | _registered_backends())
+        hint = f"use one of {', '.join(known)}, or a mapping such as 'cpu:gloo,cuda:nccl'"
+        _require(isinstance(self.backend, str), f"backend must be a string, got {self.backend!r}: {hint}")
+        if ":" in self.backend:
+            for pair in self.backend.split(","):
+                device, _, name = pair.partition(":")
+                _require(bool(device.strip()) and name.strip() in known,
+                         f"bad entry {pair!r} in backend {self.backend!r}: write 'device:backend' pairs, {hint}")
+        else:
+            _require(self.backend in known, f"unknown backend {self.backend!r}: {hint}")
+        _require(
+            self.init_method is None or (isinstance(self.init_method, str) and "://" in self.init_method),
+            f"init_method must be a URL such as 'env://' or 'tcp://10.0.0.1:29500', got {self.init_method!r}",
+        )
+        _require(
+            self.timeout is None
+            or (isinstance(self.timeout, datetime.timedelta) and self.timeout.total_seconds() > 0),
+            f"timeout must be a positive datetime.timedelta, got {self.timeout!r}: "
+            "pass e.g. timeout=timedelta(minutes=30)",
+        )
+
+
+def _registered_backends() -> set[str]:
+    if not torch.distributed.is_available():
+        return set()
+    return {name for name in torch.distributed.Backend.backend_list if name not in ("undefined", "fake")}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FP8RecipeKwargs(KwargsHandler):
+    """The FP8 recipe for TransformerEngine ("TE"), MS-AMP ("MSAMP") or torchao ("AO").
+
+    Every field defaults to None, meaning the engine's own default. `backend`,
+    `fp8_format` and `opt_level` are stored upper-cased.
+
+    Args:
+        backend: "MSAMP", "TE" or "AO"; None picks an installed one.
+        use_autocast_during_eval: Whether FP8 autocast stays on in eval mode.
+        opt_level: MS-AMP's optimisation level, "O1" or "O2".
+        margin: The margin for the scaling factor (>= 0).
+        interval: Steps between two scaling-factor updates (>= 1).
+        fp8_format: "HYBRID", "E4M3" or "E5M2".
+        amax_history_len: Length of the amax history (>= 1).
+        amax_compute_algo: "max" or "most_recent".
+        override_linear_precision: Three bools: run fprop, dgrad, wgrad in higher precision.
+
+    >>> FP8RecipeKwargs(backend="te", fp8_format="hybrid").to_kwargs()
+    {'backend': 'TE', 'fp8_format': 'HYBRID'}
+    """
+
+    backend: str | None = None
+    use_autocast_during_eval: bool | None = None
+    opt_level: str | None = None
+    margin: int | None = None
+    interval: int | None = None
+    fp8_format: str | None = None
+    amax_history_len: int | None = None
+    amax_compute_algo: str | None = None
+    override_linear_precision: tuple[bool, bool, bool] | None = None
+
+    def __post_init__(self) -> None:
+        for name, choices in (("backend", ("MSAMP", "TE", "AO")),
+                              ("fp8_format", ("HYBRID", "E4M3", "E5M2")),
+                              ("opt_level", ("O1", "O2"))):
+            value = getattr(self, name)
+            if value is not None:
+                _require(isinstance(value, str), f"{name} must be a string, got {value!r}")
+                _require_choice(f"fp8 {name}", value.upper(), choices)
+                object.__setattr__(self, name, value.upper())
+        if self.amax_compute_algo is not None:
+            _require_choice("fp8 amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
+        _require_bool("use_autocast_during_eval", self.use_autocast_during_eval, optional=True)
+        for name, minimum in (("margin", 0), ("interval", 1), ("amax_history_len", 1)):
+            value = getattr(self, name)
+            _require(value is None or (_is_int(value) and value >= minimum),
+                     f"{name} must be an int >= {minimum} or None, got {value!r}")
+        precision = self.override_linear_precision
+        if precision is not None:
+            _require(
+                isinstance(precision, Sequence) and len(precision) == 3
+                and all(isinstance(p, bool) for p in precision),
+                f"override_linear_precision must be three bools (fprop, dgrad, wgrad), got {precision!r}",
+            )
+            object.__setattr__(self, "override_linear_precision", tuple(precision))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileKwargs(KwargsHandler):
+    """Arguments for `torch.profiler.profile`; `build()` makes the profiler.
+
+    Args:
+        activities: Names of the activities to profile ("cpu", "cuda", "xpu", ...);
+            None profiles every activity torch supports here.
+        schedule_option: Keyword arguments of `torch.profiler.schedule`: `wait`,
+            `warmup` and `active` are required; `repeat`, `skip_first` optional.
+        on_trace_ready: Called with the profiler each time a trace is ready.
+        record_shapes: Record operator input shapes.
+        profile_memory: Track tensor memory allocation and release.
+        with_stack: Record source file and line of each operator.
+        with_flops: Estimate the FLOPs of some operators.
+        with_modules: Record the module hierarchy of each operator.
+        output_trace_dir: A directory where a Chrome trace `profile_<rank>.json`
+            is written each time a trace is ready.
+
+    >>> kw = ProfileKwargs(activities=["cpu"], record_shapes=True)
+    >>> kw.to_kwargs()
+    {'activities': ('cpu',), 'record_shapes': True}
+    >>> with kw.build() as prof:
+    ...     _ = torch.ones(8) * 2
+    >>> len(prof.key_averages()) > 0
+    True
+    """
+
+    activities: tuple[str, ...] | None = None
+    schedule_option: Mapping[str, int] | None = None
+    on_trace_ready: Callable[[torch.profiler.profile], Any] | None = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.activities is not None:
+            known = list(_profiler_activities())
+            _require(isinstance(self.activities, Sequence) and not isinstance(self.activities, str),
+                     f"activities must be a list of names, got {self.activities!r}: e.g. ['cpu', 'cuda']")
+            names = tuple(str(a).lower() for a in self.activities)
+            unknown = [a for a in names if a not in known]
+            _require(not unknown, f"unknown profiler activities {unknown}: use among {', '.join(known)}")
+            object.__setattr__(self, "activities", names)
+        if self.schedule_option is not None:
+            _require(isinstance(self.schedule_option, Mapping),
+                     f"schedule_option must be a dict, got {self.schedule_option!r}")
+            options = dict(self.schedule_option)
+            unknown = sorted(set(options) - set(_SCHEDULE_KEYS))
+            _require(not unknown, f"unknown schedule_option keys {unknown}: use among {', '.join(_SCHEDULE_KEYS)}")
+            missing = [k for k in ("wait", "warmup", "active") if k not in options]
+            _require(not missing, f"schedule_option lacks {missing}: give wait, warmup and active")
+            bad = {k: v for k, v in options.items() if not (_is_int(v) and v >= 0)}
+            _require(not bad, f"schedule_option values must be ints >= 0, got {bad}")
+            _require(options["active"] >= 1, "schedule_option active must be >= 1: profile at least one step")
+            object.__setattr__(self, "schedule_option", MappingProxyType(options))
+        _require(self.on_trace_ready is None or callable(self.on_trace_ready),
+                 f"on_trace_ready must be callable, got {self.on_trace_ready!r}")
+        for name in ("record_shapes", "profile_memory", "with_stack", "with_flops", "with_modules"):
+            _require_bool(name, getattr(self, name))
+        if self.output_trace_dir is not None:
+            _require(isinstance(self.output_trace_dir, (str, os.PathLike)) and os.fspath(self.output_trace_dir) != "",
+                     f"output_trace_dir must be a directory path, got {self.output_trace_dir!r}")
+            object.__setattr__(self, "output_trace_dir", os.fspath(self.output_trace_dir))
+
+    def build(self, *, process_index: int = 0) -> torch.profiler.profile:
+        """Builds a `torch.profiler.profile` from these settings.
+
+        Args:
+            process_index: The rank, naming the trace file `profile_<process_index>.json`.
+
+        Returns:
+            The profiler, to be used as a context manager.
+        """
+        activities = None
+        if self.activities is not None:
+            table = _profiler_activities()
+            activities = [table[name] for name in self.activities]
+        schedule = None if self.schedule_option is None else torch.profiler.schedule(**self.schedule_option)
+        on_trace_ready = self.on_trace_ready
+        if self.output_trace_dir is not None:
+            path = os.path.join(self.output_trace_dir, PROFILE_PATTERN_NAME.format(suffix=process_index))
+            on_trace_ready = _chrome_trace_writer(path, then=on_trace_ready)
+        return torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=on_trace_ready,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+            with_flops=self.with_flops,
+            with_modules=self.with_modules,
+        )
+
+
+def _profiler_activities() -> dict[str, torch.profiler.ProfilerActivity]:
+    return {name.lower(): act for name, act in torch.profiler.ProfilerActivity.__members__.items()}
+
+
+def _chrome_trace_writer(
+    path: str, *, then: Callable[[torch.profiler.profile], Any] | None
+) -> Callable[[torch.profiler.profile], None]:
+    def on_trace_ready(prof: torch.profiler.profile) -> None:
+        if then is not None:
+            then(prof)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        prof.export_chrome_trace(path)
+
+    return on_trace_ready
