@@ -33,7 +33,6 @@ class DistContext:
         device: the device this process computes on.
         backend: the `torch.distributed` backend, or None in a world of one.
         distributed_type: Accelerate's name for the kind of run.
-        process_group: the group collectives use, or None in a world of one.
         debug: ``FNACCEL_DEBUG_MODE``: collectives check every rank's shapes first.
     """
 
@@ -46,9 +45,13 @@ class DistContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None
     distributed_type: DistributedType = DistributedType.NO
-    process_group: ProcessGroup | None = field(default=None, repr=False, compare=False)
     debug: bool = False
     _owner: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def process_group(self) -> ProcessGroup | None:
+        """The group collectives use; None in a world of one or after `fa.shutdown`."""
+        return None if self._owner is None else self._owner.group
 
     @property
     def is_main_process(self) -> bool:

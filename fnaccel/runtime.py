@@ -73,27 +73,35 @@ def _read_launch_env(config: LaunchConfig) -> dict[str, int]:
     }
 
 
-def _destroy_group(group: Any, is_default: bool) -> None:
-    if not dist.is_initialized():
-        return
-    dist.destroy_process_group(None if is_default else group)
+def _destroy_group(holder: list[Any], is_default: bool) -> None:
+    """Destroy the group and drop fnaccel's last reference to it.
+
+    Order matters: the C++ process group (and gloo's worker threads, which may
+    still hold finished work and its tensors) must be destroyed while the
+    interpreter is fully alive. Left to interpreter finalization, releasing
+    those tensors takes the GIL of a dying interpreter and the process aborts
+    with "terminate called without an active exception".
+    """
+    group = holder.pop() if holder else None
+    if group is not None and dist.is_initialized():
+        dist.destroy_process_group(None if is_default else group)
+    del group
 
 
 class _GroupOwner:
-    """Owns a process group fnaccel started: destroys it on shutdown or at exit.
+    """Owns a process group fnaccel started and is the only holder of it in fnaccel:
+    `close` (from `fa.shutdown`, or at interpreter exit) destroys and releases it."""
 
-    Destroying the group before the interpreter tears down is what keeps gloo's
-    worker threads from aborting the process at exit.
-    """
-
-    __slots__ = ("_finalizer", "__weakref__")
+    __slots__ = ("_holder", "_finalizer", "__weakref__")
 
     def __init__(self, group: Any, is_default: bool) -> None:
-        self._finalizer = weakref.finalize(self, _destroy_group, group, is_default)
+        self._holder = [group]
+        self._finalizer = weakref.finalize(self, _destroy_group, self._holder, is_default)
 
     @property
-    def alive(self) -> bool:
-        return self._finalizer.alive
+    def group(self) -> Any:
+        """The group, or None once closed."""
+        return self._holder[0] if self._holder else None
 
     def close(self) -> None:
         self._finalizer()
@@ -216,12 +224,12 @@ def init(
             DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU
         )
 
+    del group  # the owner is its only holder: see _destroy_group
     ctx = DistContext(
         **env,
         device=device,
         backend=backend,
         distributed_type=distributed_type,
-        process_group=group,
         debug=parse_flag_from_env("FNACCEL_DEBUG_MODE") or launch_config.debug,
         _owner=owner,
     )
@@ -243,9 +251,9 @@ def shutdown(state: RunState) -> None:
     started. Call it at the end of a distributed script; a group left open is
     destroyed at interpreter exit instead.
     """
-    ctx = state.dist
-    owner = ctx._owner
-    if owner is None or not owner.alive:
+    owner = state.dist._owner
+    if owner is None or owner.group is None:
         return
-    dist.barrier(group=ctx.process_group)
+    # Every rank finishes its communication before any rank tears down.
+    dist.barrier(group=owner.group)
     owner.close()

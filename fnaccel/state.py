@@ -112,9 +112,9 @@ class RunState:
         spent_by = self._lease.spent_by
         if spent_by is not None:
             raise StaleStateError(
-                f"cannot {action}: this RunState was already consumed by {spent_by}. "
-                "Use the state that call returned (state, metrics = fa.step(state, "
-                "batch) rebinds it); an old state's fields can still be read."
+                f"{action} was given a RunState already consumed by {spent_by}. Use the "
+                "state that call returned (`state, metrics = fa.step(state, batch)` "
+                "rebinds it); an old state's fields can still be read."
             )
 
     def advance(self, by: str, **changes: Any) -> RunState:
