@@ -25,17 +25,13 @@ from torch.nn.parallel import DistributedDataParallel
 from fnaccel.utils.constants import PROFILE_PATTERN_NAME, DDPCommunicationHookType
 
 __all__ = [
-    "KwargsHandler",
-    "AutocastKwargs",
-    "DistributedDataParallelKwargs",
-    "GradScalerKwargs",
-    "InitProcessGroupKwargs",
-    "FP8RecipeKwargs",
-    "ProfileKwargs",
+    "KwargsHandler", "AutocastKwargs", "DistributedDataParallelKwargs", "GradScalerKwargs",
+    "InitProcessGroupKwargs", "FP8RecipeKwargs", "ProfileKwargs",
 ]
 
 _Hook = DDPCommunicationHookType
 _POWER_SGD_HOOKS = (_Hook.POWER_SGD, _Hook.BATCHED_POWER_SGD)
+_USE_POWER_SGD = "set comm_hook='power_sgd' or 'batched_power_sgd'"
 _KNOWN_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "ccl", "hccl", "cncl", "mccl", "smddp", "xla")
 _SCHEDULE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first", "skip_first_wait")
 
@@ -43,6 +39,14 @@ _SCHEDULE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first", "skip_firs
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _check(name: str, value: object, ok: bool, expected: str, fix: str = "") -> None:
+    _require(ok, f"{name} must be {expected}, got {value!r}" + (f": {fix}" if fix else ""))
+
+
+def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    _require(value in choices, f"unknown {name} {value!r}: use one of {', '.join(choices)}")
 
 
 def _is_int(value: object) -> bool:
@@ -53,15 +57,6 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _require_bool(name: str, value: object, *, optional: bool = False) -> None:
-    ok = isinstance(value, bool) or (optional and value is None)
-    _require(ok, f"{name} must be True or False{' or None' if optional else ''}, got {value!r}")
-
-
-def _require_choice(name: str, value: str, choices: Sequence[str]) -> None:
-    _require(value in choices, f"unknown {name} {value!r}: use one of {', '.join(choices)}")
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KwargsHandler:
     """Base of the kwargs handlers: `to_kwargs()` returns the fields changed from their defaults."""
@@ -69,17 +64,39 @@ class KwargsHandler:
     # Fields that configure fnaccel itself rather than the torch call `to_kwargs` feeds.
     _not_kwargs: ClassVar[frozenset[str]] = frozenset()
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            # Annotations are strings under `from __future__ import annotations`, types otherwise.
+            if f.type in ("bool", "bool | None", bool, bool | None):
+                value, optional = getattr(self, f.name), f.type not in ("bool", bool)
+                _check(f.name, value, isinstance(value, bool) or (optional and value is None),
+                       "True or False" + (" or None" if optional else ""))
+        self._validate()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuild through __init__: the read-only mapping proxies cannot be pickled or deep-copied.
+        return (_rebuild, (type(self), {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}))
+
+    def _validate(self) -> None:
+        """Checks and normalises the non-bool fields; handlers override it."""
+
     def to_kwargs(self) -> dict[str, Any]:
         """Returns the fields whose value differs from the field's default, as a new dict."""
         changed: dict[str, Any] = {}
         for f in dataclasses.fields(self):
-            if f.name in self._not_kwargs:
-                continue
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             value = getattr(self, f.name)
-            if value != default:
-                changed[f.name] = dict(value) if isinstance(value, MappingProxyType) else value
+            if f.name not in self._not_kwargs and value != default:
+                changed[f.name] = _plain(value)
         return changed
+
+
+def _plain(value: Any) -> Any:
+    return dict(value) if isinstance(value, MappingProxyType) else value
+
+
+def _rebuild(cls: type[KwargsHandler], fields: dict[str, Any]) -> KwargsHandler:
+    return cls(**fields)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,28 +114,21 @@ class AutocastKwargs(KwargsHandler):
     enabled: bool = True
     cache_enabled: bool | None = None
 
-    def __post_init__(self) -> None:
-        _require_bool("enabled", self.enabled)
-        _require_bool("cache_enabled", self.cache_enabled, optional=True)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DistributedDataParallelKwargs(KwargsHandler):
     """Arguments for `torch.nn.parallel.DistributedDataParallel`, plus its comm hook.
 
-    `to_kwargs()` gives the constructor arguments only; the hook fields are applied
-    after wrapping by `register_comm_hook`, as in Accelerate. Hook names may be given
-    as strings and are stored as `DDPCommunicationHookType`.
+    `to_kwargs()` gives the constructor's arguments only; as in Accelerate, the hook
+    fields are applied after wrapping, by `register_comm_hook`. Hook names may be
+    strings and are stored as `DDPCommunicationHookType`. torch accepts the "bf16"
+    hook only on NCCL (or XCCL) process groups.
 
     Args:
-        dim: The dimension inputs are scattered on.
-        broadcast_buffers: Whether buffers are broadcast from rank 0 each forward.
+        dim, broadcast_buffers, find_unused_parameters, check_reduction,
+        gradient_as_bucket_view, static_graph: As in `DistributedDataParallel`.
         bucket_cap_mb: The gradient bucket size in megabytes (> 0).
-        find_unused_parameters: Whether to search for parameters without gradients.
-        check_reduction: Deprecated in torch; passed through.
-        gradient_as_bucket_view: Whether gradients are views into the buckets.
-        static_graph: Whether the graph is the same every iteration.
-        comm_hook: The gradient communication hook ("fp16", "bf16", "power_sgd", ...).
+        comm_hook: "no", "fp16", "bf16", "power_sgd" or "batched_power_sgd".
         comm_wrapper: "fp16" or "bf16" to compress a PowerSGD hook's traffic.
         comm_state_option: Keyword arguments of `PowerSGDState` (PowerSGD hooks only).
 
@@ -143,39 +153,21 @@ class DistributedDataParallelKwargs(KwargsHandler):
     comm_wrapper: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
     comm_state_option: Mapping[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        _require(_is_int(self.dim), f"dim must be an int, got {self.dim!r}")
-        _require(
-            _is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
-            f"bucket_cap_mb must be a positive number of megabytes, got {self.bucket_cap_mb!r}: "
-            "pass e.g. bucket_cap_mb=25 (the default)",
-        )
-        for name in ("broadcast_buffers", "find_unused_parameters", "check_reduction",
-                     "gradient_as_bucket_view", "static_graph"):
-            _require_bool(name, getattr(self, name))
-        hook = _to_hook_type("comm_hook", self.comm_hook)
-        wrapper = _to_hook_type("comm_wrapper", self.comm_wrapper)
-        _require(
-            wrapper in (_Hook.NO, _Hook.FP16, _Hook.BF16),
-            f"comm_wrapper must be 'no', 'fp16' or 'bf16', got {wrapper.value!r}: "
-            "PowerSGD is a comm_hook, not a wrapper",
-        )
-        _require(
-            wrapper is _Hook.NO or hook in _POWER_SGD_HOOKS,
-            f"comm_wrapper={wrapper.value!r} wraps a PowerSGD hook but comm_hook={hook.value!r}: "
-            "set comm_hook='power_sgd' or 'batched_power_sgd', or leave comm_wrapper='no'",
-        )
-        _require(
-            isinstance(self.comm_state_option, Mapping),
-            f"comm_state_option must be a dict, got {type(self.comm_state_option).__name__}",
-        )
+    def _validate(self) -> None:
+        _check("dim", self.dim, _is_int(self.dim), "an int")
+        _check("bucket_cap_mb", self.bucket_cap_mb, _is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+               "a positive number of megabytes", "pass e.g. bucket_cap_mb=25 (the default)")
+        hook, wrapper = _to_hook_type("comm_hook", self.comm_hook), _to_hook_type("comm_wrapper", self.comm_wrapper)
+        _check("comm_wrapper", wrapper.value, wrapper in (_Hook.NO, _Hook.FP16, _Hook.BF16),
+               "'no', 'fp16' or 'bf16'", "PowerSGD is a comm_hook, not a wrapper")
+        _require(wrapper is _Hook.NO or hook in _POWER_SGD_HOOKS,
+                 f"comm_wrapper={wrapper.value!r} wraps a PowerSGD hook but comm_hook={hook.value!r}: "
+                 f"{_USE_POWER_SGD}, or leave comm_wrapper='no'")
+        _check("comm_state_option", self.comm_state_option, isinstance(self.comm_state_option, Mapping), "a dict")
         options = dict(self.comm_state_option)
         if options:
-            _require(
-                hook in _POWER_SGD_HOOKS,
-                f"comm_state_option configures PowerSGD but comm_hook={hook.value!r}: "
-                "set comm_hook='power_sgd' or 'batched_power_sgd', or drop comm_state_option",
-            )
+            _require(hook in _POWER_SGD_HOOKS, f"comm_state_option configures PowerSGD but comm_hook={hook.value!r}: "
+                     f"{_USE_POWER_SGD}, or drop comm_state_option")
             from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
             valid = [p for p in inspect.signature(PowerSGDState.__init__).parameters
@@ -199,27 +191,22 @@ class DistributedDataParallelKwargs(KwargsHandler):
             TypeError: `model` is not a `DistributedDataParallel`.
         """
         if not isinstance(model, DistributedDataParallel):
-            raise TypeError(
-                f"register_comm_hook needs a DistributedDataParallel model, got {type(model).__name__}: "
-                "wrap the model in DDP first"
-            )
+            raise TypeError(f"register_comm_hook needs a DistributedDataParallel model, "
+                            f"got {type(model).__name__}: wrap the model in DDP first")
         if self.comm_hook is _Hook.NO:
             return
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-        hooks: dict[DDPCommunicationHookType, Callable[..., Any]] = {
+        hooks: dict[str, Callable[..., Any]] = {
             _Hook.FP16: default_hooks.fp16_compress_hook,
             _Hook.BF16: default_hooks.bf16_compress_hook,
             _Hook.POWER_SGD: powerSGD_hook.powerSGD_hook,
             _Hook.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
         }
-        wrappers: dict[DDPCommunicationHookType, Callable[..., Any]] = {
-            _Hook.FP16: default_hooks.fp16_compress_wrapper,
-            _Hook.BF16: default_hooks.bf16_compress_wrapper,
-        }
-        hook = hooks[DDPCommunicationHookType(self.comm_hook)]
+        wrappers = {_Hook.FP16: default_hooks.fp16_compress_wrapper, _Hook.BF16: default_hooks.bf16_compress_wrapper}
+        hook = hooks[self.comm_hook]
         if self.comm_wrapper is not _Hook.NO:
-            hook = wrappers[DDPCommunicationHookType(self.comm_wrapper)](hook)
+            hook = wrappers[_Hook(self.comm_wrapper)](hook)
         state = None
         if self.comm_hook in _POWER_SGD_HOOKS:
             state = powerSGD_hook.PowerSGDState(process_group=None, **self.comm_state_option)
@@ -227,9 +214,9 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
 
 def _to_hook_type(name: str, value: object) -> DDPCommunicationHookType:
-    if isinstance(value, str) and value.lower() in DDPCommunicationHookType:
-        return DDPCommunicationHookType(value.lower())
-    raise ValueError(f"unknown {name} {value!r}: use one of {', '.join(DDPCommunicationHookType.list())}")
+    _require(isinstance(value, str) and value.lower() in _Hook,
+             f"unknown {name} {value!r}: use one of {', '.join(_Hook.list())}")
+    return _Hook(str(value).lower())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -253,17 +240,14 @@ class GradScalerKwargs(KwargsHandler):
     growth_interval: int = 2000
     enabled: bool = True
 
-    def __post_init__(self) -> None:
-        _require(_is_number(self.init_scale) and self.init_scale > 0,
-                 f"init_scale must be a number > 0, got {self.init_scale!r}: try 65536.0 (the default)")
-        _require(_is_number(self.growth_factor) and self.growth_factor > 1,
-                 f"growth_factor must be a number > 1, got {self.growth_factor!r}: try 2.0 (the default)")
-        _require(_is_number(self.backoff_factor) and 0 < self.backoff_factor < 1,
-                 f"backoff_factor must be strictly between 0 and 1, got {self.backoff_factor!r}: "
-                 "try 0.5 (the default)")
-        _require(_is_int(self.growth_interval) and self.growth_interval >= 1,
-                 f"growth_interval must be an int >= 1, got {self.growth_interval!r}: try 2000 (the default)")
-        _require_bool("enabled", self.enabled)
+    def _validate(self) -> None:
+        scale, growth, backoff, interval = self.init_scale, self.growth_factor, self.backoff_factor, self.growth_interval
+        _check("init_scale", scale, _is_number(scale) and scale > 0, "a number > 0", "try 65536.0 (the default)")
+        _check("growth_factor", growth, _is_number(growth) and growth > 1, "a number > 1", "try 2.0 (the default)")
+        _check("backoff_factor", backoff, _is_number(backoff) and 0 < backoff < 1,
+               "a number strictly between 0 and 1", "try 0.5 (the default)")
+        _check("growth_interval", interval, _is_int(interval) and interval >= 1, "an int >= 1",
+               "try 2000 (the default)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -288,27 +272,23 @@ class InitProcessGroupKwargs(KwargsHandler):
     init_method: str | None = None
     timeout: datetime.timedelta | None = None
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
         known = sorted(set(_KNOWN_BACKENDS) | _registered_backends())
         hint = f"use one of {', '.join(known)}, or a mapping such as 'cpu:gloo,cuda:nccl'"
-        _require(isinstance(self.backend, str), f"backend must be a string, got {self.backend!r}: {hint}")
+        _check("backend", self.backend, isinstance(self.backend, str), "a string", hint)
         if ":" in self.backend:
             for pair in self.backend.split(","):
                 device, _, name = pair.partition(":")
                 _require(bool(device.strip()) and name.strip() in known,
                          f"bad entry {pair!r} in backend {self.backend!r}: write 'device:backend' pairs, {hint}")
         else:
-            _require(self.backend in known, f"unknown backend {self.backend!r}: {hint}")
-        _require(
-            self.init_method is None or (isinstance(self.init_method, str) and "://" in self.init_method),
-            f"init_method must be a URL such as 'env://' or 'tcp://10.0.0.1:29500', got {self.init_method!r}",
-        )
-        _require(
-            self.timeout is None
-            or (isinstance(self.timeout, datetime.timedelta) and self.timeout.total_seconds() > 0),
-            f"timeout must be a positive datetime.timedelta, got {self.timeout!r}: "
-            "pass e.g. timeout=timedelta(minutes=30)",
-        )
+            _check_choice("backend", self.backend, known)
+        method, timeout = self.init_method, self.timeout
+        _check("init_method", method, method is None or (isinstance(method, str) and "://" in method),
+               "a URL such as 'env://' or 'tcp://10.0.0.1:29500'")
+        _check("timeout", timeout,
+               timeout is None or (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0),
+               "a positive datetime.timedelta", "pass e.g. timeout=timedelta(minutes=30)")
 
 
 def _registered_backends() -> set[str]:
@@ -349,29 +329,23 @@ class FP8RecipeKwargs(KwargsHandler):
     amax_compute_algo: str | None = None
     override_linear_precision: tuple[bool, bool, bool] | None = None
 
-    def __post_init__(self) -> None:
-        for name, choices in (("backend", ("MSAMP", "TE", "AO")),
-                              ("fp8_format", ("HYBRID", "E4M3", "E5M2")),
+    def _validate(self) -> None:
+        for name, choices in (("backend", ("MSAMP", "TE", "AO")), ("fp8_format", ("HYBRID", "E4M3", "E5M2")),
                               ("opt_level", ("O1", "O2"))):
             value = getattr(self, name)
             if value is not None:
-                _require(isinstance(value, str), f"{name} must be a string, got {value!r}")
-                _require_choice(f"fp8 {name}", value.upper(), choices)
+                _check(name, value, isinstance(value, str), "a string")
+                _check_choice(f"fp8 {name}", value.upper(), choices)
                 object.__setattr__(self, name, value.upper())
         if self.amax_compute_algo is not None:
-            _require_choice("fp8 amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
-        _require_bool("use_autocast_during_eval", self.use_autocast_during_eval, optional=True)
+            _check_choice("fp8 amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
         for name, minimum in (("margin", 0), ("interval", 1), ("amax_history_len", 1)):
             value = getattr(self, name)
-            _require(value is None or (_is_int(value) and value >= minimum),
-                     f"{name} must be an int >= {minimum} or None, got {value!r}")
+            _check(name, value, value is None or (_is_int(value) and value >= minimum), f"an int >= {minimum} or None")
         precision = self.override_linear_precision
         if precision is not None:
-            _require(
-                isinstance(precision, Sequence) and len(precision) == 3
-                and all(isinstance(p, bool) for p in precision),
-                f"override_linear_precision must be three bools (fprop, dgrad, wgrad), got {precision!r}",
-            )
+            _check("override_linear_precision", precision, isinstance(precision, Sequence) and len(precision) == 3
+                   and all(isinstance(p, bool) for p in precision), "three bools (fprop, dgrad, wgrad)")
             object.__setattr__(self, "override_linear_precision", tuple(precision))
 
 
@@ -381,7 +355,7 @@ class ProfileKwargs(KwargsHandler):
 
     Args:
         activities: Names of the activities to profile ("cpu", "cuda", "xpu", ...);
-            None profiles every activity torch supports here.
+            None profiles every activity torch supports here. Stored as a tuple.
         schedule_option: Keyword arguments of `torch.profiler.schedule`: `wait`,
             `warmup` and `active` are required; `repeat`, `skip_first` optional.
         on_trace_ready: Called with the profiler each time a trace is ready.
@@ -391,7 +365,7 @@ class ProfileKwargs(KwargsHandler):
         with_flops: Estimate the FLOPs of some operators.
         with_modules: Record the module hierarchy of each operator.
         output_trace_dir: A directory where a Chrome trace `profile_<rank>.json`
-            is written each time a trace is ready.
+            is written each time a trace is ready (so it holds the last one).
 
     >>> kw = ProfileKwargs(activities=["cpu"], record_shapes=True)
     >>> kw.to_kwargs()
@@ -402,7 +376,7 @@ class ProfileKwargs(KwargsHandler):
     True
     """
 
-    activities: tuple[str, ...] | None = None
+    activities: Sequence[str] | None = None
     schedule_option: Mapping[str, int] | None = None
     on_trace_ready: Callable[[torch.profiler.profile], Any] | None = None
     record_shapes: bool = False
@@ -410,20 +384,19 @@ class ProfileKwargs(KwargsHandler):
     with_stack: bool = False
     with_flops: bool = False
     with_modules: bool = False
-    output_trace_dir: str | None = None
+    output_trace_dir: str | os.PathLike[str] | None = None
 
-    def __post_init__(self) -> None:
+    def _validate(self) -> None:
         if self.activities is not None:
             known = list(_profiler_activities())
-            _require(isinstance(self.activities, Sequence) and not isinstance(self.activities, str),
-                     f"activities must be a list of names, got {self.activities!r}: e.g. ['cpu', 'cuda']")
+            _check("activities", self.activities, isinstance(self.activities, Sequence)
+                   and not isinstance(self.activities, str), "a list of names", "e.g. ['cpu', 'cuda']")
             names = tuple(str(a).lower() for a in self.activities)
             unknown = [a for a in names if a not in known]
             _require(not unknown, f"unknown profiler activities {unknown}: use among {', '.join(known)}")
             object.__setattr__(self, "activities", names)
         if self.schedule_option is not None:
-            _require(isinstance(self.schedule_option, Mapping),
-                     f"schedule_option must be a dict, got {self.schedule_option!r}")
+            _check("schedule_option", self.schedule_option, isinstance(self.schedule_option, Mapping), "a dict")
             options = dict(self.schedule_option)
             unknown = sorted(set(options) - set(_SCHEDULE_KEYS))
             _require(not unknown, f"unknown schedule_option keys {unknown}: use among {', '.join(_SCHEDULE_KEYS)}")
@@ -433,14 +406,13 @@ class ProfileKwargs(KwargsHandler):
             _require(not bad, f"schedule_option values must be ints >= 0, got {bad}")
             _require(options["active"] >= 1, "schedule_option active must be >= 1: profile at least one step")
             object.__setattr__(self, "schedule_option", MappingProxyType(options))
-        _require(self.on_trace_ready is None or callable(self.on_trace_ready),
-                 f"on_trace_ready must be callable, got {self.on_trace_ready!r}")
-        for name in ("record_shapes", "profile_memory", "with_stack", "with_flops", "with_modules"):
-            _require_bool(name, getattr(self, name))
-        if self.output_trace_dir is not None:
-            _require(isinstance(self.output_trace_dir, (str, os.PathLike)) and os.fspath(self.output_trace_dir) != "",
-                     f"output_trace_dir must be a directory path, got {self.output_trace_dir!r}")
-            object.__setattr__(self, "output_trace_dir", os.fspath(self.output_trace_dir))
+        _check("on_trace_ready", self.on_trace_ready, self.on_trace_ready is None or callable(self.on_trace_ready),
+               "callable")
+        out = self.output_trace_dir
+        if out is not None:
+            _check("output_trace_dir", out, isinstance(out, (str, os.PathLike)) and os.fspath(out) != "",
+                   "a directory path")
+            object.__setattr__(self, "output_trace_dir", os.fspath(out))
 
     def build(self, *, process_index: int = 0) -> torch.profiler.profile:
         """Builds a `torch.profiler.profile` from these settings.
