@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -98,14 +99,19 @@ class World:
 
     Args:
         num_processes: how many ranks.
-        timeout: seconds each `run` (and the start) may take before the world
-            is torn down.
+        timeout: seconds each `run` may take before the world is torn down.
+        start_timeout: seconds the workers may take to start and join the group.
         env: extra environment variables for the workers (e.g.
             ``{"FNACCEL_DEBUG_MODE": "1"}``).
     """
 
     def __init__(
-        self, num_processes: int = 2, *, timeout: float = 120.0, env: Mapping[str, str] | None = None
+        self,
+        num_processes: int = 2,
+        *,
+        timeout: float = 120.0,
+        start_timeout: float = 120.0,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         import torch.distributed as dist
 
@@ -115,7 +121,7 @@ class World:
         self.timeout = timeout
         self._store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=timeout),
+            timeout=timedelta(seconds=start_timeout),
         )
         worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
         context = mp.get_context("spawn")
@@ -133,7 +139,7 @@ class World:
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
-        self._collect("start")
+        self._collect("start", start_timeout)
 
     @property
     def alive(self) -> bool:
@@ -147,13 +153,11 @@ class World:
             raise DistributedTestError("this World was closed or broke; create a new one")
         for conn in self._conns:
             conn.send((function, args, kwargs))
-        return self._collect(getattr(function, "__name__", repr(function)))
+        return self._collect(getattr(function, "__name__", repr(function)), self.timeout)
 
-    def _collect(self, what: str) -> list[Any]:
-        import time
-
+    def _collect(self, what: str, timeout: float) -> list[Any]:
         replies: dict[int, tuple[str, Any]] = {}
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + timeout
         waiting = {conn: rank for rank, conn in enumerate(self._conns)}
         sentinels = {self._procs[rank].sentinel: rank for rank in range(self.num_processes)}
         while waiting:
@@ -179,16 +183,20 @@ class World:
         failed = {r: reply for r, reply in replies.items() if reply[0] not in ("ok", "ready")}
         if not failed and not waiting:
             return [replies[r][1] for r in range(self.num_processes)]
+        error = self._error(what, failed, sorted(waiting.values()), timeout)
         if waiting or any(kind == "died" for kind, _ in failed.values()):
             self.close(force=True)
-        raise self._error(what, failed, sorted(waiting.values()))
+        raise error
 
-    def _error(self, what: str, failed: dict[int, tuple[str, Any]], hung: list[int]) -> BaseException:
+    def _error(
+        self, what: str, failed: dict[int, tuple[str, Any]], hung: list[int], timeout: float
+    ) -> BaseException:
         notes = []
         first: BaseException | None = None
         for rank in sorted(failed):
             kind, detail = failed[rank]
             if kind == "died":
+                self._procs[rank].join(timeout=5)  # the pipe closes before the exit is reaped
                 code = self._procs[rank].exitcode
                 notes.append(f"rank {rank} died (exit code {code}) while running {what}")
                 continue
@@ -198,13 +206,14 @@ class World:
                 first = exc
         if hung:
             notes.append(
-                f"rank(s) {hung} did not finish {what} within {self.timeout:.0f}s; "
+                f"rank(s) {hung} did not finish {what} within {timeout:.0f}s; "
                 "the world was torn down"
             )
-        error = first or DistributedTestError(notes[0] if notes else f"{what} failed")
+        if first is None:
+            return DistributedTestError("\n".join(notes))
         for note in notes:
-            error.add_note(note)
-        return error
+            first.add_note(note)
+        return first
 
     def close(self, force: bool = False) -> None:
         """Stop the workers (politely unless ``force``); idempotent."""

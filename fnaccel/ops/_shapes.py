@@ -78,29 +78,51 @@ def _raise_mismatch(ctx: DistContext, op: str, leaves: Sequence[torch.Tensor], h
     )
 
 
+def _raise_problem(ctx: DistContext, op: str, problem: BaseException | None) -> None:
+    """Some rank rejected its own input: every rank raises, together, instead of
+    the healthy ranks waiting in a collective the failing one never enters."""
+    everyone: list[object] = [None] * ctx.num_processes
+    dist.all_gather_object(everyone, None if problem is None else str(problem), group=ctx.process_group)
+    if problem is not None:
+        raise problem
+    rank, message = next((r, m) for r, m in enumerate(everyone) if m is not None)
+    raise CollectiveMismatchError(f"{op}: rank {rank} rejected its input: {message}")
+
+
 def exchange_shapes(
     ctx: DistContext,
     op: str,
     leaves: Sequence[torch.Tensor],
     extras: Sequence[int] = (),
     hint: str = "Every rank must pass the same structure and dtypes.",
+    problem: BaseException | None = None,
 ) -> ShapeTable:
     """All ranks' shapes of ``leaves`` (plus a few integers each) in one collective.
 
+    Args:
+        problem: the error this rank found in its own input, if any. It is
+            raised after the exchange, and every other rank raises too, so
+            no rank is left waiting in a collective.
+
     Raises:
         CollectiveMismatchError: the ranks' trees differ in leaf count, dtype
-            or number of dimensions; the message names each rank's shapes.
+            or number of dimensions (the message names each rank's shapes),
+            or another rank rejected its input.
     """
     dims = [d for t in leaves for d in t.shape]
-    header = [len(leaves), len(dims), _fingerprint(leaves), len(extras), *extras]
+    # slot 0: this rank's input is bad; then the fixed part, the extras, the dims
+    header = [int(problem is not None), len(leaves), len(dims), _fingerprint(leaves), len(extras), *extras]
+    fixed = slice(1, 1 + _FIXED)
     inline = len(header) + len(dims) <= _SLOTS
     if len(header) > _SLOTS:
-        raise ValueError(f"{op}: at most {_SLOTS - _FIXED} extra integers fit the header")
+        raise ValueError(f"{op}: at most {_SLOTS - _FIXED - 1} extra integers fit the header")
     row = header + (dims if inline else [])
     row += [0] * (_SLOTS - len(row))
     table = all_gather_bytes(ctx, torch.tensor(row, dtype=torch.int64, device=ctx.device))
     rows = table.view(ctx.num_processes, _SLOTS).tolist()
-    if any(r[:_FIXED] != rows[0][:_FIXED] for r in rows):
+    if any(r[0] for r in rows):
+        _raise_problem(ctx, op, problem)
+    if any(r[fixed] != rows[0][fixed] for r in rows):
         _raise_mismatch(ctx, op, leaves, hint)
     start = len(header)
     if inline:  # the same on every rank: the fixed header part agreed
@@ -112,7 +134,9 @@ def exchange_shapes(
     for flat in per_rank_dims:
         it = iter(flat)
         shapes.append(tuple(tuple(next(it) for _ in range(t.ndim)) for t in leaves))
-    return ShapeTable(shapes=tuple(shapes), extras=tuple(tuple(r[_FIXED:start]) for r in rows))
+    return ShapeTable(
+        shapes=tuple(shapes), extras=tuple(tuple(r[1 + _FIXED : start]) for r in rows)
+    )
 
 
 def require_same_shapes(

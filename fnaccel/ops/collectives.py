@@ -111,6 +111,11 @@ def reduce(
                 f"reduce: cannot take the {reduction} of a {t.dtype} tensor; "
                 "convert it to a floating dtype first (or use reduction='sum' for integers)"
             )
+        if scale != 1.0 and not t.is_floating_point() and not t.is_complex():
+            raise TypeError(
+                f"reduce: cannot scale a {t.dtype} tensor by {scale}; convert it to a "
+                "floating dtype first (or leave scale=1.0 for integers)"
+            )
     communicate = ctx.num_processes > 1 and reduction != "none"
     if communicate and ctx.debug:
         require_same_shapes(ctx, "reduce", leaves, "reduce needs the same shapes on every rank.")
@@ -148,7 +153,8 @@ def broadcast(ctx: DistContext | Any, tree: Any, from_process: int = 0) -> Any:
         require_same_shapes(ctx, "broadcast", leaves, "broadcast needs the same shapes on every rank.")
     out = []
     for t in leaves:
-        received = t if ctx.rank == from_process else torch.empty_like(t)
+        # a contiguous buffer: as_wire would copy a strided one, and receive into the copy
+        received = t if ctx.rank == from_process else t.new_empty(t.shape)
         wire = as_wire(received)
         dist.broadcast(wire, src=from_process, group=ctx.process_group)
         out.append(received)

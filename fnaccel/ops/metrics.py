@@ -34,21 +34,28 @@ def _all_tensors(data: Any) -> bool:
     return bool(tree_leaves(data))
 
 
-def _samples(leaves: list[torch.Tensor]) -> int:
-    for t in leaves:
-        if t.ndim == 0:
-            raise ValueError(
-                "gather_for_metrics needs per-sample outputs (dim 0 = samples), got a 0-d "
-                "tensor: a value already reduced over the batch cannot be de-duplicated. "
-                "Gather the per-sample values and reduce afterwards, or use fa.ops.reduce."
-            )
+def _check_input(leaves: list[torch.Tensor], num_valid: int | None) -> tuple[int, ValueError | None]:
+    """This rank's number of real samples, or the problem with its input."""
+    if any(t.ndim == 0 for t in leaves):
+        return 0, ValueError(
+            "gather_for_metrics needs per-sample outputs (dim 0 = samples), got a 0-d "
+            "tensor: a value already reduced over the batch cannot be de-duplicated. "
+            "Gather the per-sample values and reduce afterwards, or use fa.ops.reduce."
+        )
     counts = {t.shape[0] for t in leaves}
     if len(counts) > 1:
-        raise ValueError(
+        return 0, ValueError(
             f"gather_for_metrics: the tensors disagree on the number of samples "
             f"(dim 0 sizes {sorted(counts)}); every leaf must hold one row per sample"
         )
-    return leaves[0].shape[0]
+    count = leaves[0].shape[0]
+    valid = count if num_valid is None else num_valid
+    if not 0 <= valid <= count:
+        return 0, ValueError(
+            f"gather_for_metrics: num_valid={num_valid} but this rank's batch holds "
+            f"{count} samples"
+        )
+    return valid, None
 
 
 def gather_for_metrics(
@@ -73,8 +80,10 @@ def gather_for_metrics(
         The same structure holding every real sample once, rank by rank.
 
     Raises:
-        ValueError: a 0-d (already reduced) tensor, or leaves with different
-            sample counts.
+        ValueError: a 0-d (already reduced) tensor, leaves with different
+            sample counts, or ``num_valid`` out of range (on that rank; the
+            other ranks raise `CollectiveMismatchError` naming it, rather
+            than wait).
         CollectiveMismatchError: the ranks' trees differ beyond dim 0.
 
     >>> import fnaccel as fa
@@ -91,22 +100,16 @@ def gather_for_metrics(
             )
         return gather_object(ctx, list(input_data[:num_valid]))
     leaves = tree_leaves(input_data)
-    count = _samples(leaves)
-    valid = count if num_valid is None else num_valid
-    if not 0 <= valid <= count:
-        raise ValueError(
-            f"gather_for_metrics: num_valid={num_valid} but this rank's batch holds "
-            f"{count} samples"
-        )
+    valid, problem = _check_input(leaves, num_valid)
     if ctx.num_processes == 1:
-        if valid == count:
+        if problem is not None:
+            raise problem
+        if valid == leaves[0].shape[0]:
             return input_data
         return recursively_apply(lambda t: t[:valid], input_data)
 
-    table = exchange_shapes(
-        ctx, "gather_for_metrics", leaves, extras=[valid],
-        hint="Every rank must pass the same structure and dtypes.",
-    )
+    # A rank with bad input still takes part in the exchange: every rank then raises.
+    table = exchange_shapes(ctx, "gather_for_metrics", leaves, extras=[valid], problem=problem)
     rows = [shapes[0][0] for shapes in table.shapes]
     valids = [extras[0] for extras in table.extras]
     for i, t in enumerate(leaves):

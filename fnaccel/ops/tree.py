@@ -34,9 +34,10 @@ def is_torch_tensor(value: Any) -> bool:
 
 
 def _rebuild_mapping(data: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    rebuild: Any = type(data)  # a concrete mapping type, whose constructor takes the items
     if isinstance(data, defaultdict):
-        return type(data)(data.default_factory, items)
-    return type(data)(items)
+        return rebuild(data.default_factory, items)
+    return rebuild(items)
 
 
 def _is_namedtuple(data: Any) -> bool:
@@ -202,6 +203,23 @@ def slice_tensors(data: Any, tensor_slice: slice | int | tuple[Any, ...]) -> Any
     return recursively_apply(lambda t: t[tensor_slice], data)
 
 
+def _structure(node: Any) -> Any:
+    """The containers, keys (in order) and tensor positions of a tree, comparable with ``==``.
+
+    Leaves are matched by position, so two dicts with the same keys in another
+    order are different structures."""
+    if isinstance(node, torch.Tensor):
+        return torch.Tensor
+    if isinstance(node, Mapping):
+        return type(node), [(k, _structure(v)) for k, v in node.items()]
+    if isinstance(node, (list, tuple)):
+        return type(node), [_structure(v) for v in node]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        fields = [f for f in dataclasses.fields(node) if f.init]
+        return type(node), [_structure(getattr(node, f.name)) for f in fields]
+    return None
+
+
 def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
     """Concatenate a list of trees of the same shape, leaf by leaf, along ``dim``.
 
@@ -210,14 +228,15 @@ def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
     """
     if not data:
         raise ValueError("concatenate needs at least one tree")
+    first = _structure(data[0])
+    for i, tree in enumerate(data):
+        if _structure(tree) != first:
+            raise ValueError(
+                f"concatenate: tree {i} is not shaped like tree 0 (different containers, keys "
+                "or number of tensors); every tree must have the same structure"
+            )
     columns = [tree_leaves(tree) for tree in data]
     width = len(columns[0])
-    for i, column in enumerate(columns):
-        if len(column) != width:
-            raise ValueError(
-                f"concatenate: tree {i} has {len(column)} tensors but tree 0 has {width}; "
-                "every tree must have the same structure"
-            )
     if width == 0 and not isinstance(data[0], torch.Tensor):
         raise TypeError("concatenate: the trees hold no tensors")
     return tree_unflatten(data[0], [torch.cat(list(parts), dim=dim) for parts in zip(*columns)])

@@ -1,0 +1,383 @@
+"""Shared tree types, a strict tree comparison, and the functions gloo workers run.
+
+`fnaccel.testing.World` workers unpickle each function by its module name.
+Under pytest's ``--import-mode=importlib`` a test module is registered as
+``tests.ops.test_x``, a name a spawned worker can only import when the
+repository root happens to be on ``sys.path`` (``python -m pytest``, not plain
+``pytest``). So the worker functions live here, and the test modules import
+this file as ``ops._dist_fns`` after putting ``tests/`` on ``sys.path``, which
+spawned workers inherit.
+
+Every worker function takes the run state first (``world.run(fn, ...)``) and
+builds its inputs from ``rank`` and ``num_processes`` alone, so the test can
+compute every rank's expected result by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+import fnaccel as fa
+from fnaccel.data.sharding import eval_shards
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+}
+
+
+class Pair(NamedTuple):
+    x: Any
+    y: Any
+
+
+@dataclasses.dataclass
+class Box:
+    value: Any
+    extra: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenBox:
+    value: Any
+
+
+def assert_tree_equal(actual: Any, expected: Any, path: str = "tree", *, exact: bool = True) -> None:
+    """Same container types (exactly), keys, lengths, dtypes, devices, shapes and values
+    (equal, or within `torch.testing.assert_close`'s tolerances unless ``exact``)."""
+    assert type(actual) is type(expected), (
+        f"{path}: got a {type(actual).__name__}, expected a {type(expected).__name__}"
+    )
+    if isinstance(expected, torch.Tensor):
+        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.device == expected.device, f"{path}: device {actual.device} != {expected.device}"
+        assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
+        if expected.device.type == "meta":
+            return
+        if exact:
+            assert torch.equal(actual, expected), f"{path}: {actual} != {expected}"
+        else:
+            torch.testing.assert_close(actual, expected, msg=lambda m: f"{path}: {m}")
+    elif isinstance(expected, Mapping):
+        assert list(actual) == list(expected), f"{path}: keys {list(actual)} != {list(expected)}"
+        if isinstance(expected, defaultdict):
+            assert actual.default_factory is expected.default_factory, f"{path}: default_factory"
+        for key in expected:
+            assert_tree_equal(actual[key], expected[key], f"{path}[{key!r}]", exact=exact)
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{path}: length {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_tree_equal(a, e, f"{path}[{i}]", exact=exact)
+    elif dataclasses.is_dataclass(expected):
+        for f in dataclasses.fields(expected):
+            assert_tree_equal(
+                getattr(actual, f.name), getattr(expected, f.name), f"{path}.{f.name}", exact=exact
+            )
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def leaf(
+    rank: int, shape: tuple[int, ...], dtype: torch.dtype, *, transpose: bool = False
+) -> torch.Tensor:
+    """A tensor whose values depend on ``rank`` (exact in every dtype for small worlds).
+
+    ``transpose`` returns the transpose of a tensor of ``shape``: a non-contiguous leaf.
+    """
+    base = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape) + 10 * rank
+    if dtype == torch.bool:
+        value = (base + rank) % 3 == 0
+    elif dtype == torch.complex64:
+        value = torch.complex(base.float(), -base.float())
+    else:
+        value = base.to(dtype)
+    return value.T if transpose else value
+
+
+Make = Callable[..., torch.Tensor]  # make(shape, dtype, transpose=False) -> tensor
+
+
+def mixed_tree(make: Make) -> dict[str, Any]:
+    """A nested tree of every dtype, with a 0-d leaf, empty leaves and a transposed leaf.
+
+    ``make`` builds each leaf; calling it with one rank's `leaf` gives that rank's
+    input, calling it with a function of all ranks' leaves gives an expected result.
+    """
+    return {
+        "f32": make((2, 3), torch.float32),
+        "transposed": make((3, 2), torch.float32, transpose=True),
+        "pair": Pair(
+            x=make((), torch.int64),
+            y=[make((1, 2), torch.float16), make((0, 4), torch.bfloat16)],
+        ),
+        "box": Box(
+            value=make((3,), torch.bool),
+            extra=(make((2,), torch.complex64), make((2, 0), torch.int64)),
+        ),
+        "frozen": FrozenBox(value=make((1, 2), torch.bfloat16)),
+    }
+
+
+def float_tree(make: Make, with_int: bool) -> dict[str, Any]:
+    """A nested tree `reduce` accepts: floating and complex leaves, and an integer
+    leaf (summed, or kept, never scaled) when ``with_int``."""
+    tree: dict[str, Any] = {
+        "f32": make((2, 3), torch.float32),
+        "transposed": make((3, 2), torch.float32, transpose=True),
+        "pair": Pair(
+            x=make((), torch.float32), y=[make((2,), torch.float16), make((2,), torch.bfloat16)]
+        ),
+        "frozen": FrozenBox(value=make((2,), torch.complex64)),
+        "empty": make((0, 2), torch.float32),
+    }
+    if with_int:
+        tree["int"] = make((2,), torch.int64)
+    return tree
+
+
+def rank_leaf(rank: int) -> Make:
+    return lambda shape, dtype, transpose=False: leaf(rank, shape, dtype, transpose=transpose)
+
+
+def ragged_tree(rank: int, num_processes: int, make: Callable[..., torch.Tensor] = leaf) -> Any:
+    """A tree for padding: leaves whose sizes differ by rank in every dimension
+    (largest on the last rank for some, on rank 0 for others), a 1-d leaf, a 0-d
+    leaf, a bool leaf and an empty one. ``make(rank, shape, dtype)``."""
+    n = num_processes
+    return {
+        "a": make(rank, (rank + 1, n - rank), torch.float32),
+        "pair": Pair(
+            x=make(rank, (2, rank + 2), torch.int64),
+            y=[make(rank, (n + rank,), torch.float32)],
+        ),
+        "mask": Box(
+            value=make(rank, (n - rank, rank + 1), torch.bool), extra=make(rank, (), torch.float16)
+        ),
+        "frozen": FrozenBox(value=make(rank, (1, rank), torch.bfloat16)),
+        "complex": make(rank, (1, 2), torch.complex64),
+    }
+
+
+# --------------------------------------------------------------------- collectives
+
+
+def gather_mixed(state: Any) -> tuple[Any, Any]:
+    rank = state.dist.rank
+    tree = mixed_tree(rank_leaf(rank))
+    return fa.ops.gather(state, tree), tree
+
+
+def broadcast_mixed(state: Any, from_process: int) -> tuple[Any, Any]:
+    rank = state.dist.rank
+    tree = mixed_tree(rank_leaf(rank))
+    return fa.ops.broadcast(state, tree, from_process=from_process), tree
+
+
+def per_dtype(state: Any) -> dict[str, Any]:
+    """For each dtype: gather of a (2, 3) and a 0-d tensor, broadcast from the last rank."""
+    rank, last = state.dist.rank, state.dist.num_processes - 1
+    out = {}
+    for name, dtype in DTYPES.items():
+        matrix, scalar = leaf(rank, (2, 3), dtype), leaf(rank, (), dtype)
+        out[name] = (
+            fa.ops.gather(state, matrix),
+            fa.ops.gather(state, scalar),
+            fa.ops.broadcast(state, matrix, from_process=last),
+            fa.ops.broadcast(state, scalar, from_process=last),
+        )
+    return out
+
+
+def reduce_floats(state: Any, reduction: str, scale: float) -> tuple[Any, Any]:
+    tree = float_tree(rank_leaf(state.dist.rank), with_int=reduction != "mean" and scale == 1.0)
+    return fa.ops.reduce(state, tree, reduction, scale=scale), tree  # type: ignore[arg-type]
+
+
+def objects(state: Any) -> dict[str, Any]:
+    """gather_object of ragged lists, broadcast_object_list from rank 0 and the last rank."""
+    rank, last = state.dist.rank, state.dist.num_processes - 1
+    mine = [f"r{rank}-{i}" for i in range(rank + 1)] + [{"rank": rank}]
+    offered = [rank, f"from {rank}", {"nested": (rank,)}]
+    return {
+        "gathered": fa.ops.gather_object(state, mine),
+        "from_first": fa.ops.broadcast_object_list(state, offered, from_process=0),
+        "from_last": fa.ops.broadcast_object_list(state, offered, from_process=last),
+        "offered_after": offered,
+    }
+
+
+def pad_ragged(state: Any, dim: int, pad_index: int, pad_first: bool) -> tuple[Any, Any]:
+    rank, n = state.dist.rank, state.dist.num_processes
+    tree = ragged_tree(rank, n)
+    padded = fa.ops.pad_across_processes(state, tree, dim=dim, pad_index=pad_index, pad_first=pad_first)
+    return padded, tree
+
+
+def composed(state: Any) -> dict[str, Any]:
+    """The collectives as transforms, on rank-dependent inputs."""
+    rank, n = state.dist.rank, state.dist.num_processes
+    labels = {
+        "labels": leaf(rank, (2, rank + 1), torch.int64),
+        "extra": Pair(x=leaf(rank, (1, n - rank), torch.bool), y=leaf(rank, (), torch.float32)),
+    }
+    collect = fa.compose(fa.pad_across_processes(dim=1, pad_index=-100), fa.gather())
+    return {
+        "pad_gather": collect(state, labels),
+        "sum": fa.reduce("sum")(state, {"x": leaf(rank, (2,), torch.float32)}),
+        "mean_scaled": fa.reduce("mean", scale=2.0)(state, [leaf(rank, (2,), torch.float32)]),
+        "broadcast_first": fa.broadcast(0)(state, FrozenBox(value=leaf(rank, (3,), torch.float32))),
+        "broadcast_last": fa.broadcast(n - 1)(state, (leaf(rank, (3,), torch.int64),)),
+        "metrics": fa.gather_for_metrics()(state, leaf(rank, (3, 2), torch.int64), num_valid=rank % 3),
+        "objects": fa.gather_object()(state, [rank] * (rank + 1)),
+        "object_list": fa.broadcast_object_list(n - 1)(state, [rank, "x"]),
+        "labels_after": labels,
+    }
+
+
+def pad_then_gather_other_dim_differs(state: Any) -> Any:
+    rank = state.dist.rank
+    collect = fa.compose(fa.pad_across_processes(dim=1), fa.gather())
+    return collect(state, {"x": torch.zeros(rank + 1, rank + 2)})
+
+
+def pad_mismatched(state: Any, kind: str) -> Any:
+    """Trees that differ by rank beyond sizes (no debug mode needed to catch it)."""
+    rank = state.dist.rank
+    if kind == "leaves":
+        tree: Any = [torch.zeros(2) for _ in range(rank + 1)]
+    elif kind == "dtype":
+        tree = {"x": torch.zeros(2, dtype=torch.float32 if rank == 0 else torch.float64)}
+    else:  # ndim
+        tree = {"x": torch.zeros((2,) * (rank + 1))}
+    return fa.ops.pad_across_processes(state, tree)
+
+
+def debug_mismatch(state: Any, op: str, same_ndim: bool) -> tuple[str, float, torch.Tensor]:
+    """An op on shapes that differ by rank, in debug mode: returns the error message,
+    how long the op took to fail, and a gather run afterwards on the same group."""
+    ctx = dataclasses.replace(state.dist, debug=True)
+    rank = ctx.rank
+    x = torch.zeros(2 + rank, 3) if same_ndim else torch.zeros((2,) * (rank + 1))
+    start = time.perf_counter()
+    try:
+        if op == "gather":
+            fa.ops.gather(ctx, {"x": x})
+        elif op == "reduce":
+            fa.ops.reduce(ctx, {"x": x}, "sum")
+        else:
+            fa.ops.broadcast(ctx, {"x": x})
+    except fa.CollectiveMismatchError as exc:
+        message = str(exc)
+    else:
+        message = "no error"
+    elapsed = time.perf_counter() - start
+    return message, elapsed, fa.ops.gather(ctx, torch.tensor([rank]))
+
+
+def debug_matching(state: Any) -> tuple[Any, Any, Any]:
+    """Debug mode on matching shapes: the checks pass and the results are the usual ones."""
+    ctx = dataclasses.replace(state.dist, debug=True)
+    x = leaf(ctx.rank, (2, 3), torch.float32)
+    return (
+        fa.ops.gather(ctx, {"x": x}),
+        fa.ops.reduce(ctx, {"x": x}, "sum"),
+        fa.ops.broadcast(ctx, {"x": x}, from_process=ctx.num_processes - 1),
+    )
+
+
+def gather_with_str_leaf(state: Any) -> Any:
+    return fa.ops.gather(state, {"x": torch.ones(1), "name": "a string"})
+
+
+def gather_rank(state: Any) -> torch.Tensor:
+    return fa.ops.gather(state, torch.tensor([state.dist.rank]))
+
+
+# --------------------------------------------------------------------- metrics
+
+
+def model_outputs(indices: tuple[int, ...]) -> dict[str, Any]:
+    """What a model returns for the samples ``indices``: per-sample rows."""
+    return {
+        "pred": torch.tensor(indices, dtype=torch.int64) * 10,
+        "nested": [torch.tensor(indices, dtype=torch.float64)[:, None].expand(-1, 3)],
+    }
+
+
+def evaluate(
+    state: Any, num_samples: int, batch_size: int, even_batches: bool, as_transform: bool = False
+) -> list[Any]:
+    """An evaluation loop over `eval_shards`: each step's gathered outputs, in order."""
+    rank, n = state.dist.rank, state.dist.num_processes
+    collect = fa.gather_for_metrics() if as_transform else None
+    gathered = []
+    for shard in eval_shards(num_samples, batch_size, n, rank, even_batches=even_batches):
+        outputs = model_outputs(shard.indices)
+        num_valid = shard.num_valid if even_batches else None
+        if collect is not None:
+            gathered.append(collect(state, outputs, num_valid=num_valid))
+        else:
+            gathered.append(fa.ops.gather_for_metrics(state, outputs, num_valid=num_valid))
+    return gathered
+
+
+def evaluate_objects(
+    state: Any, num_samples: int, batch_size: int, even_batches: bool, use_gather_object: bool
+) -> list[Any]:
+    """Like `evaluate`, with per-sample strings: the gathered samples, in order."""
+    rank, n = state.dist.rank, state.dist.num_processes
+    gathered: list[Any] = []
+    for shard in eval_shards(num_samples, batch_size, n, rank, even_batches=even_batches):
+        texts = [f"sample-{i}" for i in shard.indices]
+        gathered.extend(
+            fa.ops.gather_for_metrics(
+                state, texts, use_gather_object=use_gather_object,
+                num_valid=shard.num_valid if even_batches else None,
+            )
+        )
+    return gathered
+
+
+def metrics_trailing_mismatch(state: Any) -> Any:
+    return fa.ops.gather_for_metrics(state, {"x": torch.zeros(2, state.dist.rank + 1)})
+
+
+def metrics_reduced(state: Any) -> Any:
+    return fa.ops.gather_for_metrics(state, {"loss": torch.tensor(1.0)})
+
+
+def metrics_ragged_rows(state: Any) -> Any:
+    """Ranks with different sample counts (zero on rank 0), no num_valid."""
+    rank = state.dist.rank
+    rows = torch.arange(rank * 2, dtype=torch.int64)[:, None] + 100 * rank
+    return fa.ops.gather_for_metrics(state, Pair(x=rows, y=rows.bool()))
+
+
+def metrics_one_rank_rejects(state: Any, kind: str) -> tuple[str, str, float]:
+    """Only the last rank passes bad input; every rank must raise, none may wait."""
+    import time
+
+    bad = state.dist.is_last_process
+    outputs = torch.arange(4.0)
+    kwargs: dict[str, Any] = {}
+    if bad and kind == "reduced":
+        outputs = outputs.sum()
+    if bad and kind == "num_valid":
+        kwargs["num_valid"] = 9
+    started = time.monotonic()
+    try:
+        fa.ops.gather_for_metrics(state, outputs, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+        return type(exc).__name__, str(exc), time.monotonic() - started
+    return "none", "", time.monotonic() - started

@@ -1,0 +1,398 @@
+"""The collectives, in one process (N = 1) and on real 2- and 3-rank gloo worlds.
+
+Each rank's input is a function of its rank, so every rank's result is
+checked against a value computed here by hand (a `torch.cat` of what each rank
+contributed, a sum over ranks, the source rank's tree). The worker functions
+live in ``_dist_fns.py`` (see its docstring for why).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fnaccel as fa
+
+_TESTS = str(Path(__file__).resolve().parents[1])  # see ops/_dist_fns.py for why
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+from ops import _dist_fns as fns  # noqa: E402
+from ops._dist_fns import FrozenBox, Pair, assert_tree_equal, leaf  # noqa: E402
+
+
+@pytest.fixture
+def state() -> fa.RunState:
+    return fa.init(cpu=True)
+
+
+def _pad_ref(t: torch.Tensor, axis: int, size: int, value: int, first: bool) -> torch.Tensor:
+    """``t`` padded along ``axis`` to ``size`` with ``value``, written out by hand."""
+    shape = list(t.shape)
+    shape[axis] = size - t.shape[axis]
+    filler = torch.full(shape, value, dtype=t.dtype)
+    return torch.cat([filler, t] if first else [t, filler], dim=axis)
+
+
+def _cat_over_ranks(num_processes: int) -> fns.Make:
+    """A `mixed_tree` leaf maker for the expected gather: all ranks' leaves, concatenated
+    (0-d leaves stacked into 1-d)."""
+
+    def make(shape: tuple[int, ...], dtype: torch.dtype, transpose: bool = False) -> torch.Tensor:
+        parts = [leaf(r, shape, dtype, transpose=transpose) for r in range(num_processes)]
+        return torch.stack(parts) if not shape else torch.cat(parts)
+
+    return make
+
+
+def _snapshot(tree: Any) -> Any:
+    return copy.deepcopy(tree)
+
+
+# ------------------------------------------------------------- one process: N = 1
+
+
+def test_gather_single_process_keeps_values_and_makes_0d_1d(state: fa.RunState) -> None:
+    tree = fns.mixed_tree(fns.rank_leaf(0))
+    before = _snapshot(tree)
+    out = fa.ops.gather(state, tree)
+    assert_tree_equal(out, fns.mixed_tree(_cat_over_ranks(1)))
+    assert out["pair"].x.shape == (1,)
+    assert_tree_equal(tree, before)
+
+
+def test_gather_accepts_the_dist_context(state: fa.RunState) -> None:
+    assert_tree_equal(fa.ops.gather(state.dist, [torch.tensor(2.0)]), [torch.tensor([2.0])])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_reduce_single_process(state: fa.RunState, reduction: str, scale: float) -> None:
+    tree = fns.float_tree(fns.rank_leaf(0), with_int=False)
+    before = _snapshot(tree)
+    out = fa.ops.reduce(state, tree, reduction, scale=scale)  # type: ignore[arg-type]
+    expected = fns.float_tree(
+        lambda shape, dtype, transpose=False: leaf(0, shape, dtype, transpose=transpose) * scale,
+        with_int=False,
+    )
+    assert_tree_equal(out, expected)
+    assert_tree_equal(tree, before)
+    out["f32"].add_(1)  # the result is a new tensor, not the input
+    assert_tree_equal(tree, before)
+
+
+def test_reduce_integers(state: fa.RunState) -> None:
+    x = torch.tensor([1, 2], dtype=torch.int64)
+    assert_tree_equal(fa.ops.reduce(state, {"n": x}, "sum"), {"n": x})
+    with pytest.raises(TypeError, match="mean of a torch.int64"):
+        fa.ops.reduce(state, x, "mean")
+    with pytest.raises(TypeError, match="torch.bool"):
+        fa.ops.reduce(state, x.bool(), "sum")
+    for reduction in ("sum", "none"):
+        with pytest.raises(TypeError, match="cannot scale a torch.int64 tensor by 0.5"):
+            fa.ops.reduce(state, {"n": x}, reduction, scale=0.5)
+
+
+def test_reduce_rejects_an_unknown_reduction(state: fa.RunState) -> None:
+    with pytest.raises(ValueError, match="'max'"):
+        fa.ops.reduce(state, torch.ones(1), "max")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'max'"):
+        fa.reduce("max")  # type: ignore[arg-type]
+
+
+def test_broadcast_single_process(state: fa.RunState) -> None:
+    tree = fns.mixed_tree(fns.rank_leaf(0))
+    before = _snapshot(tree)
+    assert_tree_equal(fa.ops.broadcast(state, tree), before)
+    assert_tree_equal(fa.ops.broadcast(state, tree, from_process=state.dist.num_processes - 1), before)
+    assert_tree_equal(tree, before)
+
+
+@pytest.mark.parametrize("from_process", [1, -1])
+def test_broadcast_rejects_a_rank_outside_the_run(state: fa.RunState, from_process: int) -> None:
+    with pytest.raises(ValueError, match=f"from_process={from_process}"):
+        fa.ops.broadcast(state, torch.ones(1), from_process=from_process)
+
+
+def test_object_collectives_single_process(state: fa.RunState) -> None:
+    items = ["a", {"b": 1}]
+    out = fa.ops.broadcast_object_list(state, items)
+    assert out == ["a", {"b": 1}] and out is not items
+    assert fa.ops.broadcast_object_list(state, ("x", 2)) == ["x", 2]
+    gathered = fa.ops.gather_object(state, items)
+    assert gathered == ["a", {"b": 1}] and gathered is not items
+    assert fa.ops.gather_object(state, ("t",)) == ["t"]
+    assert items == ["a", {"b": 1}]
+
+
+def test_object_collectives_need_a_list(state: fa.RunState) -> None:
+    with pytest.raises(TypeError, match=r"broadcast_object_list\(state, \[obj\]\)"):
+        fa.ops.broadcast_object_list(state, "abc")
+    with pytest.raises(TypeError, match=r"gather_object\(state, \[obj\]\)"):
+        fa.ops.gather_object(state, {"a": 1})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1, -2, 5])
+@pytest.mark.parametrize("pad_first", [False, True])
+def test_pad_across_processes_single_process_is_identity(
+    state: fa.RunState, dim: int, pad_first: bool
+) -> None:
+    tree = fns.ragged_tree(0, 1)
+    before = _snapshot(tree)
+    out = fa.ops.pad_across_processes(state, tree, dim=dim, pad_index=-1, pad_first=pad_first)
+    assert_tree_equal(out, before)
+    assert_tree_equal(tree, before)
+
+
+@pytest.mark.parametrize(
+    ("name", "call"),
+    [
+        ("gather", lambda s, t: fa.ops.gather(s, t)),
+        ("reduce", lambda s, t: fa.ops.reduce(s, t)),
+        ("broadcast", lambda s, t: fa.ops.broadcast(s, t)),
+        ("pad_across_processes", lambda s, t: fa.ops.pad_across_processes(s, t)),
+    ],
+    ids=["gather", "reduce", "broadcast", "pad_across_processes"],
+)
+def test_a_string_leaf_is_a_type_error_naming_the_op(
+    state: fa.RunState, name: str, call: Any
+) -> None:
+    with pytest.raises(TypeError, match=rf"^{name}: .*\bstr\b"):
+        call(state, {"x": torch.ones(1), "name": "a string"})
+
+
+def test_ops_need_a_state_or_context() -> None:
+    with pytest.raises(TypeError, match="RunState or a DistContext"):
+        fa.ops.gather(None, torch.ones(1))
+
+
+def test_composed_forms_single_process(state: fa.RunState) -> None:
+    labels = {"labels": torch.tensor([[1, 2]]), "n": torch.tensor(3)}
+    collect = fa.compose(fa.pad_across_processes(dim=1, pad_index=-100), fa.gather())
+    assert_tree_equal(
+        collect(state, labels), {"labels": torch.tensor([[1, 2]]), "n": torch.tensor([3])}
+    )
+    assert_tree_equal(fa.reduce("sum")(state, [torch.tensor([1.0])]), [torch.tensor([1.0])])
+    assert_tree_equal(fa.reduce("mean", scale=3.0)(state, torch.tensor([1.0])), torch.tensor([3.0]))
+    assert_tree_equal(fa.broadcast(0)(state, (torch.ones(2),)), (torch.ones(2),))
+    assert_tree_equal(
+        fa.gather_for_metrics()(state, {"p": torch.arange(4)}, num_valid=3), {"p": torch.arange(3)}
+    )
+    assert fa.gather_object()(state, ["a"]) == ["a"]
+    assert fa.broadcast_object_list()(state, ["a"]) == ["a"]
+
+
+def test_composed_forms_print_and_compare() -> None:
+    collect = fa.compose(fa.pad_across_processes(dim=1, pad_index=-100), fa.gather())
+    assert repr(collect) == "compose(pad_across_processes(dim=1, pad_index=-100), gather())"
+    assert collect == fa.compose(fa.pad_across_processes(dim=1, pad_index=-100), fa.gather())
+    assert collect != fa.compose(fa.pad_across_processes(dim=0), fa.gather())
+    assert repr(fa.reduce("sum")) == "reduce(reduction='sum')"
+    assert repr(fa.broadcast(0)) == "broadcast(from_process=0)"
+
+
+def test_compose_rejects_two_communicating_steps_and_wrong_order() -> None:
+    with pytest.raises(ValueError, match=r"gather\(\) and reduce\(reduction='sum'\)"):
+        fa.compose(fa.gather(), fa.reduce("sum"))
+    with pytest.raises(ValueError, match="must come before"):
+        fa.compose(fa.gather(), fa.pad_across_processes(dim=1))
+
+
+# ------------------------------------------------------------- 2 and 3 ranks
+
+
+def test_gather_nested_tree_every_dtype(world: Any) -> None:
+    n = world.num_processes
+    expected = fns.mixed_tree(_cat_over_ranks(n))
+    for rank, (out, input_after) in enumerate(world.run(fns.gather_mixed)):
+        assert_tree_equal(out, expected, f"rank {rank}")
+        assert_tree_equal(input_after, fns.mixed_tree(fns.rank_leaf(rank)), f"rank {rank} input")
+
+
+@pytest.mark.parametrize("source", ["first", "last"])
+def test_broadcast_nested_tree_every_dtype(world: Any, source: str) -> None:
+    n = world.num_processes
+    src = 0 if source == "first" else n - 1
+    expected = fns.mixed_tree(fns.rank_leaf(src))
+    for rank, (out, input_after) in enumerate(world.run(fns.broadcast_mixed, src)):
+        assert_tree_equal(out, expected, f"rank {rank}")
+        assert_tree_equal(input_after, fns.mixed_tree(fns.rank_leaf(rank)), f"rank {rank} input")
+
+
+def test_gather_and_broadcast_per_dtype(world: Any) -> None:
+    n = world.num_processes
+    for rank, results in enumerate(world.run(fns.per_dtype)):
+        for name, dtype in fns.DTYPES.items():
+            gathered, gathered_scalar, broadcast, broadcast_scalar = results[name]
+            where = f"rank {rank} {name}"
+            assert_tree_equal(gathered, torch.cat([leaf(r, (2, 3), dtype) for r in range(n)]), where)
+            scalars = torch.stack([leaf(r, (), dtype) for r in range(n)])
+            assert_tree_equal(gathered_scalar, scalars, where)
+            assert_tree_equal(broadcast, leaf(n - 1, (2, 3), dtype), where)
+            assert_tree_equal(broadcast_scalar, leaf(n - 1, (), dtype), where)
+
+
+@pytest.mark.parametrize(
+    ("reduction", "scale"),
+    [("sum", 1.0), ("sum", 2.0), ("mean", 1.0), ("mean", 0.5), ("none", 1.0), ("none", 3.0)],
+)
+def test_reduce_nested_tree(world: Any, reduction: str, scale: float) -> None:
+    n = world.num_processes
+
+    def expected_for(rank: int) -> Any:
+        def make(shape: tuple[int, ...], dtype: torch.dtype, transpose: bool = False) -> torch.Tensor:
+            if reduction == "none":
+                value = leaf(rank, shape, dtype, transpose=transpose)
+            else:
+                value = sum(leaf(r, shape, dtype, transpose=transpose) for r in range(n))
+            if reduction == "mean":
+                value = value / n
+            return value * scale if scale != 1.0 else value
+
+        return fns.float_tree(make, with_int=with_int)
+
+    with_int = reduction != "mean" and scale == 1.0
+    for rank, (out, input_after) in enumerate(world.run(fns.reduce_floats, reduction, scale)):
+        assert_tree_equal(out, expected_for(rank), f"rank {rank}", exact=reduction != "mean")
+        assert_tree_equal(input_after, fns.float_tree(fns.rank_leaf(rank), with_int), f"rank {rank}")
+
+
+def test_object_collectives(world: Any) -> None:
+    n = world.num_processes
+    everyone = [
+        item for r in range(n) for item in [f"r{r}-{i}" for i in range(r + 1)] + [{"rank": r}]
+    ]
+    for rank, out in enumerate(world.run(fns.objects)):
+        assert out["gathered"] == everyone
+        assert out["from_first"] == [0, "from 0", {"nested": (0,)}]
+        assert out["from_last"] == [n - 1, f"from {n - 1}", {"nested": (n - 1,)}]
+        assert out["offered_after"] == [rank, f"from {rank}", {"nested": (rank,)}]
+
+
+@pytest.mark.parametrize(
+    ("dim", "pad_index", "pad_first"),
+    [(0, 0, False), (1, -100, False), (-1, 7, True), (-2, 0, True), (1, 1, True)],
+)
+def test_pad_across_processes_ragged_tree(
+    world: Any, dim: int, pad_index: int, pad_first: bool
+) -> None:
+    n = world.num_processes
+    # every rank's leaf shapes, in the order ragged_tree builds its leaves
+    shapes: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
+    for r in range(n):
+        fns.ragged_tree(r, n, make=lambda rank, shape, dtype: shapes[rank].append(shape))
+
+    def expected_for(rank: int) -> Any:
+        index = iter(range(len(shapes[0])))
+
+        def make(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            k = next(index)
+            t = leaf(rank, shape, dtype)
+            if not -len(shape) <= dim < len(shape):
+                return t  # no such dimension: left alone
+            axis = dim % len(shape)
+            return _pad_ref(t, axis, max(s[k][axis] for s in shapes), pad_index, pad_first)
+
+        return fns.ragged_tree(rank, n, make=make)
+
+    for rank, (out, input_after) in enumerate(world.run(fns.pad_ragged, dim, pad_index, pad_first)):
+        assert_tree_equal(out, expected_for(rank), f"rank {rank}")
+        assert_tree_equal(input_after, fns.ragged_tree(rank, n), f"rank {rank} input")
+        assert out["mask"].value.dtype == torch.bool
+
+
+def test_pad_across_processes_bool_pad_value(world: Any) -> None:
+    n = world.num_processes
+    # dim 1 of "mask" has rank + 1 columns: pad_index=0 pads with False, others with True
+    for pad_index, fill in [(0, False), (1, True)]:
+        for rank, (out, _) in enumerate(world.run(fns.pad_ragged, 1, pad_index, False)):
+            mask = out["mask"].value
+            assert mask.dtype == torch.bool and mask.shape == (n - rank, n)
+            assert bool((mask[:, rank + 1 :] == fill).all())
+
+
+def test_composed_forms(world: Any) -> None:
+    n = world.num_processes
+    labels = torch.cat([_pad_ref(leaf(r, (2, r + 1), torch.int64), 1, n, -100, False) for r in range(n)])
+    flags = torch.cat([_pad_ref(leaf(r, (1, n - r), torch.bool), 1, n, -100, False) for r in range(n)])
+    scalars = torch.stack([leaf(r, (), torch.float32) for r in range(n)])
+    for rank, out in enumerate(world.run(fns.composed)):
+        assert_tree_equal(
+            out["pad_gather"],
+            {"labels": labels, "extra": Pair(x=flags, y=scalars)},
+            f"rank {rank}",
+        )
+        assert_tree_equal(out["sum"], {"x": sum(leaf(r, (2,), torch.float32) for r in range(n))})
+        assert_tree_equal(
+            out["mean_scaled"],
+            [sum(leaf(r, (2,), torch.float32) for r in range(n)) / n * 2.0],
+            exact=False,
+        )
+        assert_tree_equal(out["broadcast_first"], FrozenBox(value=leaf(0, (3,), torch.float32)))
+        assert_tree_equal(out["broadcast_last"], (leaf(n - 1, (3,), torch.int64),))
+        assert_tree_equal(
+            out["metrics"], torch.cat([leaf(r, (3, 2), torch.int64)[: r % 3] for r in range(n)])
+        )
+        assert out["objects"] == [r for r in range(n) for _ in range(r + 1)]
+        assert out["object_list"] == [n - 1, "x"]
+        assert_tree_equal(
+            out["labels_after"],
+            {
+                "labels": leaf(rank, (2, rank + 1), torch.int64),
+                "extra": Pair(x=leaf(rank, (1, n - rank), torch.bool), y=leaf(rank, (), torch.float32)),
+            },
+        )
+
+
+def test_pad_then_gather_with_another_dim_differing_raises(world: Any) -> None:
+    with pytest.raises(fa.CollectiveMismatchError, match="pad the other differing dimensions"):
+        world.run(fns.pad_then_gather_other_dim_differs)
+    assert_tree_equal(world.run(fns.gather_rank)[0], torch.arange(world.num_processes))
+
+
+@pytest.mark.parametrize("kind", ["leaves", "dtype", "ndim"])
+def test_pad_across_processes_detects_different_trees_without_debug_mode(
+    world: Any, kind: str
+) -> None:
+    with pytest.raises(fa.CollectiveMismatchError) as info:
+        world.run(fns.pad_mismatched, kind)
+    message = str(info.value)
+    for rank in range(world.num_processes):
+        assert f"rank {rank}:" in message
+    if kind == "dtype":
+        assert "float32" in message and "float64" in message
+    assert_tree_equal(world.run(fns.gather_rank)[0], torch.arange(world.num_processes))
+
+
+@pytest.mark.parametrize("op", ["gather", "reduce", "broadcast"])
+@pytest.mark.parametrize("same_ndim", [True, False], ids=["sizes", "ndim"])
+def test_debug_mode_detects_mismatched_shapes(world2: Any, op: str, same_ndim: bool) -> None:
+    shapes = {0: "(2, 3)", 1: "(3, 3)"} if same_ndim else {0: "(2,)", 1: "(2, 2)"}
+    for rank, (message, elapsed, after) in enumerate(world2.run(fns.debug_mismatch, op, same_ndim)):
+        assert message.startswith(f"{op}:"), message
+        for r, shape in shapes.items():
+            assert re.search(rf"rank {r}: \[{re.escape(shape)} float32\]", message), message
+        # found by the check, not by the process group's 1800 s timeout
+        assert elapsed < 30, f"rank {rank} took {elapsed:.1f}s to fail"
+        assert_tree_equal(after, torch.tensor([0, 1]))
+    assert world2.alive
+    assert_tree_equal(world2.run(fns.gather_rank)[1], torch.tensor([0, 1]))
+
+
+def test_debug_mode_passes_matching_shapes(world: Any) -> None:
+    n = world.num_processes
+    for gathered, summed, broadcast in world.run(fns.debug_matching):
+        assert_tree_equal(gathered, {"x": torch.cat([leaf(r, (2, 3), torch.float32) for r in range(n)])})
+        assert_tree_equal(summed, {"x": sum(leaf(r, (2, 3), torch.float32) for r in range(n))})
+        assert_tree_equal(broadcast, {"x": leaf(n - 1, (2, 3), torch.float32)})
+
+
+def test_string_leaf_in_distributed_gather(world2: Any) -> None:
+    with pytest.raises(TypeError, match=r"^gather: .*str"):
+        world2.run(fns.gather_with_str_leaf)
+    assert_tree_equal(world2.run(fns.gather_rank)[0], torch.tensor([0, 1]))

@@ -1,0 +1,61 @@
+"""fa.testing: the harness reports failures by rank and never hangs."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+
+import fnaccel as fa
+from fnaccel.testing import DistributedTestError, World, run_distributed
+
+
+def _rank_times(state: fa.RunState, factor: int) -> int:
+    return state.dist.rank * factor
+
+
+def _fail_on_last(state: fa.RunState) -> int:
+    if state.dist.is_last_process:
+        raise KeyError("only the last rank fails")
+    return state.dist.rank
+
+
+def _hang_on_rank_one(state: fa.RunState) -> None:
+    if state.dist.rank == 1:
+        time.sleep(60)
+
+
+def _die_on_rank_one(state: fa.RunState) -> None:
+    if state.dist.rank == 1:
+        os._exit(3)
+
+
+def test_results_come_back_in_rank_order(world: Any) -> None:
+    assert world.run(_rank_times, 10) == [10 * r for r in range(world.num_processes)]
+
+
+def test_an_exception_is_reraised_with_its_rank(world: Any) -> None:
+    with pytest.raises(KeyError, match="only the last rank fails") as info:
+        world.run(_fail_on_last)
+    last = world.num_processes - 1
+    assert any(note.startswith(f"rank {last} raised KeyError") for note in info.value.__notes__)
+    assert world.alive  # the other ranks finished: the world is still usable
+    assert world.run(_rank_times, 1) == list(range(world.num_processes))
+
+
+def test_a_hung_rank_and_a_dead_rank_tear_the_world_down() -> None:
+    with World(2, timeout=4) as world:
+        started = time.monotonic()
+        with pytest.raises(DistributedTestError, match=r"rank\(s\) \[1\] did not finish"):
+            world.run(_hang_on_rank_one)
+        assert time.monotonic() - started < 30
+        assert not world.alive
+        with pytest.raises(DistributedTestError, match="closed or broke"):
+            world.run(_rank_times, 1)
+    results = run_distributed(_rank_times, 2, 5)
+    assert results == [0, 5]
+    with World(2, timeout=30) as world:
+        with pytest.raises(DistributedTestError, match=r"rank 1 died \(exit code 3\)"):
+            world.run(_die_on_rank_one)

@@ -1,0 +1,87 @@
+"""compose: one transform record for collectives (and, later, training transforms)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fnaccel as fa
+from fnaccel.transforms import CallInfo, Pipeline, Transform
+
+
+def test_pipelines_print_as_the_code_that_built_them_and_compare_by_value() -> None:
+    collect = fa.compose(fa.pad_across_processes(dim=1, pad_index=-100), fa.gather())
+    assert repr(collect) == "compose(pad_across_processes(dim=1, pad_index=-100), gather())"
+    assert collect == fa.compose(fa.pad_across_processes(dim=1, pad_index=-100), fa.gather())
+    assert collect != fa.compose(fa.pad_across_processes(dim=0, pad_index=-100), fa.gather())
+    assert repr(fa.reduce("sum", scale=0.5)) == "reduce(reduction='sum', scale=0.5)"
+    assert collect.names == ("pad_across_processes", "gather")
+
+
+def test_nested_pipelines_are_flattened() -> None:
+    inner = fa.compose(fa.pad_across_processes(dim=1))
+    assert fa.compose(inner, fa.gather()).transforms == (
+        fa.pad_across_processes(dim=1), fa.gather()
+    )
+
+
+def test_duplicates_are_rejected_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"gather\(\) and gather\(\) both appear; keep one gather"):
+        fa.compose(fa.gather(), fa.gather())
+
+
+def test_conflicting_collectives_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"gather\(\) and reduce\(reduction='mean'\) cannot be combined"):
+        fa.compose(fa.gather(), fa.reduce())
+
+
+def test_wrong_order_names_the_fix() -> None:
+    with pytest.raises(ValueError) as info:
+        fa.compose(fa.gather(), fa.pad_across_processes(dim=1))
+    assert "pad_across_processes(dim=1) must come before gather()" in str(info.value)
+    assert "write compose(pad_across_processes(dim=1), gather())" in str(info.value)
+
+
+def test_a_factory_passed_uncalled_is_explained() -> None:
+    with pytest.raises(TypeError, match="forget to call the factory"):
+        fa.compose(fa.gather)  # type: ignore[arg-type]
+
+
+def test_bad_factory_arguments() -> None:
+    with pytest.raises(ValueError, match="unknown reduction 'max'"):
+        fa.reduce("max")  # type: ignore[arg-type]
+
+
+def test_states_are_keyed_by_name() -> None:
+    counter = Transform(name="counter", phase=5, init=lambda ctx: {"count": ctx.num_processes})
+    pipeline = fa.compose(counter, fa.gather())
+    assert dict(pipeline.init(fa.init(cpu=True))) == {"counter": {"count": 1}}
+
+
+def test_a_pipeline_without_collective_steps_cannot_be_applied() -> None:
+    stateful_only = Pipeline((Transform(name="noop"),))
+    with pytest.raises(TypeError, match="no collective steps"):
+        stateful_only(fa.init(cpu=True), torch.ones(1))
+
+
+def test_calls_pass_information_down_the_chain() -> None:
+    seen: list[CallInfo] = []
+
+    def record(ctx: fa.DistContext, tree: object, call: CallInfo) -> tuple[object, CallInfo]:
+        seen.append(call)
+        return tree, call
+
+    spy = Transform(name="spy", phase=15, apply=record)
+    out = fa.compose(fa.pad_across_processes(dim=0), spy, fa.gather_for_metrics())(
+        fa.init(cpu=True), torch.arange(3), num_valid=2
+    )
+    assert torch.equal(out, torch.arange(2))
+    assert seen[0].num_valid == 2
+
+
+def test_a_single_transform_is_callable() -> None:
+    state = fa.init(cpu=True)
+    assert torch.equal(fa.gather()(state, torch.tensor(2.0)), torch.tensor([2.0]))
+    assert torch.equal(fa.reduce("sum", scale=3.0)(state, torch.tensor(2.0)), torch.tensor(6.0))
+    assert fa.broadcast_object_list(0)(state, ["a"]) == ["a"]
+    assert fa.gather_object()(state, ["a", "b"]) == ["a", "b"]
