@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -84,7 +85,7 @@ class LaunchConfig:
 
 
 # What YAML may hold for each key: bool is not an int here, and an int is a float.
-_TYPES: dict[str, tuple[type, ...]] = {
+_TYPES: Mapping[str, tuple[type, ...]] = MappingProxyType({
     f.name: (
         (bool,) if f.type == "bool"
         else (int,) if f.type == "int"
@@ -96,7 +97,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     )
     for f in fields(LaunchConfig)
     if f.name != "source"
-}
+})
 
 
 def _check_value(key: str, value: Any, source: str) -> Any:

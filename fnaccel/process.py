@@ -120,9 +120,8 @@ def _split(inputs: Any, num_processes: int, rank: int, apply_padding: bool) -> A
             raise ValueError(
                 f"split_between_processes: the dict's values have different lengths {sorted(lengths)}"
             )
-        return type(inputs)(
-            {k: _split(v, num_processes, rank, apply_padding) for k, v in inputs.items()}
-        )
+        rebuild: Any = type(inputs)
+        return rebuild({k: _split(v, num_processes, rank, apply_padding) for k, v in inputs.items()})
     length = len(inputs)
     base, extra = divmod(length, num_processes)
     start = rank * base + min(rank, extra)

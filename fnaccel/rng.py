@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 __all__ = ["RNGState", "installed"]
 
@@ -46,8 +47,8 @@ class RNGState:
     """
 
     python: tuple[Any, ...] = field(repr=False)
-    torch: torch.Tensor = field(repr=False)
-    cuda: tuple[torch.Tensor, ...] = field(default=(), repr=False)
+    torch: Tensor = field(repr=False)
+    cuda: tuple[Tensor, ...] = field(default=(), repr=False)
     numpy: tuple[Any, ...] | None = field(default=None, repr=False)
 
     @classmethod

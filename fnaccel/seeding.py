@@ -8,6 +8,7 @@ the state's generators only for the duration of one call.
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,12 +26,12 @@ __all__ = ["set_seed", "synchronize_rng_states", "with_rng"]
 R = TypeVar("R")
 
 # RNGType member -> RNGState field it synchronises
-_FIELDS = {
+_FIELDS = MappingProxyType({
     RNGType.PYTHON: "python",
     RNGType.TORCH: "torch",
     RNGType.CUDA: "cuda",
     RNGType.NUMPY: "numpy",
-}
+})
 
 
 def set_seed(state: RunState, seed: int, device_specific: bool = False) -> RunState:
@@ -86,7 +87,7 @@ def synchronize_rng_states(
     if state.dist.num_processes == 1:
         return state
     names = sorted(_FIELDS[t] for t in types if t in _FIELDS)
-    payload = [{name: getattr(state.rng, name) for name in names}]
+    payload: list[Any] = [{name: getattr(state.rng, name) for name in names}]
     if generator is not None:
         payload.append(generator.get_state())
     received = broadcast_object_list(state, payload, from_process=0)

@@ -119,7 +119,7 @@ class World:
             raise ValueError(f"World needs at least one process, got {num_processes}")
         self.num_processes = num_processes
         self.timeout = timeout
-        self._store = dist.TCPStore(
+        self._store = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1", 0, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=start_timeout),
         )
@@ -167,13 +167,13 @@ class World:
             ready = wait([*waiting, *sentinels], timeout=deadline - now)
             for item in ready:
                 if item in waiting:
-                    rank = waiting.pop(item)  # type: ignore[call-overload]
+                    rank = waiting.pop(item)
                     try:
-                        replies[rank] = item.recv()  # type: ignore[union-attr]
+                        replies[rank] = item.recv()
                     except EOFError:
                         replies[rank] = ("died", None)
                 elif item in sentinels:
-                    rank = sentinels.pop(item)  # type: ignore[call-overload]
+                    rank = sentinels.pop(item)
                     conn = self._conns[rank]
                     if conn in waiting and not conn.poll():
                         waiting.pop(conn)

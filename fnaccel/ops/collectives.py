@@ -37,6 +37,8 @@ _PAD_HINT = "pad them first with fa.ops.pad_across_processes, or use gather_for_
 
 
 def _tensor_leaves(op: str, tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):  # the common case, without walking a tree
+        return [tree]
     # error_on_other_type: a collective over a tree with a string leaf is a mistake
     try:
         recursively_apply(lambda t: t, tree, error_on_other_type=True)

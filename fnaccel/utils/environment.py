@@ -18,8 +18,9 @@ import importlib.util
 import operator
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Any, Literal, overload
 
 import torch
@@ -48,10 +49,10 @@ __all__ = [
     "str_to_bool",
 ]
 
-_OPERATIONS: dict[str, Callable[[Any, Any], bool]] = {
+_OPERATIONS: Mapping[str, Callable[[Any, Any], bool]] = MappingProxyType({
     "<": operator.lt, "<=": operator.le, "==": operator.eq,
     "!=": operator.ne, ">=": operator.ge, ">": operator.gt,
-}
+})
 # PEP 440 in brief: release, then optional pre-release, post-release, dev-release, local label.
 _VERSION = re.compile(
     r"v?(?P<release>\d+(?:\.\d+)*)"
@@ -61,7 +62,7 @@ _VERSION = re.compile(
     r"(?:\+[a-z0-9._]*)?",
     re.IGNORECASE,
 )
-_PRE_ORDER = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2}
+_PRE_ORDER = MappingProxyType({"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2})
 _TRUE = ("1", "y", "yes", "t", "true", "on")
 _FALSE = ("0", "n", "no", "f", "false", "off")
 

@@ -1,0 +1,35 @@
+# The commands CI and the README use. Each target creates or reuses .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test typecheck train bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: 2.13.0 is the local CPU wheel; the project's range (torch>=2.4)
+	# is then already satisfied and pulls no CUDA packages.
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: typecheck
+	$(BIN)/python -m pytest -q --doctest-modules fnaccel tests
+
+# The main job: train the example classifier on 2 gloo processes.
+train: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
+		examples/train_classifier.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/collectives.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,41 @@
+"""Each public module's __all__ is exactly what docs/api.md documents (after httpx)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import fnaccel
+import fnaccel.ops
+import fnaccel.testing
+
+_API = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+
+
+def _documented(module_name: str) -> set[str]:
+    text = _API.read_text()
+    section = re.search(rf"^## `{re.escape(module_name)}`\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert section is not None, f"docs/api.md has no section for {module_name}"
+    return set(re.findall(r"^- `(\w+)`", section.group(1), re.M))
+
+
+@pytest.mark.parametrize("module", [fnaccel, fnaccel.ops, fnaccel.testing], ids=lambda m: m.__name__)
+def test_all_is_exactly_the_documented_surface(module: ModuleType) -> None:
+    exported = set(module.__all__)
+    documented = _documented(module.__name__)
+    assert exported == documented, (
+        f"exported but not documented: {sorted(exported - documented)}; "
+        f"documented but not exported: {sorted(documented - exported)}"
+    )
+    assert len(module.__all__) == len(exported), "duplicates in __all__"
+    for name in module.__all__:
+        assert hasattr(module, name), name
+
+
+def test_utils_exports_exist_and_are_unique() -> None:
+    assert len(fnaccel.utils.__all__) == len(set(fnaccel.utils.__all__))
+    for name in fnaccel.utils.__all__:
+        assert hasattr(fnaccel.utils, name), name
