@@ -66,6 +66,14 @@ def local_main_process_first(ctx: DistContext | Any) -> AbstractContextManager[N
     return _goes_first(ctx, ctx.is_local_main_process)
 
 
+def _only_where(run_here: bool, function: Callable[..., R]) -> Callable[..., R | None]:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> R | None:
+        return function(*args, **kwargs) if run_here else None
+
+    return wrapper
+
+
 def on_process(
     ctx: DistContext | Any, function: Callable[..., R], process_index: int
 ) -> Callable[..., R | None]:
@@ -76,12 +84,7 @@ def on_process(
             f"on_process: process_index={process_index} is not a rank of this "
             f"{ctx.num_processes}-process run"
         )
-
-    @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> R | None:
-        return function(*args, **kwargs) if ctx.rank == process_index else None
-
-    return wrapper
+    return _only_where(ctx.rank == process_index, function)
 
 
 def on_main_process(ctx: DistContext | Any, function: Callable[..., R]) -> Callable[..., R | None]:
@@ -98,13 +101,7 @@ def on_local_main_process(
     ctx: DistContext | Any, function: Callable[..., R]
 ) -> Callable[..., R | None]:
     """``function`` wrapped to run only on each machine's local main process."""
-    ctx = as_dist(ctx)
-
-    @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> R | None:
-        return function(*args, **kwargs) if ctx.is_local_main_process else None
-
-    return wrapper
+    return _only_where(as_dist(ctx).is_local_main_process, function)
 
 
 def print_on_main(ctx: DistContext | Any, *args: Any, **kwargs: Any) -> None:

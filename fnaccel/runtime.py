@@ -42,7 +42,7 @@ def _env_int(name: str, default: int) -> int:
         ) from None
 
 
-def _read_launch_env(config: LaunchConfig) -> dict[str, int]:
+def _read_launch_env(config: LaunchConfig, rendezvous: str) -> dict[str, int]:
     """Ranks and sizes from torchrun's variables, checked for consistency."""
     num_processes = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
@@ -58,7 +58,7 @@ def _read_launch_env(config: LaunchConfig) -> dict[str, int]:
         raise ConfigError(
             f"LOCAL_RANK={local_rank} is outside this machine's LOCAL_WORLD_SIZE={num_local}"
         )
-    if num_processes > 1 and not os.environ.get("MASTER_ADDR"):
+    if num_processes > 1 and rendezvous == "env://" and not os.environ.get("MASTER_ADDR"):
         raise ConfigError(
             f"WORLD_SIZE={num_processes} but MASTER_ADDR is not set; start the script "
             "with `fnaccel launch` or torchrun, which set the rendezvous variables"
@@ -115,6 +115,12 @@ def _start_process_group(
     if dist.is_initialized():
         # The process already has a default group (the user's, or another run's):
         # this run gets its own communicator over the same ranks.
+        if "init_method" in options:
+            raise ConfigError(
+                "this process already has a default process group, so the new run's group "
+                "is formed over it and InitProcessGroupKwargs(init_method=...) cannot apply; "
+                "drop init_method for this run"
+            )
         if dist.get_world_size() != env["num_processes"]:
             raise ConfigError(
                 f"a default process group of size {dist.get_world_size()} already exists "
@@ -201,7 +207,9 @@ def init(
     """
     launch_config = resolve_config(config)
     handlers = _handlers_by_name(kwargs_handlers)
-    env = _read_launch_env(launch_config)
+    pg_handler = handlers.get("InitProcessGroupKwargs", InitProcessGroupKwargs())
+    assert isinstance(pg_handler, InitProcessGroupKwargs)
+    env = _read_launch_env(launch_config, pg_handler.init_method or "env://")
     use_cpu = cpu or parse_flag_from_env("FNACCEL_USE_CPU") or launch_config.use_cpu
     if not use_cpu and torch.cuda.is_available():
         device = torch.device("cuda", env["local_rank"])
@@ -214,8 +222,6 @@ def init(
     backend: str | None = None
     distributed_type = DistributedType.NO
     if env["num_processes"] > 1:
-        pg_handler = handlers.get("InitProcessGroupKwargs", InitProcessGroupKwargs())
-        assert isinstance(pg_handler, InitProcessGroupKwargs)
         backend = pg_handler.to_kwargs().get("backend") or (
             "nccl" if device.type == "cuda" else "gloo"
         )

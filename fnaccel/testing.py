@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -86,9 +87,7 @@ def _worker(
 def _describe(exc: BaseException) -> tuple[BaseException | None, str, str]:
     text = "".join(traceback.format_exception(exc))
     try:
-        import pickle
-
-        pickle.dumps(exc)
+        pickle.dumps(exc)  # between the run's own processes, never on disk
         return exc, type(exc).__name__, text
     except Exception:
         return None, type(exc).__name__, text
@@ -119,7 +118,7 @@ class World:
             raise ValueError(f"World needs at least one process, got {num_processes}")
         self.num_processes = num_processes
         self.timeout = timeout
-        self._store = dist.TCPStore(  # type: ignore[attr-defined]
+        self._store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False,
             timeout=timedelta(seconds=start_timeout),
         )

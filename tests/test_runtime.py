@@ -191,3 +191,44 @@ def test_under_torchrun_a_run_ends_without_abort(tmp_path: Path, ending: str) ->
     assert result.returncode == 0, output
     assert "terminate called" not in output
     assert "rank 0 of 2 total 3.0" in result.stdout and "rank 1 of 2 total 3.0" in result.stdout
+
+
+def _init_with_file_rendezvous(rank: int, rendezvous: str, results: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    handler = fa.InitProcessGroupKwargs(
+        backend="gloo", init_method=rendezvous, timeout=timedelta(seconds=33)
+    )
+    state = fa.init(cpu=True, kwargs_handlers=[handler])
+    group = state.dist.process_group
+    assert group is not None
+    timeout = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    total = fa.ops.reduce(state, torch.tensor(float(rank + 1)), "sum").item()
+    try:
+        fa.init(cpu=True, kwargs_handlers=[handler])
+        second = "accepted"
+    except fa.ConfigError as exc:
+        second = str(exc)
+    fa.shutdown(state)
+    results.put((rank, timeout, total, second, dist.is_initialized()))
+
+
+def test_init_method_and_timeout_are_honoured(tmp_path: Path) -> None:
+    """No MASTER_ADDR: the handler's file:// rendezvous says where to meet."""
+    import multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    procs = [
+        context.Process(target=_init_with_file_rendezvous, args=(rank, rendezvous, results))
+        for rank in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    collected = sorted(results.get(timeout=90) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for rank, timeout, total, second, still_initialized in collected:
+        assert (timeout, total, still_initialized) == (33.0, 3.0, False)
+        assert "init_method" in second and "cannot apply" in second

@@ -21,7 +21,7 @@ with a message that names the transforms and the fix.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -186,8 +186,3 @@ def compose(*transforms: Transform | Pipeline) -> Pipeline:
 def options(**kwargs: Any) -> tuple[tuple[str, Any], ...]:
     """A factory's arguments as a transform's ``options`` (call with the non-defaults)."""
     return tuple(kwargs.items())
-
-
-def with_call(call: CallInfo, **changes: Any) -> CallInfo:
-    """``call`` with ``changes`` applied."""
-    return replace(call, **changes)

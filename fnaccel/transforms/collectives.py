@@ -9,6 +9,7 @@ checks the padded shapes without another collective.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fnaccel._errors import CollectiveMismatchError
@@ -16,7 +17,7 @@ from fnaccel.dist import DistContext
 from fnaccel.ops import collectives as ops
 from fnaccel.ops.metrics import gather_for_metrics as _gather_for_metrics
 from fnaccel.ops.tree import tree_leaves
-from fnaccel.transforms.base import CallInfo, Transform, options, with_call
+from fnaccel.transforms.base import CallInfo, Transform, options
 
 __all__ = [
     "broadcast",
@@ -129,7 +130,7 @@ def pad_across_processes(dim: int = 0, pad_index: int = 0, pad_first: bool = Fal
 
     def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
         padded, table = ops.pad_with_table(ctx, tree, dim, pad_index, pad_first)
-        return padded, with_call(call, shapes=table)
+        return padded, dataclasses.replace(call, shapes=table)
 
     opts = (
         options(dim=dim)
