@@ -27,7 +27,7 @@ a probe of each to estimate the per-call time (the max over ranks, agreed with
 an all-reduce so both ranks use the same block length), and picks k calls per
 block so a block takes at least ``--min-block`` seconds (0.2 s) while the
 timed part stays within ``--budget`` seconds (10 s). Then ``--rounds`` rounds
-(5; up to 3x as many when a single call already fills a block, as at 64 MB),
+(21; up to 3x as many when a single call already fills a block, as at 64 MB),
 each one block of baseline and one of fnaccel, alternating which goes first;
 a barrier precedes every block, and every rank times its block with
 `time.perf_counter`. The block times come back through `World.run`'s return
@@ -35,13 +35,15 @@ values; a block's time is the max over ranks (the collective is done when the
 slowest rank is), and the reported figure is the median over rounds of block
 time / k. The ratio is fnaccel / baseline: 1.00 means no overhead.
 
-The workers run with ``OMP_NUM_THREADS=1``; on a small machine shared with
-other work the figures are noisy, so look at the per-round values (and the
-minimum) that the JSON keeps beside each median.
+The workers run with ``OMP_NUM_THREADS=1``. On a small machine the figures
+are noisy: ``--cases "gather A/A" "pad+gather A/A"`` times the baseline
+against itself, and how far those ratios stray from 1.00 is the noise floor
+(about +-8% per row on a 2-core machine). The JSON keeps the per-round values
+beside each median.
 
 Run it from the repository root (takes about a minute)::
 
-    python benchmarks/collectives.py [--json results.json] [--rounds 5]
+    python benchmarks/collectives.py [--json results.json] [--rounds 21]
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ from fnaccel.testing import World
 NUM_PROCESSES = 2
 COLS = 256  # columns of the pad+gather case's 2-D tensor
 SIZES = {"1KB": 256, "1MB": 262_144, "64MB": 16_777_216}  # float32 elements per rank
-CASES = ("gather", "pad+gather")
+# The "A/A" cases time the baseline against itself: their ratios show how far
+# from 1.0 noise alone moves a row on this machine.
+CASES = ("gather", "pad+gather", "gather A/A", "pad+gather A/A")
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -114,16 +118,17 @@ def bench_worker(
     ctx = state.dist
     group, world, rank = ctx.process_group, ctx.num_processes, ctx.rank
     gen = torch.Generator().manual_seed(rank)
-    if case == "gather":
+    control = case.endswith(" A/A")
+    if case.startswith("gather"):
         t = torch.randn(numel, generator=gen)
 
         def baseline() -> torch.Tensor:
             return raw_gather(t, group, world)
 
         def fnaccel() -> torch.Tensor:
-            return fa.ops.gather(state, t)
+            return baseline() if control else fa.ops.gather(state, t)
 
-    elif case == "pad+gather":
+    elif case.startswith("pad+gather"):
         rows = numel // COLS - (1 if rank == 0 else 0)  # rank 0 is one row short
         t = torch.randn(rows, COLS, generator=gen)
         pipeline = fa.compose(fa.pad_across_processes(dim=0), fa.gather())
@@ -132,7 +137,7 @@ def bench_worker(
             return raw_pad_gather(t, group, world)
 
         def fnaccel() -> torch.Tensor:
-            return pipeline(state, t)
+            return baseline() if control else pipeline(state, t)
 
     else:
         raise ValueError(f"unknown case {case!r}")
@@ -197,20 +202,20 @@ def _summarise(case: str, label: str, numel: int, per_rank: list[dict[str, Any]]
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=21, help="alternating rounds (default 21)")
     parser.add_argument("--min-block", type=float, default=0.2,
                         help="seconds a timed block should last at least (default 0.2)")
     parser.add_argument("--budget", type=float, default=10.0,
                         help="timed seconds one (case, size) may take at most (default 10)")
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES[:2]))
     args = parser.parse_args(argv)
 
     rows = []
     started = time.perf_counter()
     print(f"{NUM_PROCESSES} gloo processes, torch {torch.__version__}, "
           f"{platform.machine()}, OMP_NUM_THREADS=1 in the workers", flush=True)
-    header = (f"{'case':<11} {'size':>5} {'k':>5} {'rounds':>6} {'baseline':>11} "
+    header = (f"{'case':<15} {'size':>5} {'k':>5} {'rounds':>6} {'baseline':>11} "
               f"{'fnaccel':>11} {'ratio':>6}")
     print(header)
     print("-" * len(header), flush=True)
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                      args.budget)
                 row = _summarise(case, label, numel, per_rank)
                 rows.append(row)
-                print(f"{case:<11} {label:>5} {row['k']:>5} {row['rounds']:>6} "
+                print(f"{case:<15} {label:>5} {row['k']:>5} {row['rounds']:>6} "
                       f"{_fmt(row['baseline_s']):>11} "
                       f"{_fmt(row['fnaccel_s']):>11} {row['ratio']:6.3f}", flush=True)
     print(f"({time.perf_counter() - started:.1f} s in all; per call: median over rounds of "

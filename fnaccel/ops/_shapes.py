@@ -23,7 +23,7 @@ import torch.distributed as dist
 from fnaccel._errors import CollectiveMismatchError
 from fnaccel.dist import DistContext
 
-__all__ = ["ShapeTable", "all_gather_bytes", "exchange_shapes", "require_same_shapes"]
+__all__ = ["ShapeTable", "all_gather_rows", "exchange_shapes", "require_same_shapes"]
 
 _SLOTS = 64
 _FIXED = 4  # leaf count, total rank (ndim), fingerprint, extras count
@@ -33,14 +33,26 @@ _FIXED = 4  # leaf count, total rank (ndim), fingerprint, extras count
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+# dtypes every backend moves as they are; anything else travels as raw bytes
+_NATIVE = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int8, torch.uint8}
+)
+
+
 def as_wire(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous byte view of ``tensor`` (0-d becomes 1-d) for pure data movement:
-    gloo refuses bool and some low-precision dtypes, but bytes always move."""
+    """A contiguous view of ``tensor`` that any backend can move (0-d becomes 1-d).
+
+    gloo refuses bool and some low-precision dtypes, but bytes always move;
+    native dtypes are left as they are, so the call is the one a hand-written
+    gather would make.
+    """
     flat = tensor.reshape(1) if tensor.ndim == 0 else tensor.contiguous()
-    return flat.view(torch.uint8) if flat.numel() else flat
+    if flat.dtype in _NATIVE or not flat.numel():
+        return flat
+    return flat.view(torch.uint8)
 
 
-def all_gather_bytes(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
+def all_gather_rows(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
     """All-gather ``tensor`` along dim 0 whatever its dtype; 0-d tensors become 1-d.
 
     Returns ``num_processes`` times as many rows, in rank order.
@@ -48,7 +60,7 @@ def all_gather_bytes(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
     wire = as_wire(tensor)
     out = wire.new_empty((ctx.num_processes * wire.shape[0], *wire.shape[1:]))
     _all_gather_single(out, wire, group=ctx.process_group)
-    return out.view(tensor.dtype)
+    return out if wire.dtype == tensor.dtype else out.view(tensor.dtype)
 
 
 def _all_gather_ints(ctx: DistContext, values: list[int]) -> list[list[int]]:

@@ -17,7 +17,7 @@ from fnaccel._errors import CollectiveMismatchError
 from fnaccel.dist import DistContext, as_dist
 from fnaccel.ops._shapes import (
     ShapeTable,
-    all_gather_bytes,
+    all_gather_rows,
     as_wire,
     exchange_shapes,
     require_same_shapes,
@@ -78,9 +78,14 @@ def gather(ctx: DistContext | Any, tree: Any) -> Any:
 
 
 def _gather_leaves(ctx: DistContext, tree: Any, leaves: Sequence[torch.Tensor]) -> Any:
+    # Python run right after a collective competes with gloo's threads finishing it
+    # (measured: 1.6 us of tree rebuilding cost 40 us there), so a bare tensor
+    # comes back as it is.
+    if isinstance(tree, torch.Tensor) and ctx.num_processes > 1:
+        return all_gather_rows(ctx, tree)
     if ctx.num_processes == 1:
         return tree_unflatten(tree, [t.reshape(1) if t.ndim == 0 else t for t in leaves])
-    return tree_unflatten(tree, [all_gather_bytes(ctx, t) for t in leaves])
+    return tree_unflatten(tree, [all_gather_rows(ctx, t) for t in leaves])
 
 
 Reduction = Literal["mean", "sum", "none"]

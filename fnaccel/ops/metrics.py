@@ -19,7 +19,7 @@ import torch
 
 from fnaccel._errors import CollectiveMismatchError
 from fnaccel.dist import DistContext, as_dist
-from fnaccel.ops._shapes import all_gather_bytes, exchange_shapes
+from fnaccel.ops._shapes import all_gather_rows, exchange_shapes
 from fnaccel.ops.collectives import gather_object
 from fnaccel.ops.tree import is_torch_tensor, recursively_apply, tree_leaves, tree_unflatten
 
@@ -129,7 +129,7 @@ def gather_for_metrics(
             padded = t.new_zeros((most, *t.shape[1:]))
             padded[: t.shape[0]] = t
             t = padded
-        everyone = all_gather_bytes(ctx, t).view(ctx.num_processes, most, *t.shape[1:])
+        everyone = all_gather_rows(ctx, t).view(ctx.num_processes, most, *t.shape[1:])
         if all(v == most for v in valids):
             out.append(everyone.reshape(ctx.num_processes * most, *t.shape[1:]))
         else:
