@@ -57,20 +57,25 @@ def test_split_between_processes_covers_every_input_once(world: Any, length: int
     assert all(p[: len(q)] == q for p, q in zip(padded, parts))
 
 
-def _main_first(state: fa.RunState, marker: str) -> bool:
+def _main_first(state: fa.RunState, marker: str, local: bool) -> bool:
     path = Path(marker)
-    with fa.main_process_first(state):
+    first = fa.local_main_process_first if local else fa.main_process_first
+    with first(state):
         if state.dist.is_main_process:
-            time.sleep(0.2)  # give the others time to (wrongly) run ahead
+            time.sleep(0.2)  # the others would run ahead here if the barrier were missing
             path.write_text("ready")
         seen = path.exists()
     fa.wait_for_everyone(state)
     return seen
 
 
-def test_main_process_first_lets_the_main_process_finish_first(world: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+def test_main_process_first_lets_the_main_process_finish_first(
+    world: Any, tmp_path: Path, local: bool
+) -> None:
+    # one machine: the local main process is the global one
     marker = tmp_path / f"marker{world.num_processes}"
-    assert world.run(_main_first, str(marker)) == [True] * world.num_processes
+    assert world.run(_main_first, str(marker), local) == [True] * world.num_processes
 
 
 def _on_main_and_print(state: fa.RunState) -> tuple[Any, Any, str]:
