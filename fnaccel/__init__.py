@@ -30,9 +30,19 @@ from fnaccel.rng import RNGState
 from fnaccel.runtime import init, shutdown
 from fnaccel.seeding import set_seed, synchronize_rng_states, with_rng
 from fnaccel.state import RunState
+from fnaccel.train import apply_gradients, backward, prepare, step
 from fnaccel.transforms import (
     Pipeline,
     Transform,
+    accumulate,
+    autocast,
+    bf16,
+    clip_grad_norm,
+    clip_grad_value,
+    ddp,
+    fp16,
+    fp32,
+    grad_scaler,
     broadcast,
     broadcast_object_list,
     compose,
@@ -63,6 +73,21 @@ __all__ = [
     "init",
     "shutdown",
     "with_rng",
+    # training
+    "prepare",
+    "step",
+    "backward",
+    "apply_gradients",
+    # training transforms
+    "autocast",
+    "grad_scaler",
+    "ddp",
+    "accumulate",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "fp16",
+    "bf16",
+    "fp32",
     # transforms and collectives
     "Transform",
     "Pipeline",

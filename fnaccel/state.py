@@ -13,7 +13,7 @@ result shares the lease with its source: they describe the same live objects.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -58,6 +58,8 @@ class RunState:
         mixed_precision: the precision the launch asked for.
         model, optimizer, scheduler, loader: live objects, once prepared.
         pipeline: the composed transforms, once prepared.
+        loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``, or None for
+            the default (the model's scalar output or its ``.loss``).
         transform_states: each transform's state record, keyed by its name.
         config: the launch configuration the run resolved.
         kwargs_handlers: the handlers passed to `fa.init`, keyed by class name.
@@ -76,6 +78,7 @@ class RunState:
     scheduler: Any = field(default=None, repr=False)
     loader: Any = field(default=None, repr=False)
     pipeline: Pipeline | None = None
+    loss_fn: Callable[[Any, Any], Any] | None = field(default=None, repr=False)
     transform_states: Mapping[str, Any] = field(
         default_factory=lambda: MappingProxyType({}), repr=False
     )

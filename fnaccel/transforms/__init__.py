@@ -1,6 +1,8 @@
 """Transforms: small named records of hooks, combined by `compose`."""
 
+from fnaccel.transforms.accumulate import accumulate
 from fnaccel.transforms.base import CallInfo, Pipeline, Transform, compose
+from fnaccel.transforms.clip import clip_grad_norm, clip_grad_value
 from fnaccel.transforms.collectives import (
     broadcast,
     broadcast_object_list,
@@ -10,8 +12,19 @@ from fnaccel.transforms.collectives import (
     pad_across_processes,
     reduce,
 )
+from fnaccel.transforms.parallel import ddp
+from fnaccel.transforms.precision import autocast, bf16, fp16, fp32, grad_scaler
 
 __all__ = [
+    "accumulate",
+    "autocast",
+    "bf16",
+    "clip_grad_norm",
+    "clip_grad_value",
+    "ddp",
+    "fp16",
+    "fp32",
+    "grad_scaler",
     "CallInfo",
     "Pipeline",
     "Transform",

@@ -7,10 +7,20 @@ optax's ``GradientTransformation``. `compose` turns transforms into a
 an identical pipeline, and keys each transform's state by the transform's
 name (optax's ``named_chain``), so saved states survive reordering.
 
-Hooks:
-    init(ctx) -> state: the transform's own state record (None for stateless ones).
+Hooks (every one optional):
+    init(ctx) -> state: the transform's own state (None for stateless ones).
     apply(ctx, tree, call) -> (tree, call): a collective step; ``call`` is the
         `CallInfo` passed along the chain (what earlier steps learnt).
+    Training hooks, used by `fa.prepare` / `fa.step` (see fnaccel/train.py):
+    prepare_model(ctx, model, state) -> model: wrap or shard the model once.
+    set_sync(model, enabled): switch gradient communication for the next
+        backward (accumulation's non-boundary micro-steps turn it off).
+    scale_loss(loss, state) -> loss: before backward (the fp16 scaler).
+    before_update(model, optimizer, state) -> metrics: at an update boundary,
+        before the optimizer steps (unscaling, clipping).
+    optimizer_step(optimizer, state) -> skipped: replaces `optimizer.step()`
+        (the fp16 scaler); returns a bool tensor, True when it skipped.
+    after_step(state): after every micro-step (the profiler).
 
 Every transform has a ``phase``; a pipeline lists phases in non-decreasing
 order (padding before gathering), and ``conflicts`` names the transforms it
@@ -20,7 +30,7 @@ with a message that names the transforms and the fix.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -70,6 +80,10 @@ class Transform:
         conflicts: names of transforms it cannot be composed with.
         init: builds its state record, or None when it has none.
         apply: its collective step, or None.
+        micro_steps: batches per optimizer update (`accumulate`); 1 otherwise.
+        sync_each_batch: communicate gradients on every micro-step anyway.
+        prepare_model, set_sync, scale_loss, before_update, optimizer_step,
+            after_step: the training hooks listed in the module docstring.
     """
 
     name: str
@@ -78,6 +92,16 @@ class Transform:
     conflicts: frozenset[str] = frozenset()
     init: TransformInitFn | None = field(default=None, compare=False)
     apply: TransformApplyFn | None = field(default=None, compare=False)
+    micro_steps: int = 1
+    sync_each_batch: bool = False
+    prepare_model: Callable[[DistContext, Any, Any], Any] | None = field(default=None, compare=False)
+    set_sync: Callable[[Any, bool], None] | None = field(default=None, compare=False)
+    scale_loss: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
+    before_update: Callable[[Any, Any, Any], dict[str, Any]] | None = field(
+        default=None, compare=False
+    )
+    optimizer_step: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
+    after_step: Callable[[Any], None] | None = field(default=None, compare=False)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{key}={value!r}" for key, value in self.options)
@@ -104,6 +128,10 @@ class Pipeline:
     def names(self) -> tuple[str, ...]:
         """The transforms' names, in order."""
         return tuple(t.name for t in self.transforms)
+
+    def get(self, name: str) -> Transform | None:
+        """The transform called ``name``, or None."""
+        return next((t for t in self.transforms if t.name == name), None)
 
     def init(self, ctx: Any) -> Mapping[str, Any]:
         """Each stateful transform's initial state, keyed by its name."""

@@ -1,0 +1,336 @@
+"""`fa.prepare`, `fa.step`, and its two halves `fa.backward` and `fa.apply_gradients`.
+
+A step is a fixed sequence; transforms contribute through named hooks
+(`fnaccel.transforms.base`):
+
+    forward:   loss_fn(model, batch) under the run's RNG (autocast already
+               wraps model.forward; DDP/FSDP's sync switch is already set)
+    backward:  loss / micro_steps -> scale_loss hooks -> .backward();
+               then set_sync hooks for the *next* micro-step
+    boundary:  before_update hooks (unscale, clip) -> optimizer_step hook or
+               optimizer.step() -> scheduler.step() unless skipped ->
+               zero_grad(set_to_none=True) -> after_step hooks
+
+Metrics are detached tensors on the device: nothing here reads a tensor on
+the host, so there is no host-device sync beyond what torch's GradScaler does
+on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from fnaccel.rng import installed
+from fnaccel.state import RunState
+from fnaccel.transforms.base import Pipeline, compose
+from fnaccel.transforms.parallel import ddp, unwrap_model
+from fnaccel.transforms.precision import autocast, grad_scaler, precision_dtype
+from fnaccel.utils.constants import PrecisionType
+
+__all__ = ["apply_gradients", "backward", "prepare", "step"]
+
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+def default_loss_fn(model: nn.Module, batch: Any) -> Any:
+    """The model called on the batch (``model(**batch)`` for a mapping,
+    ``model(*batch)`` for a tuple or list); its output if that is a scalar
+    tensor, else its ``loss`` (attribute or key)."""
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    if isinstance(out, torch.Tensor) and out.ndim == 0:
+        return out
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if loss is None:
+        raise TypeError(
+            f"fa.step: the model returned a {type(out).__name__} that is neither a scalar "
+            "loss nor has a .loss; pass loss_fn=lambda model, batch: ... to fa.prepare"
+        )
+    return loss
+
+
+def default_pipeline(state: RunState) -> Pipeline:
+    """What `fa.prepare` uses without a pipeline: the launch's mixed precision
+    (with its kwargs handlers) and `ddp()` when the world is larger than one."""
+    handlers = state.kwargs_handlers
+    parts = []
+    if state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16):
+        cast = handlers.get("AutocastKwargs")
+        parts.append(autocast(state.mixed_precision.value,
+                              cache_enabled=None if cast is None else cast.cache_enabled))
+    if state.mixed_precision == PrecisionType.FP8:
+        precision_dtype("fp8")  # raises: no FP8 engine in this build
+    scaler = handlers.get("GradScalerKwargs")
+    if scaler is not None and state.mixed_precision == PrecisionType.FP16:
+        parts.append(grad_scaler(**scaler.to_kwargs()))
+    if state.dist.num_processes > 1:
+        ddp_kwargs = handlers.get("DistributedDataParallelKwargs")
+        parts.append(ddp(**({} if ddp_kwargs is None else _ddp_fields(ddp_kwargs))))
+    return compose(*parts)
+
+
+def _ddp_fields(handler: Any) -> dict[str, Any]:
+    fields = dict(handler.to_kwargs())
+    for key in ("comm_hook", "comm_wrapper", "comm_state_option"):
+        value = getattr(handler, key)
+        if value not in ("no", {}) and value:
+            fields[key] = dict(value) if key == "comm_state_option" else value
+    return fields
+
+
+def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
+    """Check a training pipeline and add what it implies (the fp16 scaler)."""
+    collectives = [t for t in pipeline.transforms if t.apply is not None]
+    if collectives:
+        raise ValueError(
+            f"fa.prepare: {collectives[0]!r} is a collective; keep collectives in their own "
+            "pipeline (collect = fa.compose(...); collect(state, tree))"
+        )
+    if state.dist.num_processes > 1 and not {"ddp", "fsdp"} & set(pipeline.names):
+        raise ValueError(
+            f"fa.prepare: {pipeline!r} has no fa.ddp() or fa.fsdp() but this run has "
+            f"{state.dist.num_processes} processes; without one the replicas' gradients are "
+            "never averaged. Add fa.ddp() (a no-op in a world of one)."
+        )
+    cast = pipeline.get("autocast")
+    if cast is not None and dict(cast.options)["dtype"] is torch.float16 and not pipeline.get("grad_scaler"):
+        pipeline = compose(pipeline, grad_scaler())
+    if pipeline.get("grad_scaler") and (cast is None or dict(cast.options)["dtype"] is not torch.float16):
+        raise ValueError("fa.prepare: grad_scaler() only makes sense with autocast(fa.fp16)")
+    return pipeline
+
+
+def _micro_steps(pipeline: Pipeline) -> int:
+    return next((t.micro_steps for t in pipeline.transforms if t.micro_steps > 1), 1)
+
+
+def _set_sync(state: RunState, micro_step: int) -> None:
+    """Switch gradient communication on for micro-step ``micro_step`` only if it
+    ends an accumulation (or the pipeline syncs every batch)."""
+    pipeline = state.pipeline
+    assert pipeline is not None
+    k = _micro_steps(pipeline)
+    every = any(t.sync_each_batch for t in pipeline.transforms)
+    enabled = every or (micro_step + 1) % k == 0
+    for t in pipeline.transforms:
+        if t.set_sync is not None:
+            t.set_sync(state.model, enabled)
+
+
+def _rebind_optimizer(optimizer: torch.optim.Optimizer, before: dict[int, str], model: nn.Module) -> None:
+    """Point the optimizer at the prepared model's parameters (sharding replaces them)."""
+    after = dict(unwrap_model(model).named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [after.get(before.get(id(p), ""), p) for p in group["params"]]
+
+
+def prepare(
+    state: RunState,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    loader: Any = None,
+    scheduler: Any = None,
+    *,
+    pipeline: Pipeline | None = None,
+    loss_fn: LossFn | None = None,
+) -> RunState:
+    """Consumes ``state``: move the model to the device, apply the pipeline's
+    preparation (DDP wrapping, FSDP2 sharding, compilation), prepare the loader.
+
+    Args:
+        state: the run's state.
+        model, optimizer, loader, scheduler: live PyTorch objects; any may be
+            left out and given to a later `prepare`.
+        pipeline: composed training transforms; default: the launch config's
+            (`default_pipeline`).
+        loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``; default:
+            `default_loss_fn`.
+
+    Returns:
+        The prepared state.
+
+    >>> import fnaccel as fa, torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), 0.1),
+    ...                    pipeline=fa.compose(fa.clip_grad_norm(1.0)))
+    >>> state.pipeline
+    compose(clip_grad_norm(max_norm=1.0))
+    """
+    by = "fa.prepare"
+    state.check_fresh(by)
+    ctx = state.dist
+    if pipeline is None:
+        pipeline = state.pipeline if state.pipeline is not None else default_pipeline(state)
+    elif state.pipeline is not None and state.model is not None and pipeline != state.pipeline:
+        raise ValueError("fa.prepare: this state's model was prepared with another pipeline")
+    pipeline = _complete(pipeline, state)
+    transform_states = dict(state.transform_states)
+    for t in pipeline.transforms:
+        if t.init is not None and t.name not in transform_states:
+            transform_states[t.name] = t.init(ctx)
+
+    changes: dict[str, Any] = {"pipeline": pipeline}
+    if model is not None:
+        if state.model is not None:
+            raise ValueError("fa.prepare: this state already holds a prepared model")
+        names = {id(p): name for name, p in model.named_parameters()}
+        model = model.to(ctx.device)
+        for t in pipeline.transforms:
+            if t.prepare_model is not None:
+                model = t.prepare_model(ctx, model, transform_states.get(t.name))
+        if optimizer is not None:
+            _rebind_optimizer(optimizer, names, model)
+        changes["model"] = model
+    if optimizer is not None:
+        changes["optimizer"] = optimizer
+    if scheduler is not None:
+        changes["scheduler"] = scheduler
+    if loss_fn is not None:
+        changes["loss_fn"] = loss_fn
+    if loader is not None:
+        from fnaccel.data.loader import prepare_loader  # the data path's own module
+
+        config = state.kwargs_handlers.get("DataLoaderConfiguration")
+        changes["loader"] = prepare_loader(loader, ctx, seed=state.seed or 0, config=config)
+    changes["transform_states"] = MappingProxyType(transform_states)
+    new = state.advance(by, **changes)
+    if new.model is not None:
+        _set_sync(new, new.micro_step)
+    return new
+
+
+def _require(state: RunState, action: str) -> tuple[nn.Module, torch.optim.Optimizer, Pipeline]:
+    state.check_fresh(action)
+    if state.model is None or state.optimizer is None or state.pipeline is None:
+        raise ValueError(f"{action}: prepare a model and an optimizer first (fa.prepare)")
+    return state.model, state.optimizer, state.pipeline
+
+
+def _backward(state: RunState, loss: torch.Tensor) -> None:
+    pipeline = state.pipeline
+    assert pipeline is not None
+    k = _micro_steps(pipeline)
+    scaled = loss / k if k > 1 else loss
+    for t in pipeline.transforms:
+        if t.scale_loss is not None:
+            scaled = t.scale_loss(scaled, state.transform_states.get(t.name))
+    scaled.backward()
+
+
+def _update(state: RunState) -> dict[str, Any]:
+    model, optimizer, pipeline = state.model, state.optimizer, state.pipeline
+    assert model is not None and optimizer is not None and pipeline is not None
+    metrics: dict[str, Any] = {}
+    skipped = None
+    for t in pipeline.transforms:
+        if t.before_update is not None:
+            metrics.update(t.before_update(model, optimizer, state.transform_states.get(t.name)))
+    stepper = next((t for t in pipeline.transforms if t.optimizer_step is not None), None)
+    if stepper is None:
+        optimizer.step()
+    else:
+        assert stepper.optimizer_step is not None
+        scaler = state.transform_states.get(stepper.name)
+        skipped = stepper.optimizer_step(optimizer, scaler)
+        metrics["skipped"] = skipped
+        metrics["scale"] = scaler._scale.detach().clone() if scaler is not None else None
+    metrics["lr"] = optimizer.param_groups[0]["lr"]  # the rate this update used
+    if state.scheduler is not None and (skipped is None or not bool(skipped)):
+        state.scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return metrics
+
+
+def _after(state: RunState) -> None:
+    pipeline = state.pipeline
+    assert pipeline is not None
+    for t in pipeline.transforms:
+        if t.after_step is not None:
+            t.after_step(state.transform_states.get(t.name))
+
+
+def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
+    """Consumes ``state``: one training step on ``batch``.
+
+    Runs the loss function under the run's RNG, backward, and at an
+    accumulation boundary: unscale, clip, optimizer step, scheduler step (not
+    when the fp16 scaler skipped), ``zero_grad(set_to_none=True)``.
+
+    Returns:
+        ``(new_state, metrics)``: ``loss`` (detached), ``aux`` when the loss
+        function returned one, and at a boundary ``lr``, ``grad_norm`` when
+        clipping by norm, ``scale`` and ``skipped`` under fp16 scaling.
+
+    >>> import fnaccel as fa, torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), 0.1),
+    ...                    loss_fn=lambda m, b: m(b).pow(2).mean())
+    >>> state, metrics = fa.step(state, torch.ones(4, 2))
+    >>> state.step, sorted(metrics)
+    (1, ['loss', 'lr'])
+    """
+    by = f"fa.step at step {state.step} (micro-step {state.micro_step})"
+    model, _, pipeline = _require(state, by)
+    loss_fn = state.loss_fn or default_loss_fn
+    boundary = (state.micro_step + 1) % _micro_steps(pipeline) == 0
+    with installed(state.rng) as captured:
+        out = loss_fn(model, batch)
+        loss, aux = out if isinstance(out, tuple) else (out, None)
+        _backward(state, loss)
+        metrics = _update(state) if boundary else {}
+    assert captured.after is not None
+    metrics["loss"] = loss.detach()
+    if aux is not None:
+        metrics["aux"] = aux
+    new = state.advance(
+        by,
+        rng=captured.after,
+        micro_step=state.micro_step + 1,
+        step=state.step + int(boundary),
+        epoch=getattr(state.loader, "epoch", state.epoch),
+    )
+    _set_sync(new, new.micro_step)
+    _after(new)
+    return new, metrics
+
+
+def backward(state: RunState, loss: torch.Tensor) -> RunState:
+    """Consumes ``state``: backward of ``loss`` as `fa.step` does it (accumulation
+    scaling, fp16 loss scaling), counted as one micro-step.
+
+    For hand-written steps: run the forward under the run's RNG with
+    `fa.with_rng`, then ``state = fa.backward(state, loss)`` and
+    ``state, metrics = fa.apply_gradients(state)``.
+    """
+    by = f"fa.backward at step {state.step} (micro-step {state.micro_step})"
+    _require(state, by)
+    _backward(state, loss)
+    new = state.advance(by, micro_step=state.micro_step + 1)
+    _set_sync(new, new.micro_step)
+    return new
+
+
+def apply_gradients(state: RunState) -> tuple[RunState, dict[str, Any]]:
+    """Consumes ``state``: the update half of `fa.step` (unscale, clip, optimizer
+    and scheduler step, zero_grad) when the micro-steps since the last update
+    complete an accumulation; otherwise a no-op returning empty metrics."""
+    by = f"fa.apply_gradients at step {state.step}"
+    _, _, pipeline = _require(state, by)
+    k = _micro_steps(pipeline)
+    if state.micro_step // k <= state.step:
+        return state.advance(by), {}
+    with installed(state.rng) as captured:
+        metrics = _update(state)
+    assert captured.after is not None
+    new = state.advance(by, rng=captured.after, step=state.step + 1)
+    _after(new)
+    return new, metrics

@@ -1,0 +1,136 @@
+"""Mixed precision: `autocast(dtype)` and the fp16 `grad_scaler()`.
+
+`autocast` wraps the model's ``forward`` once, at `fa.prepare`, in
+``torch.autocast`` and casts its outputs back to fp32 (as Accelerate does), so
+every forward, in `fa.step` or in a hand-written step, runs under it and a
+loss computed outside the model sees fp32. Under `fsdp()` the precision goes
+into FSDP2's `MixedPrecisionPolicy` instead (see `fnaccel.transforms.parallel`).
+
+`grad_scaler` keeps a live `torch.amp.GradScaler` as its state: it scales the
+loss before backward, unscales before clipping, and replaces the optimizer
+step, skipping it (and the scheduler) when a gradient is inf or nan.
+`fa.prepare` adds it on its own to a pipeline that autocasts to fp16.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from fnaccel.dist import DistContext
+from fnaccel.ops.tree import convert_to_fp32
+from fnaccel.transforms.base import Transform, options
+from fnaccel.utils.constants import PrecisionType
+from fnaccel.utils.kwargs import GradScalerKwargs
+
+__all__ = ["autocast", "bf16", "fp16", "fp32", "grad_scaler", "precision_dtype"]
+
+fp16 = torch.float16
+bf16 = torch.bfloat16
+fp32 = torch.float32
+
+_BY_NAME = MappingProxyType({
+    "fp16": fp16, "float16": fp16, "bf16": bf16, "bfloat16": bf16,
+    "fp32": fp32, "float32": fp32, "no": fp32,
+})
+
+AUTOCAST_PHASE, SCALER_PHASE = 110, 120
+
+
+def precision_dtype(precision: torch.dtype | str | PrecisionType) -> torch.dtype:
+    """``fa.fp16`` / ``"fp16"`` / ``PrecisionType.FP16`` -> ``torch.float16`` (and so on)."""
+    if isinstance(precision, torch.dtype):
+        if precision not in (fp16, bf16, fp32):
+            raise ValueError(f"autocast: {precision} is not fa.fp16, fa.bf16 or fa.fp32")
+        return precision
+    name = str(precision).lower()
+    if name == "fp8":
+        raise ValueError("fp8 needs an FP8 engine (TransformerEngine, MS-AMP or torchao); "
+                         "this build has none: use fp16 or bf16")
+    if name not in _BY_NAME:
+        raise ValueError(f"unknown precision {precision!r}: use fa.fp16, fa.bf16 or fa.fp32")
+    return _BY_NAME[name]
+
+
+class _AutocastForward:
+    """``forward`` run under ``torch.autocast``, outputs cast to fp32 (picklable)."""
+
+    def __init__(self, forward: Any, device_type: str, dtype: torch.dtype,
+                 cache_enabled: bool | None) -> None:
+        self.forward, self.device_type = forward, device_type
+        self.dtype, self.cache_enabled = dtype, cache_enabled
+        functools.update_wrapper(self, forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=self.cache_enabled):
+            out = self.forward(*args, **kwargs)
+        return convert_to_fp32(out)
+
+
+def autocast(dtype: torch.dtype | str, cache_enabled: bool | None = None) -> Transform:
+    """Run the model's forward under ``torch.autocast(dtype)`` (AutocastKwargs' options).
+
+    Args:
+        dtype: ``fa.fp16``, ``fa.bf16`` or ``fa.fp32`` (no autocast).
+        cache_enabled: ``torch.autocast``'s weight-cast cache (None: torch's default).
+
+    >>> import fnaccel as fa
+    >>> fa.autocast(fa.bf16)
+    autocast(dtype=torch.bfloat16)
+    """
+    resolved = precision_dtype(dtype)
+
+    def prepare_model(ctx: DistContext, model: Any, state: Any) -> Any:
+        if resolved is fp32:
+            return model
+        model.forward = _AutocastForward(model.forward, ctx.device.type, resolved, cache_enabled)
+        return model
+
+    opts = options(dtype=resolved) + (
+        options(cache_enabled=cache_enabled) if cache_enabled is not None else ()
+    )
+    return Transform(name="autocast", options=opts, phase=AUTOCAST_PHASE, prepare_model=prepare_model)
+
+
+def grad_scaler(**kwargs: Any) -> Transform:
+    """Dynamic loss scaling for fp16, with `GradScalerKwargs`' options.
+
+    Metrics at an update: ``scale`` (the scale from now on) and ``skipped``
+    (a bool tensor, True when inf/nan gradients skipped the optimizer step).
+
+    >>> import fnaccel as fa
+    >>> fa.grad_scaler(init_scale=1024.0)
+    grad_scaler(init_scale=1024.0)
+    """
+    handler = GradScalerKwargs(**kwargs)
+
+    def init(ctx: DistContext) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(ctx.device.type, **handler.to_kwargs())
+
+    def scale_loss(loss: torch.Tensor, scaler: torch.amp.GradScaler) -> torch.Tensor:
+        return scaler.scale(loss)
+
+    def before_update(model: Any, optimizer: Any, scaler: torch.amp.GradScaler) -> dict[str, Any]:
+        scaler.unscale_(optimizer)  # clipping, which comes next, sees true gradients
+        return {}
+
+    def optimizer_step(optimizer: Any, scaler: torch.amp.GradScaler) -> torch.Tensor:
+        scaler.step(optimizer)
+        # torch keeps the per-device inf flags of this step here until update()
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        skipped = sum(found.values()) > 0 if found else torch.tensor(False)
+        scaler.update()
+        return skipped if isinstance(skipped, torch.Tensor) else torch.tensor(skipped)
+
+    return Transform(
+        name="grad_scaler",
+        options=options(**handler.to_kwargs()),
+        phase=SCALER_PHASE,
+        init=init,
+        scale_loss=scale_loss,
+        before_update=before_update,
+        optimizer_step=optimizer_step,
+    )

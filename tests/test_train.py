@@ -1,0 +1,253 @@
+"""fa.prepare / fa.step against hand-written PyTorch loops (the gold standard)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fnaccel as fa
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_model(seed: int = 0, dropout: float = 0.1) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 4))
+
+
+def make_batches(num: int, size: int = 16, seed: int = 1) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 8, generator=g), torch.randint(0, 4, (size,), generator=g))
+            for _ in range(num)]
+
+
+def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+Opt = Callable[[Any], torch.optim.Optimizer]
+OPTIMIZERS: dict[str, Opt] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+}
+
+
+def hand_loop(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, batches: list[Batch],
+              seed: int, accumulate: int = 1) -> list[float]:
+    """nanoGPT-style reference loop; the RNG is seeded right before it, as fa.init(seed=) does."""
+    torch.manual_seed(seed)
+    losses = []
+    for i, batch in enumerate(batches):
+        loss = loss_fn(model, batch)
+        (loss / accumulate).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+    return losses
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_step_equals_a_hand_written_loop_bit_for_bit(name: str) -> None:
+    batches = make_batches(12)
+    ref = make_model()
+    ref_opt = OPTIMIZERS[name](ref.parameters())
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.5)
+    ref_losses = hand_loop(ref, ref_opt, ref_sched, batches, seed=5)
+
+    model = make_model()
+    opt = OPTIMIZERS[name](model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    state = fa.prepare(fa.init(seed=5, cpu=True), model, opt, scheduler=sched, loss_fn=loss_fn)
+    losses, lrs = [], []
+    for batch in batches:
+        state, metrics = fa.step(state, batch)
+        losses.append(metrics["loss"].item())
+        lrs.append(metrics["lr"])
+    assert losses == ref_losses
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    assert state.step == 12 and state.micro_step == 12
+    assert lrs[2] == lrs[0] and lrs[3] == lrs[0] * 0.5  # the scheduler stepped per update
+
+
+def test_accumulate_k_equals_the_k_times_batch() -> None:
+    big = make_batches(3, size=32)
+    small = [(x[i : i + 8], y[i : i + 8]) for x, y in big for i in range(0, 32, 8)]
+    ref = make_model(dropout=0.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for batch in big:
+        loss_fn(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    model = make_model(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn,
+                       pipeline=fa.compose(fa.accumulate(4)))
+    updates = []
+    for batch in small:
+        state, metrics = fa.step(state, batch)
+        updates.append("lr" in metrics)
+    assert updates == [False, False, False, True] * 3
+    assert (state.step, state.micro_step) == (3, 12)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_clip_grad_norm_reports_the_norm_and_clips() -> None:
+    model = make_model(dropout=0.0)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn,
+                       pipeline=fa.compose(fa.clip_grad_norm(0.01)))
+    batch = make_batches(1)[0]
+    state, metrics = fa.step(state, batch)
+    loss_fn(ref, batch).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    assert torch.equal(metrics["grad_norm"], expected) and expected > 0.01
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_fp16_scaler_skips_an_inf_step_and_halves_the_scale() -> None:
+    model = make_model(dropout=0.0)
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def poisoned(model: nn.Module, batch: Batch) -> torch.Tensor:
+        return loss_fn(model, batch) * torch.tensor(float("inf"))
+
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, opt, scheduler=sched, loss_fn=poisoned,
+                       pipeline=fa.compose(fa.autocast(fa.fp16)))
+    assert state.pipeline is not None and "grad_scaler" in state.pipeline.names  # added for fp16
+    state, metrics = fa.step(state, make_batches(1)[0])
+    assert bool(metrics["skipped"]) is True
+    assert metrics["scale"].item() == 65536.0 / 2
+    assert sched.last_epoch == 0 and opt.param_groups[0]["lr"] == 0.1  # scheduler skipped too
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    state = state.replace(loss_fn=loss_fn)
+    state, metrics = fa.step(state, make_batches(1)[0])
+    assert bool(metrics["skipped"]) is False and sched.last_epoch == 1
+
+
+def test_bf16_autocast_runs_and_returns_fp32_outputs() -> None:
+    model = make_model(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn,
+                       pipeline=fa.compose(fa.autocast(fa.bf16)))
+    assert model(torch.randn(2, 8)).dtype == torch.float32
+    state, metrics = fa.step(state, make_batches(1)[0])
+    assert metrics["loss"].dtype == torch.float32
+
+
+def _run(seed: int, batches: list[Batch]) -> tuple[list[float], list[torch.Tensor]]:
+    model = make_model(dropout=0.5)
+    state = fa.prepare(fa.init(seed=seed, cpu=True), model,
+                       torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn)
+    losses = []
+    for batch in batches:
+        state, metrics = fa.step(state, batch)
+        losses.append(metrics["loss"].item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_two_runs_interleaved_equal_each_run_alone() -> None:
+    batches = make_batches(6)
+    alone_a, alone_b = _run(1, batches), _run(2, batches)
+    a_model, b_model = make_model(dropout=0.5), make_model(dropout=0.5)
+    a = fa.prepare(fa.init(seed=1, cpu=True), a_model, torch.optim.SGD(a_model.parameters(), lr=0.1), loss_fn=loss_fn)
+    b = fa.prepare(fa.init(seed=2, cpu=True), b_model, torch.optim.SGD(b_model.parameters(), lr=0.1), loss_fn=loss_fn)
+    losses_a, losses_b = [], []
+    for batch in batches:
+        a, metrics = fa.step(a, batch)
+        losses_a.append(metrics["loss"].item())
+        torch.rand(3)  # a stray draw from the process generator between steps
+        b, metrics = fa.step(b, batch)
+        losses_b.append(metrics["loss"].item())
+    assert losses_a == alone_a[0] and losses_b == alone_b[0]
+    assert all(torch.equal(p, q) for p, q in zip(a_model.parameters(), alone_a[1]))
+    assert all(torch.equal(p, q) for p, q in zip(b_model.parameters(), alone_b[1]))
+    assert losses_a != losses_b
+
+
+def test_reusing_a_consumed_state_raises() -> None:
+    model = make_model()
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn)
+    new, _ = fa.step(state, make_batches(1)[0])
+    with pytest.raises(fa.StaleStateError, match=r"consumed by fa.step at step 0 \(micro-step 0\)"):
+        fa.step(state, make_batches(1)[0])
+    fa.step(new, make_batches(1)[0])
+
+
+def test_backward_and_apply_gradients_equal_step() -> None:
+    batches = make_batches(8)
+    ref_model = make_model()
+    ref = fa.prepare(fa.init(seed=3, cpu=True), ref_model, torch.optim.AdamW(ref_model.parameters()),
+                     loss_fn=loss_fn, pipeline=fa.compose(fa.accumulate(2), fa.clip_grad_norm(0.5)))
+    for batch in batches:
+        ref, _ = fa.step(ref, batch)
+
+    model = make_model()
+    state = fa.prepare(fa.init(seed=3, cpu=True), model, torch.optim.AdamW(model.parameters()),
+                       pipeline=fa.compose(fa.accumulate(2), fa.clip_grad_norm(0.5)))
+    for batch in batches:
+        state, loss = fa.with_rng(state, loss_fn, model, batch)
+        state = fa.backward(state, loss)
+        state, metrics = fa.apply_gradients(state)
+    assert (state.step, state.micro_step) == (ref.step, ref.micro_step) == (4, 8)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+def test_bad_pipelines_fail_at_compose_or_prepare() -> None:
+    with pytest.raises(ValueError, match="num_steps must be a positive int"):
+        fa.accumulate(0)
+    with pytest.raises(ValueError, match=r"autocast\(dtype=torch.float16\) and autocast\(dtype=torch.bfloat16\) both appear"):
+        fa.compose(fa.autocast(fa.fp16), fa.autocast(fa.bf16))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        fa.compose(fa.clip_grad_norm(1.0), fa.clip_grad_value(1.0))
+    with pytest.raises(ValueError, match=r"autocast\(dtype=torch.bfloat16\) must come before ddp\(\)"):
+        fa.compose(fa.ddp(), fa.autocast(fa.bf16))
+    model = make_model()
+    with pytest.raises(ValueError, match="is a collective"):
+        fa.prepare(fa.init(cpu=True), model, pipeline=fa.compose(fa.gather()))
+    with pytest.raises(ValueError, match="only makes sense with autocast"):
+        fa.prepare(fa.init(cpu=True), model, pipeline=fa.compose(fa.grad_scaler()))
+    with pytest.raises(ValueError, match="prepare a model and an optimizer first"):
+        fa.step(fa.prepare(fa.init(cpu=True), pipeline=fa.compose()), make_batches(1)[0])
+
+
+def test_default_loss_fn_uses_scalar_output_or_loss_attribute() -> None:
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": self.linear(x).pow(2).mean()}
+
+    model = WithLoss()
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    state, metrics = fa.step(state, {"x": torch.ones(2, 8)})
+    assert metrics["loss"].ndim == 0
+    bad = nn.Linear(8, 2)
+    state = fa.prepare(fa.init(seed=0, cpu=True), bad, torch.optim.SGD(bad.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="neither a scalar loss nor has a .loss"):
+        fa.step(state, torch.ones(2, 8))
+
+
+def test_default_pipeline_follows_the_launch_precision() -> None:
+    state = fa.init(cpu=True, mixed_precision="bf16")
+    model = make_model()
+    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert repr(state.pipeline) == "compose(autocast(dtype=torch.bfloat16))"
