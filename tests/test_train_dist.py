@@ -1,0 +1,112 @@
+"""fa.step across real gloo processes: DDP and accumulation against one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fnaccel as fa
+from tests.test_train import loss_fn, make_model
+
+GLOBAL_BATCH = 24  # divisible by 2 and 3 ranks
+
+
+def global_batches(num: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g))
+            for _ in range(num)]
+
+
+def my_part(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    size = GLOBAL_BATCH // world
+    return tuple(t[rank * size : (rank + 1) * size] for t in batch)  # type: ignore[return-value]
+
+
+def single_process_reference(num: int, accumulate: int = 1) -> list[torch.Tensor]:
+    """One process on the gathered global batches (accumulated ones concatenated)."""
+    model = make_model(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = global_batches(num)
+    for i in range(0, num, accumulate):
+        group = batches[i : i + accumulate]
+        x = torch.cat([b[0] for b in group])
+        y = torch.cat([b[1] for b in group])
+        loss_fn(model, (x, y)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def _count_allreduce(counter, bucket):  # type: ignore[no-untyped-def]
+    # unannotated: DDP checks a hook's annotations, which are strings in this module
+    counter[0] += 1
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def train_ddp(state: fa.RunState, num: int, accumulate: int) -> dict[str, Any]:
+    rank, world = state.dist.rank, state.dist.num_processes
+    model = make_model(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    parts = [fa.ddp()] + ([fa.accumulate(accumulate)] if accumulate > 1 else [])
+    state = fa.prepare(state, model, opt, loss_fn=loss_fn, pipeline=fa.compose(*parts))
+    counter = [0]
+    state.model.register_comm_hook(counter, _count_allreduce)  # type: ignore[union-attr]
+    reductions_per_micro_step = []
+    for batch in global_batches(num):
+        before = counter[0]
+        state, _ = fa.step(state, my_part(batch, rank, world))
+        reductions_per_micro_step.append(counter[0] - before)
+    return {
+        "params": [p.detach() for p in model.parameters()],
+        "reductions": reductions_per_micro_step,
+        "step": state.step,
+        "wrapped": type(state.model).__name__,
+    }
+
+
+def test_ddp_equals_one_process_on_the_global_batches(world: Any) -> None:
+    expected = single_process_reference(6)
+    for result in world.run(train_ddp, 6, 1):
+        assert result["wrapped"] == "DistributedDataParallel" and result["step"] == 6
+        for p, q in zip(result["params"], expected):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        assert all(n > 0 for n in result["reductions"])
+
+
+def test_accumulate_under_ddp_equals_the_big_batch_without_early_reductions(world2: Any) -> None:
+    expected = single_process_reference(8, accumulate=4)
+    for result in world2.run(train_ddp, 8, 4):
+        for p, q in zip(result["params"], expected):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        reductions = result["reductions"]
+        assert reductions[0] == reductions[1] == reductions[2] == 0
+        assert reductions[4] == reductions[5] == reductions[6] == 0
+        assert reductions[3] > 0 and reductions[7] > 0
+        assert result["step"] == 2
+
+
+def _no_ddp(state: fa.RunState) -> str:
+    model = nn.Linear(2, 2)
+    try:
+        fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1), pipeline=fa.compose())
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_multi_process_pipeline_without_ddp_is_refused(world2: Any) -> None:
+    assert all("has no fa.ddp() or fa.fsdp()" in message for message in world2.run(_no_ddp))
+
+
+def _default_pipeline(state: fa.RunState) -> str:
+    model = nn.Linear(2, 2)
+    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return repr(state.pipeline)
+
+
+def test_the_default_pipeline_adds_ddp_in_a_larger_world(world2: Any) -> None:
+    assert world2.run(_default_pipeline) == ["compose(ddp())"] * 2
