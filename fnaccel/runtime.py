@@ -251,12 +251,18 @@ def init(
 
 
 def shutdown(state: RunState) -> None:
-    """End the run's process group cleanly; consumes nothing and may be called twice.
+    """End the run: close the transforms' states that hold resources (a
+    `profile()` profiler writes its trace), then end the process group
+    cleanly. Consumes nothing and may be called twice.
 
     Waits for every rank (a barrier), then destroys the group this run
     started. Call it at the end of a distributed script; a group left open is
     destroyed at interpreter exit instead.
     """
+    for value in state.transform_states.values():
+        close = getattr(value, "close", None)
+        if callable(close):
+            close()  # e.g. profile(): stops the profiler, which writes its trace
     owner = state.dist._owner
     if owner is None or owner.group is None:
         return

@@ -110,3 +110,48 @@ def _default_pipeline(state: fa.RunState) -> str:
 
 def test_the_default_pipeline_adds_ddp_in_a_larger_world(world2: Any) -> None:
     assert world2.run(_default_pipeline) == ["compose(ddp())"] * 2
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x)) + x
+
+
+def make_blocks() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block(), nn.Linear(8, 4))
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    full = getattr(p, "full_tensor", None)
+    return (full() if full else p).detach().clone()
+
+
+def train_parallel(state: fa.RunState, kind: str, num: int, clip: bool) -> dict[str, Any]:
+    rank, world = state.dist.rank, state.dist.num_processes
+    model = make_blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    parallel = fa.ddp() if kind == "ddp" else fa.fsdp(transformer_cls_names_to_wrap=["Block"])
+    parts = [parallel, fa.accumulate(2)] + ([fa.clip_grad_norm(0.5)] if clip else [])
+    state = fa.prepare(state, model, opt, loss_fn=loss_fn, pipeline=fa.compose(*parts))
+    norms = []
+    for batch in global_batches(num):
+        state, metrics = fa.step(state, my_part(batch, rank, world))
+        if "grad_norm" in metrics:
+            norms.append(metrics["grad_norm"].item())
+    sharded = [type(m).__name__ for m in model.modules()]
+    return {"params": [_full(p) for p in model.parameters()], "norms": norms, "classes": sharded}
+
+
+def test_fsdp_ends_at_the_same_parameters_as_ddp(world2: Any) -> None:
+    ddp_results = world2.run(train_parallel, "ddp", 6, True)
+    fsdp_results = world2.run(train_parallel, "fsdp", 6, True)
+    assert "FSDPBlock" in fsdp_results[0]["classes"]  # each Block was sharded on its own
+    for ours, theirs in zip(fsdp_results, ddp_results):
+        for p, q in zip(ours["params"], theirs["params"]):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours["norms"], theirs["norms"], rtol=1e-5, atol=1e-5)

@@ -1,19 +1,29 @@
 """How a dataset's samples are split across ranks, as pure functions of the sizes.
 
-Evaluation split: step ``s`` covers the global batch of samples
-``[s*B*W, (s+1)*B*W)``; rank ``r`` takes the slice ``[s*B*W + r*B, s*B*W +
-(r+1)*B)``. Concatenating the ranks' slices in rank order therefore gives the
-dataset order, which is what `gather_for_metrics` relies on. Every rank runs
-the same number of steps, so no rank waits in a collective for a batch that
-never comes.
+One rule serves training and evaluation. Given an epoch's order of sample
+indices, step ``s`` covers the global batch ``order[s*B*W : (s+1)*B*W]`` (``B``
+samples per rank, ``W`` ranks) and rank ``r`` takes its ``r``-th contiguous
+chunk ``order[s*B*W + r*B : s*B*W + (r+1)*B]``. Concatenating the ranks'
+chunks of a step in rank order therefore gives the batch one process with the
+global batch size ``B*W`` would see, which is what `gather_for_metrics`
+relies on. Every rank runs the same number of steps, so no rank waits in a
+collective for a batch that never comes.
+
+When the last global batch is incomplete, ``even_batches`` pads each rank's
+chunk to ``B`` by wrapping around to the start of the order (`EvalShard.num_valid`
+says how many of its leading samples are real); without it the last chunks
+are shorter, possibly empty.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["EvalShard", "eval_shards"]
+import torch
+
+__all__ = ["EvalShard", "eval_shards", "num_steps", "shard_batch"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,10 +34,67 @@ class EvalShard:
     num_valid: int
 
 
+def _check_sizes(where: str, num_samples: int, batch_size: int, num_processes: int, rank: int) -> None:
+    if num_samples < 1 or batch_size < 1 or num_processes < 1:
+        raise ValueError(
+            f"{where}: num_samples={num_samples}, batch_size={batch_size} and "
+            f"num_processes={num_processes} must all be at least 1"
+        )
+    if not 0 <= rank < num_processes:
+        raise ValueError(f"{where}: rank={rank} is not a rank of {num_processes} processes")
+
+
+def num_steps(num_samples: int, batch_size: int, num_processes: int, drop_last: bool = False) -> int:
+    """How many steps (batches per rank) an epoch of ``num_samples`` takes.
+
+    Args:
+        num_samples: samples in the epoch's order.
+        batch_size: samples per rank per step.
+        num_processes: ranks in the run.
+        drop_last: drop an incomplete last global batch instead of splitting it.
+
+    >>> num_steps(10, 2, 2), num_steps(10, 2, 2, drop_last=True)
+    (3, 2)
+    """
+    per_step = batch_size * num_processes
+    return num_samples // per_step if drop_last else math.ceil(num_samples / per_step)
+
+
+def shard_batch(
+    order: Sequence[int] | torch.Tensor,
+    step: int,
+    batch_size: int,
+    num_processes: int,
+    rank: int,
+    even_batches: bool = True,
+) -> EvalShard:
+    """Rank ``rank``'s batch at step ``step`` of an epoch with the given order.
+
+    Args:
+        order: the epoch's sample indices, in order (a sequence or a 1-d tensor).
+        step: the step, counted from the epoch's start.
+        batch_size: samples per rank per step.
+        num_processes: ranks in the run.
+        rank: this rank.
+        even_batches: pad to ``batch_size`` by wrapping around to the order's start.
+
+    >>> shard_batch([4, 3, 2, 1, 0], 1, 2, 2, 0)
+    EvalShard(indices=(0, 4), num_valid=1)
+    """
+    num_samples = len(order)
+    _check_sizes("shard_batch", num_samples, batch_size, num_processes, rank)
+    start = min(step * batch_size * num_processes + rank * batch_size, num_samples)
+    real = tuple(int(i) for i in order[start : min(start + batch_size, num_samples)])
+    if not even_batches or len(real) == batch_size:
+        return EvalShard(indices=real, num_valid=len(real))
+    pad = tuple(int(order[i % num_samples]) for i in range(batch_size - len(real)))
+    return EvalShard(indices=real + pad, num_valid=len(real))
+
+
 def eval_shards(
     num_samples: int, batch_size: int, num_processes: int, rank: int, even_batches: bool = True
 ) -> list[EvalShard]:
-    """The batches rank ``rank`` evaluates, in order.
+    """The batches rank ``rank`` evaluates, in order: the dataset order, split by `shard_batch`.
 
     Args:
         num_samples: the dataset's length.
@@ -43,21 +110,9 @@ def eval_shards(
     >>> [s.num_valid for s in eval_shards(5, 2, 2, 1)]
     [2, 0]
     """
-    if num_samples < 1 or batch_size < 1 or num_processes < 1:
-        raise ValueError(
-            f"eval_shards: num_samples={num_samples}, batch_size={batch_size} and "
-            f"num_processes={num_processes} must all be at least 1"
-        )
-    if not 0 <= rank < num_processes:
-        raise ValueError(f"eval_shards: rank={rank} is not a rank of {num_processes} processes")
-    per_step = batch_size * num_processes
-    shards = []
-    for step in range(math.ceil(num_samples / per_step)):
-        start = step * per_step + rank * batch_size
-        real = tuple(range(start, min(start + batch_size, num_samples)))
-        if even_batches:
-            pad = tuple(i % num_samples for i in range(batch_size - len(real)))
-            shards.append(EvalShard(indices=real + pad, num_valid=len(real)))
-        else:
-            shards.append(EvalShard(indices=real, num_valid=len(real)))
-    return shards
+    _check_sizes("eval_shards", num_samples, batch_size, num_processes, rank)
+    order = range(num_samples)
+    return [
+        shard_batch(order, step, batch_size, num_processes, rank, even_batches)
+        for step in range(num_steps(num_samples, batch_size, num_processes))
+    ]

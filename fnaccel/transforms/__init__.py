@@ -3,6 +3,7 @@
 from fnaccel.transforms.accumulate import accumulate
 from fnaccel.transforms.base import CallInfo, Pipeline, Transform, compose
 from fnaccel.transforms.clip import clip_grad_norm, clip_grad_value
+from fnaccel.transforms.compile import compile
 from fnaccel.transforms.collectives import (
     broadcast,
     broadcast_object_list,
@@ -12,8 +13,9 @@ from fnaccel.transforms.collectives import (
     pad_across_processes,
     reduce,
 )
-from fnaccel.transforms.parallel import ddp
+from fnaccel.transforms.parallel import ddp, fsdp
 from fnaccel.transforms.precision import autocast, bf16, fp16, fp32, grad_scaler
+from fnaccel.transforms.profile import profile
 
 __all__ = [
     "accumulate",
@@ -21,10 +23,13 @@ __all__ = [
     "bf16",
     "clip_grad_norm",
     "clip_grad_value",
+    "compile",
     "ddp",
     "fp16",
     "fp32",
+    "fsdp",
     "grad_scaler",
+    "profile",
     "CallInfo",
     "Pipeline",
     "Transform",

@@ -1,4 +1,5 @@
-"""Data parallelism: `ddp()` (replicated, DistributedDataParallel).
+"""Data parallelism: `ddp()` (replicated, DistributedDataParallel) and `fsdp()`
+(sharded, FSDP2's `fully_shard`).
 
 A no-op in a world of one, so the same pipeline runs everywhere. Gradient
 communication is switched per micro-step by `set_sync` (``accumulate``'s
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -17,7 +19,7 @@ from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
 from fnaccel.utils.kwargs import DistributedDataParallelKwargs
 
-__all__ = ["ddp", "unwrap_compiled", "unwrap_model"]
+__all__ = ["ddp", "fsdp", "unwrap_compiled", "unwrap_model"]
 
 PARALLEL_PHASE = 130
 
@@ -78,6 +80,102 @@ def ddp(*, find_unused: bool | None = None, **kwargs: Any) -> Transform:
         options=options(**shown),
         phase=PARALLEL_PHASE,
         conflicts=frozenset({"fsdp"}),
+        prepare_model=prepare_model,
+        set_sync=set_sync,
+    )
+
+
+def _wrap_targets(
+    model: nn.Module, class_names: frozenset[str], min_num_params: int | None
+) -> list[nn.Module]:
+    """Submodules to shard on their own, innermost first (FSDP2 wants children
+    sharded before their parents); the root is sharded last by the caller."""
+    targets = []
+    for name, module in reversed(list(model.named_modules())):
+        if not name:
+            continue
+        if type(module).__name__ in class_names:
+            targets.append(module)
+        elif min_num_params is not None and not any(m in targets for m in module.modules()):
+            if sum(p.numel() for p in module.parameters()) >= min_num_params:
+                targets.append(module)
+    return targets
+
+
+def fsdp(
+    *,
+    transformer_cls_names_to_wrap: tuple[str, ...] | list[str] = (),
+    min_num_params: int | None = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> Transform:
+    """Shard the model over the ranks with FSDP2's `fully_shard`.
+
+    Args:
+        transformer_cls_names_to_wrap: shard every submodule of these class
+            names on its own (auto-wrap by class, e.g. ``("Block",)``).
+        min_num_params: also shard on its own every submodule holding at least
+            this many parameters not already in a sharded submodule.
+        reshard_after_forward: free the gathered parameters after forward.
+        cpu_offload: keep the sharded parameters, gradients and optimizer
+            state on the CPU (`CPUOffloadPolicy`).
+
+    Under ``autocast``, the precision becomes FSDP2's `MixedPrecisionPolicy`
+    (parameters in that dtype for compute, gradients reduced in fp32, outputs
+    in fp32) instead of a ``torch.autocast`` around forward.
+
+    >>> import fnaccel as fa
+    >>> fa.fsdp(transformer_cls_names_to_wrap=["Block"])
+    fsdp(transformer_cls_names_to_wrap=('Block',))
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    class_names = frozenset(transformer_cls_names_to_wrap)
+    if min_num_params is not None and min_num_params < 1:
+        raise ValueError(f"fsdp: min_num_params must be positive, got {min_num_params}")
+
+    def prepare_model(ctx: DistContext, model: nn.Module, state: Any) -> nn.Module:
+        from fnaccel.transforms.precision import _AutocastForward
+
+        if ctx.num_processes == 1:
+            return model
+        mp_policy = MixedPrecisionPolicy()
+        forward = model.__dict__.get("forward")
+        if isinstance(forward, _AutocastForward):  # autocast folds into FSDP2's policy
+            del model.forward
+            mp_policy = MixedPrecisionPolicy(
+                param_dtype=forward.dtype, reduce_dtype=torch.float32, output_dtype=torch.float32
+            )
+        mesh = DeviceMesh.from_group(ctx.process_group, ctx.device.type)
+        shard_options: dict[str, Any] = {
+            "mesh": mesh,
+            "reshard_after_forward": reshard_after_forward,
+            "mp_policy": mp_policy,
+        }
+        if cpu_offload:
+            shard_options["offload_policy"] = CPUOffloadPolicy()
+        for module in _wrap_targets(model, class_names, min_num_params):
+            fully_shard(module, **shard_options)
+        fully_shard(model, **shard_options)
+        return model
+
+    def set_sync(model: Any, enabled: bool) -> None:
+        inner = unwrap_compiled(model)
+        if isinstance(inner, FSDPModule):
+            inner.set_requires_gradient_sync(enabled)
+
+    opts = (
+        (options(transformer_cls_names_to_wrap=tuple(sorted(class_names))) if class_names else ())
+        + (options(min_num_params=min_num_params) if min_num_params is not None else ())
+        + (options(reshard_after_forward=False) if not reshard_after_forward else ())
+        + (options(cpu_offload=True) if cpu_offload else ())
+    )
+    return Transform(
+        name="fsdp",
+        options=opts,
+        phase=PARALLEL_PHASE,
+        conflicts=frozenset({"ddp"}),
         prepare_model=prepare_model,
         set_sync=set_sync,
     )
