@@ -12,7 +12,7 @@ interleaved in one process draw exactly what each draws alone.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["RNGState", "installed"]
+__all__ = ["ALL_KINDS", "STEP_KINDS", "RNGState", "installed"]
+
+ALL_KINDS = ("python", "torch", "cuda", "numpy")
+# What a training step swaps in and out: the generators tensors draw from
+# (dropout, random init). Python's and NumPy's cost 12 us and 80 us per
+# get+set, a third of a small model's step, so runs that draw from them inside
+# their steps opt in (RunState.step_rng_types).
+STEP_KINDS = ("torch", "cuda")
 
 
 def _numpy() -> Any:
@@ -85,13 +92,28 @@ class RNGState:
             numpy=np.random.get_state() if np else None,
         )
 
-    def install(self) -> None:
-        """Put these states into the process's generators."""
-        random.setstate(self.python)
-        torch.set_rng_state(self.torch)
-        if self.cuda:
+    def recapture(self, kinds: Collection[str]) -> RNGState:
+        """These states with ``kinds`` replaced by the process generators' current ones."""
+        numpy = self.numpy
+        if "numpy" in kinds and numpy is not None:
+            np = _numpy()
+            numpy = np.random.get_state() if np else None
+        return RNGState(
+            python=random.getstate() if "python" in kinds else self.python,
+            torch=torch.get_rng_state() if "torch" in kinds else self.torch,
+            cuda=tuple(torch.cuda.get_rng_state_all()) if "cuda" in kinds and self.cuda else self.cuda,
+            numpy=numpy,
+        )
+
+    def install(self, kinds: Collection[str] = ALL_KINDS) -> None:
+        """Put these states (those of ``kinds``) into the process's generators."""
+        if "python" in kinds:
+            random.setstate(self.python)
+        if "torch" in kinds:
+            torch.set_rng_state(self.torch)
+        if "cuda" in kinds and self.cuda:
             torch.cuda.set_rng_state_all(list(self.cuda))
-        if self.numpy is not None:
+        if "numpy" in kinds and self.numpy is not None:
             np = _numpy()
             if np is not None:
                 np.random.set_state(self.numpy)
@@ -107,11 +129,18 @@ class _Captured:
 
 
 @contextmanager
-def installed(rng: RNGState) -> Iterator[_Captured]:
+def installed(
+    rng: RNGState, kinds: Collection[str] = ALL_KINDS, restore: bool = True
+) -> Iterator[_Captured]:
     """Run a block with ``rng`` installed; capture the states it leaves behind.
 
-    The process's own generator states are restored when the block ends,
-    normally or by an exception.
+    Args:
+        rng: the states to install.
+        kinds: which generators to swap ("python", "torch", "cuda", "numpy");
+            the others keep their values in the captured state.
+        restore: give the process its own states back when the block ends
+            (normally or by an exception). A training step does not: it
+            installs its run's states anyway before every use.
 
     >>> with installed(RNGState.seeded(0)) as cap:
     ...     first = torch.rand(1)
@@ -120,11 +149,12 @@ def installed(rng: RNGState) -> Iterator[_Captured]:
     >>> bool(torch.equal(first, again)) and cap.after is not None
     True
     """
-    outer = RNGState.capture()
-    rng.install()
+    outer = rng.recapture(kinds) if restore else None
+    rng.install(kinds)
     captured = _Captured()
     try:
         yield captured
-        captured.after = RNGState.capture()
+        captured.after = rng.recapture(kinds)
     finally:
-        outer.install()
+        if outer is not None:
+            outer.install(kinds)

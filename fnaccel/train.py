@@ -282,18 +282,21 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     model, _, pipeline = _require(state, by)
     loss_fn = state.loss_fn or default_loss_fn
     boundary = (state.micro_step + 1) % _micro_steps(pipeline) == 0
-    with installed(state.rng) as captured:
-        out = loss_fn(model, batch)
-        loss, aux = out if isinstance(out, tuple) else (out, None)
-        _backward(state, loss)
-        metrics = _update(state) if boundary else {}
-    assert captured.after is not None
+    # The run's generators in, the step, then their new values out: no restore
+    # of the process's values (every step installs its own), no context manager.
+    kinds = state.step_rng_types
+    state.rng.install(kinds)
+    out = loss_fn(model, batch)
+    loss, aux = out if isinstance(out, tuple) else (out, None)
+    _backward(state, loss)
+    metrics = _update(state) if boundary else {}
+    rng = state.rng.recapture(kinds)
     metrics["loss"] = loss.detach()
     if aux is not None:
         metrics["aux"] = aux
     new = state.advance(
         by,
-        rng=captured.after,
+        rng=rng,
         micro_step=state.micro_step + 1,
         step=state.step + int(boundary),
         epoch=getattr(state.loader, "epoch", state.epoch),
@@ -328,7 +331,7 @@ def apply_gradients(state: RunState) -> tuple[RunState, dict[str, Any]]:
     k = _micro_steps(pipeline)
     if state.micro_step // k <= state.step:
         return state.advance(by), {}
-    with installed(state.rng) as captured:
+    with installed(state.rng, state.step_rng_types, restore=False) as captured:
         metrics = _update(state)
     assert captured.after is not None
     new = state.advance(by, rng=captured.after, step=state.step + 1)
