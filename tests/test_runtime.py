@@ -169,7 +169,8 @@ import torch.distributed.checkpoint as dcp
 state = fa.init(seed=0)
 total = fa.ops.reduce(state, torch.tensor(float(state.dist.rank + 1)), "sum")
 dcp.save({"w": torch.arange(4.0) + state.dist.rank}, checkpoint_id=sys.argv[1])
-print("rank", state.dist.rank, "of", state.dist.num_processes, "total", total.item(), flush=True)
+# one write per line (print's separate arguments could interleave between ranks)
+print(f"rank {state.dist.rank} of {state.dist.num_processes} total {total.item()}", flush=True)
 if sys.argv[2] == "shutdown":
     fa.shutdown(state)
 """

@@ -147,6 +147,7 @@ def fsdp(
             mp_policy = MixedPrecisionPolicy(
                 param_dtype=forward.dtype, reduce_dtype=torch.float32, output_dtype=torch.float32
             )
+        assert ctx.process_group is not None  # a world larger than one has a group
         mesh = DeviceMesh.from_group(ctx.process_group, ctx.device.type)
         shard_options: dict[str, Any] = {
             "mesh": mesh,
