@@ -17,6 +17,8 @@ from fnaccel._errors import (
     StaleStateError,
 )
 from fnaccel.config import LaunchConfig
+from fnaccel.data.config import DataLoaderConfiguration
+from fnaccel.data.prepared import batches
 from fnaccel.dist import DistContext
 from fnaccel.process import (
     local_main_process_first,
@@ -81,6 +83,8 @@ __all__ = [
     "step",
     "backward",
     "apply_gradients",
+    "batches",
+    "DataLoaderConfiguration",
     # training transforms
     "autocast",
     "grad_scaler",

@@ -18,8 +18,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import yaml
-
 from fnaccel._errors import ConfigError
 
 __all__ = ["LaunchConfig", "default_config_file", "load_config"]
@@ -150,6 +148,8 @@ def load_config(path: str | os.PathLike[str]) -> LaunchConfig:
         ConfigError: the file is missing, is not YAML, is not a mapping, or
             holds an unknown key or a wrongly typed value.
     """
+    import yaml  # here, not at import: most runs have no config file (14 ms of import time)
+
     source = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")

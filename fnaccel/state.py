@@ -27,6 +27,7 @@ from fnaccel.dist import DistContext
 from fnaccel.utils.constants import PrecisionType
 
 if TYPE_CHECKING:
+    from fnaccel.train import StepPlan
     from fnaccel.transforms.base import Pipeline
 
 __all__ = ["RunState"]
@@ -65,6 +66,8 @@ class RunState:
         pipeline: the composed transforms, once prepared.
         loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``, or None for
             the default (the model's scalar output or its ``.loss``).
+        plan: the pipeline's hooks bound to the transform states, resolved by
+            `fa.prepare` (so a step does not search the pipeline).
         transform_states: each transform's state record, keyed by its name.
         config: the launch configuration the run resolved.
         kwargs_handlers: the handlers passed to `fa.init`, keyed by class name.
@@ -85,6 +88,7 @@ class RunState:
     loader: Any = field(default=None, repr=False)
     pipeline: Pipeline | None = None
     loss_fn: Callable[[Any, Any], Any] | None = field(default=None, repr=False)
+    plan: StepPlan | None = field(default=None, repr=False)
     transform_states: Mapping[str, Any] = field(
         default_factory=lambda: MappingProxyType({}), repr=False
     )

@@ -19,20 +19,20 @@ on its own.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import nn
 
-from fnaccel.rng import installed
 from fnaccel.state import RunState
 from fnaccel.transforms.base import Pipeline, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.precision import autocast, grad_scaler, precision_dtype
 from fnaccel.utils.constants import PrecisionType
 
-__all__ = ["apply_gradients", "backward", "prepare", "step"]
+__all__ = ["StepPlan", "apply_gradients", "backward", "prepare", "step"]
 
 LossFn = Callable[[nn.Module, Any], Any]
 
@@ -109,21 +109,47 @@ def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
     return pipeline
 
 
-def _micro_steps(pipeline: Pipeline) -> int:
-    return next((t.micro_steps for t in pipeline.transforms if t.micro_steps > 1), 1)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepPlan:
+    """A pipeline's hooks bound to their transform states, resolved once by
+    `fa.prepare` so that a step runs tuples instead of searching the pipeline."""
 
+    micro_steps: int = 1
+    sync_each_batch: bool = False
+    scale_loss: tuple[tuple[Callable[..., Any], Any], ...] = ()
+    before_update: tuple[tuple[Callable[..., Any], Any], ...] = ()
+    optimizer_step: tuple[Callable[..., Any], Any] | None = None
+    set_sync: tuple[Callable[..., Any], ...] = ()
+    after_step: tuple[tuple[Callable[..., Any], Any], ...] = ()
 
-def _set_sync(state: RunState, micro_step: int) -> None:
-    """Switch gradient communication on for micro-step ``micro_step`` only if it
-    ends an accumulation (or the pipeline syncs every batch)."""
-    pipeline = state.pipeline
-    assert pipeline is not None
-    k = _micro_steps(pipeline)
-    every = any(t.sync_each_batch for t in pipeline.transforms)
-    enabled = every or (micro_step + 1) % k == 0
-    for t in pipeline.transforms:
-        if t.set_sync is not None:
-            t.set_sync(state.model, enabled)
+    @classmethod
+    def of(cls, pipeline: Pipeline, transform_states: Mapping[str, Any]) -> StepPlan:
+        ts = pipeline.transforms
+
+        def bound(hook: str) -> tuple[tuple[Callable[..., Any], Any], ...]:
+            return tuple(
+                (getattr(t, hook), transform_states.get(t.name))
+                for t in ts if getattr(t, hook) is not None
+            )
+
+        steppers = bound("optimizer_step")
+        return cls(
+            micro_steps=next((t.micro_steps for t in ts if t.micro_steps > 1), 1),
+            sync_each_batch=any(t.sync_each_batch for t in ts),
+            scale_loss=bound("scale_loss"),
+            before_update=bound("before_update"),
+            optimizer_step=steppers[0] if steppers else None,
+            set_sync=tuple(t.set_sync for t in ts if t.set_sync is not None),
+            after_step=bound("after_step"),
+        )
+
+    def set_sync_for(self, model: Any, micro_step: int) -> None:
+        """Gradient communication on for micro-step ``micro_step`` only if it ends
+        an accumulation (or the pipeline syncs every batch)."""
+        if self.set_sync:
+            enabled = self.sync_each_batch or (micro_step + 1) % self.micro_steps == 0
+            for set_sync in self.set_sync:
+                set_sync(model, enabled)
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, before: dict[int, str], model: nn.Module) -> None:
@@ -202,47 +228,39 @@ def prepare(
         config = state.kwargs_handlers.get("DataLoaderConfiguration")
         changes["loader"] = prepare_loader(loader, ctx, seed=state.seed or 0, config=config)
     changes["transform_states"] = MappingProxyType(transform_states)
+    changes["plan"] = plan = StepPlan.of(pipeline, transform_states)
     new = state.advance(by, **changes)
     if new.model is not None:
-        _set_sync(new, new.micro_step)
+        plan.set_sync_for(new.model, new.micro_step)
     return new
 
 
-def _require(state: RunState, action: str) -> tuple[nn.Module, torch.optim.Optimizer, Pipeline]:
+def _require(state: RunState, action: str) -> tuple[nn.Module, torch.optim.Optimizer, StepPlan]:
     state.check_fresh(action)
-    if state.model is None or state.optimizer is None or state.pipeline is None:
+    if state.model is None or state.optimizer is None or state.plan is None:
         raise ValueError(f"{action}: prepare a model and an optimizer first (fa.prepare)")
-    return state.model, state.optimizer, state.pipeline
+    return state.model, state.optimizer, state.plan
 
 
-def _backward(state: RunState, loss: torch.Tensor) -> None:
-    pipeline = state.pipeline
-    assert pipeline is not None
-    k = _micro_steps(pipeline)
-    scaled = loss / k if k > 1 else loss
-    for t in pipeline.transforms:
-        if t.scale_loss is not None:
-            scaled = t.scale_loss(scaled, state.transform_states.get(t.name))
+def _backward(plan: StepPlan, loss: torch.Tensor) -> None:
+    scaled = loss / plan.micro_steps if plan.micro_steps > 1 else loss
+    for scale_loss, transform_state in plan.scale_loss:
+        scaled = scale_loss(scaled, transform_state)
     scaled.backward()
 
 
-def _update(state: RunState) -> dict[str, Any]:
-    model, optimizer, pipeline = state.model, state.optimizer, state.pipeline
-    assert model is not None and optimizer is not None and pipeline is not None
+def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
+            plan: StepPlan) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
+    for before_update, transform_state in plan.before_update:
+        metrics.update(before_update(model, optimizer, transform_state))
     skipped = None
-    for t in pipeline.transforms:
-        if t.before_update is not None:
-            metrics.update(t.before_update(model, optimizer, state.transform_states.get(t.name)))
-    stepper = next((t for t in pipeline.transforms if t.optimizer_step is not None), None)
-    if stepper is None:
+    if plan.optimizer_step is None:
         optimizer.step()
     else:
-        assert stepper.optimizer_step is not None
-        scaler = state.transform_states.get(stepper.name)
-        skipped = stepper.optimizer_step(optimizer, scaler)
-        metrics["skipped"] = skipped
-        metrics["scale"] = scaler._scale.detach().clone() if scaler is not None else None
+        optimizer_step, scaler = plan.optimizer_step
+        skipped = metrics["skipped"] = optimizer_step(optimizer, scaler)
+        metrics["scale"] = scaler._scale.detach().clone()
     metrics["lr"] = optimizer.param_groups[0]["lr"]  # the rate this update used
     if state.scheduler is not None and (skipped is None or not bool(skipped)):
         state.scheduler.step()
@@ -250,12 +268,9 @@ def _update(state: RunState) -> dict[str, Any]:
     return metrics
 
 
-def _after(state: RunState) -> None:
-    pipeline = state.pipeline
-    assert pipeline is not None
-    for t in pipeline.transforms:
-        if t.after_step is not None:
-            t.after_step(state.transform_states.get(t.name))
+def _after(plan: StepPlan) -> None:
+    for after_step, transform_state in plan.after_step:
+        after_step(transform_state)
 
 
 def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
@@ -279,17 +294,17 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     (1, ['loss', 'lr'])
     """
     by = f"fa.step at step {state.step} (micro-step {state.micro_step})"
-    model, _, pipeline = _require(state, by)
+    model, optimizer, plan = _require(state, by)
     loss_fn = state.loss_fn or default_loss_fn
-    boundary = (state.micro_step + 1) % _micro_steps(pipeline) == 0
+    boundary = (state.micro_step + 1) % plan.micro_steps == 0
     # The run's generators in, the step, then their new values out: no restore
     # of the process's values (every step installs its own), no context manager.
     kinds = state.step_rng_types
     state.rng.install(kinds)
     out = loss_fn(model, batch)
     loss, aux = out if isinstance(out, tuple) else (out, None)
-    _backward(state, loss)
-    metrics = _update(state) if boundary else {}
+    _backward(plan, loss)
+    metrics = _update(state, model, optimizer, plan) if boundary else {}
     rng = state.rng.recapture(kinds)
     metrics["loss"] = loss.detach()
     if aux is not None:
@@ -299,10 +314,10 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
         rng=rng,
         micro_step=state.micro_step + 1,
         step=state.step + int(boundary),
-        epoch=getattr(state.loader, "epoch", state.epoch),
+        epoch=state.epoch if state.loader is None else state.loader.epoch,
     )
-    _set_sync(new, new.micro_step)
-    _after(new)
+    plan.set_sync_for(model, new.micro_step)
+    _after(plan)
     return new, metrics
 
 
@@ -315,10 +330,10 @@ def backward(state: RunState, loss: torch.Tensor) -> RunState:
     ``state, metrics = fa.apply_gradients(state)``.
     """
     by = f"fa.backward at step {state.step} (micro-step {state.micro_step})"
-    _require(state, by)
-    _backward(state, loss)
+    model, _, plan = _require(state, by)
+    _backward(plan, loss)
     new = state.advance(by, micro_step=state.micro_step + 1)
-    _set_sync(new, new.micro_step)
+    plan.set_sync_for(model, new.micro_step)
     return new
 
 
@@ -327,13 +342,11 @@ def apply_gradients(state: RunState) -> tuple[RunState, dict[str, Any]]:
     and scheduler step, zero_grad) when the micro-steps since the last update
     complete an accumulation; otherwise a no-op returning empty metrics."""
     by = f"fa.apply_gradients at step {state.step}"
-    _, _, pipeline = _require(state, by)
-    k = _micro_steps(pipeline)
-    if state.micro_step // k <= state.step:
+    model, optimizer, plan = _require(state, by)
+    if state.micro_step // plan.micro_steps <= state.step:
         return state.advance(by), {}
-    with installed(state.rng, state.step_rng_types, restore=False) as captured:
-        metrics = _update(state)
-    assert captured.after is not None
-    new = state.advance(by, rng=captured.after, step=state.step + 1)
-    _after(new)
+    state.rng.install(state.step_rng_types)
+    metrics = _update(state, model, optimizer, plan)
+    new = state.advance(by, rng=state.rng.recapture(state.step_rng_types), step=state.step + 1)
+    _after(plan)
     return new, metrics

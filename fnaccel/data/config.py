@@ -21,10 +21,10 @@ class DataLoaderConfiguration(KwargsHandler):
     fnaccel always rebuilds a map-style loader around its own seedable,
     resumable `ShardedBatchSampler` on torchdata's `StatefulDataLoader` (the
     data order is a pure function of the seed and the epoch, and resuming is
-    O(1)), so ``use_seedable_sampler`` and ``use_stateful_dataloader`` are
-    accepted for compatibility with Accelerate configs and either value gives
-    that behaviour. Batches are never dispatched from rank 0: every rank reads
-    its own shard, so ``dispatch_batches=True`` is refused.
+    O(1)): Accelerate's ``use_seedable_sampler`` and
+    ``use_stateful_dataloader`` are always on, so they are not fields here.
+    Batches are never dispatched from rank 0: every rank reads its own shard,
+    so ``dispatch_batches=True`` is refused.
 
     Args:
         split_batches: the loader's ``batch_size`` is the global batch, split
@@ -35,12 +35,9 @@ class DataLoaderConfiguration(KwargsHandler):
             rank's batch by wrapping around to the start of the epoch's order
             (``PreparedLoader.num_valid`` counts the real samples); otherwise
             the last batches are shorter, possibly empty.
-        use_seedable_sampler: accepted for compatibility; the order is always seeded.
         data_seed: the seed of the data order; None uses the run's seed.
         non_blocking: copy batches to the device with ``non_blocking=True``
             (overlaps the copy with compute when the loader pins memory).
-        use_stateful_dataloader: accepted for compatibility; the loader is always
-            a torchdata `StatefulDataLoader`.
         shard: None shards the loader across the ranks when the world is larger
             than one, unless it is already sharded (a `DistributedSampler`);
             False gives every rank the whole dataset (or your own sharding);
@@ -53,10 +50,8 @@ class DataLoaderConfiguration(KwargsHandler):
     split_batches: bool = False
     dispatch_batches: bool | None = None
     even_batches: bool = True
-    use_seedable_sampler: bool = False
     data_seed: int | None = None
     non_blocking: bool = False
-    use_stateful_dataloader: bool = False
     shard: bool | None = None
 
     def _validate(self) -> None:

@@ -1,4 +1,4 @@
-"""The data path: `prepare_loader` rebuilds a loader, `batches` reads it on the device.
+"""`prepare_loader`: a user's `DataLoader`, rebuilt sharded, seeded and resumable.
 
 `prepare_loader` keeps what the user's `DataLoader` says about *reading* data
 (dataset, collate_fn, workers, pinning, batch size, drop_last) and replaces
@@ -9,16 +9,15 @@ of the seed and the epoch, split across the ranks), an `IterableDataset` an
 that is already sharded (a `DistributedSampler`), or any other sampler in a
 world of one, keeps its sampler.
 
-`PreparedLoader` is a live object, like the model: it holds the loader, the
-epoch and the iterator of the epoch in progress, so that its `state_dict` is
-the exact mid-epoch position. Resuming a map-style loader jumps there in
-O(1); an iterable one resumes through the dataset's own `state_dict`.
+The result is a `PreparedLoader` (`fnaccel.data.prepared`). Resuming a
+map-style loader jumps to its position in O(1); an iterable one resumes
+through the dataset's own `state_dict`.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -33,24 +32,26 @@ from torch.utils.data import (
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader import sampler as stateful_sampler
 
-from fnaccel._errors import CheckpointError
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.iterable import shard_iterable
+from fnaccel.data.prepared import PreparedLoader, _Collated
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.dist import DistContext
-from fnaccel.ops.tree import send_to_device
 
-__all__ = ["PreparedLoader", "batches", "prepare_loader"]
+
+def _stateful_loader(*args: Any, **kwargs: Any) -> StatefulDataLoader:
+    """`StatefulDataLoader(...)`, without the warning torchdata 0.11 emits on every
+    construction under torch 2.13 ("'set_vital' is deprecated": torchdata calls a
+    deprecated torch function; nothing the user can act on)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        return StatefulDataLoader(*args, **kwargs)
+
+
+__all__ = ["prepare_loader"]
 
 _PLAIN_BATCH_SAMPLERS = (BatchSampler, stateful_sampler.BatchSampler)
 _RANDOM_SAMPLERS = (RandomSampler, stateful_sampler.RandomSampler)
-
-
-class _Collated(NamedTuple):
-    """A collated step of an `IterableShard`, with its count of real samples."""
-
-    batch: Any
-    num_valid: int
 
 
 class _Collate:
@@ -65,10 +66,8 @@ class _Collate:
         self.unbatched = unbatched
 
     def __call__(self, samples: list[Any]) -> Any:
-        if samples and self.unbatched:
-            return self.collate_fn(samples[0])
         if samples:
-            return self.collate_fn(samples)
+            return self.collate_fn(samples[0] if self.unbatched else samples)
         error = ValueError(
             "this rank's batch is empty: with even_batches=False the last step of an epoch "
             "leaves some ranks without samples, and the loader's collate_fn cannot collate an "
@@ -76,7 +75,7 @@ class _Collate:
             "is padded and state.loader.num_valid counts the real samples), a DataLoader with "
             "drop_last=True, or a collate_fn that accepts an empty list."
         )
-        if self.unbatched:
+        if self.unbatched:  # there is no item to give the collate_fn
             raise error
         try:
             return self.collate_fn(samples)
@@ -115,7 +114,7 @@ def _plan(loader: DataLoader[Any]) -> _Plan:
         assert isinstance(batch_sampler, BatchSampler)
         sampler, batch_size, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
     else:
-        return _Plan("custom", loader.sampler, batch_sampler, None, False)
+        return _Plan("custom", None, batch_sampler, None, False)
     if isinstance(sampler, _RANDOM_SAMPLERS):
         # Sampling with replacement, or a number of samples other than the dataset's, is not a shuffle.
         shuffle = not sampler.replacement and sampler.num_samples == len(loader.dataset)  # type: ignore[arg-type]
@@ -242,242 +241,48 @@ def prepare_loader(
     user_sampler = plan.batch_sampler if plan.batch_sampler is not None else plan.sampler
     hooks = tuple(h for h in (user_sampler, loader.dataset) if hasattr(h, "set_epoch"))
 
-    def live(built: StatefulDataLoader, sampler: ShardedBatchSampler | None, hooks: tuple[Any, ...]) -> PreparedLoader:
+    def prepared(built: StatefulDataLoader, sampler: ShardedBatchSampler | None) -> PreparedLoader:
         return PreparedLoader(built, sampler=sampler, epoch_hooks=hooks, seed=seed, device=ctx.device,
                               non_blocking=config.non_blocking, num_processes=world, rank=ctx.rank,
                               unbatched=plan.batch_size is None)
 
     if not ours:
         if plan.batch_sampler is not None:
-            built = StatefulDataLoader(loader.dataset, batch_sampler=plan.batch_sampler,
+            built = _stateful_loader(loader.dataset, batch_sampler=plan.batch_sampler,
                                        collate_fn=loader.collate_fn, **reader)
         else:
-            built = StatefulDataLoader(loader.dataset, batch_size=plan.batch_size, sampler=plan.sampler,
+            built = _stateful_loader(loader.dataset, batch_size=plan.batch_size, sampler=plan.sampler,
                                        drop_last=plan.drop_last, collate_fn=loader.collate_fn, **reader)
-        return live(built, None, hooks)
+        return prepared(built, None)
 
-    per_rank = plan.batch_size or 1
-    if config.split_batches and num_processes > 1:
-        if plan.batch_size is None or per_rank % num_processes:
-            raise ValueError(
-                f"split_batches=True splits each batch of {plan.batch_size} samples across "
-                f"{num_processes} processes, which does not divide evenly: use a batch_size that "
-                f"is a multiple of {num_processes}, or split_batches=False"
-            )
-        per_rank //= num_processes
+    per_rank = _per_rank_batch_size(plan.batch_size, num_processes, config.split_batches)
     rank = ctx.rank if num_processes > 1 else 0
     collate = _Collate(loader.collate_fn, unbatched=plan.batch_size is None)
     even_batches = config.even_batches and num_processes > 1  # one process has nobody to be even with
     if plan.kind == "iterable":
         dataset = shard_iterable(loader.dataset, batch_size=per_rank, num_processes=num_processes,
                                  rank=rank, drop_last=plan.drop_last, even_batches=even_batches)
-        built = StatefulDataLoader(dataset, batch_size=None, collate_fn=_CollateSteps(collate), **reader)
-        return live(built, None, hooks)
+        return prepared(_stateful_loader(dataset, batch_size=None, collate_fn=_CollateSteps(collate), **reader),
+                        None)
     sampler = ShardedBatchSampler(
         len(loader.dataset), per_rank, num_processes=num_processes, rank=rank,  # type: ignore[arg-type]
         seed=seed, shuffle=plan.kind == "random", drop_last=plan.drop_last, even_batches=even_batches,
     )
-    built = StatefulDataLoader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader)
-    hooks = (sampler, *(h for h in hooks if h is loader.dataset))
-    return live(built, sampler, hooks)
+    hooks = (sampler, *(h for h in hooks if h is loader.dataset))  # the user's sampler is replaced
+    return prepared(_stateful_loader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader),
+                    sampler)
 
 
-class PreparedLoader:
-    """A prepared data loader: a live object, like the model, that knows its position.
-
-    Iterating it yields the rest of the current epoch, each batch on
-    ``device``; when the epoch runs out, ``epoch`` advances and the next
-    iteration starts the next one. `fa.batches` iterates it over epochs. Build
-    one with `prepare_loader` (`fa.prepare` does).
-
-    Attributes:
-        dataloader: the torchdata `StatefulDataLoader` that reads the data.
-        sampler: the `ShardedBatchSampler` ordering a map-style dataset, or None.
-        epoch: the current epoch.
-        device: where batches are placed.
-        non_blocking: whether the copies to ``device`` are non-blocking.
-        num_valid: how many leading samples of the batch yielded last are real
-            (the rest is padding from ``even_batches``); pass it to
-            `gather_for_metrics`. None when every sample is real as far as
-            fnaccel knows (a loader it did not shard, or before the first batch).
-    """
-
-    def __init__(
-        self,
-        dataloader: StatefulDataLoader,
-        *,
-        sampler: ShardedBatchSampler | None,
-        epoch_hooks: tuple[Any, ...],
-        seed: int,
-        device: torch.device,
-        non_blocking: bool,
-        num_processes: int,
-        rank: int,
-        unbatched: bool,
-    ) -> None:
-        self.dataloader = dataloader
-        self.sampler = sampler
-        self.device = device
-        self.non_blocking = non_blocking
-        self.epoch = 0
-        self.num_valid: int | None = None
-        self._epoch_hooks = epoch_hooks
-        self._seed = seed
-        self._num_processes = num_processes
-        self._rank = rank
-        self._unbatched = unbatched
-        self._iterator: Iterator[Any] | None = None
-        self._batches_yielded = 0
-        self._resume: dict[str, Any] = {}  # a loaded mid-epoch position, until the epoch resumes
-
-    def __len__(self) -> int:
-        """Batches per epoch on this rank."""
-        return len(self.dataloader)
-
-    def __repr__(self) -> str:
-        return (f"PreparedLoader(epoch={self.epoch}, batches_yielded={self._batches_yielded}, "
-                f"sampler={self.sampler!r}, device={self.device})")
-
-    @property
-    def batches_yielded(self) -> int:
-        """Batches of the current epoch already yielded."""
-        return self._batches_yielded
-
-    def _worker_seed(self) -> int:
-        # Pure in (seed, epoch, rank): resuming an epoch seeds its workers as before,
-        # and ranks augment differently.
-        return (self._seed + self.epoch) * self._num_processes + self._rank
-
-    def _start_epoch(self) -> Iterator[Any]:
-        for hook in self._epoch_hooks:
-            hook.set_epoch(self.epoch)
-        generator = self.dataloader.generator
-        assert generator is not None  # prepare_loader always gives one
-        generator.manual_seed(self._worker_seed())
-        self._resume = {}  # the StatefulDataLoader took it in load_state_dict
-        return iter(self.dataloader)
-
-    def __iter__(self) -> Iterator[Any]:
-        """The rest of the current epoch, on ``device``; ``epoch`` advances at its end."""
-        if self._iterator is None:
-            self._iterator = self._start_epoch()
-        while True:
-            try:
-                item = next(self._iterator)
-            except StopIteration:
-                self._iterator = None
-                self._batches_yielded = 0
-                self.epoch += 1
-                return
-            num_valid: int | None
-            if isinstance(item, _Collated):
-                batch, num_valid = item
-            elif self.sampler is not None:
-                batch, num_valid = item, self.sampler.num_valid(self._batches_yielded)
-            else:
-                batch, num_valid = item, None
-            if self._unbatched and num_valid is not None:
-                num_valid = None if num_valid else 0  # a whole item is real or padding
-            self._batches_yielded += 1
-            self.num_valid = num_valid
-            yield send_to_device(batch, self.device, non_blocking=self.non_blocking)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The exact position: plain ints, strings, None and dicts (no pickle).
-
-        ``{"epoch", "batches_yielded", "num_processes", "num_workers", "dataloader"}``,
-        where ``dataloader`` is the `StatefulDataLoader`'s own state mid-epoch
-        (holding the sampler's or iterable dataset's state) and ``{}`` at an
-        epoch's start.
-        """
-        if self._iterator is not None:
-            position = copy.deepcopy(self.dataloader.state_dict())
-        else:
-            position = copy.deepcopy(self._resume)
-        return {
-            "epoch": self.epoch,
-            "batches_yielded": self._batches_yielded,
-            "num_processes": self._num_processes,
-            "num_workers": self.dataloader.num_workers,
-            "dataloader": position,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Go to the position in ``state_dict``; the next iteration resumes there.
-
-        Raises:
-            CheckpointError: the state is malformed, or was saved with another
-                number of processes or workers, or another epoch length.
-        """
-        expected = ("epoch", "batches_yielded", "num_processes", "num_workers", "dataloader")
-        missing = [key for key in expected if key not in state_dict]
-        if missing:
-            raise CheckpointError(f"the loader state lacks {missing}: it is not a PreparedLoader.state_dict()")
-        for key in expected[:4]:
-            value = state_dict[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise CheckpointError(f"the loader state's {key!r} must be an int >= 0, got {value!r}")
-        for key, here in (("num_processes", self._num_processes), ("num_workers", self.dataloader.num_workers)):
-            if state_dict[key] != here:
-                raise CheckpointError(
-                    f"the loader state was saved with {key}={state_dict[key]} but this loader has "
-                    f"{key}={here}: resume with the same {key}"
-                )
-        if self.sampler is not None and state_dict["batches_yielded"] > len(self.sampler):
-            raise CheckpointError(
-                f"the loader state is {state_dict['batches_yielded']} batches into an epoch of "
-                f"{len(self.sampler)}: it was saved with another dataset size or batch size"
-            )
-        if not isinstance(state_dict["dataloader"], dict):
-            raise CheckpointError("the loader state's 'dataloader' must be a dict")
-        self._iterator = None
-        self.epoch = state_dict["epoch"]
-        self._batches_yielded = state_dict["batches_yielded"]
-        self.num_valid = None
-        self._resume = copy.deepcopy(state_dict["dataloader"])
-        self.dataloader.load_state_dict(copy.deepcopy(self._resume))
-
-
-def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
-    """Reads the state's prepared loader: its batches, on the device, from its position.
-
-    Args:
-        state: a `RunState` whose ``loader`` was prepared (`fa.prepare`).
-        epochs: run through the end of epoch ``epochs - 1``, starting each new
-            epoch (which reshuffles); None yields the rest of the current epoch.
-
-    Returns:
-        A generator of batches placed on ``state.dist.device``. The loader is a
-        live object: after an epoch ends, ``state.loader.epoch`` has advanced.
-
-    Raises:
-        ValueError: the state has no prepared loader, or ``epochs`` is negative.
-
-    >>> import torch, fnaccel as fa
-    >>> state = fa.init(seed=0, cpu=True)
-    >>> data = torch.utils.data.DataLoader(torch.arange(4), batch_size=2, shuffle=True)
-    >>> state = state.replace(loader=prepare_loader(data, state.dist, seed=0))
-    >>> [b.tolist() for b in batches(state, epochs=2)]
-    [[0, 1], [3, 2], [1, 3], [2, 0]]
-    >>> state.loader.epoch
-    2
-    """
-    loader = getattr(state, "loader", None)
-    if loader is None:
+def _per_rank_batch_size(batch_size: int | None, num_processes: int, split_batches: bool) -> int:
+    """Samples per rank per step; a loader without batching reads one item per rank per step."""
+    if not split_batches or num_processes == 1:
+        return batch_size or 1
+    if batch_size is None:
+        raise ValueError("split_batches=True needs a DataLoader with a batch_size to split, got batch_size=None")
+    if batch_size % num_processes:
         raise ValueError(
-            "fa.batches: the state has no prepared loader; prepare one first with "
-            "state = fa.prepare(state, loader=your_dataloader)"
+            f"split_batches=True splits each batch of {batch_size} samples across {num_processes} "
+            f"processes, which does not divide evenly: use a batch_size that is a multiple of "
+            f"{num_processes}, or split_batches=False"
         )
-    if not isinstance(loader, PreparedLoader):
-        raise TypeError(
-            f"fa.batches: state.loader is a {type(loader).__name__}, not a prepared loader; "
-            "pass your DataLoader through fa.prepare(state, loader=...)"
-        )
-    if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0):
-        raise ValueError(f"fa.batches: epochs must be an int >= 0 or None, got {epochs!r}")
-    return _epochs(loader, loader.epoch + 1 if epochs is None else epochs)
-
-
-def _epochs(loader: PreparedLoader, end: int) -> Iterator[Any]:
-    while loader.epoch < end:
-        yield from loader
+    return batch_size // num_processes

@@ -84,11 +84,17 @@ def shard_batch(
     num_samples = len(order)
     _check_sizes("shard_batch", num_samples, batch_size, num_processes, rank)
     start = min(step * batch_size * num_processes + rank * batch_size, num_samples)
-    real = tuple(int(i) for i in order[start : min(start + batch_size, num_samples)])
+    real = _as_ints(order[start : min(start + batch_size, num_samples)])
     if not even_batches or len(real) == batch_size:
         return EvalShard(indices=real, num_valid=len(real))
-    pad = tuple(int(order[i % num_samples]) for i in range(batch_size - len(real)))
+    missing = batch_size - len(real)
+    # Wrap around to the order's start, as many times as a tiny dataset needs.
+    pad = _as_ints(order[:missing]) * (missing // num_samples) + _as_ints(order[: missing % num_samples])
     return EvalShard(indices=real + pad, num_valid=len(real))
+
+
+def _as_ints(part: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    return tuple(part.tolist() if isinstance(part, torch.Tensor) else part)
 
 
 def eval_shards(

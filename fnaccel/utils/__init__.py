@@ -60,6 +60,7 @@ from fnaccel.utils.kwargs import (
 )
 
 # isort: split
+from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.ops import (
     broadcast,
     broadcast_object_list,
@@ -105,6 +106,8 @@ __all__ = [
     # kwargs handlers
     "AutocastKwargs", "DistributedDataParallelKwargs", "FP8RecipeKwargs", "GradScalerKwargs",
     "InitProcessGroupKwargs", "KwargsHandler", "ProfileKwargs",
+    # data loading
+    "DataLoaderConfiguration",
     # data operations
     "broadcast", "broadcast_object_list", "concatenate", "convert_outputs_to_fp32",
     "convert_to_fp32", "gather", "gather_for_metrics", "gather_object", "listify",

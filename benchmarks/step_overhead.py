@@ -1,0 +1,154 @@
+"""fnaccel's own cost per training step, against the same hand-written loop.
+
+Three measurements, each a ratio against a baseline taken in the same run:
+
+``step``
+    A 32-64-10 MLP, batch 16, SGD, one CPU thread, 200 steps per block:
+    ``loss = F.cross_entropy(model(x), y); loss.backward(); opt.step();
+    opt.zero_grad(set_to_none=True)`` against ``state, metrics =
+    fa.step(state, (x, y))`` with the same loss function. Blocks of the two
+    alternate (which goes first alternates too); the figure is the median over
+    rounds of time per step.
+``ddp step``
+    The same on 2 gloo processes (`fnaccel.testing.World`): a hand-written
+    ``DistributedDataParallel`` loop against ``fa.step`` with ``fa.ddp()``;
+    a block's time is the max over the ranks.
+``import``
+    ``python -c "import torch"`` against ``python -c "import torch, fnaccel"``
+    in fresh interpreters, alternating, median of the wall times.
+
+Run from the repository root::
+
+    python benchmarks/step_overhead.py [--rounds 21]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fnaccel as fa
+from fnaccel.testing import World
+
+STEPS = 200
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def make_data(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
+            for _ in range(STEPS)]
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _loops(state: fa.RunState | None, data: list[Any], wrap_ddp: Any = None) -> tuple[Any, Any]:
+    """The baseline and the fnaccel loop over ``data``, each timing one block."""
+    hand_model = make_model()
+    if wrap_ddp is not None:
+        hand_model = wrap_ddp(hand_model)
+    hand_opt = torch.optim.SGD(hand_model.parameters(), lr=0.01)
+
+    def hand() -> None:
+        for batch in data:
+            loss = loss_fn(hand_model, batch)
+            loss.backward()
+            hand_opt.step()
+            hand_opt.zero_grad(set_to_none=True)
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    pipeline = fa.compose(fa.ddp()) if wrap_ddp is not None else fa.compose()
+    holder = [fa.prepare(state or fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn,
+                         pipeline=pipeline)]
+
+    def fnaccel() -> None:
+        s = holder[0]
+        for batch in data:
+            s, _ = fa.step(s, batch)
+        holder[0] = s
+
+    return hand, fnaccel
+
+
+def _time_blocks(hand: Any, fnaccel: Any, rounds: int, barrier: Any = None) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {"baseline": [], "fnaccel": []}
+    hand(), fnaccel()  # warm-up
+    for r in range(rounds):
+        order = [("baseline", hand), ("fnaccel", fnaccel)]
+        for name, fn in order if r % 2 == 0 else reversed(order):
+            if barrier is not None:
+                barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) / STEPS)
+    return times
+
+
+def ddp_worker(state: fa.RunState, rounds: int) -> dict[str, list[float]]:
+    torch.set_num_threads(1)
+    group = state.dist.process_group
+
+    def wrap(model: nn.Module) -> nn.Module:
+        return nn.parallel.DistributedDataParallel(model, process_group=group)
+
+    hand, fnaccel = _loops(state, make_data(state.dist.rank), wrap_ddp=wrap)
+    return _time_blocks(hand, fnaccel, rounds, barrier=lambda: dist.barrier(group=group))
+
+
+def import_times(rounds: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {"baseline": [], "fnaccel": []}
+    commands = {"baseline": "import torch", "fnaccel": "import torch, fnaccel"}
+    for r in range(rounds):
+        names = ["baseline", "fnaccel"] if r % 2 == 0 else ["fnaccel", "baseline"]
+        for name in names:
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", commands[name]], check=True)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _row(label: str, times: dict[str, list[float]], unit: float, suffix: str) -> dict[str, Any]:
+    base, ours = statistics.median(times["baseline"]), statistics.median(times["fnaccel"])
+    print(f"{label:<10} {base * unit:10.1f} {suffix} {ours * unit:10.1f} {suffix}  {ours / base:6.3f}",
+          flush=True)
+    return {"case": label, "baseline": base, "fnaccel": ours, "ratio": ours / base}
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description="fa.step's overhead over a hand-written loop")
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--skip-ddp", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, one CPU thread per process, {STEPS} steps per block, "
+          f"{args.rounds} rounds")
+    print(f"{'case':<10} {'baseline':>13} {'fnaccel':>13}  {'ratio':>6}")
+    rows = [_row("step", _time_blocks(*_loops(None, make_data(0)), rounds=args.rounds), 1e6, "us")]
+    if not args.skip_ddp:
+        with World(2) as world:
+            per_rank = world.run(ddp_worker, args.rounds)
+        slowest = {name: [max(r[name][i] for r in per_rank) for i in range(args.rounds)]
+                   for name in ("baseline", "fnaccel")}
+        rows.append(_row("ddp step", slowest, 1e6, "us"))
+    rows.append(_row("import", import_times(max(5, args.rounds // 2)), 1e3, "ms"))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,435 @@
+"""`prepare_loader`, `PreparedLoader` and `batches`: the data path of a run.
+
+Sharding is a pure computation, so most tests prepare each rank's loader in
+this process with a `DistContext` naming the rank (that also lets loader
+workers run: the gloo world's ranks are daemons, which cannot start them);
+the tests on the real 2- and 3-rank worlds check the same properties end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import fnaccel as fa
+from fnaccel._errors import CheckpointError
+from fnaccel.data import prepared as prepared_module
+from fnaccel.data.config import DataLoaderConfiguration
+from fnaccel.data.loader import prepare_loader
+from fnaccel.data.prepared import PreparedLoader, batches
+from fnaccel.data.sampler import epoch_order
+
+_TESTS = str(Path(__file__).resolve().parents[1])  # see ops/_dist_fns.py for why
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+from data import _data_fns as fns  # noqa: E402
+from data._data_fns import Indices, Noisy, PlainStream, Stream, as_lists, collate_list  # noqa: E402
+
+
+def _ctx(num_processes: int = 1, rank: int = 0, device: str = "cpu") -> fa.DistContext:
+    return fa.DistContext(num_processes=num_processes, rank=rank, device=torch.device(device))
+
+
+def _prepare(loader: DataLoader[Any], num_processes: int = 1, rank: int = 0, seed: int = 0,
+             **config: Any) -> PreparedLoader:
+    return prepare_loader(loader, _ctx(num_processes, rank), seed=seed, config=DataLoaderConfiguration(**config))
+
+
+def _state(prepared: PreparedLoader) -> fa.RunState:
+    return fa.init(cpu=True).replace(loader=prepared)
+
+
+# --------------------------------------------------------------------- the order
+
+
+def test_the_order_depends_on_shuffle_and_seed_only_never_on_the_users_generator() -> None:
+    def order(loader: DataLoader[Any]) -> list[list[int]]:
+        return as_lists(_prepare(loader, seed=9))
+
+    data = Indices(10)
+    reference = order(DataLoader(data, batch_size=3, shuffle=True))
+    torch.manual_seed(1)
+    assert order(DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5))) == reference
+    assert order(DataLoader(data, batch_size=3, sampler=RandomSampler(data))) == reference
+    assert order(StatefulDataLoader(data, batch_size=3, shuffle=True)) == reference
+    assert order(DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 3, False))) == reference
+    expected = epoch_order(10, seed=9, epoch=0, shuffle=True).tolist()
+    assert sum(reference, []) == expected
+    assert [len(b) for b in reference] == [3, 3, 3, 1]  # one process: no padding
+    assert order(DataLoader(data, batch_size=3)) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    sequential = DataLoader(data, batch_size=3, sampler=SequentialSampler(data))
+    assert order(sequential) == order(DataLoader(data, batch_size=3))
+    assert as_lists(_prepare(DataLoader(data, batch_size=3, shuffle=True), seed=9, data_seed=2)) != reference
+
+
+@pytest.mark.parametrize("num_processes", [2, 3])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_ranks_of_a_step_make_the_single_process_global_batch(num_processes: int, shuffle: bool) -> None:
+    num_samples, batch_size = 4 * 3 * num_processes, 3
+    single = as_lists(_prepare(DataLoader(Indices(num_samples), batch_size=batch_size * num_processes,
+                                          shuffle=shuffle), seed=2))
+    ranks = [as_lists(_prepare(DataLoader(Indices(num_samples), batch_size=batch_size, shuffle=shuffle),
+                               num_processes, rank, seed=2)) for rank in range(num_processes)]
+    assert [sum((r[step] for r in ranks), []) for step in range(len(single))] == single
+    assert sorted(i for r in ranks for b in r for i in b) == list(range(num_samples))
+
+
+def test_on_real_worlds_every_sample_once_and_steps_equal_one_process(world: Any) -> None:
+    n = world.num_processes
+    num_samples, batch_size = 5 * 2 * n, 2
+    results = world.run(fns.epoch_batches, num_samples, batch_size, True, 2, {})
+    single = fa.init(cpu=True).replace(loader=_prepare(
+        DataLoader(Indices(num_samples), batch_size=batch_size * n, shuffle=True), seed=5))
+    expected = [b.tolist() for b in batches(single, epochs=2)]
+    assert all(len(r) == len(expected) for r in results)
+    for step, global_batch in enumerate(expected):
+        assert sum((r[step][0] for r in results), []) == global_batch
+    for epoch in range(2):
+        steps = [step for step, (_, _, e) in enumerate(results[0]) if e == epoch]
+        seen = sorted(i for r in results for step in steps for i in r[step][0])
+        assert seen == list(range(num_samples))  # every sample exactly once per epoch
+    assert all(valid == batch_size for r in results for _, valid, _ in r)
+
+
+def test_on_real_worlds_uneven_data_pads_and_counts_the_real_samples(world: Any) -> None:
+    n = world.num_processes
+    num_samples = 2 * n * 2 + 1  # one sample into a third global batch
+    results = world.run(fns.epoch_batches, num_samples, 2, False, 1, {})
+    assert {len(r) for r in results} == {3}
+    assert [r[2][1] for r in results] == [1] + [0] * (n - 1)
+    assert all(r[2][0] == ([num_samples - 1, 0] if rank == 0 else [0, 1]) for rank, r in enumerate(results))
+    real = sorted(i for r in results for batch, valid, _ in r for i in batch[:valid])
+    assert real == list(range(num_samples))
+    uneven = world.run(fns.epoch_batches, num_samples, 2, False, 1, {"even_batches": False})
+    assert [r[2][0] for r in uneven] == [[num_samples - 1]] + [[]] * (n - 1)
+
+
+# --------------------------------------------------------------------- uneven ends
+
+
+def test_even_batches_drop_last_and_split_batches_on_the_loader() -> None:
+    def ranks(loader_kwargs: dict[str, Any], **config: Any) -> list[list[tuple[list[int], int | None]]]:
+        out = []
+        for rank in range(3):
+            prepared = _prepare(DataLoader(Indices(8), collate_fn=collate_list, **loader_kwargs), 3, rank, **config)
+            out.append([(b, prepared.num_valid) for b in prepared])
+        return out
+
+    assert ranks({"batch_size": 2}) == [
+        [([0, 1], 2), ([6, 7], 2)], [([2, 3], 2), ([0, 1], 0)], [([4, 5], 2), ([0, 1], 0)]]
+    assert ranks({"batch_size": 2}, even_batches=False) == [
+        [([0, 1], 2), ([6, 7], 2)], [([2, 3], 2), ([], 0)], [([4, 5], 2), ([], 0)]]
+    assert ranks({"batch_size": 2, "drop_last": True}) == [[([0, 1], 2)], [([2, 3], 2)], [([4, 5], 2)]]
+    assert ranks({"batch_size": 3}, split_batches=True) == [
+        [([0], 1), ([3], 1), ([6], 1)], [([1], 1), ([4], 1), ([7], 1)], [([2], 1), ([5], 1), ([0], 0)]]
+    with pytest.raises(ValueError, match="multiple of 3"):
+        _prepare(DataLoader(Indices(8), batch_size=4), 3, 0, split_batches=True)
+    with pytest.raises(ValueError, match="needs fnaccel to shard"):
+        _prepare(DataLoader(Indices(8), batch_size=3), 3, 0, split_batches=True, shard=False)
+
+
+def test_an_empty_batch_that_cannot_be_collated_gets_a_clear_error() -> None:
+    prepared = _prepare(DataLoader(Indices(7), batch_size=2), 3, 1, even_batches=False)
+    stream = iter(prepared)
+    assert next(stream).tolist() == [2, 3]
+    with pytest.raises(ValueError, match="even_batches=True"):
+        next(stream)
+
+
+def test_a_loader_without_batching_shards_whole_items() -> None:
+    per_rank = [list(_prepare(DataLoader(Indices(5), batch_size=None), 2, rank)) for rank in range(2)]
+    assert per_rank == [[0, 2, 4], [1, 3, 0]]
+    prepared = _prepare(DataLoader(Indices(5), batch_size=None), 2, 1)
+    assert [(item, prepared.num_valid) for item in prepared] == [(1, None), (3, None), (0, 0)]
+
+
+# --------------------------------------------------------------------- samplers fnaccel keeps
+
+
+def test_a_distributed_sampler_is_not_sharded_twice(world: Any) -> None:
+    for rank_result in world.run(fns.distributed_sampler_batches, 11, 2):
+        assert rank_result["got"] == rank_result["expected"]  # its own shard, reshuffled by set_epoch
+        assert rank_result["len"] == len(rank_result["expected"]) // 2
+
+
+def test_shard_true_with_a_distributed_sampler_is_refused() -> None:
+    data = Indices(10)
+    loader = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    with pytest.raises(ValueError, match="shard it twice"):
+        _prepare(loader, 2, 0, shard=True)
+    kept = _prepare(loader, 2, 0)
+    assert kept.sampler is None and len(kept) == 3
+
+
+class _EveryOther(torch.utils.data.Sampler[int]):
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return (self.num_samples + 1) // 2
+
+    def __iter__(self) -> Any:
+        return iter(range(0, self.num_samples, 2))
+
+
+def test_a_custom_sampler_is_kept_on_one_process_and_refused_on_more() -> None:
+    loader = DataLoader(Indices(7), batch_size=2, sampler=_EveryOther(7))
+    assert as_lists(_prepare(loader)) == [[0, 2], [4, 6]]
+    with pytest.raises(ValueError, match="custom _EveryOther across 2 processes.*shard=False"):
+        _prepare(loader, 2, 1)
+    assert as_lists(_prepare(loader, 2, 1, shard=False)) == [[0, 2], [4, 6]]
+    custom_batches = DataLoader(Indices(6), batch_sampler=[[5, 4], [0]])
+    assert as_lists(_prepare(custom_batches)) == [[5, 4], [0]]
+    with pytest.raises(ValueError, match="custom list"):
+        _prepare(custom_batches, 3, 0)
+    replacement = DataLoader(Indices(6), batch_size=2, sampler=RandomSampler(Indices(6), replacement=True))
+    with pytest.raises(ValueError, match="custom RandomSampler"):
+        _prepare(replacement, 2, 0)
+
+
+def test_shard_false_gives_every_rank_the_whole_dataset_in_the_seeded_order() -> None:
+    per_rank = [as_lists(_prepare(DataLoader(Indices(6), batch_size=4, shuffle=True), 2, rank, shard=False))
+                for rank in range(2)]
+    assert per_rank[0] == per_rank[1]
+    assert sum(per_rank[0], []) == epoch_order(6, seed=0, epoch=0, shuffle=True).tolist()
+
+
+# --------------------------------------------------------------------- resuming
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("stop_after", [0, 1, 3])
+def test_a_mid_epoch_state_resumes_exactly_in_a_fresh_loader(num_workers: int, stop_after: int) -> None:
+    def prepared() -> PreparedLoader:
+        loader = DataLoader(Indices(23), batch_size=2, shuffle=True, num_workers=num_workers)
+        return _prepare(loader, 2, 1, seed=3)
+
+    first = prepared()
+    stream = iter(first)
+    head = [next(stream).tolist() for _ in range(stop_after)]
+    saved = first.state_dict()
+    tail = as_lists(stream)
+    assert first.epoch == 1
+    saved = json.loads(json.dumps(saved))  # plain data: it survives JSON as it is
+    fresh = prepared()
+    fresh.load_state_dict(saved)
+    assert fresh.state_dict() == saved  # not started yet: the loaded position
+    assert as_lists(fresh) == tail and fresh.epoch == 1
+    assert len(head) + len(tail) == len(first) == 6
+
+
+def test_resuming_reads_only_the_remaining_samples() -> None:
+    result = fns.resumed_batches(fa.init(cpu=True), 1000, 10, stop_after=95)
+    assert result["resumed"] == result["tail"] and len(result["tail"]) == 5
+    assert result["reads"] == 50  # no replay of the 950 samples before the position
+
+
+def test_resuming_on_real_worlds(world: Any) -> None:
+    for result in world.run(fns.resumed_batches, 40, 2, 3):
+        assert result["resumed"] == result["tail"]
+        assert result["reads"] == 2 * len(result["tail"])
+
+
+def test_persistent_workers_cross_epochs_and_resume() -> None:
+    def prepared() -> fa.RunState:
+        loader = DataLoader(Indices(10), batch_size=2, shuffle=True, num_workers=2, persistent_workers=True)
+        return _state(_prepare(loader, 2, 1))
+
+    reference = as_lists(batches(prepared(), epochs=3))
+    state = prepared()
+    stream = batches(state, epochs=3)
+    head = [next(stream).tolist() for _ in range(4)]  # into the second epoch
+    saved = state.loader.state_dict()
+    assert saved["epoch"] == 1 and saved["batches_yielded"] == 1
+    resumed = prepared()
+    resumed.loader.load_state_dict(saved)
+    assert head + as_lists(batches(resumed, epochs=3)) == reference
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_reading_leaves_the_process_generators_alone(num_workers: int) -> None:
+    loader = _prepare(DataLoader(Indices(9), batch_size=2, shuffle=True, num_workers=num_workers), 3, 2)
+    before = torch.get_rng_state()
+    as_lists(loader)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_worker_seeds_are_pure_in_seed_epoch_and_rank() -> None:
+    def draws(rank: int, seed: int = 0) -> list[list[float]]:
+        loader = DataLoader(Noisy(), batch_size=2, num_workers=2)
+        return [b.tolist() for b in batches(_state(_prepare(loader, 2, rank, seed=seed)), epochs=2)]
+
+    first = draws(0)
+    assert draws(0) == first  # a fresh loader augments the same way
+    assert draws(1) != first and draws(0, seed=1) != first
+    assert first[:2] != first[2:]  # and each epoch differently
+
+
+def test_a_state_at_an_epoch_boundary_resumes_the_next_epoch() -> None:
+    loader = _prepare(DataLoader(Indices(6), batch_size=2, shuffle=True))
+    as_lists(loader)
+    saved = loader.state_dict()
+    assert saved["epoch"] == 1 and saved["dataloader"] == {} and saved["batches_yielded"] == 0
+    expected = as_lists(loader)
+    fresh = _prepare(DataLoader(Indices(6), batch_size=2, shuffle=True))
+    fresh.load_state_dict(saved)
+    assert as_lists(fresh) == expected and fresh.epoch == 2
+
+
+def test_a_state_that_does_not_fit_is_refused() -> None:
+    prepared = _prepare(DataLoader(Indices(10), batch_size=2), 2, 0)
+    saved = prepared.state_dict()
+    with pytest.raises(CheckpointError, match="num_processes=2 but this loader has num_processes=3"):
+        _prepare(DataLoader(Indices(10), batch_size=2), 3, 0).load_state_dict(saved)
+    with pytest.raises(CheckpointError, match="num_workers"):
+        _prepare(DataLoader(Indices(10), batch_size=2, num_workers=1), 2, 0).load_state_dict(saved)
+    with pytest.raises(CheckpointError, match="lacks"):
+        prepared.load_state_dict({"epoch": 0})
+    with pytest.raises(CheckpointError, match="another dataset size"):
+        prepared.load_state_dict({**saved, "batches_yielded": 9})
+    with pytest.raises(CheckpointError, match="'epoch' must be an int"):
+        prepared.load_state_dict({**saved, "epoch": -1})
+
+
+# --------------------------------------------------------------------- iterable datasets
+
+
+@pytest.mark.parametrize("num_processes", [2, 3])
+def test_an_iterable_dataset_is_split_by_global_batch(num_processes: int) -> None:
+    num_samples = 2 * num_processes * 3 + 1
+    ranks = []
+    for rank in range(num_processes):
+        prepared = _prepare(DataLoader(Stream(num_samples), batch_size=2), num_processes, rank)
+        ranks.append([(b.tolist(), prepared.num_valid) for b in prepared])
+    assert {len(r) for r in ranks} == {4}
+    single = as_lists(_prepare(DataLoader(Stream(num_samples), batch_size=2 * num_processes)))
+    for step in range(3):
+        assert sum((r[step][0] for r in ranks), []) == single[step]
+    last = [r[3] for r in ranks]  # one real sample, padded by cycling the last global batch
+    assert last == [([num_samples - 1] * 2, 1)] + [([num_samples - 1] * 2, 0)] * (num_processes - 1)
+    dropped = [as_lists(_prepare(DataLoader(Stream(num_samples), batch_size=2, drop_last=True), num_processes, r))
+               for r in range(num_processes)]
+    assert [len(r) for r in dropped] == [3] * num_processes
+
+
+def test_iterable_sharding_on_real_worlds(world: Any) -> None:
+    n = world.num_processes
+    results = world.run(fns.iterable_batches, 4 * n, 2)
+    assert sorted(i for r in results for batch, _ in r for i in batch) == list(range(4 * n))
+    assert [r[0][0] for r in results] == [[2 * rank, 2 * rank + 1] for rank in range(n)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_iterable_dataset_resumes_through_its_own_state(num_workers: int) -> None:
+    def prepared() -> PreparedLoader:
+        return _prepare(DataLoader(Stream(40), batch_size=2, num_workers=num_workers), 2, 1)
+
+    first = prepared()
+    stream = iter(first)
+    head = [next(stream).tolist() for _ in range(3)]
+    saved = json.loads(json.dumps(first.state_dict()))
+    tail = as_lists(stream)
+    fresh = prepared()
+    fresh.load_state_dict(saved)
+    assert as_lists(fresh) == tail and len(head) + len(tail) == 10
+    if num_workers == 0:
+        assert fresh.dataloader.dataset.dataset.reads == 4 * len(tail)  # only the rest is read
+
+
+def test_an_iterable_dataset_without_state_resumes_by_replaying() -> None:
+    first = _prepare(DataLoader(PlainStream(12), batch_size=2), 2, 0)
+    stream = iter(first)
+    next(stream)
+    saved = first.state_dict()
+    tail = as_lists(stream)
+    fresh = _prepare(DataLoader(PlainStream(12), batch_size=2), 2, 0)
+    fresh.load_state_dict(saved)
+    assert as_lists(fresh) == tail == [[4, 5], [8, 9]]
+
+
+def test_set_epoch_reaches_the_dataset() -> None:
+    data = Stream(4)
+    state = _state(_prepare(DataLoader(data, batch_size=2), 2, 0))
+    list(batches(state, epochs=3))
+    assert data.epochs == [0, 1, 2]
+
+
+# --------------------------------------------------------------------- fa.batches
+
+
+def test_batches_cross_epochs_and_reshuffle() -> None:
+    state = _state(_prepare(DataLoader(Indices(8), batch_size=4, shuffle=True), seed=1))
+    seen = []
+    for batch in batches(state, epochs=2):
+        seen.append((batch.tolist(), state.loader.epoch))
+    assert [e for _, e in seen] == [0, 0, 1, 1] and state.loader.epoch == 2
+    assert sum((b for b, _ in seen[:2]), []) == epoch_order(8, seed=1, epoch=0, shuffle=True).tolist()
+    assert sum((b for b, _ in seen[2:]), []) == epoch_order(8, seed=1, epoch=1, shuffle=True).tolist()
+    assert list(batches(state, epochs=2)) == []  # already through epoch 1
+
+
+def test_batches_without_epochs_yields_the_rest_of_the_current_epoch() -> None:
+    state = _state(_prepare(DataLoader(Indices(6), batch_size=2)))
+    stream = batches(state)
+    assert next(stream).tolist() == [0, 1]
+    assert as_lists(batches(state)) == [[2, 3], [4, 5]]  # the live loader continues
+    assert state.loader.epoch == 1
+    assert as_lists(batches(state)) == [[0, 1], [2, 3], [4, 5]]
+    assert len(state.loader) == 3
+
+
+def test_batches_needs_a_prepared_loader() -> None:
+    with pytest.raises(ValueError, match=r"prepare one first .*fa\.prepare"):
+        batches(fa.init(cpu=True))
+    with pytest.raises(TypeError, match="not a prepared loader"):
+        batches(fa.init(cpu=True).replace(loader=DataLoader(Indices(2))))
+    with pytest.raises(ValueError, match="epochs must be an int >= 0"):
+        batches(_state(_prepare(DataLoader(Indices(2)))), epochs=-1)
+
+
+def test_batches_are_placed_on_the_device_with_the_configured_non_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = prepared_module.send_to_device
+
+    def recording(batch: Any, device: Any, non_blocking: bool = False) -> Any:
+        calls.append((device, non_blocking))
+        return real(batch, device, non_blocking=non_blocking)
+
+    monkeypatch.setattr(prepared_module, "send_to_device", recording)
+    loader = DataLoader(Indices(4), batch_size=2)
+    prepared = prepare_loader(loader, _ctx(device="meta"), seed=0,
+                              config=DataLoaderConfiguration(non_blocking=True))
+    out = list(batches(fa.init(cpu=True).replace(loader=prepared)))
+    assert [b.device.type for b in out] == ["meta", "meta"]
+    assert calls == [(torch.device("meta"), True)] * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_batches_reach_the_gpu() -> None:
+    loader = DataLoader(Indices(8), batch_size=4, pin_memory=True, num_workers=2)
+    prepared = prepare_loader(loader, _ctx(device="cuda:0"), seed=0,
+                              config=DataLoaderConfiguration(non_blocking=True))
+    out = list(batches(fa.init(cpu=True).replace(loader=prepared)))
+    assert all(b.device == torch.device("cuda:0") for b in out)
+    assert torch.cat(out).tolist() == list(range(8))
+
+
+# --------------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_refused_with_the_fix() -> None:
+    with pytest.raises(TypeError, match="takes a torch.utils.data.DataLoader"):
+        prepare_loader([1, 2], _ctx(), seed=0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="seed must be an int"):
+        prepare_loader(DataLoader(Indices(2)), _ctx(), seed=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="config must be a DataLoaderConfiguration"):
+        prepare_loader(DataLoader(Indices(2)), _ctx(), seed=0, config={})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="in_order=False"):
+        _prepare(DataLoader(Indices(4), batch_size=2, num_workers=1, in_order=False))

@@ -1,0 +1,90 @@
+"""fa.batches with fa.step: the data path end to end, in one process and over DDP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fnaccel as fa
+from tests.test_train import make_model
+
+NUM_SAMPLES = 48
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(NUM_SAMPLES, 8, generator=g)
+    y = torch.randint(0, 4, (NUM_SAMPLES,), generator=g)
+    return TensorDataset(x, y, torch.arange(NUM_SAMPLES))
+
+
+def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y, ids = batch
+    return nn.functional.cross_entropy(model(x), y), ids
+
+
+def test_batches_and_step_equal_a_hand_loop_over_the_documented_order() -> None:
+    seed, batch_size, epochs = 4, 8, 2
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    data = dataset()
+    torch.manual_seed(seed)
+    ref_ids = []
+    for epoch in range(epochs):
+        order = torch.randperm(NUM_SAMPLES, generator=torch.Generator().manual_seed(seed + epoch))
+        for start in range(0, NUM_SAMPLES, batch_size):
+            batch = data[order[start : start + batch_size]]
+            loss, ids = loss_fn(ref, list(batch))
+            loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            ref_ids.append(ids.tolist())
+
+    model = make_model()
+    loader = DataLoader(data, batch_size=batch_size, shuffle=True)
+    state = fa.prepare(fa.init(seed=seed, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       loader, loss_fn=loss_fn)
+    seen, epochs_seen = [], []
+    for batch in fa.batches(state, epochs=epochs):
+        state, metrics = fa.step(state, batch)
+        seen.append(metrics["aux"].tolist())
+        epochs_seen.append(state.epoch)
+    assert seen == ref_ids
+    assert epochs_seen == [0] * 6 + [1] * 6  # state.epoch: the epoch of the batch stepped
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def train_over_epochs(state: fa.RunState, batch_size: int, epochs: int) -> dict[str, Any]:
+    model = make_model(dropout=0.0)
+    loader = DataLoader(dataset(), batch_size=batch_size, shuffle=True)
+    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
+                       loss_fn=loss_fn, pipeline=fa.compose(fa.ddp()))
+    ids: dict[int, list[int]] = {}
+    for batch in fa.batches(state, epochs=epochs):
+        state, metrics = fa.step(state, batch)
+        ids.setdefault(state.epoch, []).extend(metrics["aux"].tolist())
+    return {"ids": ids, "params": [p.detach() for p in model.parameters()], "step": state.step}
+
+
+def test_ddp_sees_each_sample_once_per_epoch_and_equals_one_process(world: Any) -> None:
+    n = world.num_processes
+    per_rank = 24 // n  # a global batch of 24 over 2 or 3 ranks
+    results = world.run(train_over_epochs, per_rank, 2)
+    for epoch in (0, 1):
+        everyone = sorted(i for r in results for i in r["ids"][epoch])
+        assert everyone == list(range(NUM_SAMPLES))  # every sample once, none twice
+
+    # one process with the global batch size sees the same global batches
+    model = make_model(dropout=0.0)
+    loader = DataLoader(dataset(), batch_size=24, shuffle=True)
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       loader, loss_fn=loss_fn)
+    for batch in fa.batches(state, epochs=2):
+        state, _ = fa.step(state, batch)
+    for result in results:
+        assert result["step"] == state.step == 4
+        for p, q in zip(result["params"], model.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
