@@ -116,9 +116,11 @@ class StepPlan:
 
     micro_steps: int = 1
     sync_each_batch: bool = False
+    divide_loss: bool = True
     scale_loss: tuple[tuple[Callable[..., Any], Any], ...] = ()
     before_update: tuple[tuple[Callable[..., Any], Any], ...] = ()
     optimizer_step: tuple[Callable[..., Any], Any] | None = None
+    after_backward: tuple[tuple[Callable[..., Any], Any], ...] = ()
     set_sync: tuple[Callable[..., Any], ...] = ()
     after_step: tuple[tuple[Callable[..., Any], Any], ...] = ()
 
@@ -136,6 +138,8 @@ class StepPlan:
         return cls(
             micro_steps=next((t.micro_steps for t in ts if t.micro_steps > 1), 1),
             sync_each_batch=any(t.sync_each_batch for t in ts),
+            divide_loss=not any(t.sums_items for t in ts),
+            after_backward=bound("after_backward"),
             scale_loss=bound("scale_loss"),
             before_update=bound("before_update"),
             optimizer_step=steppers[0] if steppers else None,
@@ -242,11 +246,13 @@ def _require(state: RunState, action: str) -> tuple[nn.Module, torch.optim.Optim
     return state.model, state.optimizer, state.plan
 
 
-def _backward(plan: StepPlan, loss: torch.Tensor) -> None:
-    scaled = loss / plan.micro_steps if plan.micro_steps > 1 else loss
+def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> None:
+    scaled = loss / plan.micro_steps if plan.micro_steps > 1 and plan.divide_loss else loss
     for scale_loss, transform_state in plan.scale_loss:
         scaled = scale_loss(scaled, transform_state)
     scaled.backward()
+    for after_backward, transform_state in plan.after_backward:
+        after_backward(aux, transform_state)
 
 
 def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -303,7 +309,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     state.rng.install(kinds)
     out = loss_fn(model, batch)
     loss, aux = out if isinstance(out, tuple) else (out, None)
-    _backward(plan, loss)
+    _backward(plan, loss, aux)
     metrics = _update(state, model, optimizer, plan) if boundary else {}
     rng = state.rng.recapture(kinds)
     metrics["loss"] = loss.detach()
@@ -321,9 +327,11 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     return new, metrics
 
 
-def backward(state: RunState, loss: torch.Tensor) -> RunState:
+def backward(state: RunState, loss: torch.Tensor, aux: Any = None) -> RunState:
     """Consumes ``state``: backward of ``loss`` as `fa.step` does it (accumulation
-    scaling, fp16 loss scaling), counted as one micro-step.
+    scaling, fp16 loss scaling), counted as one micro-step. ``aux`` is what
+    the loss function returned beside the loss (``{"num_items": n}`` under
+    ``accumulate(normalize="items")``).
 
     For hand-written steps: run the forward under the run's RNG with
     `fa.with_rng`, then ``state = fa.backward(state, loss)`` and
@@ -331,7 +339,7 @@ def backward(state: RunState, loss: torch.Tensor) -> RunState:
     """
     by = f"fa.backward at step {state.step} (micro-step {state.micro_step})"
     model, _, plan = _require(state, by)
-    _backward(plan, loss)
+    _backward(plan, loss, aux)
     new = state.advance(by, micro_step=state.micro_step + 1)
     plan.set_sync_for(model, new.micro_step)
     return new

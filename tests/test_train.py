@@ -284,3 +284,50 @@ def test_profile_writes_a_chrome_trace_per_rank(tmp_path: Any) -> None:
     trace = json.loads((tmp_path / "profile_0.json").read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
     assert "aten::addmm" in names  # the steps' linear layers were recorded
+
+
+def _token_batches(num: int, seed: int = 9) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Sequences of 6 positions whose valid length varies: a token-count loss."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        x = torch.randn(4, 6, 8, generator=g)
+        y = torch.randint(0, 4, (4, 6), generator=g)
+        lengths = torch.randint(1, 7, (4,), generator=g)
+        mask = torch.arange(6)[None, :] < lengths[:, None]
+        out.append((x, y, mask))
+    return out
+
+
+def token_loss_sum(model: nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    x, y, mask = batch
+    per_token = nn.functional.cross_entropy(model(x).transpose(1, 2), y, reduction="none")
+    return (per_token * mask).sum(), {"num_items": mask.sum()}
+
+
+def test_accumulate_normalised_by_items_equals_the_mean_over_all_tokens() -> None:
+    batches = _token_batches(6)
+    ref = make_model(dropout=0.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for i in range(0, 6, 3):  # one update per 3 micro-batches: mean over all their tokens
+        group = batches[i : i + 3]
+        total = sum(loss_sum_tokens[1]["num_items"] for loss_sum_tokens in
+                    [token_loss_sum(ref, b) for b in group])
+        loss = sum(token_loss_sum(ref, b)[0] for b in group) / total
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    model = make_model(dropout=0.0)
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.5),
+                       loss_fn=token_loss_sum, pipeline=fa.compose(fa.accumulate(3, normalize="items")))
+    for batch in batches:
+        state, _ = fa.step(state, batch)
+    assert state.step == 2
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    plain = make_model()
+    bad = fa.prepare(fa.init(cpu=True), plain, torch.optim.SGD(plain.parameters(), lr=0.1),
+                     loss_fn=loss_fn, pipeline=fa.compose(fa.accumulate(2, normalize="items")))
+    with pytest.raises(ValueError, match="num_items"):  # the loss function gave no item count
+        fa.step(bad, make_batches(1)[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -155,3 +156,83 @@ def test_fsdp_ends_at_the_same_parameters_as_ddp(world2: Any) -> None:
         for p, q in zip(ours["params"], theirs["params"]):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours["norms"], theirs["norms"], rtol=1e-5, atol=1e-5)
+
+
+def train_items(state: fa.RunState) -> list[torch.Tensor]:
+    from tests.test_train import _token_batches, token_loss_sum
+
+    mine = _token_batches(4, seed=20 + state.dist.rank)  # each rank: its own token counts
+    model = make_model(dropout=0.0)
+    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.5), loss_fn=token_loss_sum,
+                       pipeline=fa.compose(fa.ddp(), fa.accumulate(2, normalize="items")))
+    for batch in mine:
+        state, _ = fa.step(state, batch)
+    return [p.detach() for p in model.parameters()]
+
+
+def test_items_normalisation_under_ddp_is_the_global_mean_over_tokens(world2: Any) -> None:
+    from tests.test_train import _token_batches, token_loss_sum
+
+    per_rank = [_token_batches(4, seed=20 + r) for r in range(2)]
+    ref = make_model(dropout=0.0)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for i in (0, 2):
+        group = [b for rank_batches in per_rank for b in rank_batches[i : i + 2]]
+        sums, counts = zip(*(token_loss_sum(ref, b) for b in group))
+        (sum(sums) / sum(c["num_items"] for c in counts)).backward()
+        opt.step()
+        opt.zero_grad()
+    for params in world2.run(train_items):
+        for p, q in zip(params, ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def train_fsdp_variant(state: fa.RunState, variant: str) -> dict[str, Any]:
+    rank, world = state.dist.rank, state.dist.num_processes
+    model = make_blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if variant == "offload":
+        try:
+            fa.prepare(state, model, opt, pipeline=fa.compose(fa.fsdp(cpu_offload=True)))
+        except ValueError as exc:
+            return {"error": str(exc)}
+        return {"error": None}
+    if variant == "min_size":
+        parts = [fa.fsdp(min_num_params=50)]
+    else:
+        parts = [fa.autocast(fa.bf16), fa.fsdp(transformer_cls_names_to_wrap=["Block"])]
+    state = fa.prepare(state, model, opt, loss_fn=loss_fn, pipeline=fa.compose(*parts))
+    losses = []
+    for batch in global_batches(4):
+        state, metrics = fa.step(state, my_part(batch, rank, world))
+        losses.append(metrics["loss"].item())
+    return {
+        "params": [_full(p) for p in model.parameters()],
+        "losses": losses,
+        "patched_forward": "forward" in model.__dict__,
+        "param_dtype": str(model[0].linear.weight.dtype),
+    }
+
+
+def test_fsdp_by_size_with_bf16_policy_and_offload_refused_on_cpu(world2: Any) -> None:
+    def reference() -> list[torch.Tensor]:
+        model = make_blocks()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for batch in global_batches(4):
+            loss_fn(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    expected = reference()
+    for result in world2.run(train_fsdp_variant, "offload"):  # needs CUDA: a clear error here
+        assert "run computes on the CPU already" in result["error"]
+    for result in world2.run(train_fsdp_variant, "min_size"):
+        for p, q in zip(result["params"], expected):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    for result in world2.run(train_fsdp_variant, "bf16"):
+        assert not result["patched_forward"]  # the precision went into MixedPrecisionPolicy
+        assert result["param_dtype"] == "torch.float32"  # sharded master weights stay fp32
+        assert all(math.isfinite(loss) for loss in result["losses"])
+        for p, q in zip(result["params"], expected):
+            torch.testing.assert_close(p, q, rtol=0.05, atol=0.02)  # bf16 compute

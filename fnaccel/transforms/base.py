@@ -20,6 +20,8 @@ Hooks (every one optional):
         before the optimizer steps (unscaling, clipping).
     optimizer_step(optimizer, state) -> skipped: replaces `optimizer.step()`
         (the fp16 scaler); returns a bool tensor, True when it skipped.
+    after_backward(aux, state): after each backward, with the loss
+        function's aux (item counting).
     after_step(state): after every micro-step (the profiler).
 
 Every transform has a ``phase``; a pipeline lists phases in non-decreasing
@@ -82,6 +84,8 @@ class Transform:
         apply: its collective step, or None.
         micro_steps: batches per optimizer update (`accumulate`); 1 otherwise.
         sync_each_batch: communicate gradients on every micro-step anyway.
+        sums_items: the loss is a sum over items, normalised at the update
+            (``accumulate(normalize="items")``): backward does not divide it.
         prepare_model, set_sync, scale_loss, before_update, optimizer_step,
             after_step: the training hooks listed in the module docstring.
     """
@@ -94,6 +98,7 @@ class Transform:
     apply: TransformApplyFn | None = field(default=None, compare=False)
     micro_steps: int = 1
     sync_each_batch: bool = False
+    sums_items: bool = False
     prepare_model: Callable[[DistContext, Any, Any], Any] | None = field(default=None, compare=False)
     set_sync: Callable[[Any, bool], None] | None = field(default=None, compare=False)
     scale_loss: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
@@ -101,6 +106,7 @@ class Transform:
         default=None, compare=False
     )
     optimizer_step: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
+    after_backward: Callable[[Any, Any], None] | None = field(default=None, compare=False)
     after_step: Callable[[Any], None] | None = field(default=None, compare=False)
 
     def __repr__(self) -> str:

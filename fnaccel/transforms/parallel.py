@@ -140,25 +140,30 @@ def fsdp(
 
         if ctx.num_processes == 1:
             return model
-        mp_policy = MixedPrecisionPolicy()
+        if cpu_offload and ctx.device.type == "cpu":
+            raise ValueError(
+                "fsdp(cpu_offload=True) moves the shards off an accelerator to the CPU, but this "
+                "run computes on the CPU already; drop cpu_offload (or run on CUDA)"
+            )
+        inner_policy = root_policy = MixedPrecisionPolicy()
         forward = model.__dict__.get("forward")
         if isinstance(forward, _AutocastForward):  # autocast folds into FSDP2's policy
             del model.forward
-            mp_policy = MixedPrecisionPolicy(
+            inner_policy = MixedPrecisionPolicy(param_dtype=forward.dtype, reduce_dtype=torch.float32)
+            # only the model's own outputs come back in fp32, as autocast's would
+            root_policy = MixedPrecisionPolicy(
                 param_dtype=forward.dtype, reduce_dtype=torch.float32, output_dtype=torch.float32
             )
         assert ctx.process_group is not None  # a world larger than one has a group
-        mesh = DeviceMesh.from_group(ctx.process_group, ctx.device.type)
         shard_options: dict[str, Any] = {
-            "mesh": mesh,
+            "mesh": DeviceMesh.from_group(ctx.process_group, ctx.device.type),
             "reshard_after_forward": reshard_after_forward,
-            "mp_policy": mp_policy,
         }
         if cpu_offload:
             shard_options["offload_policy"] = CPUOffloadPolicy()
         for module in _wrap_targets(model, class_names, min_num_params):
-            fully_shard(module, **shard_options)
-        fully_shard(model, **shard_options)
+            fully_shard(module, mp_policy=inner_policy, **shard_options)
+        fully_shard(model, mp_policy=root_policy, **shard_options)
         return model
 
     def set_sync(model: Any, enabled: bool) -> None:
