@@ -6,12 +6,11 @@ process or under a launcher:
     python examples/train_classifier.py
     python -m torch.distributed.run --standalone --nproc_per_node 2 examples/train_classifier.py
 
-It uses what fnaccel provides today: `fa.init` reads the launch environment,
-each rank trains on its share of every batch, gradients are averaged with
-`fa.ops.reduce`, dropout draws from the run's own generators through
-`fa.with_rng`, and evaluation gathers every test sample exactly once with
-`fa.ops.gather_for_metrics`. (`fa.prepare`/`fa.step` will replace the
-hand-written step.)
+`fa.init` reads the launch environment; `fa.prepare` wraps the model for the
+world it finds (DDP over gloo here) and shards the shuffling loader across the
+ranks; `fa.step` runs forward, backward, clipping, the optimizer and the
+scheduler; dropout draws from the run's own generators. Evaluation counts
+every test sample exactly once with `fa.ops.gather_for_metrics`.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import os
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
 from fnaccel.data.sharding import eval_shards
@@ -47,14 +47,26 @@ def make_model() -> nn.Module:
     )
 
 
-def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-) -> torch.Tensor:
+def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+@torch.no_grad()
+def accuracy(state: fa.RunState, test_x: torch.Tensor, test_y: torch.Tensor) -> float:
+    """Every test sample counted once, whatever the number of processes."""
+    ctx, model = state.dist, state.model
+    assert model is not None
+    model.eval()
+    hits = []
+    for shard in eval_shards(len(test_x), 128, ctx.num_processes, ctx.rank):
+        idx = torch.tensor(shard.indices)
+        correct = model(test_x[idx].to(ctx.device)).argmax(1) == test_y[idx].to(ctx.device)
+        hits.append(fa.ops.gather_for_metrics(state, correct, num_valid=shard.num_valid))
     model.train()
-    loss = nn.functional.cross_entropy(model(x), y)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    return loss.detach()
+    everyone = torch.cat(hits)
+    assert len(everyone) == len(test_x)
+    return everyone.float().mean().item()
 
 
 def main() -> None:
@@ -65,49 +77,33 @@ def main() -> None:
     args = parser.parse_args()
 
     state = fa.init(seed=0)
-    ctx = state.dist
     train_x, train_y = spirals(3000, seed=1)
     test_x, test_y = spirals(1000, seed=2)
+    loader = DataLoader(TensorDataset(train_x, train_y), batch_size=args.batch_size, shuffle=True)
 
-    # Same initial weights everywhere: built under the run's (identically seeded) RNG.
-    state, model = fa.with_rng(state, make_model)
-    model = model.to(ctx.device)
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
+    model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    global_batch = args.batch_size * ctx.num_processes
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
+    state = fa.prepare(state, model, optimizer, loader, scheduler, loss_fn=loss_fn,
+                       pipeline=fa.compose(fa.ddp(), fa.clip_grad_norm(1.0)))
 
     for epoch in range(args.epochs):
-        # The epoch's order is a function of the seed and the epoch, identical on every rank.
-        order = torch.randperm(len(train_x), generator=torch.Generator().manual_seed(epoch))
         losses = []
-        for start in range(0, len(order) - global_batch + 1, global_batch):
-            with fa.split_between_processes(state, order[start : start + global_batch]) as mine:
-                x, y = fa.ops.send_to_device((train_x[mine], train_y[mine]), ctx.device)
-            state, loss = fa.with_rng(state, train_step, model, optimizer, x, y)
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            for p, g in zip(model.parameters(), fa.ops.reduce(state, grads, "mean")):
-                p.grad = g
-            optimizer.step()
-            losses.append(loss)
-        mean_loss = fa.ops.reduce(state, torch.stack(losses).mean(), "mean")
-
-        model.eval()
-        correct = []
-        with torch.no_grad():
-            for shard in eval_shards(len(test_x), 128, ctx.num_processes, ctx.rank):
-                idx = torch.tensor(shard.indices)
-                hits = model(test_x[idx].to(ctx.device)).argmax(1) == test_y[idx].to(ctx.device)
-                correct.append(fa.ops.gather_for_metrics(state, hits, num_valid=shard.num_valid))
-        everyone = torch.cat(correct)
-        assert len(everyone) == len(test_x)  # every test sample counted exactly once
+        for batch in fa.batches(state, epochs=epoch + 1):
+            state, metrics = fa.step(state, batch)
+            losses.append(metrics["loss"])  # device tensors: no sync per step
         if epoch % 5 == 4 or epoch == args.epochs - 1:
+            mean_loss = fa.ops.reduce(state, torch.stack(losses).mean(), "mean").item()
             fa.print_on_main(
                 state,
-                f"epoch {epoch + 1:3d}  train loss {mean_loss.item():.4f}  "
-                f"test accuracy {everyone.float().mean().item():.3f}",
+                f"epoch {epoch + 1:3d}  step {state.step:5d}  train loss {mean_loss:.4f}  "
+                f"test accuracy {accuracy(state, test_x, test_y):.3f}",
             )
 
-    if ctx.is_main_process:
+    if state.dist.is_main_process:
         os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
+        # `model` is still the user's module: DDP wraps it, the weights are the same
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.output)
         print(f"weights written to {args.output}")
     fa.shutdown(state)
