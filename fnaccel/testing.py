@@ -1,13 +1,14 @@
 """Run functions on N real gloo processes on localhost, without a launcher.
 
 `World` starts N processes once (the expensive part: each imports torch and
-joins a process group) and then runs any number of functions on all of them:
+joins a process group) and then runs any number of functions on all of them
+(not a doctest: the workers must import the function from a module)::
 
-    >>> def total(state, x):                        # doctest: +SKIP
-    ...     return fa.ops.reduce(state, torch.tensor(x), "sum").item()
-    >>> with World(2) as world:                     # doctest: +SKIP
-    ...     world.run(total, 1.0)
-    [2.0, 2.0]
+    def total(state, x):
+        return fa.ops.reduce(state, torch.tensor(x), "sum").item()
+
+    with World(2) as world:
+        assert world.run(total, 1.0) == [2.0, 2.0]
 
 Each call gets, on every rank, a fresh `RunState` (seed 0, CPU) over the
 world's process group, plus the arguments. Return values come back in rank
