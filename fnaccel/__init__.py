@@ -16,6 +16,7 @@ from fnaccel._errors import (
     FnaccelError,
     StaleStateError,
 )
+from fnaccel.checkpoint.run import load, save
 from fnaccel.config import LaunchConfig
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.prepared import batches
@@ -85,6 +86,9 @@ __all__ = [
     "apply_gradients",
     "batches",
     "DataLoaderConfiguration",
+    # checkpoints
+    "save",
+    "load",
     # training transforms
     "autocast",
     "grad_scaler",

@@ -103,7 +103,8 @@ def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
         )
     cast = pipeline.get("autocast")
     if cast is not None and dict(cast.options)["dtype"] is torch.float16 and not pipeline.get("grad_scaler"):
-        pipeline = compose(pipeline, grad_scaler())
+        # in its canonical place: after autocast, before ddp/fsdp and the rest
+        pipeline = compose(*sorted([*pipeline.transforms, grad_scaler()], key=lambda t: t.phase))
     if pipeline.get("grad_scaler") and (cast is None or dict(cast.options)["dtype"] is not torch.float16):
         raise ValueError("fa.prepare: grad_scaler() only makes sense with autocast(fa.fp16)")
     return pipeline

@@ -128,8 +128,9 @@ def test_fp16_scaler_skips_an_inf_step_and_halves_the_scale() -> None:
         return loss_fn(model, batch) * torch.tensor(float("inf"))
 
     state = fa.prepare(fa.init(seed=0, cpu=True), model, opt, scheduler=sched, loss_fn=poisoned,
-                       pipeline=fa.compose(fa.autocast(fa.fp16)))
-    assert state.pipeline is not None and "grad_scaler" in state.pipeline.names  # added for fp16
+                       pipeline=fa.compose(fa.autocast(fa.fp16), fa.ddp(), fa.clip_grad_norm(1e3)))
+    assert state.pipeline is not None  # the scaler is added in its canonical place
+    assert state.pipeline.names == ("autocast", "grad_scaler", "ddp", "clip_grad_norm")
     state, metrics = fa.step(state, make_batches(1)[0])
     assert bool(metrics["skipped"]) is True
     assert metrics["scale"].item() == 65536.0 / 2

@@ -54,6 +54,16 @@ class ItemCount:
         count = torch.as_tensor(count, dtype=torch.float64, device=self.ctx.device)
         self.total = count if self.total is None else self.total + count
 
+    def state_dict(self) -> dict[str, float | None]:
+        """For checkpoints saved between micro-steps (reads the count on the host)."""
+        return {"total": None if self.total is None else float(self.total)}
+
+    def load_state_dict(self, saved: dict[str, float | None]) -> None:
+        total = saved["total"]
+        self.total = None if total is None else torch.tensor(
+            total, dtype=torch.float64, device=self.ctx.device
+        )
+
     def scale_gradients(self, optimizer: Any) -> None:
         assert self.total is not None, "an update boundary without a counted micro-step"
         total, self.total = self.total, None
