@@ -124,16 +124,24 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
-def commit(tmp: Path, final: Path) -> None:
+def _discard(old: Path, manifest: str) -> None:
+    """Delete a replaced checkpoint, its manifest first: a deletion cut short
+    leaves files without a manifest, which nothing takes for a checkpoint."""
+    (old / manifest).unlink(missing_ok=True)
+    fsync_dir(old)
+    shutil.rmtree(old)
+
+
+def commit(tmp: Path, final: Path, manifest: str) -> None:
     """Move the complete checkpoint ``tmp`` to ``final``, replacing an older one atomically."""
     fsync_dir(tmp)
     if not final.exists():
         os.rename(tmp, final)
     elif _exchange(tmp, final):
-        shutil.rmtree(tmp)  # tmp now holds the old checkpoint
+        _discard(tmp, manifest)  # tmp now holds the old checkpoint
     else:  # no atomic exchange here: the old one moves aside first, then is deleted
         aside = final.parent / f".{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
         os.rename(final, aside)
         os.rename(tmp, final)
-        shutil.rmtree(aside)
+        _discard(aside, manifest)
     fsync_dir(final.parent)

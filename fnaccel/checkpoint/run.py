@@ -33,6 +33,7 @@ from fnaccel.checkpoint.files import (
     commit,
     read_json,
     read_tensors,
+    read_verified,
     temporary_sibling,
     write_bytes,
     write_json,
@@ -154,9 +155,21 @@ def save(state: RunState, path: str | Path) -> None:
             "tied": tied,
             "files": {name: entry for part in everyone for name, entry in part.items()},
         }
-        write_json(tmp / MANIFEST, manifest)
-        commit(tmp, final)
+        manifest["manifest_sha256"] = _manifest_hash(manifest)
+        # whole or absent, even if killed while writing it
+        write_json(tmp / f"{MANIFEST}.partial", manifest)
+        (tmp / f"{MANIFEST}.partial").rename(tmp / MANIFEST)
+        commit(tmp, final, MANIFEST)
     wait_for_everyone(state)
+
+
+def _manifest_hash(manifest: dict[str, Any]) -> str:
+    """The manifest's sha256 over its own content (so a flipped digit in a counter shows)."""
+    import hashlib
+    import json
+
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _manifest(directory: Path, state: RunState) -> dict[str, Any]:
@@ -177,6 +190,8 @@ def _manifest(directory: Path, state: RunState) -> dict[str, Any]:
             f"{path}: schema version {manifest.get('schema_version')!r} is unknown to this "
             f"fnaccel (it reads version {SCHEMA_VERSION}); load it with the fnaccel that wrote it"
         )
+    if manifest.get("manifest_sha256") != _manifest_hash(manifest):
+        raise CheckpointError(f"{path}: corrupt (its content does not match its own sha256)")
     saved, now = manifest["num_processes"], state.dist.num_processes
     if saved != now:
         raise CheckpointError(
@@ -196,12 +211,13 @@ def _load_model(module: torch.nn.Module, directory: Path, manifest: dict[str, An
             f"{directory / 'model.safetensors'}: missing keys {missing[:5]}, unexpected keys "
             f"{unexpected[:5]}; the model is not the one this checkpoint was saved from"
         )
-    for key, tensor in weights.items():
-        if tensor.shape != expected[key].shape:
-            raise CheckpointError(
-                f"{directory / 'model.safetensors'}: {key!r} has shape {tuple(tensor.shape)} "
-                f"in the checkpoint but {tuple(expected[key].shape)} in the model"
-            )
+    mismatched = [
+        f"{key!r} has shape {tuple(weights[key].shape)} in the checkpoint but "
+        f"{tuple(value.shape)} in the model"
+        for key, value in expected.items() if weights[key].shape != value.shape
+    ]
+    if mismatched:
+        raise CheckpointError(f"{directory / 'model.safetensors'}: {'; '.join(mismatched)}")
     module.load_state_dict(weights, strict=True)
 
 
@@ -236,6 +252,7 @@ def load(state: RunState, path: str | Path) -> RunState:
         )
     if state.scheduler is not None:
         state.scheduler.load_state_dict(read_json(directory, "scheduler.json", manifest))
+    read_verified(directory, "config.yaml", manifest)  # recorded for people; checked all the same
     tensors = read_tensors(directory, f"rank{rank}.safetensors", manifest)
     own = read_json(directory, f"rank{rank}.json", manifest)
     if state.loader is not None and own["loader"] is not None:
