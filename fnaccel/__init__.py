@@ -16,6 +16,7 @@ from fnaccel._errors import (
     FnaccelError,
     StaleStateError,
 )
+from fnaccel.checkpoint.project import ProjectConfiguration
 from fnaccel.checkpoint.run import load, save
 from fnaccel.config import LaunchConfig
 from fnaccel.data.config import DataLoaderConfiguration
@@ -89,6 +90,7 @@ __all__ = [
     # checkpoints
     "save",
     "load",
+    "ProjectConfiguration",
     # training transforms
     "autocast",
     "grad_scaler",

@@ -251,14 +251,16 @@ def init(
 
 
 def shutdown(state: RunState) -> None:
-    """End the run: close the transforms' states that hold resources (a
-    `profile()` profiler writes its trace), then end the process group
-    cleanly. Consumes nothing and may be called twice.
+    """End the run: wait for an asynchronous save in flight (raising its error),
+    close the transforms' states that hold resources (a `profile()` profiler
+    writes its trace), then end the process group cleanly. Consumes nothing
+    and may be called twice.
 
     Waits for every rank (a barrier), then destroys the group this run
     started. Call it at the end of a distributed script; a group left open is
     destroyed at interpreter exit instead.
     """
+    state.saves.close()  # the last asynchronous save lands (or raises) before anything ends
     for value in state.transform_states.values():
         close = getattr(value, "close", None)
         if callable(close):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fnaccel._errors import StaleStateError
+from fnaccel.checkpoint.writer import SaveQueue
 from fnaccel.config import LaunchConfig
 from fnaccel.rng import STEP_KINDS, RNGState
 from fnaccel.dist import DistContext
@@ -68,6 +69,10 @@ class RunState:
             the default (the model's scalar output or its ``.loss``).
         plan: the pipeline's hooks bound to the transform states, resolved by
             `fa.prepare` (so a step does not search the pipeline).
+        extras: objects saved and loaded with the run
+            (`fnaccel.utils.register_for_checkpointing`).
+        saves: the run's checkpoint saves in flight (a live object, shared by
+            the run's successive states).
         transform_states: each transform's state record, keyed by its name.
         config: the launch configuration the run resolved.
         kwargs_handlers: the handlers passed to `fa.init`, keyed by class name.
@@ -89,6 +94,8 @@ class RunState:
     pipeline: Pipeline | None = None
     loss_fn: Callable[[Any, Any], Any] | None = field(default=None, repr=False)
     plan: StepPlan | None = field(default=None, repr=False)
+    extras: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+    saves: SaveQueue = field(default_factory=SaveQueue, repr=False, compare=False)
     transform_states: Mapping[str, Any] = field(
         default_factory=lambda: MappingProxyType({}), repr=False
     )

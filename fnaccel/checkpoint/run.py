@@ -14,8 +14,12 @@ Layout (all tensors in safetensors, everything else JSON or YAML; no pickle)::
     rank<r>.json            this rank's Python/NumPy generators, data position,
                             transform states
 
+    extras.safetensors/.json  objects registered for checkpointing (rank 0)
+
 Rank 0 writes the shared files; every rank writes its own; rank 0 then writes
-the manifest and moves the directory into place atomically (files.commit).
+the manifest and moves the directory into place atomically (writer.py,
+files.commit). With ProjectConfiguration(save_on_each_node=True) every
+machine's first process does rank 0's part on that machine's disk.
 """
 
 from __future__ import annotations
@@ -28,27 +32,25 @@ import torch
 
 from fnaccel import ops
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.codec import load_optimizer, optimizer_payload, rng_from, rng_payload
-from fnaccel.checkpoint.files import (
-    commit,
-    read_json,
-    read_tensors,
-    read_verified,
-    temporary_sibling,
-    write_bytes,
-    write_json,
-    write_tensors,
+from fnaccel.checkpoint import extras as extras_codec
+from fnaccel.checkpoint.codec import load_optimizer, rng_from
+from fnaccel.checkpoint.files import read_json, read_tensors, read_verified
+from fnaccel.checkpoint.project import ProjectConfiguration, next_checkpoint, rotate
+from fnaccel.checkpoint.tied import retie
+from fnaccel.checkpoint.writer import (
+    FORMAT,
+    MANIFEST,
+    SCHEMA_VERSION,
+    SaveHandle,
+    manifest_hash,
+    take_snapshot,
+    write_snapshot,
 )
-from fnaccel.checkpoint.tied import retie, untie
-from fnaccel.process import wait_for_everyone
 from fnaccel.state import RunState
 from fnaccel.transforms.parallel import unwrap_compiled, unwrap_model
 
 __all__ = ["load", "save"]
 
-MANIFEST = "fnaccel.json"
-SCHEMA_VERSION = 1
-FORMAT = "fnaccel-checkpoint"
 
 
 def _module(state: RunState, action: str) -> torch.nn.Module | None:
@@ -65,111 +67,64 @@ def _module(state: RunState, action: str) -> torch.nn.Module | None:
     return unwrap_model(state.model)
 
 
-def _accumulating(state: RunState) -> bool:
-    return state.plan is not None and state.micro_step % state.plan.micro_steps != 0
+def _project(state: RunState) -> tuple[ProjectConfiguration, Path | None]:
+    config = state.kwargs_handlers.get("ProjectConfiguration") or ProjectConfiguration()
+    assert isinstance(config, ProjectConfiguration)
+    directory = config.project_dir or state.project_dir
+    return config, None if directory is None else Path(directory).absolute()
 
 
-def _transform_payload(state: RunState) -> dict[str, Any]:
-    out = {}
-    for name, value in state.transform_states.items():
-        state_dict = getattr(value, "state_dict", None)
-        if callable(state_dict):
-            out[name] = state_dict()
-    return out
+def save(state: RunState, path: str | Path | None = None, *, blocking: bool = True) -> SaveHandle:
+    """Write a checkpoint of ``state`` (the state is not consumed); every rank calls it.
 
+    Atomic: a crash, or ``kill -9``, leaves either the old checkpoint or the
+    new one at ``path``, never a mix. A save first waits for the run's
+    previous one (and re-raises its error).
 
-def _rank_files(state: RunState, directory: Path, module: torch.nn.Module | None) -> dict[str, Any]:
-    rank = state.dist.rank
-    tensors, rng_json = rng_payload(state.rng)
-    if module is not None and _accumulating(state):
-        for name, p in module.named_parameters():
-            if p.grad is not None:
-                tensors[f"grad/{name}"] = p.grad
-    payload = {
-        "rng": rng_json,
-        "loader": None if state.loader is None else state.loader.state_dict(),
-        "transforms": _transform_payload(state),
-    }
-    return {
-        f"rank{rank}.safetensors": write_tensors(directory / f"rank{rank}.safetensors", tensors),
-        f"rank{rank}.json": write_json(directory / f"rank{rank}.json", payload),
-    }
+    Args:
+        state: the run's state.
+        path: the checkpoint directory; None with
+            ``ProjectConfiguration(automatic_checkpoint_naming=True)`` picks
+            ``<project_dir>/checkpoints/checkpoint_<n>``.
+        blocking: False snapshots the state to the CPU now and writes it on a
+            background thread while training goes on; ``handle.wait()`` (or
+            the next save, or `fa.shutdown`) waits for it and raises its error.
 
-
-def _shared_files(state: RunState, directory: Path, module: torch.nn.Module | None) -> tuple[dict[str, Any], dict[str, str]]:
-    import yaml
-
-    files: dict[str, Any] = {}
-    tied: dict[str, str] = {}
-    if module is not None:
-        weights, tied = untie(module.state_dict())
-        files["model.safetensors"] = write_tensors(directory / "model.safetensors", weights)
-    if state.optimizer is not None:
-        assert module is not None, "an optimizer without a model"
-        names = {id(p): n for n, p in module.named_parameters()}
-        tensors, json_part = optimizer_payload(state.optimizer, names)
-        files["optimizer.safetensors"] = write_tensors(directory / "optimizer.safetensors", tensors)
-        files["optimizer.json"] = write_json(directory / "optimizer.json", json_part)
-    if state.scheduler is not None:
-        files["scheduler.json"] = write_json(directory / "scheduler.json", state.scheduler.state_dict())
-    config = yaml.safe_dump(state.config.to_dict(), sort_keys=True).encode()
-    files["config.yaml"] = write_bytes(directory / "config.yaml", config)
-    return files, tied
-
-
-def save(state: RunState, path: str | Path) -> None:
-    """Write a checkpoint of ``state`` to the directory ``path`` (the state is not consumed).
-
-    Atomic: a crash, or ``kill -9``, leaves either the old checkpoint or the new
-    one at ``path``, never a mix. Every rank calls it.
+    Returns:
+        A `SaveHandle` (already done when ``blocking``).
 
     Raises:
         StaleStateError: ``state`` was already consumed.
         CheckpointError: a value cannot be stored without pickle.
     """
     state.check_fresh("fa.save")
+    state.saves.wait()
+    project, project_dir = _project(state)
+    if path is None:
+        if not (project.automatic_checkpoint_naming and project_dir is not None):
+            raise ValueError(
+                "fa.save: give a path, or use ProjectConfiguration(project_dir=..., "
+                "automatic_checkpoint_naming=True) in fa.init's kwargs_handlers"
+            )
+        path = next_checkpoint(project_dir)
     final = Path(path).absolute()
     module = _module(state, "fa.save")
-    token = ops.broadcast_object_list(state, [uuid.uuid4().hex if state.dist.is_main_process else None])[0]
-    tmp = temporary_sibling(final, token)
-    if state.dist.is_main_process:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    wait_for_everyone(state)
-    files = _rank_files(state, tmp, module)
-    tied: dict[str, str] = {}
-    if state.dist.is_main_process:
-        shared, tied = _shared_files(state, tmp, module)
-        files.update(shared)
-    everyone = ops.gather_object(state, [files])
-    if state.dist.is_main_process:
-        manifest = {
-            "format": FORMAT,
-            "schema_version": SCHEMA_VERSION,
-            "num_processes": state.dist.num_processes,
-            "step": state.step,
-            "micro_step": state.micro_step,
-            "epoch": state.epoch,
-            "seed": state.seed,
-            "pipeline": repr(state.pipeline),
-            "tied": tied,
-            "files": {name: entry for part in everyone for name, entry in part.items()},
-        }
-        manifest["manifest_sha256"] = _manifest_hash(manifest)
-        # whole or absent, even if killed while writing it
-        write_json(tmp / f"{MANIFEST}.partial", manifest)
-        (tmp / f"{MANIFEST}.partial").rename(tmp / MANIFEST)
-        commit(tmp, final, MANIFEST)
-    wait_for_everyone(state)
+    ctx = state.dist
+    writer = ctx.is_main_process or (project.save_on_each_node and ctx.is_local_main_process)
+    token = ops.broadcast_object_list(state, [uuid.uuid4().hex if ctx.is_main_process else None])[0]
+    snap = take_snapshot(state, module, writer, project.save_on_each_node, copy=not blocking)
 
+    def on_commit(committed: Path) -> None:
+        automatic = project_dir is not None and committed.parent == project_dir / "checkpoints"
+        if project.total_limit is not None and automatic:
+            assert project_dir is not None
+            rotate(project_dir, project.total_limit, committed)
 
-def _manifest_hash(manifest: dict[str, Any]) -> str:
-    """The manifest's sha256 over its own content (so a flipped digit in a counter shows)."""
-    import hashlib
-    import json
-
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    if blocking:
+        write_snapshot(snap, ctx, final, token, on_commit)
+        return SaveHandle(final)
+    background = state.saves.background_ctx(ctx)
+    return state.saves.start(final, lambda: write_snapshot(snap, background, final, token, on_commit))
 
 
 def _manifest(directory: Path, state: RunState) -> dict[str, Any]:
@@ -190,7 +145,7 @@ def _manifest(directory: Path, state: RunState) -> dict[str, Any]:
             f"{path}: schema version {manifest.get('schema_version')!r} is unknown to this "
             f"fnaccel (it reads version {SCHEMA_VERSION}); load it with the fnaccel that wrote it"
         )
-    if manifest.get("manifest_sha256") != _manifest_hash(manifest):
+    if manifest.get("manifest_sha256") != manifest_hash(manifest):
         raise CheckpointError(f"{path}: corrupt (its content does not match its own sha256)")
     saved, now = manifest["num_processes"], state.dist.num_processes
     if saved != now:
@@ -275,6 +230,13 @@ def load(state: RunState, path: str | Path) -> RunState:
         epoch=manifest["epoch"],
         seed=manifest["seed"],
     )
+    if state.extras:
+        trees = read_json(directory, "extras.json", manifest)
+        extra_tensors = read_tensors(directory, "extras.safetensors", manifest)
+        for name, obj in state.extras.items():
+            if name not in trees:
+                raise CheckpointError(f"{directory / 'extras.json'}: nothing saved for registered object {name!r}")
+            obj.load_state_dict(extras_codec.join(trees[name], extra_tensors))
     if new.plan is not None and new.model is not None:
         new.plan.set_sync_for(new.model, new.micro_step)
     return new

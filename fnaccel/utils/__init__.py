@@ -88,6 +88,8 @@ from fnaccel.process import (
     wait_for_everyone,
 )
 from fnaccel.seeding import set_seed, synchronize_rng_states
+from fnaccel.checkpoint.extras import register_for_checkpointing
+from fnaccel.checkpoint.project import ProjectConfiguration
 
 __all__ = [
     # constants and enums
@@ -116,4 +118,6 @@ __all__ = [
     "local_main_process_first", "main_process_first", "on_local_main_process",
     "on_main_process", "on_process", "print_on_main", "split_between_processes",
     "wait_for_everyone", "set_seed", "synchronize_rng_states",
+    # checkpoints
+    "register_for_checkpointing", "ProjectConfiguration",
 ]

@@ -1,0 +1,77 @@
+"""`ProjectConfiguration`: where checkpoints go by default, and how many stay.
+
+With ``automatic_checkpoint_naming=True``, ``fa.save(state)`` writes
+``<project_dir>/checkpoints/checkpoint_<n>`` with ``n`` one past the highest
+complete checkpoint there (a pure function of the directory, no counter kept
+in memory); with ``total_limit=k`` the oldest complete checkpoints beyond the
+newest ``k`` are deleted after each save, never the one just written.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from fnaccel.utils.kwargs import KwargsHandler
+
+__all__ = ["ProjectConfiguration", "next_checkpoint", "rotate"]
+
+_NAME = re.compile(r"checkpoint_(\d+)$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProjectConfiguration(KwargsHandler):
+    """Accelerate's project configuration (pass it to ``fa.init(kwargs_handlers=[...])``).
+
+    Args:
+        project_dir: the project's directory (``fa.init(project_dir=...)`` sets it too).
+        logging_dir: where trackers write; default ``project_dir``.
+        automatic_checkpoint_naming: ``fa.save(state)`` picks
+            ``checkpoints/checkpoint_<n>`` itself.
+        total_limit: keep at most this many automatic checkpoints.
+        save_on_each_node: every machine writes the shared files to its own
+            disk (for machines without a shared filesystem).
+
+    Not carried over: Accelerate's mutable ``iteration`` counter; the next
+    number is read from the directory.
+
+    >>> ProjectConfiguration(total_limit=2).to_kwargs()
+    {'total_limit': 2}
+    """
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    save_on_each_node: bool = False
+
+    def _validate(self) -> None:
+        if self.total_limit is not None and (isinstance(self.total_limit, bool) or self.total_limit < 1):
+            raise ValueError(f"ProjectConfiguration: total_limit must be None or >= 1, got {self.total_limit!r}")
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    found = []
+    if root.is_dir():
+        for path in root.iterdir():
+            match = _NAME.match(path.name)
+            if match and (path / "fnaccel.json").is_file():
+                found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def next_checkpoint(project_dir: Path) -> Path:
+    """``checkpoints/checkpoint_<n>``, one past the highest complete one."""
+    existing = _complete(project_dir / "checkpoints")
+    number = existing[-1][0] + 1 if existing else 0
+    return project_dir / "checkpoints" / f"checkpoint_{number}"
+
+
+def rotate(project_dir: Path, total_limit: int, newest: Path) -> None:
+    """Delete the oldest complete checkpoints beyond ``total_limit``, never ``newest``."""
+    existing = [path for _, path in _complete(project_dir / "checkpoints") if path != newest]
+    for path in existing[: max(0, len(existing) + 1 - total_limit)]:
+        (path / "fnaccel.json").unlink()  # no longer complete the moment deletion starts
+        shutil.rmtree(path)

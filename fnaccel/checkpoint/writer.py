@@ -1,0 +1,255 @@
+"""How a checkpoint is written: a snapshot, then files, manifest and commit.
+
+`take_snapshot` captures, on the calling thread, everything a checkpoint holds
+as tensors and JSON values (JSON parts are round-tripped through the encoder,
+which both copies them and rejects what cannot be stored without pickle).
+`write_snapshot` writes it and moves it into place. A blocking save runs both
+on the caller's thread; an asynchronous one copies the snapshot's tensors to
+the CPU first and writes on a background thread, coordinating the ranks over
+a process group of its own so its collectives never meet training's.
+
+Every run has one `SaveQueue` (a live object in its state, like the model):
+a save waits for the one before it and re-raises its error, and
+`fa.shutdown` waits for the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fnaccel import ops
+from fnaccel._errors import CheckpointError
+from fnaccel.checkpoint import extras as extras_codec
+from fnaccel.checkpoint.codec import optimizer_payload, rng_payload
+from fnaccel.checkpoint.files import (
+    commit,
+    temporary_sibling,
+    write_bytes,
+    write_json,
+    write_tensors,
+)
+from fnaccel.checkpoint.tied import untie
+from fnaccel.dist import DistContext
+from fnaccel.process import wait_for_everyone
+
+__all__ = ["SaveHandle", "SaveQueue", "Snapshot", "take_snapshot", "write_snapshot"]
+
+MANIFEST = "fnaccel.json"
+SCHEMA_VERSION = 1
+FORMAT = "fnaccel-checkpoint"
+
+
+def _json_copy(value: Any, where: str) -> Any:
+    try:
+        return json.loads(json.dumps(value, allow_nan=True))
+    except TypeError as exc:
+        raise CheckpointError(
+            f"{where}: a value cannot be stored as JSON ({exc}); checkpoints hold only tensors "
+            "and JSON values (numbers, strings, lists, dicts), never pickles"
+        ) from None
+
+
+@dataclass(kw_only=True)
+class Snapshot:
+    """What one rank writes: its own files, and the shared ones if it is a writer."""
+
+    rank: int
+    node_rank: int
+    writer: bool
+    per_node: bool = False
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # file -> tensors
+    json_files: dict[str, Any] = field(default_factory=dict)  # file -> JSON value
+    raw_files: dict[str, bytes] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def take_snapshot(
+    state: Any, module: torch.nn.Module | None, writer: bool, per_node: bool, copy: bool
+) -> Snapshot:
+    """Everything ``state``'s checkpoint holds, captured now (``copy``: tensors cloned to CPU)."""
+    import yaml
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True) if copy else t.detach()
+
+    ctx: DistContext = state.dist
+    snap = Snapshot(rank=ctx.rank, node_rank=ctx.node_rank, writer=writer, per_node=per_node)
+    rank_tensors, rng_json = rng_payload(state.rng)
+    accumulating = state.plan is not None and state.micro_step % state.plan.micro_steps != 0
+    if module is not None and accumulating:
+        for name, p in module.named_parameters():
+            if p.grad is not None:
+                rank_tensors[f"grad/{name}"] = p.grad
+    transforms = {
+        name: value.state_dict() for name, value in state.transform_states.items()
+        if callable(getattr(value, "state_dict", None))
+    }
+    snap.tensors[f"rank{ctx.rank}.safetensors"] = {k: own(v) for k, v in rank_tensors.items()}
+    snap.json_files[f"rank{ctx.rank}.json"] = _json_copy(
+        {"rng": rng_json, "transforms": transforms,
+         "loader": None if state.loader is None else state.loader.state_dict()},
+        f"rank{ctx.rank}.json",
+    )
+    tied: dict[str, str] = {}
+    if writer:
+        if module is not None:
+            weights, tied = untie(module.state_dict())
+            snap.tensors["model.safetensors"] = {k: own(v) for k, v in weights.items()}
+        if state.optimizer is not None:
+            assert module is not None, "an optimizer without a model"
+            names = {id(p): n for n, p in module.named_parameters()}
+            opt_tensors, opt_json = optimizer_payload(state.optimizer, names)
+            snap.tensors["optimizer.safetensors"] = {k: own(v) for k, v in opt_tensors.items()}
+            snap.json_files["optimizer.json"] = _json_copy(opt_json, "optimizer.json")
+        if state.scheduler is not None:
+            snap.json_files["scheduler.json"] = _json_copy(state.scheduler.state_dict(), "scheduler.json")
+        if state.extras:
+            extra_tensors: dict[str, torch.Tensor] = {}
+            trees = {
+                name: extras_codec.split(obj.state_dict(), name, extra_tensors, copy)
+                for name, obj in state.extras.items()
+            }
+            snap.tensors["extras.safetensors"] = extra_tensors
+            snap.json_files["extras.json"] = _json_copy(trees, "extras.json")
+        snap.raw_files["config.yaml"] = yaml.safe_dump(state.config.to_dict(), sort_keys=True).encode()
+    snap.manifest = {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "num_processes": ctx.num_processes,
+        "step": state.step,
+        "micro_step": state.micro_step,
+        "epoch": state.epoch,
+        "seed": state.seed,
+        "pipeline": repr(state.pipeline),
+        "tied": tied,
+    }
+    return snap
+
+
+def manifest_hash(manifest: dict[str, Any]) -> str:
+    """The manifest's sha256 over its own content (so a flipped digit in a counter shows)."""
+    import hashlib
+
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
+                   on_commit: Any = None) -> None:
+    """Write ``snap`` into a temporary sibling of ``final`` and move it into place.
+
+    Collective over ``ctx``: every rank calls it. Writers (rank 0, or each
+    machine's first process with ``save_on_each_node``) create the directory,
+    write the shared files and the manifest, and commit.
+    """
+    tmp = temporary_sibling(final, token)
+    if snap.writer:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(exist_ok=True)
+    wait_for_everyone(ctx)
+    files: dict[str, Any] = {}
+    for name, tensors in snap.tensors.items():
+        if name.startswith("rank") or snap.writer:
+            files[name] = write_tensors(tmp / name, tensors)
+    for name, value in snap.json_files.items():
+        files[name] = write_json(tmp / name, value)
+    for name, data in snap.raw_files.items():
+        files[name] = write_bytes(tmp / name, data)
+    everyone = ops.gather_object(ctx, [(snap.node_rank, files)])
+    if snap.writer:
+        manifest = dict(snap.manifest)
+        # per node, a machine's directory holds its own ranks' files (and the shared ones)
+        manifest["files"] = {
+            name: entry
+            for node, part in everyone
+            if not snap.per_node or node == snap.node_rank
+            for name, entry in part.items()
+        }
+        manifest["manifest_sha256"] = manifest_hash(manifest)
+        # whole or absent, even if killed while writing it
+        write_json(tmp / f"{MANIFEST}.partial", manifest)
+        (tmp / f"{MANIFEST}.partial").rename(tmp / MANIFEST)
+        commit(tmp, final, MANIFEST)
+        if on_commit is not None:
+            on_commit(final)
+    wait_for_everyone(ctx)
+
+
+class SaveHandle:
+    """A save in progress (or done): `wait` blocks until it is on disk and re-raises its error."""
+
+    def __init__(self, path: Path, thread: threading.Thread | None = None) -> None:
+        self.path = path
+        self._thread = thread
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"the asynchronous save to {self.path} failed: {error}") from error
+        return self.path
+
+
+class SaveQueue:
+    """The run's saves, one at a time; a live object carried by the run's states."""
+
+    __slots__ = ("_pending", "_ctx", "_owner")
+
+    def __init__(self) -> None:
+        self._pending: SaveHandle | None = None
+        self._ctx: DistContext | None = None
+        self._owner: Any = None
+
+    def wait(self) -> None:
+        """Wait for the save in flight; re-raise its error here, once."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def background_ctx(self, ctx: DistContext) -> DistContext:
+        """A context over a process group of the saves' own (made once, collectively)."""
+        if ctx.num_processes == 1:
+            return ctx
+        if self._ctx is None:
+            import dataclasses
+
+            import torch.distributed as dist
+
+            from fnaccel.runtime import _GroupOwner
+
+            group = dist.new_group(backend="gloo")  # file writing is CPU work
+            self._owner = _GroupOwner(group, is_default=False)
+            self._ctx = dataclasses.replace(ctx, _owner=self._owner)
+        return self._ctx
+
+    def start(self, path: Path, work: Any) -> SaveHandle:
+        handle = SaveHandle(path)
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # surfaced by wait(), never lost
+                handle._error = exc
+
+        handle._thread = threading.Thread(target=run, name=f"fnaccel-save-{path.name}", daemon=False)
+        self._pending = handle
+        handle._thread.start()
+        return handle
+
+    def close(self) -> None:
+        """Wait for the last save, then release the saves' process group (from fa.shutdown)."""
+        self.wait()
+        if self._owner is not None:
+            self._owner.close()
+            self._owner = self._ctx = None
