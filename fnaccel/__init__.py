@@ -18,6 +18,7 @@ from fnaccel._errors import (
 )
 from fnaccel.checkpoint.project import ProjectConfiguration
 from fnaccel.checkpoint.run import load, save
+from fnaccel.checkpoint.weights import save_model
 from fnaccel.config import LaunchConfig
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.prepared import batches
@@ -90,6 +91,7 @@ __all__ = [
     # checkpoints
     "save",
     "load",
+    "save_model",
     "ProjectConfiguration",
     # training transforms
     "autocast",

@@ -90,6 +90,7 @@ from fnaccel.process import (
 from fnaccel.seeding import set_seed, synchronize_rng_states
 from fnaccel.checkpoint.extras import register_for_checkpointing
 from fnaccel.checkpoint.project import ProjectConfiguration
+from fnaccel.checkpoint.weights import load_checkpoint_in_model, save_model, shard_checkpoint
 
 __all__ = [
     # constants and enums
@@ -120,4 +121,5 @@ __all__ = [
     "wait_for_everyone", "set_seed", "synchronize_rng_states",
     # checkpoints
     "register_for_checkpointing", "ProjectConfiguration",
+    "save_model", "shard_checkpoint", "load_checkpoint_in_model",
 ]
