@@ -46,6 +46,23 @@ class DistributedTestError(FnaccelError):
     """A world's rank died, hung past its timeout, or failed to start."""
 
 
+class _BorrowedGroup:
+    """The world's process group as a task sees it: usable, but the World owns it,
+    so a task's `fa.shutdown` does not end it for the tasks after."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = owner
+
+    @property
+    def group(self) -> Any:
+        return self._owner.group
+
+    def close(self) -> None:
+        """Nothing: the World closes the group when it stops."""
+
+
 def _worker(
     rank: int, num_processes: int, port: int, conn: Connection, env: Mapping[str, str]
 ) -> None:
@@ -76,7 +93,8 @@ def _worker(
         if message is None:
             break
         function, args, kwargs = message
-        state = dataclasses.replace(base, rng=RNGState.seeded(0), _lease=_Lease())
+        borrowed = dataclasses.replace(base.dist, _owner=_BorrowedGroup(base.dist._owner))
+        state = dataclasses.replace(base, dist=borrowed, rng=RNGState.seeded(0), _lease=_Lease())
         try:
             conn.send(("ok", function(state, *args, **kwargs)))
         except BaseException as exc:

@@ -59,3 +59,13 @@ def test_a_hung_rank_and_a_dead_rank_tear_the_world_down() -> None:
     with World(2, timeout=30) as world:
         with pytest.raises(DistributedTestError, match=r"rank 1 died \(exit code 3\)"):
             world.run(_die_on_rank_one)
+
+
+def _shut_down(state: fa.RunState) -> int:
+    fa.shutdown(state)  # the world lent its group: this must not end it
+    return state.dist.rank
+
+
+def test_a_task_shutting_down_its_state_leaves_the_world_usable(world2: Any) -> None:
+    assert world2.run(_shut_down) == [0, 1]
+    assert world2.run(_rank_times, 2) == [0, 2]
