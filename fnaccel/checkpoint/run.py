@@ -16,6 +16,14 @@ Layout (all tensors in safetensors, everything else JSON or YAML; no pickle)::
 
     extras.safetensors/.json  objects registered for checkpointing (rank 0)
 
+An fsdp() run has no model.safetensors, optimizer.* or gradients; its model
+and optimizer go through torch.distributed.checkpoint instead (sharded.py),
+each rank writing the shards it holds:
+
+    sharded/rank<r>.safetensors  rank r's chunks of parameters and optimizer state
+    sharded/metadata.json        DCP's index: shapes, dtypes, chunks, their files (rank 0)
+    sharded/state.json           param groups, non-tensor optimizer state (rank 0)
+
 Rank 0 writes the shared files; every rank writes its own; rank 0 then writes
 the manifest and moves the directory into place atomically (writer.py,
 files.commit). With ProjectConfiguration(save_on_each_node=True) every
@@ -36,6 +44,7 @@ from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.codec import load_optimizer, rng_from
 from fnaccel.checkpoint.files import read_json, read_tensors, read_verified
 from fnaccel.checkpoint.project import ProjectConfiguration, next_checkpoint, rotate
+from fnaccel.checkpoint.sharded import is_sharded, load_sharded
 from fnaccel.checkpoint.tied import retie
 from fnaccel.checkpoint.writer import (
     FORMAT,
@@ -47,7 +56,7 @@ from fnaccel.checkpoint.writer import (
     write_snapshot,
 )
 from fnaccel.state import RunState
-from fnaccel.transforms.parallel import unwrap_compiled, unwrap_model
+from fnaccel.transforms.parallel import unwrap_model
 
 __all__ = ["load", "save"]
 
@@ -56,14 +65,6 @@ __all__ = ["load", "save"]
 def _module(state: RunState, action: str) -> torch.nn.Module | None:
     if state.model is None:
         return None
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(unwrap_compiled(state.model), FSDPModule):
-        raise CheckpointError(
-            f"{action}: an fsdp() run's sharded state goes through torch.distributed.checkpoint, "
-            "which this build does not wire up yet; save the consolidated weights with "
-            "fa.save_model, or train with ddp()"
-        )
     return unwrap_model(state.model)
 
 
@@ -194,9 +195,12 @@ def load(state: RunState, path: str | Path) -> RunState:
     manifest = _manifest(directory, state)
     module = _module(state, by)
     rank = state.dist.rank
-    if module is not None:
+    sharded = is_sharded(state.model)
+    if sharded:  # model and optimizer from sharded/ (torch.distributed.checkpoint)
+        load_sharded(state, directory, manifest)
+    elif module is not None:
         _load_model(module, directory, manifest)
-    if state.optimizer is not None:
+    if state.optimizer is not None and not sharded:
         assert module is not None, "an optimizer without a model"
         names = {id(p): n for n, p in module.named_parameters()}
         load_optimizer(
@@ -218,7 +222,7 @@ def load(state: RunState, path: str | Path) -> RunState:
             raise CheckpointError(f"{directory / f'rank{rank}.json'}: state for transform {name!r}, "
                                   "which this run's pipeline lacks")
         value.load_state_dict(saved)
-    if module is not None:
+    if module is not None and not sharded:
         for name, p in module.named_parameters():
             grad = tensors.get(f"grad/{name}")
             p.grad = None if grad is None else grad.to(p.device, p.dtype)

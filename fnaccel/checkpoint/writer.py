@@ -34,6 +34,7 @@ from fnaccel.checkpoint.files import (
     write_json,
     write_tensors,
 )
+from fnaccel.checkpoint.sharded import ShardedSnapshot, is_sharded, snapshot_sharded, write_sharded
 from fnaccel.checkpoint.tied import untie
 from fnaccel.dist import DistContext
 from fnaccel.process import wait_for_everyone
@@ -67,6 +68,7 @@ class Snapshot:
     json_files: dict[str, Any] = field(default_factory=dict)  # file -> JSON value
     raw_files: dict[str, bytes] = field(default_factory=dict)
     manifest: dict[str, Any] = field(default_factory=dict)
+    sharded: ShardedSnapshot | None = None  # an fsdp() run's model and optimizer (DCP)
 
 
 def take_snapshot(
@@ -80,6 +82,9 @@ def take_snapshot(
 
     ctx: DistContext = state.dist
     snap = Snapshot(rank=ctx.rank, node_rank=ctx.node_rank, writer=writer, per_node=per_node)
+    if is_sharded(state.model):  # every rank writes its own shards in write_sharded
+        snap.sharded = snapshot_sharded(state, copy=copy, per_node=per_node)
+        module = None
     rank_tensors, rng_json = rng_payload(state.rng)
     accumulating = state.plan is not None and state.micro_step % state.plan.micro_steps != 0
     if module is not None and accumulating:
@@ -101,7 +106,7 @@ def take_snapshot(
         if module is not None:
             weights, tied = untie(module.state_dict())
             snap.tensors["model.safetensors"] = {k: own(v) for k, v in weights.items()}
-        if state.optimizer is not None:
+        if state.optimizer is not None and snap.sharded is None:
             assert module is not None, "an optimizer without a model"
             names = {id(p): n for n, p in module.named_parameters()}
             opt_tensors, opt_json = optimizer_payload(state.optimizer, names)
@@ -154,6 +159,8 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
         tmp.mkdir(exist_ok=True)
     wait_for_everyone(ctx)
     files: dict[str, Any] = {}
+    if snap.sharded is not None:  # collective: every rank, over ctx's group
+        files.update(write_sharded(snap.sharded, ctx, tmp))
     for name, tensors in snap.tensors.items():
         if name.startswith("rank") or snap.writer:
             files[name] = write_tensors(tmp / name, tensors)

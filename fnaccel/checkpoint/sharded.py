@@ -1,0 +1,579 @@
+"""Sharded checkpoints of an `fsdp()` run through `torch.distributed.checkpoint`, pickle-free.
+
+Every rank writes the shards it holds; nothing is gathered onto one rank.
+The model's and the optimizer's state come from DCP's own
+``get_state_dict`` (keyed by parameter name, DTensor shards), the tensors
+go through DCP's planner (``dcp.save``/``dcp.load``: deduplication of
+replicated tensors, chunk offsets, resharding logic) and the non-tensor
+values (the optimizer's param groups, any plain numbers) go to JSON::
+
+    sharded/rank<r>.safetensors   the chunks rank r holds, one tensor per chunk
+    sharded/metadata.json         DCP's Metadata: every key's global shape, dtype
+                                  and chunks; which file and key holds each chunk (rank 0)
+    sharded/state.json            param groups and other non-tensor values (rank 0)
+
+DCP's stock `FileSystemWriter` is not used: it pickles its ``.metadata`` file
+even with ``SerializationFormat.SAFETENSORS`` and stores non-tensor values
+with ``torch.save``; `HuggingFaceStorageWriter` in distributed mode writes no
+metadata at all, and its reader rediscovers it by listing the directory and
+memory-mapping the files, past the manifest's checksums. Here a small
+`StorageWriter`/`StorageReader` pair stores the same Metadata as JSON and
+moves every byte through `fnaccel.checkpoint.files` (fsynced writes,
+sha256-verified reads), so a sharded checkpoint is as safe as a plain one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fnaccel._errors import CheckpointError
+from fnaccel.checkpoint.files import fsync_dir, read_json, read_tensors, write_json, write_tensors
+
+if TYPE_CHECKING:  # fnaccel.state imports the checkpoint writer, which imports this module
+    from fnaccel.dist import DistContext
+    from fnaccel.state import RunState
+
+__all__ = [
+    "SHARDED_DIR",
+    "ShardedSnapshot",
+    "is_sharded",
+    "load_sharded",
+    "save_sharded",
+    "snapshot_sharded",
+    "write_sharded",
+]
+
+SHARDED_DIR = "sharded"
+METADATA = f"{SHARDED_DIR}/metadata.json"
+VALUES = f"{SHARDED_DIR}/state.json"
+FORMAT = "fnaccel-dcp"
+FORMAT_VERSION = 1
+
+
+def _unwrap_compiled(model: Any) -> Any:
+    """The module inside a `torch.compile` wrapper (`fnaccel.transforms.parallel.unwrap_compiled`)."""
+    from fnaccel.transforms.parallel import unwrap_compiled as unwrap
+
+    return unwrap(model)
+
+
+def is_sharded(model: Any) -> bool:
+    """True for a model sharded by `fsdp()` (an FSDP2 ``FSDPModule``, compiled or not)."""
+    if model is None:
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(_unwrap_compiled(model), FSDPModule)
+
+
+def _rank_file(rank: int) -> str:
+    return f"{SHARDED_DIR}/rank{rank}.safetensors"
+
+
+# -- DCP's Metadata as JSON -------------------------------------------------------------
+
+_LAYOUTS = MappingProxyType({"strided": torch.strided, "sparse_coo": torch.sparse_coo})
+_MEMORY_FORMATS = MappingProxyType({
+    "contiguous_format": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "preserve_format": torch.preserve_format,
+})
+
+
+def _dtype(name: str, source: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"{source}: unknown dtype {name!r}")
+    return value
+
+
+def _name_of(value: Any, table: Mapping[str, Any]) -> str:
+    for name, known in table.items():
+        if known == value:
+            return name
+    raise CheckpointError(f"cannot store {value!r} in a sharded checkpoint's metadata")
+
+
+def _metadata_json(metadata: Any, storage: list[dict[str, Any]]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    keys: dict[str, Any] = {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):  # _split keeps these out of DCP
+            raise CheckpointError(f"{fqn!r}: a non-tensor value reached the sharded checkpoint")
+        assert isinstance(item, TensorStorageMetadata)
+        props = item.properties
+        keys[fqn] = {
+            "dtype": str(props.dtype).removeprefix("torch."),
+            "layout": _name_of(props.layout, _LAYOUTS),
+            "memory_format": _name_of(props.memory_format, _MEMORY_FORMATS),
+            "requires_grad": bool(props.requires_grad),
+            "pin_memory": bool(props.pin_memory),
+            "size": list(item.size),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in item.chunks],
+        }
+    planner_data = metadata.planner_data or {}
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "dcp_version": metadata.version,
+        "keys": keys,
+        "storage": sorted(storage, key=lambda s: (s["fqn"], s["offset"])),
+        "planner_data": {k: list(v) for k, v in planner_data.items()},
+    }
+
+
+def _metadata_from(saved: Mapping[str, Any], source: str) -> tuple[Any, dict[Any, tuple[str, str]]]:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    if saved.get("format") != FORMAT or saved.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{source}: not a sharded-checkpoint index this fnaccel reads "
+            f"(format {saved.get('format')!r} version {saved.get('format_version')!r})"
+        )
+    try:
+        state_dict_metadata: dict[str, Any] = {}
+        for fqn, item in saved["keys"].items():
+            state_dict_metadata[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(
+                    dtype=_dtype(item["dtype"], source),
+                    layout=_LAYOUTS[item["layout"]],
+                    requires_grad=item["requires_grad"],
+                    memory_format=_MEMORY_FORMATS[item["memory_format"]],
+                    pin_memory=item["pin_memory"],
+                ),
+                size=torch.Size(item["size"]),
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"]))
+                    for c in item["chunks"]
+                ],
+            )
+        storage = {
+            MetadataIndex(s["fqn"], s["offset"]): (s["file"], s["key"]) for s in saved["storage"]
+        }
+        planner_data = {k: tuple(v) for k, v in saved["planner_data"].items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{source}: malformed ({type(exc).__name__}: {exc})") from None
+    metadata = Metadata(
+        state_dict_metadata=state_dict_metadata,
+        planner_data=planner_data,
+        storage_data=storage,
+        version=saved.get("dcp_version"),
+    )
+    return metadata, storage
+
+
+# -- the storage layer DCP writes through and reads from ------------------------------
+
+
+def _storage_classes() -> tuple[type, type]:
+    """`_Writer` and `_Reader`, defined on first use (torch.distributed imports lazily)."""
+    from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+    from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+    from torch.futures import Future
+
+    class _Writer(StorageWriter):
+        """Writes this rank's chunks to one safetensors file, DCP's Metadata to JSON."""
+
+        def __init__(self, root: Path, rank: int) -> None:
+            self.root = root
+            self.rank = rank
+            self.entries: dict[str, dict[str, Any]] = {}
+
+        def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+            self.entries = {}
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+            return plan
+
+        def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+            return plans
+
+        def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+            name = _rank_file(self.rank)
+            tensors: dict[str, torch.Tensor] = {}
+            storages: set[tuple[str, int]] = set()
+            results = []
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    raise CheckpointError(
+                        f"{item.index.fqn!r}: DCP would pickle this non-tensor value; "
+                        "fnaccel stores those in JSON"
+                    )
+                data = planner.resolve_data(item)
+                assert isinstance(data, torch.Tensor)
+                offset = list(item.index.offset or ())
+                key = f"{item.index.fqn}@{','.join(map(str, offset))}"
+                tensor = data.detach()
+                storage = (str(tensor.device), tensor.untyped_storage().data_ptr())
+                if storage in storages and tensor.numel():  # safetensors refuses shared storage
+                    tensor = tensor.clone()
+                storages.add(storage)
+                tensors[key] = tensor
+                results.append(WriteResult(
+                    index=item.index,
+                    size_in_bytes=data.numel() * data.element_size(),
+                    storage_data={"file": name, "key": key},
+                ))
+            if tensors:
+                self.entries[name] = write_tensors(self.root / name, tensors)
+                fsync_dir((self.root / name).parent)
+            future: Future[list[WriteResult]] = Future()
+            future.set_result(results)
+            return future
+
+        def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+            storage = [
+                {"fqn": r.index.fqn, "offset": list(r.index.offset or ()), **r.storage_data}
+                for rank_results in results for r in rank_results
+            ]
+            self.entries[METADATA] = write_json(self.root / METADATA, _metadata_json(metadata, storage))
+            fsync_dir((self.root / METADATA).parent)
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+            return False
+
+    class _Reader(StorageReader):
+        """Reads the chunks back, every file verified against the run's manifest first."""
+
+        def __init__(self, root: Path, manifest: dict[str, Any], metadata: Any,
+                     storage: Mapping[Any, tuple[str, str]]) -> None:
+            self.root = root
+            self.manifest = manifest
+            self.metadata = metadata
+            self.storage = storage
+
+        def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+            pass
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return self.metadata
+
+        def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+            return plan
+
+        def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+            return plans
+
+        def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+            by_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                name, _ = self.storage[item.storage_index]
+                by_file.setdefault(name, []).append(item)
+            for name, items in sorted(by_file.items()):
+                tensors = read_tensors(self.root, name, self.manifest)  # sha256-verified
+                for item in items:
+                    _, key = self.storage[item.storage_index]
+                    source = tensors.get(key)
+                    if source is None:
+                        raise CheckpointError(f"{self.root / name}: no tensor {key!r}")
+                    piece = source[tuple(
+                        slice(start, start + length)
+                        for start, length in zip(item.storage_offsets, item.lengths)
+                    )]
+                    target = planner.resolve_tensor(item).detach()
+                    if target.shape != piece.shape:
+                        raise CheckpointError(
+                            f"{self.root / name}: {key!r} gives a chunk of shape {tuple(piece.shape)} "
+                            f"where the model needs {tuple(target.shape)}"
+                        )
+                    target.copy_(piece)
+                    planner.commit_tensor(item, target)
+            future: Future[None] = Future()
+            future.set_result(None)
+            return future
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+            return False
+
+    return _Writer, _Reader
+
+
+# -- the state dicts, split into tensors (DCP) and plain values (JSON) -----------------
+
+
+def _split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensors, values)``: the same nesting of dicts, tensors in one, the rest in the other."""
+    tensors: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            sub_tensors, sub_values = _split(value)
+            if sub_tensors:
+                tensors[key] = sub_tensors
+            if sub_values:
+                values[key] = sub_values
+        elif isinstance(value, torch.Tensor):
+            tensors[key] = value
+        else:
+            values[key] = value
+    return tensors, values
+
+
+def _merge(tensors: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = dict(tensors)
+    for key, value in values.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _state_dicts(state: RunState, *, for_load: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``({"model": ..., "optimizer": {"state": ...}}, param_groups)`` by parameter name
+    (DTensor shards), the live tensors themselves: a load writes into them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    module = _unwrap_compiled(state.model)
+    tree: dict[str, Any] = {"model": get_model_state_dict(module)}
+    groups: list[dict[str, Any]] = []
+    optimizer = state.optimizer
+    if optimizer is not None:
+        had_state = bool(optimizer.state)
+        # DCP allocates a stateless optimizer's state with one step at lr 0 (the targets a
+        # load needs); a save before the first step must not keep that side effect
+        optim_sd = get_optimizer_state_dict(module, optimizer)
+        tree["optimizer"] = {"state": optim_sd["state"] if had_state or for_load else {}}
+        saved_groups: Any = optim_sd["param_groups"]
+        groups = [dict(g) for g in saved_groups]
+        if not had_state and not for_load:
+            optimizer.state.clear()
+    return tree, groups
+
+
+def _refuse_mid_accumulation(state: RunState, action: str) -> None:
+    plan = state.plan
+    if plan is not None and state.micro_step % plan.micro_steps != 0:
+        raise CheckpointError(
+            f"{action}: an fsdp() run between accumulation micro-steps holds its gradients in "
+            "FSDP's private unsharded buffers, which torch.distributed.checkpoint cannot save; "
+            f"save after an optimizer step (when state.micro_step is a multiple of {plan.micro_steps})"
+        )
+
+
+def _checkpoint_error(exc: BaseException, action: str) -> CheckpointError:
+    """The first rank's own error inside DCP's CheckpointException, as our error."""
+    failures = getattr(exc, "failures", {}) or {}
+    for rank in sorted(failures):
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(inner, CheckpointError):
+            return CheckpointError(f"{inner} (rank {rank})")
+    first = next(iter(failures.values()), None)
+    inner = first[0] if isinstance(first, tuple) else first
+    detail = f"{type(inner).__name__}: {inner}" if inner is not None else str(exc)
+    return CheckpointError(f"{action}: torch.distributed.checkpoint failed: {detail}")
+
+
+@dataclass
+class ShardedSnapshot:
+    """This rank's part of a sharded checkpoint, captured by `snapshot_sharded`."""
+
+    tensors: dict[str, Any]  # {"model": {...}, "optimizer": {"state": {...}}}: DTensor shards
+    values: dict[str, Any]  # the same nesting, non-tensor values (JSON)
+    param_groups: list[dict[str, Any]]
+
+
+def _json_copy(value: Any, where: str) -> Any:
+    try:
+        return json.loads(json.dumps(value, allow_nan=True))
+    except TypeError as exc:
+        raise CheckpointError(
+            f"{where}: a value cannot be stored as JSON ({exc}); checkpoints hold only tensors "
+            "and JSON values (numbers, strings, lists, dicts), never pickles"
+        ) from None
+
+
+def _copied(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``tree`` with every tensor copied to the CPU (a DTensor stays a DTensor: its shard is copied)."""
+    return {
+        key: _copied(value) if isinstance(value, Mapping) else value.detach().to("cpu", copy=True)
+        for key, value in tree.items()
+    }
+
+
+def snapshot_sharded(state: RunState, *, copy: bool = False, per_node: bool = False) -> ShardedSnapshot:
+    """Capture the model's and optimizer's shards now, for `write_sharded`.
+
+    ``copy``: shards cloned to the CPU (an asynchronous save writes them while
+    training goes on); otherwise the live tensors, for a save that writes at once.
+    Not collective. Fails here, before anything is written, when the state
+    cannot be saved.
+
+    Raises:
+        CheckpointError: between accumulation micro-steps; ``per_node``
+            (``save_on_each_node``) over several machines; a non-tensor value
+            that JSON cannot hold.
+    """
+    _refuse_mid_accumulation(state, "fa.save")
+    if per_node and state.dist.num_nodes > 1:
+        raise CheckpointError(
+            "fa.save: save_on_each_node with fsdp(): a sharded checkpoint is one directory that "
+            "every rank reads from (each reads chunks other ranks wrote); save to a filesystem "
+            "all machines share, without save_on_each_node"
+        )
+    tree, groups = _state_dicts(state, for_load=False)
+    tensors, values = _split(tree)
+    payload = _json_copy({"values": values, "param_groups": groups}, VALUES)
+    return ShardedSnapshot(
+        tensors=_copied(tensors) if copy else tensors,
+        values=payload["values"],
+        param_groups=payload["param_groups"],
+    )
+
+
+def write_sharded(snap: ShardedSnapshot, ctx: DistContext, directory: Path) -> dict[str, dict[str, Any]]:
+    """Write ``snap`` under ``directory / "sharded"`` through `torch.distributed.checkpoint`.
+
+    Collective over ``ctx``'s process group (every rank calls it; an
+    asynchronous save passes its own group). Every file is fsynced, and the
+    directory. Returns the manifest entries of the files this rank wrote.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    root = Path(directory)
+    (root / SHARDED_DIR).mkdir(exist_ok=True)
+    writer_cls, _ = _storage_classes()
+    writer = writer_cls(root, ctx.rank)
+    try:
+        dcp.save(snap.tensors, storage_writer=writer, planner=DefaultSavePlanner(),
+                 process_group=ctx.process_group)
+    except CheckpointException as exc:
+        raise _checkpoint_error(exc, "fa.save") from None
+    entries: dict[str, dict[str, Any]] = dict(writer.entries)
+    if ctx.is_main_process:
+        entries[VALUES] = write_json(root / VALUES, {"values": snap.values, "param_groups": snap.param_groups})
+        fsync_dir(root / SHARDED_DIR)
+    return entries
+
+
+def save_sharded(state: RunState, directory: Path) -> dict[str, dict[str, Any]]:
+    """Write the model's and optimizer's shards under ``directory / "sharded"``.
+
+    Collective: every rank calls it. Returns the manifest entries
+    (``{relative name: {"sha256", "size"}}``) of the files this rank wrote.
+    (`snapshot_sharded` then `write_sharded`: the two halves, for a save
+    that writes later or on another thread.)
+
+    Raises:
+        CheckpointError: between accumulation micro-steps, or a value that
+            cannot be stored without pickle.
+    """
+    return write_sharded(snapshot_sharded(state), state.dist, directory)
+
+
+def _targets(tensors: Mapping[str, Any], metadata: Any, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The flat ``{DCP key: live tensor}`` to load and each key's path in the nested dicts.
+
+    Model keys must match the checkpoint's exactly. Optimizer state the
+    checkpoint lacks (a parameter that had no gradient yet) is left out;
+    optimizer state the live optimizer lacks is an error. Named, before DCP
+    plans anything (so every rank raises the same error, none hangs).
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, paths = flatten_state_dict(dict(tensors))
+    saved = metadata.state_dict_metadata
+    wanted = {k: v for k, v in flat.items() if k in saved or paths[k][0] == "model"}
+    missing = sorted(set(wanted) - set(saved))
+    unexpected = sorted(set(saved) - set(wanted))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}; the model "
+            "or optimizer is not the one this checkpoint was saved from"
+        )
+    mismatched = [
+        f"{key!r} has shape {tuple(saved[key].size)} in the checkpoint but {tuple(value.shape)} here"
+        for key, value in wanted.items() if tuple(saved[key].size) != tuple(value.shape)
+    ]
+    if mismatched:
+        raise CheckpointError(f"{source}: {'; '.join(mismatched[:5])}")
+    return wanted, {k: paths[k] for k in wanted}
+
+
+def _nest(flat: Mapping[str, Any], paths: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = paths[key]
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _restore_groups(saved: list[dict[str, Any]], current: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+    if [g["params"] for g in saved] != [list(g["params"]) for g in current]:
+        raise CheckpointError(
+            f"{source}: the optimizer's parameter groups do not match the checkpoint's "
+            f"(saved {[len(g['params']) for g in saved]} parameters per group); build the "
+            "optimizer the same way as the run that saved it"
+        )
+    # JSON has no tuples: give back the type the live optimizer uses (e.g. betas)
+    return [
+        {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in group.items()}
+        for group, now in zip(saved, current)
+    ]
+
+
+def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> None:
+    """Read the shards `save_sharded` wrote back into ``state.model`` and ``state.optimizer``, in place.
+
+    Collective: every rank calls it. Every file is checked against the
+    manifest's size and sha256 before it is used; nothing is unpickled.
+
+    Raises:
+        CheckpointError: a missing or corrupt file (named), missing or
+            unexpected keys, mismatched shapes or parameter groups.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    root = Path(directory)
+    metadata, storage = _metadata_from(read_json(root, METADATA, manifest), str(root / METADATA))
+    saved = read_json(root, VALUES, manifest)
+    tree, groups = _state_dicts(state, for_load=True)
+    tensors, _ = _split(tree)
+    flat, paths = _targets(tensors, metadata, str(root / METADATA))
+    _, reader_cls = _storage_classes()
+    reader = reader_cls(root, manifest, metadata, storage)
+    try:
+        dcp.load(flat, storage_reader=reader, planner=DefaultLoadPlanner(),
+                 process_group=state.dist.process_group)
+    except CheckpointException as exc:
+        raise _checkpoint_error(exc, "fa.load") from None
+    restored = _merge(_nest(flat, paths), saved["values"])
+    module = _unwrap_compiled(state.model)
+    set_model_state_dict(module, restored.get("model", {}))
+    if state.optimizer is not None:
+        optim_sd = {
+            "state": restored.get("optimizer", {}).get("state", {}),
+            "param_groups": _restore_groups(saved["param_groups"], groups, str(root / VALUES)),
+        }
+        set_optimizer_state_dict(module, state.optimizer, optim_sd)
