@@ -7,15 +7,20 @@ from torch import nn
 
 import fnaccel as fa
 
-path = sys.argv[1]
-torch.manual_seed(0)
-model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(20)])  # ~21 MB of weights
-optimizer = torch.optim.AdamW(model.parameters())
-state = fa.prepare(fa.init(seed=0, cpu=True), model, optimizer,
-                   loss_fn=lambda m, b: m(b).pow(2).mean())
-state, _ = fa.step(state, torch.ones(2, 512))  # optimizer state exists
-fa.save(state, path)
-print("first save done", flush=True)
-while True:
-    state = state.replace(epoch=state.epoch + 1)  # each save is recognisable by its epoch
+
+def main(path: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(20)])  # ~21 MB of weights
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, optimizer,
+                       loss_fn=lambda m, b: m(b).pow(2).mean())
+    state, _ = fa.step(state, torch.ones(2, 512))  # optimizer state exists
     fa.save(state, path)
+    print("first save done", flush=True)
+    while True:
+        state = state.replace(epoch=state.epoch + 1)  # each save is recognisable by its epoch
+        fa.save(state, path)
+
+
+if __name__ == "__main__":  # a script: importing it (doctest collection) must not run it
+    main(sys.argv[1])
