@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 typecheck: $(STAMP)
+	$(BIN)/ruff check fnaccel tests benchmarks examples
 	$(BIN)/mypy
 
 test: typecheck
