@@ -18,6 +18,7 @@ on its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -74,17 +75,11 @@ def default_pipeline(state: RunState) -> Pipeline:
         parts.append(grad_scaler(**scaler.to_kwargs()))
     if state.dist.num_processes > 1:
         ddp_kwargs = handlers.get("DistributedDataParallelKwargs")
-        parts.append(ddp(**({} if ddp_kwargs is None else _ddp_fields(ddp_kwargs))))
+        fields = {} if ddp_kwargs is None else {
+            f.name: getattr(ddp_kwargs, f.name) for f in dataclasses.fields(ddp_kwargs)
+        }
+        parts.append(ddp(**fields))
     return compose(*parts)
-
-
-def _ddp_fields(handler: Any) -> dict[str, Any]:
-    fields = dict(handler.to_kwargs())
-    for key in ("comm_hook", "comm_wrapper", "comm_state_option"):
-        value = getattr(handler, key)
-        if value not in ("no", {}) and value:
-            fields[key] = dict(value) if key == "comm_state_option" else value
-    return fields
 
 
 def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:

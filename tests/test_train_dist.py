@@ -236,3 +236,20 @@ def test_fsdp_by_size_with_bf16_policy_and_offload_refused_on_cpu(world2: Any) -
         assert all(math.isfinite(loss) for loss in result["losses"])
         for p, q in zip(result["params"], expected):
             torch.testing.assert_close(p, q, rtol=0.05, atol=0.02)  # bf16 compute
+
+
+def _default_pipeline_from_handler(state: fa.RunState) -> str:
+    from types import MappingProxyType
+
+    handler = fa.DistributedDataParallelKwargs(find_unused_parameters=True, bucket_cap_mb=10)
+    state = state.replace(kwargs_handlers=MappingProxyType({"DistributedDataParallelKwargs": handler}))
+    model = nn.Linear(2, 2)
+    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert state.model.find_unused_parameters  # type: ignore[union-attr]
+    return repr(state.pipeline)
+
+
+def test_the_default_ddp_takes_the_kwargs_handler(world2: Any) -> None:
+    assert world2.run(_default_pipeline_from_handler) == [
+        "compose(ddp(bucket_cap_mb=10, find_unused_parameters=True))"
+    ] * 2
