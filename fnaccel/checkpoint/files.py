@@ -29,6 +29,7 @@ from fnaccel._errors import CheckpointError
 
 __all__ = [
     "commit",
+    "json_copy",
     "fsync_dir",
     "read_json",
     "read_tensors",
@@ -54,6 +55,18 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def json_copy(value: Any, where: str) -> Any:
+    """A deep copy of ``value`` through the JSON encoder, which also refuses, naming
+    ``where``, anything a checkpoint could only store by pickling."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=True))
+    except TypeError as exc:
+        raise CheckpointError(
+            f"{where}: a value cannot be stored as JSON ({exc}); checkpoints hold only tensors "
+            "and JSON values (numbers, strings, lists, dicts), never pickles"
+        ) from None
 
 
 def write_bytes(path: Path, data: bytes) -> dict[str, Any]:

@@ -24,7 +24,6 @@ sha256-verified reads), so a sharded checkpoint is as safe as a plain one.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,7 +34,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import fsync_dir, read_json, read_tensors, write_json, write_tensors
+from fnaccel.checkpoint.files import (
+    fsync_dir,
+    json_copy,
+    read_json,
+    read_tensors,
+    write_json,
+    write_tensors,
+)
 
 if TYPE_CHECKING:  # fnaccel.state imports the checkpoint writer, which imports this module
     from fnaccel.dist import DistContext
@@ -396,16 +402,6 @@ class ShardedSnapshot:
     param_groups: list[dict[str, Any]]
 
 
-def _json_copy(value: Any, where: str) -> Any:
-    try:
-        return json.loads(json.dumps(value, allow_nan=True))
-    except TypeError as exc:
-        raise CheckpointError(
-            f"{where}: a value cannot be stored as JSON ({exc}); checkpoints hold only tensors "
-            "and JSON values (numbers, strings, lists, dicts), never pickles"
-        ) from None
-
-
 def _copied(tree: Mapping[str, Any]) -> dict[str, Any]:
     """``tree`` with every tensor copied to the CPU (a DTensor stays a DTensor: its shard is copied)."""
     return {
@@ -436,7 +432,7 @@ def snapshot_sharded(state: RunState, *, copy: bool = False, per_node: bool = Fa
         )
     tree, groups = _state_dicts(state, for_load=False)
     tensors, values = _split(tree)
-    payload = _json_copy({"values": values, "param_groups": groups}, VALUES)
+    payload = json_copy({"values": values, "param_groups": groups}, VALUES)
     return ShardedSnapshot(
         tensors=_copied(tensors) if copy else tensors,
         values=payload["values"],

@@ -29,6 +29,7 @@ from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.codec import optimizer_payload, rng_payload
 from fnaccel.checkpoint.files import (
     commit,
+    json_copy,
     temporary_sibling,
     write_bytes,
     write_json,
@@ -44,16 +45,6 @@ __all__ = ["SaveHandle", "SaveQueue", "Snapshot", "take_snapshot", "write_snapsh
 MANIFEST = "fnaccel.json"
 SCHEMA_VERSION = 1
 FORMAT = "fnaccel-checkpoint"
-
-
-def _json_copy(value: Any, where: str) -> Any:
-    try:
-        return json.loads(json.dumps(value, allow_nan=True))
-    except TypeError as exc:
-        raise CheckpointError(
-            f"{where}: a value cannot be stored as JSON ({exc}); checkpoints hold only tensors "
-            "and JSON values (numbers, strings, lists, dicts), never pickles"
-        ) from None
 
 
 @dataclass(kw_only=True)
@@ -96,7 +87,7 @@ def take_snapshot(
         if callable(getattr(value, "state_dict", None))
     }
     snap.tensors[f"rank{ctx.rank}.safetensors"] = {k: own(v) for k, v in rank_tensors.items()}
-    snap.json_files[f"rank{ctx.rank}.json"] = _json_copy(
+    snap.json_files[f"rank{ctx.rank}.json"] = json_copy(
         {"rng": rng_json, "transforms": transforms,
          "loader": None if state.loader is None else state.loader.state_dict()},
         f"rank{ctx.rank}.json",
@@ -111,9 +102,9 @@ def take_snapshot(
             names = {id(p): n for n, p in module.named_parameters()}
             opt_tensors, opt_json = optimizer_payload(state.optimizer, names)
             snap.tensors["optimizer.safetensors"] = {k: own(v) for k, v in opt_tensors.items()}
-            snap.json_files["optimizer.json"] = _json_copy(opt_json, "optimizer.json")
+            snap.json_files["optimizer.json"] = json_copy(opt_json, "optimizer.json")
         if state.scheduler is not None:
-            snap.json_files["scheduler.json"] = _json_copy(state.scheduler.state_dict(), "scheduler.json")
+            snap.json_files["scheduler.json"] = json_copy(state.scheduler.state_dict(), "scheduler.json")
         if state.extras:
             extra_tensors: dict[str, torch.Tensor] = {}
             trees = {
@@ -121,7 +112,7 @@ def take_snapshot(
                 for name, obj in state.extras.items()
             }
             snap.tensors["extras.safetensors"] = extra_tensors
-            snap.json_files["extras.json"] = _json_copy(trees, "extras.json")
+            snap.json_files["extras.json"] = json_copy(trees, "extras.json")
         snap.raw_files["config.yaml"] = yaml.safe_dump(state.config.to_dict(), sort_keys=True).encode()
     snap.manifest = {
         "format": FORMAT,
