@@ -129,18 +129,11 @@ class _Captured:
 
 
 @contextmanager
-def installed(
-    rng: RNGState, kinds: Collection[str] = ALL_KINDS, restore: bool = True
-) -> Iterator[_Captured]:
-    """Run a block with ``rng`` installed; capture the states it leaves behind.
-
-    Args:
-        rng: the states to install.
-        kinds: which generators to swap ("python", "torch", "cuda", "numpy");
-            the others keep their values in the captured state.
-        restore: give the process its own states back when the block ends
-            (normally or by an exception). A training step does not: it
-            installs its run's states anyway before every use.
+def installed(rng: RNGState) -> Iterator[_Captured]:
+    """Run a block with every generator of ``rng`` installed; capture the states
+    it leaves behind, and give the process its own states back when the block
+    ends (normally or by an exception). A training step swaps only
+    ``state.step_rng_types``, inline, without restoring (see fnaccel/train.py).
 
     >>> with installed(RNGState.seeded(0)) as cap:
     ...     first = torch.rand(1)
@@ -149,12 +142,11 @@ def installed(
     >>> bool(torch.equal(first, again)) and cap.after is not None
     True
     """
-    outer = rng.recapture(kinds) if restore else None
-    rng.install(kinds)
+    outer = RNGState.capture()
+    rng.install()
     captured = _Captured()
     try:
         yield captured
-        captured.after = rng.recapture(kinds)
+        captured.after = RNGState.capture()
     finally:
-        if outer is not None:
-            outer.install(kinds)
+        outer.install()

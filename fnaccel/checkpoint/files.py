@@ -57,16 +57,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def json_copy(value: Any, where: str) -> Any:
-    """A deep copy of ``value`` through the JSON encoder, which also refuses, naming
-    ``where``, anything a checkpoint could only store by pickling."""
+def _dumps(value: Any, where: str, **options: Any) -> str:
+    """JSON text of ``value``; what only pickle could store is refused, naming ``where``."""
     try:
-        return json.loads(json.dumps(value, allow_nan=True))
+        return json.dumps(value, allow_nan=True, **options)
     except TypeError as exc:
         raise CheckpointError(
             f"{where}: a value cannot be stored as JSON ({exc}); checkpoints hold only tensors "
             "and JSON values (numbers, strings, lists, dicts), never pickles"
         ) from None
+
+
+def json_copy(value: Any, where: str) -> Any:
+    """A deep copy of ``value`` through the JSON encoder (see `_dumps`)."""
+    return json.loads(_dumps(value, where))
 
 
 def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
@@ -79,14 +83,7 @@ def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
 
 
 def write_json(path: Path, value: Any) -> dict[str, Any]:
-    try:
-        text = json.dumps(value, indent=1, sort_keys=True, allow_nan=True)
-    except TypeError as exc:
-        raise CheckpointError(
-            f"{path.name}: a value cannot be stored as JSON ({exc}); checkpoints hold only "
-            "tensors and JSON values (numbers, strings, lists, dicts), never pickles"
-        ) from None
-    return write_bytes(path, text.encode())
+    return write_bytes(path, _dumps(value, path.name, indent=1, sort_keys=True).encode())
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

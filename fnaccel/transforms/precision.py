@@ -120,10 +120,10 @@ def grad_scaler(**kwargs: Any) -> Transform:
     def optimizer_step(optimizer: Any, scaler: torch.amp.GradScaler) -> torch.Tensor:
         scaler.step(optimizer)
         # torch keeps the per-device inf flags of this step here until update()
-        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        skipped = sum(found.values()) > 0 if found else torch.tensor(False)
+        flags = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        skipped = torch.stack(flags).sum() > 0 if flags else torch.tensor(False)
         scaler.update()
-        return skipped if isinstance(skipped, torch.Tensor) else torch.tensor(skipped)
+        return skipped
 
     return Transform(
         name="grad_scaler",
