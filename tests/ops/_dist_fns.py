@@ -1,12 +1,8 @@
 """Shared tree types, a strict tree comparison, and the functions gloo workers run.
 
-`fnaccel.testing.World` workers unpickle each function by its module name.
-Under pytest's ``--import-mode=importlib`` a test module is registered as
-``tests.ops.test_x``, a name a spawned worker can only import when the
-repository root happens to be on ``sys.path`` (``python -m pytest``, not plain
-``pytest``). So the worker functions live here, and the test modules import
-this file as ``ops._dist_fns`` after putting ``tests/`` on ``sys.path``, which
-spawned workers inherit.
+`fnaccel.testing.World` workers unpickle each function by its module name,
+``tests.ops._dist_fns``: pyproject's ``pythonpath = ["."]`` puts the
+repository root on ``sys.path``, which spawned workers inherit.
 
 Every worker function takes the run state first (``world.run(fn, ...)``) and
 builds its inputs from ``rank`` and ``num_processes`` alone, so the test can

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,11 +17,8 @@ import torch
 
 import fnaccel as fa
 
-_TESTS = str(Path(__file__).resolve().parents[1])  # see ops/_dist_fns.py for why
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
-from ops import _dist_fns as fns  # noqa: E402
-from ops._dist_fns import FrozenBox, Pair, assert_tree_equal, leaf  # noqa: E402
+from tests.ops import _dist_fns as fns
+from tests.ops._dist_fns import FrozenBox, Pair, assert_tree_equal, leaf
 
 
 @pytest.fixture

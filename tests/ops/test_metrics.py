@@ -7,8 +7,6 @@ step, gives back exactly the N samples in dataset order, for padded
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,11 +15,8 @@ import torch
 import fnaccel as fa
 from fnaccel.data.sharding import EvalShard, eval_shards
 
-_TESTS = str(Path(__file__).resolve().parents[1])  # see ops/_dist_fns.py for why
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
-from ops import _dist_fns as fns  # noqa: E402
-from ops._dist_fns import Pair, assert_tree_equal  # noqa: E402
+from tests.ops import _dist_fns as fns
+from tests.ops._dist_fns import Pair, assert_tree_equal
 
 
 @pytest.fixture

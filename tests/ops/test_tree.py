@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import sys
 from collections import OrderedDict, defaultdict
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,10 +21,7 @@ from fnaccel.ops import (
     slice_tensors,
 )
 
-_TESTS = str(Path(__file__).resolve().parents[1])  # see ops/_dist_fns.py for why
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
-from ops._dist_fns import Box, FrozenBox, Pair, assert_tree_equal  # noqa: E402
+from tests.ops._dist_fns import Box, FrozenBox, Pair, assert_tree_equal
 
 
 @dataclasses.dataclass
