@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
-import pickle
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -85,7 +84,7 @@ def _worker(
     try:
         base = init(cpu=True, seed=0)
     except BaseException as exc:  # report why this rank could not start
-        conn.send(("error", _describe(exc)))
+        _report(conn, exc)
         return
     conn.send(("ready", None))
     while True:
@@ -98,18 +97,19 @@ def _worker(
         try:
             conn.send(("ok", function(state, *args, **kwargs)))
         except BaseException as exc:
-            conn.send(("error", _describe(exc)))
+            _report(conn, exc)
     shutdown(base)
     conn.close()
 
 
-def _describe(exc: BaseException) -> tuple[BaseException | None, str, str]:
+def _report(conn: Connection, exc: BaseException) -> None:
+    """Send a rank's exception to the caller: the exception itself when it can
+    cross the pipe (send serialises it whole before writing), else its traceback."""
     text = "".join(traceback.format_exception(exc))
     try:
-        pickle.dumps(exc)  # between the run's own processes, never on disk
-        return exc, type(exc).__name__, text
+        conn.send(("error", (exc, type(exc).__name__, text)))
     except Exception:
-        return None, type(exc).__name__, text
+        conn.send(("error", (None, type(exc).__name__, text)))
 
 
 class World:
