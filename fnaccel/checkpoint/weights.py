@@ -2,10 +2,9 @@
 
 `save_model` writes what ``Accelerator.save_model`` writes: ``model.safetensors``,
 or, past ``max_shard_size``, ``model-00001-of-0000N.safetensors`` shards plus
-``model.safetensors.index.json``. `load_checkpoint_in_model` reads that layout
-back whoever wrote it (fnaccel, Accelerate, transformers,
-``safetensors.torch.save_model``). Pickles (``.bin``, ``.pt``) are refused, never
-unpickled.
+``model.safetensors.index.json``. `load_checkpoint_in_model` (in
+`fnaccel.modeling.loading`, re-exported here) reads that layout back whoever
+wrote it (fnaccel, Accelerate, transformers, ``safetensors.torch.save_model``).
 
 Tied tensors are stored once, under their first name; each other name is
 recorded in the file's metadata as ``{alias: kept name}``, the convention
@@ -33,15 +32,13 @@ import os
 import re
 import shutil
 import uuid
-import warnings
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from fnaccel._errors import CheckpointError
@@ -55,25 +52,36 @@ if TYPE_CHECKING:
     from fnaccel.state import RunState
 
 __all__ = [
-    "IncompatibleKeys",
     "consolidated_state_dict",
-    "load_checkpoint_in_model",
     "save_model",
     "shard_checkpoint",
 ]
 
 # (suffix, bytes) in match order: the binary units before the decimal ones they end like
 _SIZE_UNITS = (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
-_PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
 _PRIVATE = ".fnaccel-"  # staging and parked folders inside a save directory
 _SHARD_NAME = re.compile(re.escape(SAFE_MODEL_NAME) + r"-\d{5}-of-\d{5}\.safetensors")  # as shard_checkpoint names them
 
 
-class IncompatibleKeys(NamedTuple):
-    """What `load_checkpoint_in_model` could not match (as ``nn.Module.load_state_dict``)."""
+def __getattr__(name: str) -> Any:
+    # the loading half lives in fnaccel.modeling.loading, imported on first use
+    if name in ("IncompatibleKeys", "load_checkpoint_in_model"):
+        from fnaccel.modeling import loading
 
-    missing_keys: list[str]
-    unexpected_keys: list[str]
+        return getattr(loading, name)
+    raise AttributeError(f"module 'fnaccel.checkpoint.weights' has no attribute {name!r}")
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    from fnaccel.modeling.loading import is_sharded
+
+    return is_sharded(module)
+
+
+def _read_index(index: Path) -> dict[str, Any]:
+    from fnaccel.modeling.loading import read_index
+
+    return read_index(index)
 
 
 def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -223,117 +231,6 @@ def save_model(
         raise error
 
 
-def load_checkpoint_in_model(
-    model: nn.Module,
-    checkpoint: str | os.PathLike[str],
-    device_map: Mapping[str, int | str | torch.device] | None = None,
-    offload_folder: str | os.PathLike[str] | None = None,
-    dtype: str | torch.dtype | None = None,
-    offload_state_dict: bool = False,
-    offload_buffers: bool = False,
-    keep_in_fp32_modules: Sequence[str] | None = None,
-    strict: bool = False,
-) -> IncompatibleKeys:
-    """Load a safetensors checkpoint into ``model``'s own tensors, file by file.
-
-    Every file's header is checked first (names, shapes), so a checkpoint
-    that does not fit leaves the model untouched; then each file is read,
-    copied into the model and dropped before the next, so the weights are
-    never held twice. Copies are in place: the parameters stay
-    the same objects (an optimizer built on them stays valid) and tied
-    parameters stay tied; a tied name missing from the file is filled through
-    its partner. ``torch.compile`` and DDP wrappers are looked through.
-
-    Args:
-        model: an unsharded model on real devices (load before ``fa.fsdp``
-            shards it).
-        checkpoint: a ``.safetensors`` file, an index ``.json``, or a
-            directory holding ``model.safetensors`` or one ``*.index.json``.
-        device_map: None (tensors stay on their devices), or module names
-            mapped to ``"cpu"`` ("" for the whole model): the weights of every
-            parameter load onto the CPU. Dispatching to other devices or to
-            disk is not built yet.
-        offload_folder, offload_state_dict, offload_buffers: disk offload, not
-            built yet: only their defaults are accepted.
-        dtype: cast floating-point weights to this dtype (a ``torch.dtype`` or
-            its name, ``"float16"``); otherwise each keeps the model's dtype.
-        keep_in_fp32_modules: with ``dtype``, modules (dotted names, matched
-            at any depth) whose weights load in float32 instead.
-        strict: raise when the checkpoint and the model name different
-            tensors; otherwise warn and return them.
-
-    Returns:
-        The model tensors the checkpoint did not fill and the checkpoint
-        tensors the model has no place for.
-
-    Raises:
-        CheckpointError: no checkpoint there, a pickle checkpoint, an unreadable
-            file, a shape mismatch (always), missing or unexpected keys (strict).
-        NotImplementedError: disk offload, a device other than the CPU in
-            ``device_map``, or a model on the meta device or sharded.
-
-    >>> import tempfile, safetensors.torch
-    >>> with tempfile.TemporaryDirectory() as path:
-    ...     safetensors.torch.save_file({"weight": torch.ones(1, 2), "bias": torch.ones(1)}, f"{path}/m.safetensors")
-    ...     model = torch.nn.Linear(2, 1)
-    ...     load_checkpoint_in_model(model, f"{path}/m.safetensors", strict=True)
-    ...     model.weight.tolist()
-    IncompatibleKeys(missing_keys=[], unexpected_keys=[])
-    [[1.0, 1.0]]
-    """
-    if offload_folder is not None or offload_state_dict or offload_buffers:
-        raise NotImplementedError(_not_built("disk offload (offload_folder, offload_state_dict, offload_buffers)"))
-    module = unwrap_model(model)
-    targets = module.state_dict(keep_vars=True)
-    if _is_sharded(module) or any(t.is_meta for t in targets.values()):
-        raise NotImplementedError(
-            "load_checkpoint_in_model loads into a materialised, unsharded model: load before "
-            "fa.prepare(..., pipeline with fa.fsdp()) shards it (or use fa.load for a prepared run); "
-            + _not_built("materialising a meta-device (init_empty_weights) model")
-        )
-    if device_map is not None:
-        _check_device_map(device_map, targets)
-    new_dtype = _as_dtype(dtype)
-    keep_fp32 = tuple(name.split(".") for name in keep_in_fp32_modules or ())
-    # every file's header first: a checkpoint that does not fit leaves the model untouched
-    shapes: dict[str, tuple[Path, tuple[int, ...]]] = {}
-    aliases: dict[Path, dict[str, str]] = {}
-    for file, listed in _checkpoint_files(Path(checkpoint)):
-        file_shapes, aliases[file] = _read_header(file)
-        absent = sorted(listed - file_shapes.keys()) if listed is not None else []
-        if absent:
-            raise CheckpointError(f"{file} lacks {absent}, which its index maps to it")
-        shapes.update((name, (file, shape)) for name, shape in file_shapes.items())
-    mismatched = [
-        f"{name!r} is {shape} in {file.name} but {tuple(targets[name].shape)} in the model"
-        for name, (file, shape) in shapes.items()
-        if name in targets and shape != tuple(targets[name].shape)
-    ]
-    if mismatched:
-        raise CheckpointError(f"load_checkpoint_in_model: {checkpoint} has other shapes: " + "; ".join(mismatched))
-    unexpected = [name for name in shapes if name not in targets]
-    filled = {id(targets[name]) for name in shapes if name in targets}
-    missing = [name for name, target in targets.items() if id(target) not in filled]
-    if missing or unexpected:
-        message = (
-            f"load_checkpoint_in_model: {checkpoint} does not fit {type(module).__name__}: "
-            f"missing from the checkpoint: {missing}; unexpected in it: {unexpected}"
-        )
-        if strict:
-            raise CheckpointError(message)
-        warnings.warn(message + " (strict=True raises)", stacklevel=2)
-    for file, file_aliases in aliases.items():  # one file in memory at a time
-        for name, value in _read_tensors(file, file_aliases).items():
-            target = targets.get(name)
-            if target is None:
-                continue
-            want = target.dtype
-            if new_dtype is not None and value.is_floating_point() and target.is_floating_point():
-                want = torch.float32 if _in_modules(name, keep_fp32) else new_dtype
-            _copy_into(target, value, target.device if device_map is None else torch.device("cpu"), want)
-    return IncompatibleKeys(missing, unexpected)
-
-
 def _size_in_bytes(size: int | str) -> int:
     nbytes = 0
     if isinstance(size, int) and not isinstance(size, bool):
@@ -354,12 +251,6 @@ def _size_in_bytes(size: int | str) -> int:
             f"'500MB' or '5GiB' (KB/MB/GB: powers of 10; KiB/MiB/GiB: powers of 2), got {size!r}"
         )
     return nbytes
-
-
-def _is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _shared_names(module: nn.Module) -> dict[str, str]:
@@ -463,135 +354,3 @@ def _park(path: Path, staging: Path, old_index: Mapping[str, Any], files: set[st
     _write_index(staging / "parked.index.json", {**old_index, "weight_map": weight_map})
     os.replace(staging / "parked.index.json", path / SAFE_WEIGHTS_INDEX_NAME)
     fsync_dir(path)
-
-
-def _not_built(what: str) -> str:
-    return (
-        f"{what} comes with the big-model work (dispatching a model over devices with "
-        "CPU/disk offload) and is not built yet"
-    )
-
-
-def _check_device_map(device_map: Mapping[str, int | str | torch.device], targets: Mapping[str, Any]) -> None:
-    """Accept a map that puts every tensor of the model on the CPU."""
-    for module_name, device in device_map.items():
-        try:
-            on_cpu = torch.device(device).type == "cpu"
-        except RuntimeError:  # "disk", or no device at all
-            on_cpu = False
-        if not on_cpu:
-            raise NotImplementedError(
-                f"device_map puts {module_name!r} on {device!r}: only 'cpu' is supported; "
-                + _not_built("loading onto other devices or disk")
-            )
-    for name in targets:
-        if not any(m == "" or name == m or name.startswith(m + ".") for m in device_map):
-            raise ValueError(
-                f"device_map sets no device for {name!r}: add its module, or '' for the whole model"
-            )
-
-
-def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float16' or torch.bfloat16")
-    return found
-
-
-def _in_modules(name: str, modules: Sequence[list[str]]) -> bool:
-    """Whether ``name``'s dotted parts contain one of ``modules``' parts, in a row."""
-    parts = name.split(".")
-    return any(
-        parts[i : i + len(m)] == m for m in modules for i in range(len(parts) - len(m) + 1)
-    )
-
-
-def _copy_into(target: torch.Tensor, value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
-    with torch.no_grad():
-        if target.device == device and target.dtype == dtype:
-            target.copy_(value)
-        else:  # same object, new data: parameters stay registered, tied and optimised
-            target.data = value.to(device=device, dtype=dtype)
-
-
-def _refuse_pickle(path: Path) -> CheckpointError:
-    return CheckpointError(
-        f"{path} is a pickle checkpoint; fnaccel never unpickles (that can run arbitrary code). "
-        "Convert it once where you trust it: load it with torch.load(..., weights_only=True) "
-        "into the model and write it with fa.save_model (or safetensors.torch.save_model)"
-    )
-
-
-def _checkpoint_files(path: Path) -> list[tuple[Path, frozenset[str] | None]]:
-    """The safetensors files of a checkpoint, each with the names its index maps to it."""
-    if path.is_dir():
-        if (path / SAFE_WEIGHTS_NAME).is_file():
-            return [(path / SAFE_WEIGHTS_NAME, None)]
-        indexes = sorted(path.glob("*.index.json"))
-        if len(indexes) == 1:
-            return _index_files(indexes[0])
-        pickles = sorted(p for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
-        if not indexes and pickles:
-            raise _refuse_pickle(pickles[0])
-        raise CheckpointError(
-            f"{path} holds no {SAFE_WEIGHTS_NAME} and "
-            + (f"several indexes {[p.name for p in indexes]}" if indexes else f"no {SAFE_WEIGHTS_INDEX_NAME}")
-            + "; pass the file or index to load"
-        )
-    if path.is_file():
-        if path.name.endswith(".json"):
-            return _index_files(path)
-        if path.suffix in _PICKLE_SUFFIXES:
-            raise _refuse_pickle(path)
-        return [(path, None)]
-    raise CheckpointError(f"no checkpoint at {path}")
-
-
-def _read_index(index: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(index.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{index} is not a readable JSON index: {exc}") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise CheckpointError(f"{index} has no 'weight_map' from tensor names to file names")
-    return data
-
-
-def _index_files(index: Path) -> list[tuple[Path, frozenset[str] | None]]:
-    by_file: dict[str, set[str]] = {}
-    for name, file in _read_index(index)["weight_map"].items():
-        by_file.setdefault(file, set()).add(name)
-    for file in by_file:
-        if Path(file).suffix in _PICKLE_SUFFIXES:
-            raise _refuse_pickle(index)
-        if not (index.parent / file).is_file():
-            raise CheckpointError(f"{index} maps tensors to {file}, which is missing from {index.parent}")
-    return [(index.parent / file, frozenset(names)) for file, names in by_file.items()]
-
-
-def _read_header(file: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """A safetensors file's tensor shapes by name (aliases included) and its
-    aliases, from the header alone."""
-    try:
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-            metadata = handle.metadata() or {}
-    except (SafetensorError, OSError) as exc:
-        raise _unreadable(file, exc) from None
-    aliases = {alias: kept for alias, kept in metadata.items() if kept in shapes and alias not in shapes}
-    return {**shapes, **{alias: shapes[kept] for alias, kept in aliases.items()}}, aliases
-
-
-def _read_tensors(file: Path, aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
-    try:
-        tensors = load_file(file)
-    except (SafetensorError, OSError) as exc:
-        raise _unreadable(file, exc) from None
-    return retie(tensors, aliases)
-
-
-def _unreadable(file: Path, exc: Exception) -> CheckpointError:
-    return CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc}")

@@ -1,0 +1,414 @@
+"""Where each part of a model goes: memory budgets and device maps.
+
+A device map is a dict from module (or parameter) names to a device: a GPU
+index (``0``, ``1``...), ``"mps"``, ``"cpu"`` or ``"disk"``; ``""`` names the
+whole model. `infer_auto_device_map` computes one from module sizes alone
+(pure arithmetic: no device is touched, so a map for GPUs can be planned on a
+CPU-only machine), filling the GPUs in order, then the CPU, then the disk.
+
+>>> from torch import nn
+>>> model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(4)])  # 440 bytes each
+>>> infer_auto_device_map(model, max_memory={0: 1000, "cpu": 1000})
+{'0': 0, '1': 'cpu', '2': 'disk', '3': 'disk'}
+
+GPU 0 keeps room for the largest layer still to place (440 bytes) so that a
+layer offloaded to the CPU can be brought in to run, and the CPU likewise for
+a layer on disk: so '1' does not fit next to '0', nor '2' next to '1'.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from fnaccel.modeling.sizes import (
+    DTypeLike,
+    _top_level_entries,
+    compute_module_sizes,
+    get_max_layer_size,
+)
+from fnaccel.modeling.tied import find_tied_parameters
+
+__all__ = [
+    "check_device_map",
+    "clean_device_map",
+    "convert_file_size_to_int",
+    "get_balanced_memory",
+    "get_max_memory",
+    "infer_auto_device_map",
+]
+
+_LOG = logging.getLogger(__name__)
+
+Device = int | str
+Entry = tuple[str, "nn.Module | torch.Tensor"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
+_NAMED_DEVICES = ("mps", "cpu", "disk")  # after the GPUs, in this order
+
+
+def convert_file_size_to_int(size: int | str) -> int:
+    """A size in bytes, from an int or a string such as ``"10GiB"`` or ``"256MB"``.
+
+    KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB powers of 10; a lowercase
+    ``b`` (``"8Gb"``) means bits, as in Accelerate.
+
+    Raises:
+        ValueError: ``size`` is negative or not a size.
+
+    >>> convert_file_size_to_int("1GiB"), convert_file_size_to_int("256MB"), convert_file_size_to_int("8kb")
+    (1073741824, 256000000, 1000)
+    """
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+        return size
+    match = _SIZE.match(size) if isinstance(size, str) else None
+    if match is None:
+        raise ValueError(
+            f"{size!r} is not a size: pass a number of bytes or a string such as '10GiB' or '256MB' "
+            "(KiB/MiB/GiB/TiB: powers of 2; KB/MB/GB/TB: powers of 10)"
+        )
+    number, unit = float(match.group(1)), match.group(2)
+    power = "KMGT".index(unit[0].upper()) + 1
+    scale = 2 ** (10 * power) if unit[1] in "iI" else 10 ** (3 * power)
+    nbytes = int(number * scale)
+    return nbytes // 8 if unit.endswith("b") else nbytes
+
+
+def _available_cpu_memory() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def get_max_memory(max_memory: Mapping[Device, int | str] | None = None) -> dict[Device, int]:
+    """The memory budget of each device, in bytes, GPUs first, then ``"mps"``, ``"cpu"``, ``"disk"``.
+
+    Args:
+        max_memory: budgets by device (``{0: "10GiB", "cpu": "30GB"}``); GPU
+            keys are integers. ``None`` measures the free memory of each GPU
+            and the available RAM (``{"cpu": ...}`` on a machine without GPU).
+
+    Raises:
+        ValueError: a key is not a device or a budget is not a size.
+
+    >>> get_max_memory({"cpu": "1GB", 1: "2GiB", 0: 1000})
+    {0: 1000, 1: 2147483648, 'cpu': 1000000000}
+    """
+    if max_memory is None:
+        memory: dict[Device, int] = {}
+        if torch.cuda.is_available():
+            memory = {i: torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())}
+        name = "mps" if torch.backends.mps.is_available() else "cpu"  # the MPS device shares the RAM
+        memory[name] = _available_cpu_memory()
+        return memory
+    for key in max_memory:
+        if not (isinstance(key, int) and not isinstance(key, bool) and key >= 0) and key not in _NAMED_DEVICES:
+            raise ValueError(
+                f"max_memory has the key {key!r}, which is not a device: use integers for GPUs "
+                f"(0, 1...) and 'mps', 'cpu' or 'disk' for the others"
+            )
+    gpus = sorted(key for key in max_memory if isinstance(key, int))
+    if gpus and torch.cuda.is_available() and gpus[-1] >= torch.cuda.device_count():
+        _LOG.warning("max_memory names GPU %d but this machine has %d", gpus[-1], torch.cuda.device_count())
+    order: list[Device] = [*gpus, *(name for name in _NAMED_DEVICES if name in max_memory)]
+    return {key: convert_file_size_to_int(max_memory[key]) for key in order}
+
+
+def _class_names(no_split_module_classes: Sequence[str] | str | None) -> list[str]:
+    if no_split_module_classes is None:
+        return []
+    if isinstance(no_split_module_classes, str):
+        return [no_split_module_classes]
+    return list(no_split_module_classes)
+
+
+def get_balanced_memory(
+    model: nn.Module,
+    max_memory: Mapping[Device, int | str] | None = None,
+    no_split_module_classes: Sequence[str] | None = None,
+    dtype: DTypeLike | None = None,
+    special_dtypes: Mapping[str, DTypeLike] | None = None,
+    low_zero: bool = False,
+) -> dict[Device, int]:
+    """A ``max_memory`` for `infer_auto_device_map` that spreads the model evenly over the GPUs.
+
+    Each GPU but the last gets the model's size divided by the number of GPUs,
+    plus a margin (1.25 times the larger of the biggest no-split block and the
+    mean leaf module) so that layers do not spill over; the last GPU keeps its
+    full budget. Without GPUs the budget is returned unchanged.
+
+    Args:
+        model: the model to place (may be on the meta device).
+        max_memory: budgets by device, as for `get_max_memory`; ``None`` uses
+            90% of a single GPU's free memory, or all of several GPUs'.
+        no_split_module_classes: class names of modules never split over devices.
+        dtype: size floating-point tensors in this dtype.
+        special_dtypes: dtypes for particular tensors, by full name.
+        low_zero: put as little as possible on GPU 0 (keep it free for
+            generation and other work).
+
+    >>> model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(4)])  # 1760 bytes
+    >>> get_balanced_memory(model, {0: 10_000, 1: 10_000, "cpu": 10_000})
+    {0: 1430, 1: 10000, 'cpu': 10000}
+    """
+    user_gave_no_budget = max_memory is None
+    memory = get_max_memory(max_memory)
+    gpus = [key for key, budget in memory.items() if isinstance(key, int) and budget > 0]
+    if not gpus:
+        return memory
+    if len(gpus) == 1:
+        low_zero = False  # nothing to move GPU 0's share to
+        if user_gave_no_budget:
+            memory[gpus[0]] = int(memory[gpus[0]] * 0.9)  # leave room for activations
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
+    per_gpu = sizes[""] // (len(gpus) - 1 if low_zero else len(gpus))
+
+    no_split = _class_names(no_split_module_classes)
+    block_sizes = [sizes.get(name, 0) for name, module in model.named_modules()
+                   if name and type(module).__name__ in no_split]
+    # The leaf modules are the modules that own tensors directly and have no submodule holding any.
+    owners = {name.rpartition(".")[0] for name, _ in model.named_parameters()}
+    owners |= {name.rpartition(".")[0] for name, _ in model.named_buffers()}
+    leaves = [name for name in owners if not any(other.startswith(f"{name}.") or (name == "" and other)
+                                                 for other in owners)]
+    mean_leaf = int(sum(sizes.get(name, 0) for name in leaves) / max(len(leaves), 1))
+    per_gpu += int(1.25 * max(max(block_sizes, default=0), mean_leaf))
+
+    for gpu in gpus[:-1]:  # the last one keeps its budget, in case the margin was not enough
+        memory[gpu] = min(memory[gpu] if low_zero and gpu == gpus[0] else per_gpu, memory[gpu])
+    if low_zero:
+        memory[gpus[0]] = min(max(0, sizes[""] - sum(memory[gpu] for gpu in gpus[1:])), memory[gpus[0]])
+    return memory
+
+
+def _within(name: str, module_name: str) -> bool:
+    """Whether ``name`` is ``module_name`` or inside it."""
+    return module_name == "" or name == module_name or name.startswith(module_name + ".")
+
+
+def clean_device_map(device_map: Mapping[str, Device], module_name: str = "") -> dict[str, Device]:
+    """``device_map`` with the children of each module that sit on one device merged into the module.
+
+    >>> clean_device_map({"a.0": 0, "a.1": 0, "b": "cpu"})
+    {'a': 0, 'b': 'cpu'}
+    >>> clean_device_map({"a.0": 0, "a.1": 0})
+    {'': 0}
+    """
+    inside = [key for key in device_map if key != module_name and _within(key, module_name)]
+    if len(inside) > 1 and len({device_map[key] for key in inside}) == 1:
+        merged: dict[str, Device] = {}
+        for key, device in device_map.items():
+            merged[module_name if key in inside else key] = device  # at its first child's place
+        return merged
+    depth = len(module_name.split(".")) + 1 if module_name else 1
+    children = dict.fromkeys(".".join(key.split(".")[:depth]) for key in inside)
+    result = dict(device_map)
+    for child in children:
+        result = clean_device_map(result, child)
+    return result
+
+
+def check_device_map(model: nn.Module, device_map: Mapping[str, int | str | torch.device]) -> None:
+    """Check that ``device_map`` gives a device to every tensor of ``model`` and names only its parts.
+
+    Raises:
+        ValueError: a parameter or persistent buffer has no device, a key
+            names nothing in the model, or a value is not a device.
+
+    >>> check_device_map(nn.Linear(2, 2), {"weight": 0, "bias": "cpu"})
+    >>> check_device_map(nn.Linear(2, 2), {"weight": 0})
+    Traceback (most recent call last):
+    ...
+    ValueError: the device_map gives no device to 'bias': add it (or a module that holds it, or '' for the whole model)
+    """
+    tensors = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    tensors += [name for name, _ in model.named_buffers(remove_duplicate=False)
+                if name.rpartition(".")[2] not in
+                model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set]
+    known = {name for name, _ in model.named_modules(remove_duplicate=False)} | set(tensors)
+    for key, device in device_map.items():
+        if key not in known:
+            raise ValueError(f"the device_map names {key!r}, which is not a module or tensor of the model")
+        if not (isinstance(device, int) and not isinstance(device, bool) and device >= 0) and device != "disk":
+            try:
+                torch.device(device)
+            except (RuntimeError, TypeError):
+                raise ValueError(
+                    f"the device_map puts {key!r} on {device!r}, which is not a device: use a GPU index, "
+                    "'cpu', 'mps', 'disk' or a torch device"
+                ) from None
+    missing = [name for name in tensors if not any(_within(name, key) for key in device_map)]
+    if missing:
+        shown = ", ".join(repr(name) for name in missing[:10]) + (f" and {len(missing) - 10} more"
+                                                                 if len(missing) > 10 else "")
+        raise ValueError(
+            f"the device_map gives no device to {shown}: add it (or a module that holds it, "
+            "or '' for the whole model)"
+        )
+
+
+def _splittable(module: nn.Module | torch.Tensor, no_split: Sequence[str]) -> bool:
+    return (isinstance(module, nn.Module) and type(module).__name__ not in no_split
+            and next(module.children(), None) is not None)
+
+
+def _parts(name: str, module: nn.Module | torch.Tensor) -> list[Entry]:
+    """The entries a module splits into: its own parameters, its children, its own buffers."""
+    assert isinstance(module, nn.Module)
+    return [(f"{name}.{part}", value) for part, value in _top_level_entries(module)]
+
+
+def _tied_entries(name: str, to_treat: Sequence[Entry], tied_groups: Sequence[Sequence[str]]) -> list[Entry]:
+    """The entries of ``to_treat`` that must go where ``name`` goes: those holding a parameter
+    tied to one inside ``name`` or inside another such entry."""
+    together, dragged = [name], []
+    grown = True
+    while grown:
+        grown = False
+        for group in tied_groups:
+            if not any(_within(param, held) for param in group for held in together):
+                continue
+            for param in group:
+                if any(_within(param, held) for held in together):
+                    continue
+                entry = next((e for e in to_treat if _within(param, e[0])), None)
+                assert entry is not None, f"{param!r} is tied into {name!r} but was placed before it"
+                together.append(entry[0])
+                dragged.append(entry)
+                grown = True
+    return dragged
+
+
+def infer_auto_device_map(
+    model: nn.Module,
+    max_memory: Mapping[Device, int | str] | None = None,
+    no_split_module_classes: Sequence[str] | None = None,
+    dtype: DTypeLike | None = None,
+    special_dtypes: Mapping[str, DTypeLike] | None = None,
+    verbose: bool = False,
+    clean_result: bool = True,
+    offload_buffers: bool = False,
+) -> dict[str, Device]:
+    """A device map for ``model``: the GPUs filled in order, then the CPU, then the disk.
+
+    Modules are taken in registration order and put on the current device
+    while they fit; one that does not fit is split into its parameters and
+    children, unless it has none or its class is in
+    ``no_split_module_classes``, in which case the next device is used. So:
+
+    - no device gets more than its budget;
+    - GPU 0 (and the CPU) keep room for the largest layer still to be placed,
+      so that a layer offloaded to the CPU (or disk) can be loaded to run;
+    - a module of a no-split class is never spread over devices;
+    - tied parameters (and the modules holding them) land on one device;
+    - whatever does not fit anywhere goes to ``"disk"``.
+
+    Only sizes are used, so the model may be on the meta device and GPU
+    budgets can be planned on a machine without GPUs.
+
+    Args:
+        model: the model to place.
+        max_memory: budgets by device, as for `get_max_memory`; ``None``
+            measures the free memory of this machine.
+        no_split_module_classes: class names of modules never split (blocks
+            with a residual connection, say).
+        dtype: size floating-point tensors in this dtype (the one to load in).
+        special_dtypes: dtypes for particular tensors, by full name.
+        verbose: print each decision.
+        clean_result: merge the children of a module that all sit on one
+            device into the module (``{"": "cpu"}`` when all fits on the CPU).
+        offload_buffers: the buffers of offloaded modules are offloaded with
+            them; otherwise they will sit on the main device, and a warning
+            says when they do not fit on any GPU.
+
+    Returns:
+        ``{module or tensor name: device}``, in the model's order.
+
+    >>> model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(4)])  # 440 bytes each
+    >>> infer_auto_device_map(model, max_memory={0: 1000, "cpu": 1000})
+    {'0': 0, '1': 'cpu', '2': 'disk', '3': 'disk'}
+    """
+    memory = get_max_memory(max_memory)
+    no_split = _class_names(no_split_module_classes)
+    devices: list[Device] = [*memory, *(["disk"] if "disk" not in memory else [])]
+    gpus = [device for device in devices if device not in ("cpu", "disk")]
+    main_devices: list[Device] = ["mps"] if "mps" in gpus else [gpus[0], "cpu"] if gpus else ["cpu"]
+    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
+    buffer_sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes, buffers_only=True)
+    tied_groups = find_tied_parameters(model)
+
+    def say(message: str) -> None:
+        if verbose:
+            print(message)
+
+    device_map: dict[str, Device] = {}
+    peak: dict[Device, int] = {}  # bytes used plus the reserve kept, by device
+    offloaded_buffers = 0
+    to_treat = _top_level_entries(model)
+    reserve_size, reserve_names = get_max_layer_size(to_treat, sizes, no_split)
+    index, used = 0, 0
+    while to_treat:
+        name, module = to_treat.pop(0)
+        say(f"\nTreating module {name}.")
+        # The reserve is for the largest layer still to place; it shrinks as layers are placed.
+        reserve_names = [n for n in reserve_names if not _within(n, name)]
+        if not reserve_names:
+            reserve_size, reserve_names = get_max_layer_size(to_treat, sizes, no_split)
+        device = devices[index]
+        reserve = reserve_size if device in main_devices else 0
+        space = None if device == "disk" else memory[device] - reserve - used
+        tied = _tied_entries(name, to_treat, tied_groups)
+        needed = sizes[name] + sum(sizes[n] for n, _ in tied)
+        if tied:
+            say(f"  {name} is tied to {[n for n, _ in tied]}: they go together ({needed} bytes).")
+        if space is not None and needed > space:
+            say(f"Not enough space on {device} to put {name} (space available {space}, needed {needed}).")
+            # Too big alone: only splitting it helps. Too big with its ties: split one of those.
+            candidates = [(name, module)] if sizes[name] > space else tied
+            to_split = next((e for e in candidates if _splittable(e[1], no_split)), None)
+            if to_split is None:
+                say("It cannot be split, going to the next device.")
+                peak[device] = used + reserve
+                index, used = index + 1, 0
+                to_treat.insert(0, (name, module))
+            else:
+                say(f"Splitting {to_split[0]}.")
+                if to_split[0] == name:
+                    to_treat = _parts(name, module) + to_treat
+                else:
+                    at = next(i for i, e in enumerate(to_treat) if e[0] == to_split[0])
+                    to_treat[at : at + 1] = _parts(*to_split)
+                    to_treat.insert(0, (name, module))
+                reserve_size, reserve_names = get_max_layer_size(to_treat, sizes, no_split)
+            continue
+        say(f"Putting {name} (size={sizes[name]}) on {device}"
+            + ("." if space is None else f" (available={space})."))
+        dragged = {n for n, _ in tied}
+        for placed in (name, *dragged):
+            device_map[placed] = device
+            if device in ("cpu", "disk"):
+                offloaded_buffers += buffer_sizes[placed]
+        to_treat = [e for e in to_treat if e[0] not in dragged]
+        reserve_names = [n for n in reserve_names if not any(_within(n, d) for d in dragged)]
+        used += needed
+        peak[device] = used + reserve
+
+    if offloaded_buffers and not offload_buffers and gpus:
+        if not any(memory[gpu] >= offloaded_buffers + peak.get(gpu, 0) for gpu in gpus):
+            warnings.warn(
+                f"the buffers of the offloaded modules ({offloaded_buffers} bytes) stay on the main device "
+                "but do not fit in any GPU's remaining memory; pass offload_buffers=True to offload them too",
+                stacklevel=2,
+            )
+    return clean_device_map(device_map) if clean_result else device_map
