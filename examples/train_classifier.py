@@ -4,13 +4,17 @@ The data is generated (no download). The same script runs unchanged on one
 process or under a launcher:
 
     python examples/train_classifier.py
+    fnaccel launch --cpu --num_processes 2 examples/train_classifier.py
     python -m torch.distributed.run --standalone --nproc_per_node 2 examples/train_classifier.py
 
 `fa.init` reads the launch environment; `fa.prepare` wraps the model for the
 world it finds (DDP over gloo here) and shards the shuffling loader across the
 ranks; `fa.step` runs forward, backward, clipping, the optimizer and the
 scheduler; dropout draws from the run's own generators. Evaluation counts
-every test sample exactly once with `fa.ops.gather_for_metrics`.
+every test sample exactly once with `fa.ops.gather_for_metrics`. Each epoch's
+metrics go to ``<output's directory>/classifier/metrics.jsonl`` (one JSON
+object per line, written by the main process), and a progress display follows
+the epochs on stderr.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ def main() -> None:
     parser.add_argument("--output", default="runs/classifier.safetensors")
     args = parser.parse_args()
 
-    state = fa.init(seed=0)
+    # the weights and the logs share a directory: runs/ by default
+    state = fa.init(seed=0, project_dir=os.path.dirname(args.output) or ".")
     train_x, train_y = spirals(3000, seed=1)
     test_x, test_y = spirals(1000, seed=2)
     loader = DataLoader(TensorDataset(train_x, train_y), batch_size=args.batch_size, shuffle=True)
@@ -88,25 +93,35 @@ def main() -> None:
     state = fa.prepare(state, model, optimizer, loader, scheduler, loss_fn=loss_fn,
                        pipeline=fa.compose(fa.ddp(), fa.clip_grad_norm(1.0)))
 
-    for epoch in range(args.epochs):
+    state = fa.init_trackers(state, "classifier", config=vars(args))
+
+    for epoch in fa.progress(state, range(args.epochs), desc="epochs"):
         losses = []
         for batch in fa.batches(state, epochs=epoch + 1):
             state, metrics = fa.step(state, batch)
             losses.append(metrics["loss"])  # device tensors: no sync per step
+        # Every rank takes part in the reduction; fa.log reads the tensors once, on the main process.
+        logged = {
+            "train_loss": fa.ops.reduce(state, torch.stack(losses).mean(), "mean"),
+            "grad_norm": metrics["grad_norm"],
+            "lr": metrics["lr"],
+            "epoch": epoch + 1,
+        }
         if epoch % 5 == 4 or epoch == args.epochs - 1:
-            mean_loss = fa.ops.reduce(state, torch.stack(losses).mean(), "mean").item()
+            logged["test_accuracy"] = accuracy(state, test_x, test_y)
             fa.print_on_main(
                 state,
-                f"epoch {epoch + 1:3d}  step {state.step:5d}  train loss {mean_loss:.4f}  "
-                f"test accuracy {accuracy(state, test_x, test_y):.3f}",
+                f"epoch {epoch + 1:3d}  step {state.step:5d}  train loss {logged['train_loss']:.4f}  "
+                f"test accuracy {logged['test_accuracy']:.3f}",
             )
+        fa.log(state, logged)
 
     if state.dist.is_main_process:
         os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
         # `model` is still the user's module: DDP wraps it, the weights are the same
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.output)
         print(f"weights written to {args.output}")
-    fa.shutdown(state)
+    fa.shutdown(state)  # also closes the trackers
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from fnaccel.dist import DistContext
 from fnaccel.utils.constants import PrecisionType
 
 if TYPE_CHECKING:
+    from fnaccel.tracking.trackers import GeneralTracker
     from fnaccel.train import StepPlan
     from fnaccel.transforms.base import Pipeline
 
@@ -77,6 +78,8 @@ class RunState:
         config: the launch configuration the run resolved.
         kwargs_handlers: the handlers passed to `fa.init`, keyed by class name.
         project_dir: where checkpoints and logs go by default.
+        trackers: the experiment trackers `fnaccel.tracking.init_trackers`
+            opened (live objects, on the main process only; empty elsewhere).
     """
 
     dist: DistContext
@@ -104,6 +107,7 @@ class RunState:
         default_factory=lambda: MappingProxyType({}), repr=False
     )
     project_dir: str | None = None
+    trackers: tuple[GeneralTracker, ...] = field(default=(), repr=False)
     _lease: _Lease = field(default_factory=_Lease, repr=False, compare=False)
 
     def replace(self, **changes: Any) -> RunState:

@@ -142,9 +142,15 @@ class DynamoBackend(_StrEnum):
 
 
 class LoggerType(_StrEnum):
-    """An experiment tracker; `ALL` means every tracker that is installed."""
+    """An experiment tracker; `ALL` means every tracker that is installed.
+
+    fnaccel builds in `JSONL` (always available) and `TENSORBOARD`; the others
+    are Accelerate's names, accepted by passing your own tracker object
+    (`fnaccel.tracking.GeneralTracker`).
+    """
 
     ALL = "all"
+    JSONL = "jsonl"
     AIM = "aim"
     TENSORBOARD = "tensorboard"
     WANDB = "wandb"

@@ -1,0 +1,237 @@
+"""The trackers: the `GeneralTracker` protocol, the built-in JSONL and TensorBoard ones,
+and how ``log_with`` names them."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from numbers import Real
+from pathlib import Path
+from types import MappingProxyType
+from typing import IO, Any, Protocol, runtime_checkable
+
+import torch
+
+from fnaccel.utils.constants import LoggerType
+
+__all__ = ["GeneralTracker", "JSONLTracker", "TensorBoardTracker", "resolve_trackers"]
+
+
+@runtime_checkable
+class GeneralTracker(Protocol):
+    """What a tracker provides (Accelerate's ``GeneralTracker``, as a protocol).
+
+    Pass an object with these members in ``init_trackers(log_with=...)`` to log
+    where fnaccel has no built-in tracker (wandb, MLflow, ...). `log` hands it
+    plain Python values: numbers, strings and dicts of them, tensors already read.
+
+    Attributes:
+        name: the name `get_tracker` finds it by.
+        tracker: the underlying object (an open file, a ``SummaryWriter``, a wandb run).
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tracker(self) -> Any: ...
+
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        """Record the run's hyperparameters, once, at `init_trackers`."""
+
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        """Record ``values`` at ``step``."""
+
+    def finish(self) -> None:
+        """Flush and close; called by `end_training`, and must be harmless twice."""
+
+
+class JSONLTracker:
+    """Writes ``<logging_dir>/<run_name>/metrics.jsonl``: one JSON object per `log` call.
+
+    Each line is ``{"step": ..., "time": ..., **values}`` (``time`` in seconds
+    since the epoch), flushed at once, so the file can be followed while the
+    run goes on. The file is appended to: a resumed run continues it. The
+    configuration goes to ``config.json`` next to it.
+
+    Args:
+        run_name: the project's name: the files' directory under ``logging_dir``.
+        logging_dir: where the run's directory is made.
+        filename: the metrics file's name.
+    """
+
+    __slots__ = ("directory", "path", "_file")
+    name = LoggerType.JSONL.value
+
+    def __init__(
+        self, run_name: str, logging_dir: str | os.PathLike[str], *, filename: str = "metrics.jsonl"
+    ) -> None:
+        self.directory = Path(logging_dir) / run_name
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / filename
+        self._file: IO[str] = open(self.path, "a", encoding="utf-8")
+
+    @property
+    def tracker(self) -> IO[str]:
+        """The open metrics file."""
+        return self._file
+
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        """Write ``config.json``; a value JSON cannot hold is written as its ``str()``."""
+        text = json.dumps(dict(values), indent=2, default=str)
+        (self.directory / "config.json").write_text(text + "\n", encoding="utf-8")
+
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        """Append one line; non-finite floats are written as Python's json writes them (NaN)."""
+        if self._file.closed:
+            raise ValueError(
+                f"the JSONL tracker writing {self.path} was closed (fa.end_training); "
+                "call init_trackers again to log more"
+            )
+        clashes = sorted({"step", "time"} & set(values))
+        if clashes:
+            raise ValueError(
+                f"fa.log: the JSONL tracker writes 'step' and 'time' itself, so values may not "
+                f"use the key(s) {clashes}; pass the step as log(state, values, step=...) or "
+                "rename the metric"
+            )
+        self._file.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+        self._file.flush()
+
+    def finish(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+
+class TensorBoardTracker:
+    """Writes TensorBoard event files to ``<logging_dir>/<run_name>`` (needs ``tensorboard``).
+
+    Numbers become scalars, strings text, and a dict of numbers one
+    ``add_scalars`` group, as in Accelerate; events are flushed at each `log`.
+
+    Args:
+        run_name: the project's name: the event files' directory under ``logging_dir``.
+        logging_dir: where the run's directory is made.
+        **kwargs: passed to ``torch.utils.tensorboard.SummaryWriter``.
+    """
+
+    __slots__ = ("directory", "writer")
+    name = LoggerType.TENSORBOARD.value
+
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
+        writer_class = _summary_writer_class()
+        self.directory = Path(logging_dir) / run_name
+        self.writer = writer_class(str(self.directory), **kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        """The ``SummaryWriter``."""
+        return self.writer
+
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        """Record the values as hyperparameters; those TensorBoard cannot hold go in as ``str()``."""
+        hparams = {
+            key: value if isinstance(value, (bool, int, float, str, torch.Tensor)) else str(value)
+            for key, value in values.items()
+        }
+        self.writer.add_hparams(hparams, metric_dict={})
+        self.writer.flush()
+
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        """Add each value at ``step`` and flush."""
+        for key, value in values.items():
+            if isinstance(value, Real):
+                self.writer.add_scalar(key, value, global_step=step)
+            elif isinstance(value, str):
+                self.writer.add_text(key, value, global_step=step)
+            elif isinstance(value, Mapping) and all(isinstance(v, Real) for v in value.values()):
+                self.writer.add_scalars(key, dict(value), global_step=step)
+            else:
+                raise TypeError(
+                    f"fa.log: TensorBoard takes numbers, strings and dicts of numbers, but "
+                    f"{key!r} holds a nested dict; flatten it (e.g. 'a/b' keys)"
+                )
+        self.writer.flush()
+
+    def finish(self) -> None:
+        """Flush and close the event files."""
+        self.writer.close()
+
+
+def _summary_writer_class() -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ImportError(
+            "log_with names 'tensorboard' but the tensorboard package is not installed: "
+            "pip install tensorboard (or fnaccel[tensorboard]), or log with 'jsonl' only"
+        ) from None
+    return SummaryWriter
+
+
+# The trackers fnaccel builds itself, each made as cls(project_name, logging_dir, **init_kwargs).
+BUILT_IN: Mapping[str, type] = MappingProxyType(
+    {LoggerType.JSONL.value: JSONLTracker, LoggerType.TENSORBOARD.value: TensorBoardTracker}
+)
+
+
+def _tensorboard_installed() -> bool:
+    try:
+        _summary_writer_class()
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_trackers(log_with: Any) -> list[str | GeneralTracker]:
+    """Built-in tracker names and tracker objects, checked on every rank alike."""
+    single = isinstance(log_with, (str, GeneralTracker)) or not isinstance(log_with, Iterable)
+    chosen: list[str | GeneralTracker] = []
+    for item in [log_with] if single else log_with:
+        found: list[str | GeneralTracker]
+        if isinstance(item, str):
+            found = list(_built_in_names(item))
+        elif isinstance(item, GeneralTracker):
+            found = [item]
+        else:
+            raise TypeError(
+                f"log_with takes tracker names or GeneralTracker objects, got {type(item).__name__}"
+            )
+        for tracker in found:
+            label = _label(tracker)
+            if label in {_label(c) for c in chosen}:
+                raise ValueError(f"log_with names the tracker {label!r} twice; keep one")
+            chosen.append(tracker)
+    if not chosen:
+        raise ValueError("log_with is empty; name at least one tracker (e.g. 'jsonl')")
+    return chosen
+
+
+def _label(tracker: str | GeneralTracker) -> str:
+    return tracker if isinstance(tracker, str) else tracker.name
+
+
+def _built_in_names(item: str) -> tuple[str, ...]:
+    try:
+        kind = LoggerType(item.lower())
+    except ValueError:
+        raise ValueError(
+            f"log_with: {item!r} is not a tracker; use 'jsonl', 'tensorboard', 'all' "
+            "(every installed one), or an object following fnaccel.tracking.GeneralTracker"
+        ) from None
+    if kind is LoggerType.ALL:
+        return (LoggerType.JSONL.value,) + (
+            (LoggerType.TENSORBOARD.value,) if _tensorboard_installed() else ()
+        )
+    if kind.value not in BUILT_IN:
+        raise ValueError(
+            f"log_with: fnaccel has no built-in {kind.value!r} tracker (built in: jsonl, "
+            f"tensorboard); wrap {kind.value} in an object with name, tracker, "
+            "store_init_configuration, log and finish (fnaccel.tracking.GeneralTracker) "
+            "and pass that object in log_with"
+        )
+    if kind is LoggerType.TENSORBOARD:
+        _summary_writer_class()  # every rank names the missing package now, not the main one later
+    return (kind.value,)

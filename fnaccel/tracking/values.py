@@ -1,0 +1,84 @@
+"""Reading logged values: every tensor of a `log` call in one transfer per device."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from numbers import Integral, Real
+from typing import Any
+
+import torch
+
+__all__ = ["read_values"]
+
+
+def read_values(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` as plain Python: each tensor replaced by its number, all tensors on a
+    device read with one stack and one ``tolist`` (one device-to-host transfer)."""
+    tensors: list[torch.Tensor] = []
+    tree = _collect(values, "", tensors)
+    return _fill(tree, _to_host(tensors))
+
+
+class _Pending:
+    """Where a tensor's value goes once every tensor of the call has been read."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _collect(value: Any, key: str, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by a `_Pending` (checked, not read yet)."""
+    if isinstance(value, Mapping):
+        out = {}
+        for name, item in value.items():
+            if not isinstance(name, str):
+                raise TypeError(f"fa.log: metric names are strings, got {name!r} under {key or 'values'!r}")
+            out[name] = _collect(item, f"{key}/{name}" if key else name, tensors)
+        return out
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise TypeError(
+                f"fa.log: {key!r} is a tensor of shape {tuple(value.shape)} and dtype {value.dtype}; "
+                "log one real number per name (reduce it first, e.g. .mean())"
+            )
+        tensors.append(value)
+        return _Pending(len(tensors) - 1)
+    if isinstance(value, bool) or isinstance(value, str):
+        return value
+    if isinstance(value, Integral):
+        return int(value)
+    if isinstance(value, Real):
+        return float(value)
+    raise TypeError(
+        f"fa.log: {key!r} is of type {type(value).__name__}; log numbers, strings, one-element "
+        "tensors, or dicts of these"
+    )
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
+    """Every tensor's value, with one transfer per device (one stack, one tolist)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(index)
+    numbers: list[Any] = [None] * len(tensors)
+    for indices in by_device.values():
+        # float64 holds every float dtype exactly (and integers up to 2**53)
+        stacked = torch.stack([tensors[i].detach().reshape(()).to(torch.float64) for i in indices])
+        for index, number in zip(indices, stacked.tolist()):
+            dtype = tensors[index].dtype
+            numbers[index] = (
+                bool(number) if dtype == torch.bool
+                else number if dtype.is_floating_point
+                else int(number)
+            )
+    return numbers
+
+
+def _fill(tree: Any, numbers: list[Any]) -> Any:
+    if isinstance(tree, _Pending):
+        return numbers[tree.index]
+    if isinstance(tree, dict):
+        return {key: _fill(value, numbers) for key, value in tree.items()}
+    return tree

@@ -1,0 +1,263 @@
+"""Tracking: what `log` writes, when it reads the device, and where."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fnaccel as fa
+from fnaccel.tracking import (
+    GeneralTracker,
+    JSONLTracker,
+    end_training,
+    get_tracker,
+    init_trackers,
+    log,
+)
+
+_READS = frozenset({
+    torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.__float__,
+    torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__index__,
+})
+
+
+def _counting_tensor_class() -> tuple[type[torch.Tensor], list[str]]:
+    """A tensor class that records every read of its values into host memory."""
+    reads: list[str] = []
+
+    class Counted(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func in _READS:
+                reads.append(func.__name__)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    return Counted, reads
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _as_rank(state: fa.RunState, rank: int) -> fa.RunState:
+    return state.replace(dist=dataclasses.replace(state.dist, rank=rank, num_processes=2))
+
+
+def test_jsonl_holds_what_was_logged_at_its_step(tmp_path: Path) -> None:
+    state = fa.init(cpu=True, project_dir=tmp_path)
+    state = init_trackers(state, "exp", {"lr": 0.1, "path": tmp_path, "layers": [2, 3]})
+    loss = torch.tensor(0.5)
+    log(state, {"loss": loss, "count": torch.tensor(7), "ok": torch.tensor(True)})
+    loss.add_(1.0)  # the line is a snapshot taken at the call
+    state = state.replace(step=5)
+    log(state, {"loss": loss, "lr": 1e-3, "phase": "warm", "group": {"a": torch.tensor(2.0)}})
+    log(state, {"loss": 0.25}, step=9)
+    end_training(state)
+
+    lines = _lines(tmp_path / "exp" / "metrics.jsonl")
+    for line in lines:
+        assert isinstance(line.pop("time"), float)
+    assert lines == [
+        {"step": 0, "loss": 0.5, "count": 7, "ok": True},
+        {"step": 5, "loss": 1.5, "lr": 1e-3, "phase": "warm", "group": {"a": 2.0}},
+        {"step": 9, "loss": 0.25},
+    ]
+    assert isinstance(lines[0]["count"], int)
+    config = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert config == {"lr": 0.1, "path": str(tmp_path), "layers": [2, 3]}
+
+
+def test_log_reads_every_tensor_with_one_transfer(tmp_path: Path) -> None:
+    Counted, reads = _counting_tensor_class()
+    state = init_trackers(fa.init(cpu=True), "exp", logging_dir=tmp_path)
+    values = {
+        "loss": torch.tensor(1.25).as_subclass(Counted),
+        "half": torch.tensor([0.5], dtype=torch.bfloat16).as_subclass(Counted),
+        "steps": torch.tensor(3).as_subclass(Counted),
+        "nested": {"norm": torch.tensor(2.0, requires_grad=True).as_subclass(Counted)},
+    }
+    log(state, values)
+    assert reads == ["tolist"]
+    log(state, values)
+    assert reads == ["tolist", "tolist"]  # one per call, whatever the number of tensors
+    end_training(state)
+    first = _lines(tmp_path / "exp" / "metrics.jsonl")[0]
+    assert (first["loss"], first["half"], first["steps"], first["nested"]) == (1.25, 0.5, 3, {"norm": 2.0})
+
+
+def test_other_processes_open_nothing_and_read_nothing(tmp_path: Path) -> None:
+    Counted, reads = _counting_tensor_class()
+    state = init_trackers(_as_rank(fa.init(cpu=True), 1), "exp", logging_dir=tmp_path)
+    assert state.trackers == ()
+    log(state, {"loss": torch.tensor(1.0).as_subclass(Counted)})
+    assert reads == [] and list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="main process only"):
+        get_tracker(state, "jsonl")
+    end_training(state)
+
+
+def _log_on_every_rank(state: fa.RunState, directory: str) -> int:
+    state = init_trackers(state, "dist", {"world": state.dist.num_processes}, logging_dir=directory)
+    log(state, {"rank": state.dist.rank, "loss": torch.tensor(float(state.dist.rank))}, step=1)
+    end_training(state)
+    return len(state.trackers)
+
+
+def test_only_the_main_process_writes_in_a_real_world(world2: Any, tmp_path: Path) -> None:
+    assert world2.run(_log_on_every_rank, str(tmp_path)) == [1, 0]
+    assert sorted(p.name for p in (tmp_path / "dist").iterdir()) == ["config.json", "metrics.jsonl"]
+    (line,) = _lines(tmp_path / "dist" / "metrics.jsonl")
+    assert (line["rank"], line["loss"], line["step"]) == (0, 0.0, 1)
+
+
+def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    state = fa.init(cpu=True, project_dir=tmp_path)
+    state = init_trackers(state, "tb", {"lr": 0.1, "name": "mlp"}, log_with="tensorboard",
+                          init_kwargs={"tensorboard": {"flush_secs": 5}})
+    assert isinstance(get_tracker(state, "tensorboard", unwrap=True), SummaryWriter)
+    for step in (1, 2):
+        log(state.replace(step=step), {"loss": torch.tensor(1.0 / step), "note": f"step {step}",
+                                       "acc": {"train": 0.5 * step, "test": 0.25 * step}})
+    end_training(state)
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
+    assert "note/text_summary" in events.Tags()["tensors"]
+    test_acc = EventAccumulator(str(tmp_path / "tb" / "acc_test"))
+    test_acc.Reload()
+    assert [(e.step, e.value) for e in test_acc.Scalars("acc")] == [(1, 0.25), (2, 0.5)]
+
+
+def test_all_means_every_installed_tracker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = init_trackers(fa.init(cpu=True), "exp", log_with="all", logging_dir=tmp_path)
+    assert [t.name for t in state.trackers] == ["jsonl", "tensorboard"]
+    end_training(state)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
+    state = init_trackers(state, "exp2", log_with=fa.utils.LoggerType.ALL, logging_dir=tmp_path)
+    assert [t.name for t in state.trackers] == ["jsonl"]
+    end_training(state)
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        init_trackers(state, "exp3", log_with="tensorboard", logging_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("log_with", "error", "match"),
+    [
+        ("wandb", ValueError, "no built-in 'wandb' tracker.*GeneralTracker"),
+        ("jsnol", ValueError, "'jsnol' is not a tracker; use 'jsonl', 'tensorboard', 'all'"),
+        (["jsonl", "JSONL"], ValueError, "'jsonl' twice"),
+        ([], ValueError, "log_with is empty"),
+        ([3], TypeError, "tracker names or GeneralTracker objects, got int"),
+    ],
+)
+def test_bad_tracker_names_say_what_to_do(
+    tmp_path: Path, log_with: Any, error: type[Exception], match: str
+) -> None:
+    for rank in (0, 1):  # every rank rejects them alike, so none is left waiting
+        with pytest.raises(error, match=match):
+            init_trackers(_as_rank(fa.init(cpu=True), rank), "exp", log_with=log_with, logging_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_misuse_is_reported(tmp_path: Path) -> None:
+    state = fa.init(cpu=True)
+    with pytest.raises(ValueError, match="no directory to write to"):
+        init_trackers(state, "exp")
+    with pytest.raises(ValueError, match="init_kwargs has keys \\['tensorboard'\\]"):
+        init_trackers(state, "exp", logging_dir=tmp_path, init_kwargs={"tensorboard": {}})
+    with pytest.raises(TypeError, match="vars\\(args\\)"):
+        init_trackers(state, "exp", config=[("lr", 1)], logging_dir=tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="call state = fa.init_trackers"):
+        log(state, {"loss": 1.0})
+
+    state = init_trackers(state, "exp", logging_dir=tmp_path)
+    with pytest.raises(TypeError, match="'a/b' is a tensor of shape \\(2,\\).*\\.mean\\(\\)"):
+        log(state, {"a": {"b": torch.ones(2)}})
+    with pytest.raises(TypeError, match="'x' is of type object; log numbers, strings"):
+        log(state, {"x": object()})
+    with pytest.raises(TypeError, match="step must be an int"):
+        log(state, {"x": 1.0}, step=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="may not use the key\\(s\\) \\['step'\\]"):
+        log(state, {"step": 3})
+    with pytest.raises(ValueError, match="no tracker named 'tensorboard'.*\\['jsonl'\\]"):
+        get_tracker(state, "tensorboard")
+    end_training(state)
+    with pytest.raises(ValueError, match="was closed"):
+        log(state, {"x": 1.0})
+    assert (tmp_path / "exp" / "metrics.jsonl").read_text() == ""
+
+
+class ListTracker:
+    """A user's own tracker: keeps what it is given."""
+
+    name = "memory"
+
+    def __init__(self) -> None:
+        self.config: dict[str, Any] = {}
+        self.logged: list[tuple[int, dict[str, Any]]] = []
+        self.finished = 0
+
+    @property
+    def tracker(self) -> list[tuple[int, dict[str, Any]]]:
+        return self.logged
+
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+        self.config = dict(values)
+
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        self.logged.append((step, dict(values)))
+
+    def finish(self) -> None:
+        self.finished += 1
+
+
+def test_a_user_tracker_gets_plain_values(tmp_path: Path) -> None:
+    mine = ListTracker()
+    assert isinstance(mine, GeneralTracker)
+    state = init_trackers(fa.init(cpu=True), "exp", {"lr": 0.1}, log_with=[mine, "jsonl"],
+                          logging_dir=tmp_path)
+    log(state, {"loss": torch.tensor(0.5)}, step=2)
+    assert mine.config == {"lr": 0.1} and mine.logged == [(2, {"loss": 0.5})]
+    assert get_tracker(state, "memory") is mine and get_tracker(state, "memory", unwrap=True) is mine.logged
+    # a second init_trackers replaces the trackers, closing the old ones
+    old_jsonl = get_tracker(state, "jsonl")
+    assert isinstance(old_jsonl, JSONLTracker)
+    state = init_trackers(state, "exp", log_with=ListTracker(), logging_dir=tmp_path)
+    assert mine.finished == 1 and old_jsonl.tracker.closed
+    end_training(state)
+
+
+def test_only_a_user_tracker_needs_no_directory() -> None:
+    state = init_trackers(fa.init(cpu=True), "exp", log_with=ListTracker())
+    log(state, {"x": 1})
+    assert state.trackers[0].tracker == [(0, {"x": 1})]
+
+
+def test_the_logging_directory_follows_the_project(tmp_path: Path) -> None:
+    project = fa.ProjectConfiguration(project_dir=str(tmp_path / "proj"), logging_dir=str(tmp_path / "logs"))
+    state = init_trackers(fa.init(cpu=True, kwargs_handlers=[project]), "a")
+    assert get_tracker(state, "jsonl").path == tmp_path / "logs" / "a" / "metrics.jsonl"
+    end_training(state)
+    state = init_trackers(fa.init(cpu=True, project_dir=tmp_path), "b", logging_dir="logs")
+    assert get_tracker(state, "jsonl").path == tmp_path / "logs" / "b" / "metrics.jsonl"
+    end_training(state)
+
+
+def test_trackers_travel_with_the_run(tmp_path: Path) -> None:
+    state = init_trackers(fa.init(cpu=True), "exp", logging_dir=tmp_path)
+    successor = state.advance("a test", step=1)
+    assert successor.trackers is state.trackers
+    log(successor, {"x": 1.0})
+    end_training(successor)
+    assert _lines(tmp_path / "exp" / "metrics.jsonl")[0]["step"] == 1
