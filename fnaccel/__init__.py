@@ -31,10 +31,12 @@ from fnaccel.process import (
     split_between_processes,
     wait_for_everyone,
 )
+from fnaccel.tracking.progress import progress
 from fnaccel.rng import RNGState
 from fnaccel.runtime import init, shutdown
 from fnaccel.seeding import set_seed, synchronize_rng_states, with_rng
 from fnaccel.state import RunState
+from fnaccel.tracking import end_training, get_tracker, init_trackers, log
 from fnaccel.train import apply_gradients, backward, prepare, step
 from fnaccel.transforms import (
     Pipeline,
@@ -93,6 +95,12 @@ __all__ = [
     "load",
     "save_model",
     "ProjectConfiguration",
+    # tracking and progress
+    "init_trackers",
+    "log",
+    "get_tracker",
+    "end_training",
+    "progress",
     # training transforms
     "autocast",
     "grad_scaler",

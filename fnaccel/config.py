@@ -20,7 +20,7 @@ from typing import Any
 
 from fnaccel._errors import ConfigError
 
-__all__ = ["LaunchConfig", "default_config_file", "load_config"]
+__all__ = ["LaunchConfig", "default_config_file", "load_config", "write_basic_config", "write_config"]
 
 CONFIG_FILE_ENV = "FNACCEL_CONFIG_FILE"
 
@@ -65,9 +65,14 @@ class LaunchConfig:
     enable_cpu_affinity: bool = False
     gpu_ids: str = "all"
     downcast_bf16: str = "no"
+    tpu_name: str | None = None
+    tpu_zone: str | None = None
+    tpu_vm: list[str] = field(default_factory=list)
     tpu_env: list[str] = field(default_factory=list)
     tpu_use_cluster: bool = False
     tpu_use_sudo: bool = False
+    command_file: str | None = None
+    commands: list[str] = field(default_factory=list)
     fsdp_config: dict[str, Any] = field(default_factory=dict)
     deepspeed_config: dict[str, Any] = field(default_factory=dict)
     megatron_lm_config: dict[str, Any] = field(default_factory=dict)
@@ -75,6 +80,7 @@ class LaunchConfig:
     fp8_config: dict[str, Any] = field(default_factory=dict)
     ipex_config: dict[str, Any] = field(default_factory=dict)
     mpirun_config: dict[str, Any] = field(default_factory=dict)
+    parallelism_config: dict[str, Any] = field(default_factory=dict)
     source: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,6 +104,19 @@ _TYPES: Mapping[str, tuple[type, ...]] = MappingProxyType({
 })
 
 
+def _choices() -> Mapping[str, tuple[str, ...]]:
+    from fnaccel.utils.constants import ComputeEnvironment, DistributedType
+
+    return MappingProxyType({
+        "compute_environment": tuple(e.value for e in ComputeEnvironment),
+        "distributed_type": tuple(d.value for d in DistributedType),
+        "rdzv_backend": ("static", "c10d", "etcd", "etcd-v2"),
+    })
+
+
+_CHOICES = _choices()
+
+
 def _check_value(key: str, value: Any, source: str) -> Any:
     expected = _TYPES[key]
     if key == "gpu_ids" and isinstance(value, int) and not isinstance(value, bool):
@@ -117,6 +136,10 @@ def _check_value(key: str, value: Any, source: str) -> Any:
             f"{source}: key 'mixed_precision' must be one of {', '.join(_PRECISIONS)}, "
             f"got {value!r}"
         )
+    if key in _CHOICES and value not in _CHOICES[key]:
+        raise ConfigError(
+            f"{source}: key '{key}' must be one of {', '.join(_CHOICES[key])}, got {value!r}"
+        )
     if key in ("num_processes", "num_machines") and value < 1:
         raise ConfigError(f"{source}: key '{key}' must be at least 1, got {value}")
     if key == "machine_rank" and value < 0:
@@ -131,6 +154,7 @@ def config_from_mapping(data: Mapping[str, Any], source: str = "<config>") -> La
         ConfigError: an unknown key or a wrongly typed value; the message
             names the key and ``source``.
     """
+    data = _upgrade(data)
     unknown = sorted(set(data) - set(_TYPES))
     if unknown:
         raise ConfigError(
@@ -139,6 +163,16 @@ def config_from_mapping(data: Mapping[str, Any], source: str = "<config>") -> La
         )
     values = {key: _check_value(key, value, source) for key, value in data.items()}
     return LaunchConfig(**values, source=source)
+
+
+def _upgrade(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Older Accelerate files spell the compile backend as a top-level ``dynamo_backend``."""
+    data = dict(data)
+    if "dynamo_backend" in data:
+        backend = data.pop("dynamo_backend")
+        if "dynamo_config" not in data and str(backend).upper() != "NO":
+            data["dynamo_config"] = {"dynamo_backend": backend}
+    return data
 
 
 def load_config(path: str | os.PathLike[str]) -> LaunchConfig:
@@ -168,16 +202,101 @@ def load_config(path: str | os.PathLike[str]) -> LaunchConfig:
     return config_from_mapping(data, source)
 
 
+def with_launch_env(config: LaunchConfig, environ: Mapping[str, str]) -> LaunchConfig:
+    """``config`` with what `fnaccel launch` put in the environment laid over it:
+    ``FNACCEL_USE_FSDP`` and the ``FNACCEL_FSDP_*`` / ``FNACCEL_DYNAMO_*`` keys."""
+    from dataclasses import replace
+
+    from fnaccel.utils.environment import str_to_bool
+    from fnaccel.utils.plugins import section_from_env
+
+    changes: dict[str, Any] = {}
+    if str_to_bool(environ.get("FNACCEL_USE_FSDP", "") or "false", to_bool=True):
+        changes["distributed_type"] = "FSDP"
+    for prefix, key in (("fsdp_", "fsdp_config"), ("dynamo_", "dynamo_config")):
+        overlay = section_from_env(prefix, environ)
+        if overlay:
+            changes[key] = {**getattr(config, key), **overlay}
+    return replace(config, **changes) if changes else config
+
+
 def resolve_config(config: str | os.PathLike[str] | LaunchConfig | None) -> LaunchConfig:
     """The config `fa.init` uses: the argument, else ``FNACCEL_CONFIG_FILE``, else the
-    default file when it exists, else the defaults."""
+    default file when it exists, else the defaults; a file's values under what
+    `fnaccel launch` put in the environment (`with_launch_env`)."""
     if isinstance(config, LaunchConfig):
         return config
     if config is not None:
-        return load_config(config)
-    if env_path := os.environ.get(CONFIG_FILE_ENV):
-        return load_config(env_path)
-    default = default_config_file()
-    if default.is_file():
-        return load_config(default)
-    return LaunchConfig()
+        found = load_config(config)
+    elif env_path := os.environ.get(CONFIG_FILE_ENV):
+        found = load_config(env_path)
+    elif default_config_file().is_file():
+        found = load_config(default_config_file())
+    else:
+        found = LaunchConfig()
+    return with_launch_env(found, os.environ)
+
+
+def write_config(config: LaunchConfig, path: str | os.PathLike[str]) -> Path:
+    """Write ``config`` as YAML to ``path`` atomically (a temporary file renamed
+    into place), creating its directory. Returns the path written."""
+    import yaml
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(config.to_dict(), sort_keys=True, default_flow_style=False)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def basic_config(mixed_precision: str = "no") -> LaunchConfig:
+    """The config `write_basic_config` writes: every GPU of this machine, else its CPU."""
+    import torch
+
+    if mixed_precision not in _PRECISIONS:
+        raise ConfigError(
+            f"mixed_precision must be one of {', '.join(_PRECISIONS)}, got {mixed_precision!r}"
+        )
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if num_gpus > 0:
+        return LaunchConfig(
+            mixed_precision=mixed_precision, num_processes=num_gpus,
+            distributed_type="MULTI_GPU" if num_gpus > 1 else "NO",
+        )
+    return LaunchConfig(mixed_precision=mixed_precision, use_cpu=True, num_processes=1)
+
+
+def write_basic_config(
+    mixed_precision: str = "no", save_location: str | os.PathLike[str] | None = None
+) -> Path | bool:
+    """Write a config for this machine (all its GPUs, else its CPU) without prompts.
+
+    Accelerate's ``write_basic_config``: an existing file is left alone.
+
+    Args:
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
+        save_location: the file to write; `default_config_file()` when None.
+
+    Returns:
+        The path written, or False when a file was already there.
+
+    >>> import tempfile, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "config.yaml"
+    >>> write_basic_config("bf16", path) == path, load_config(path).mixed_precision
+    (True, 'bf16')
+    >>> write_basic_config("no", path)
+    False
+    """
+    target = Path(save_location) if save_location is not None else default_config_file()
+    config = basic_config(mixed_precision)
+    if target.exists():
+        return False
+    return write_config(config, target)

@@ -22,6 +22,7 @@ from fnaccel.config import LaunchConfig, resolve_config
 from fnaccel.dist import DistContext
 from fnaccel.rng import RNGState
 from fnaccel.state import RunState
+from fnaccel.tracking import end_training
 from fnaccel.utils.constants import DistributedType, PrecisionType
 from fnaccel.utils.environment import parse_flag_from_env
 from fnaccel.utils.kwargs import InitProcessGroupKwargs, KwargsHandler
@@ -71,6 +72,16 @@ def _read_launch_env(config: LaunchConfig, rendezvous: str) -> dict[str, int]:
         "node_rank": node_rank,
         "num_nodes": num_nodes,
     }
+
+
+def _pin_to_cpus(local_rank: int, num_local: int) -> None:
+    """``fnaccel launch --enable_cpu_affinity``: each local process gets its own
+    contiguous share of the CPUs this machine lets it use (so processes do not
+    migrate over each other's cores and caches)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cpus) // max(num_local, 1))
+    mine = cpus[local_rank * share:(local_rank + 1) * share] or cpus[-share:]
+    os.sched_setaffinity(0, mine)
 
 
 def _destroy_group(holder: list[Any], is_default: bool) -> None:
@@ -166,9 +177,31 @@ def _start_process_group(
         kwargs["timeout"] = timeout
     if device.type == "cuda":
         kwargs["device_id"] = device
+    if "init_method" not in options and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        del kwargs["init_method"]
+        kwargs["store"] = _attempt_store(env["num_processes"], timeout)
     dist.init_process_group(**kwargs)
     group = dist.group.WORLD
     return group, _GroupOwner(group, is_default=True)
+
+
+def _attempt_store(num_processes: int, timeout: Any) -> Any:
+    """The elastic agent's store, seen through a prefix private to this attempt.
+
+    torchrun's agent keeps one store for the whole job and its workers form
+    their group on it without a prefix, so after a restart (``--max_restarts``)
+    the new workers find the dead ones' gloo addresses under the same keys and
+    hang or fail to connect (pytorch issue 135712). Keys under the restart
+    count keep each attempt to itself.
+    """
+    from datetime import timedelta
+
+    store = dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"], port=_env_int("MASTER_PORT", 29500),
+        world_size=num_processes, is_master=False,
+        timeout=timeout if timeout is not None else timedelta(minutes=30),
+    )
+    return dist.PrefixStore(f"fnaccel/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
 def _handlers_by_name(kwargs_handlers: Iterable[KwargsHandler]) -> dict[str, KwargsHandler]:
@@ -238,6 +271,8 @@ def init(
     pg_handler = handlers.get("InitProcessGroupKwargs", InitProcessGroupKwargs())
     assert isinstance(pg_handler, InitProcessGroupKwargs)
     env = _read_launch_env(launch_config, pg_handler.init_method or "env://")
+    if parse_flag_from_env("FNACCEL_CPU_AFFINITY"):
+        _pin_to_cpus(env["local_rank"], env["num_local_processes"])
     use_cpu = cpu or parse_flag_from_env("FNACCEL_USE_CPU") or launch_config.use_cpu
     if not use_cpu and torch.cuda.is_available():
         device = torch.device("cuda", env["local_rank"])
@@ -280,8 +315,8 @@ def init(
 
 def shutdown(state: RunState) -> None:
     """End the run: wait for an asynchronous save in flight (raising its error),
-    close the transforms' states that hold resources (a `profile()` profiler
-    writes its trace), then end the process group cleanly. Consumes nothing
+    close the run's trackers and the transforms' states that hold resources
+    (a `profile()` profiler writes its trace), then end the process group cleanly. Consumes nothing
     and may be called twice.
 
     Waits for every rank (a barrier), then destroys the group this run
@@ -289,6 +324,7 @@ def shutdown(state: RunState) -> None:
     destroyed at interpreter exit instead.
     """
     state.saves.close()  # the last asynchronous save lands (or raises) before anything ends
+    end_training(state)  # flush and close the run's trackers (harmless twice)
     for value in state.transform_states.values():
         close = getattr(value, "close", None)
         if callable(close):

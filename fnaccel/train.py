@@ -32,6 +32,7 @@ from fnaccel.transforms.base import Pipeline, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.precision import autocast, grad_scaler, precision_dtype
 from fnaccel.utils.constants import PrecisionType
+from fnaccel.utils.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 __all__ = ["StepPlan", "apply_gradients", "backward", "prepare", "step"]
 
@@ -61,7 +62,9 @@ def default_loss_fn(model: nn.Module, batch: Any) -> Any:
 
 def default_pipeline(state: RunState) -> Pipeline:
     """What `fa.prepare` uses without a pipeline: the launch's mixed precision
-    (with its kwargs handlers) and `ddp()` when the world is larger than one."""
+    (with its kwargs handlers), `ddp()` when the world is larger than one (or
+    `fsdp()` from the config's FSDP section), and `compile()` when the config
+    names a dynamo backend."""
     handlers = state.kwargs_handlers
     parts = []
     if state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16):
@@ -73,13 +76,26 @@ def default_pipeline(state: RunState) -> Pipeline:
     scaler = handlers.get("GradScalerKwargs")
     if scaler is not None and state.mixed_precision == PrecisionType.FP16:
         parts.append(grad_scaler(**scaler.to_kwargs()))
-    if state.dist.num_processes > 1:
+    config = state.config
+    if state.dist.num_processes > 1 and config.distributed_type == "FSDP":
+        plugin = FullyShardedDataParallelPlugin.from_config(
+            config.fsdp_config, _section(config, "fsdp_config"))
+        parts.append(plugin.transform())
+    elif state.dist.num_processes > 1:
         ddp_kwargs = handlers.get("DistributedDataParallelKwargs")
         fields = {} if ddp_kwargs is None else {
             f.name: getattr(ddp_kwargs, f.name) for f in dataclasses.fields(ddp_kwargs)
         }
         parts.append(ddp(**fields))
+    dynamo = TorchDynamoPlugin.from_config(config.dynamo_config, _section(config, "dynamo_config"))
+    compiled = dynamo.transform()
+    if compiled is not None:
+        parts.append(compiled)
     return compose(*parts)
+
+
+def _section(config: Any, key: str) -> str:
+    return f"{config.source}: {key}" if config.source else key
 
 
 def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:

@@ -4,6 +4,10 @@ Leaf modules first: `fnaccel.dist` imports `fnaccel.utils.constants`, so the
 modules re-exported at the bottom (which import `fnaccel.dist`) must come after.
 """
 
+import importlib
+from types import MappingProxyType
+from typing import Any
+
 from fnaccel.utils.constants import (
     MODEL_NAME,
     OPTIMIZER_NAME,
@@ -90,7 +94,49 @@ from fnaccel.process import (
 from fnaccel.seeding import set_seed, synchronize_rng_states
 from fnaccel.checkpoint.extras import register_for_checkpointing
 from fnaccel.checkpoint.project import ProjectConfiguration
-from fnaccel.checkpoint.weights import load_checkpoint_in_model, save_model, shard_checkpoint
+from fnaccel.checkpoint.weights import save_model, shard_checkpoint
+from fnaccel.config import write_basic_config
+from fnaccel.utils.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+
+# The memory and modelling utilities load on first use: most training scripts
+# never touch them, and importing them all would add to every `import fnaccel`.
+_LAZY = MappingProxyType({
+    **dict.fromkeys((
+        "calculate_maximum_sizes", "compute_module_sizes", "compute_module_total_buffer_size",
+        "dtype_byte_size", "get_max_layer_size", "named_module_tensors"), "fnaccel.modeling.sizes"),
+    **dict.fromkeys(("init_empty_weights", "init_on_device"), "fnaccel.modeling.empty"),
+    **dict.fromkeys(("find_tied_parameters", "retie_parameters"), "fnaccel.modeling.tied"),
+    **dict.fromkeys((
+        "check_device_map", "clean_device_map", "convert_file_size_to_int", "get_balanced_memory",
+        "get_max_memory", "infer_auto_device_map"), "fnaccel.modeling.device_map"),
+    "set_module_tensor_to_device": "fnaccel.modeling.tensors",
+    **dict.fromkeys((
+        "OffloadedWeightsLoader", "PrefixedDataset", "extract_submodules_state_dict",
+        "load_offloaded_weight", "load_offloaded_weights", "offload_state_dict", "offload_weight",
+        "read_offload_index", "save_offload_index"), "fnaccel.modeling.offload"),
+    **dict.fromkeys(("load_state_dict", "load_checkpoint_in_model"), "fnaccel.modeling.loading"),
+    **dict.fromkeys(("dispatch_model", "load_checkpoint_and_dispatch"), "fnaccel.modeling.dispatch"),
+    **dict.fromkeys((
+        "AlignDevicesHook", "add_hook_to_module", "remove_hook_from_module",
+        "remove_hook_from_submodules"), "fnaccel.modeling.hooks"),
+    **dict.fromkeys((
+        "clear_device_cache", "find_executable_batch_size", "release_memory",
+        "should_reduce_batch_size"), "fnaccel.modeling.memory"),
+    "extract_model_from_parallel": "fnaccel.modeling.unwrap",
+    **dict.fromkeys(("BnbQuantizationConfig", "load_and_quantize_model"), "fnaccel.modeling.quantization"),
+    "merge_fsdp_weights": "fnaccel.commands.merge",
+})
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fnaccel.utils' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 __all__ = [
     # constants and enums
@@ -121,5 +167,9 @@ __all__ = [
     "wait_for_everyone", "set_seed", "synchronize_rng_states",
     # checkpoints
     "register_for_checkpointing", "ProjectConfiguration",
-    "save_model", "shard_checkpoint", "load_checkpoint_in_model",
+    "save_model", "shard_checkpoint",
+    # configs and plugins
+    "write_basic_config", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin",
+    # memory and modelling (loaded on first use)
+    *_LAZY,
 ]

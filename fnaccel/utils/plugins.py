@@ -1,0 +1,296 @@
+"""The config file's FSDP and TorchDynamo sections as validated plugins.
+
+``fsdp_config`` and ``dynamo_config`` in a launch config (or the
+``--fsdp_*`` / ``--dynamo_*`` flags of `fnaccel launch`) hold Accelerate's
+keys. Each plugin reads its section, checks every key against its type and
+the values this build can honour, and builds the transform the default
+pipeline uses: `FullyShardedDataParallelPlugin.transform` gives `fa.fsdp`,
+`TorchDynamoPlugin.transform` gives `fa.compile`.
+
+An option that this build cannot carry out (FSDP1-only knobs without an
+FSDP2 counterpart, activation checkpointing, regional compilation) is refused
+with a `ConfigError` naming the key, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fnaccel._errors import ConfigError
+from fnaccel.utils.environment import str_to_bool
+
+__all__ = ["FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "plugin_env", "section_from_env"]
+
+# FSDP1's strategies by number and name; FSDP2 expresses the first two with reshard_after_forward.
+_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
+
+
+def _bool(value: Any, key: str, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return str_to_bool(value, to_bool=True)
+        except ValueError:
+            pass
+    raise ConfigError(f"{source}: key '{key}' must be true or false, got {value!r}")
+
+
+def _int(value: Any, key: str, source: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise ConfigError(f"{source}: key '{key}' must be an integer, got {value!r}")
+
+
+def _str(value: Any, key: str, source: str) -> str:
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"{source}: key '{key}' must be a string, got {value!r}")
+
+
+def _names(value: Any, key: str, source: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(name.strip() for name in value.split(",") if name.strip())
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"{source}: key '{key}' must be class names (a list or a comma-separated "
+                      f"string), got {value!r}")
+
+
+def _choice(value: Any, key: str, source: str, choices: tuple[str, ...]) -> str:
+    text = _str(value, key, source).upper()
+    if text not in choices:
+        raise ConfigError(f"{source}: key '{key}' must be one of {', '.join(choices)}, got {value!r}")
+    return text
+
+
+def _refuse(key: str, source: str, why: str) -> ConfigError:
+    return ConfigError(f"{source}: key '{key}': {why}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FullyShardedDataParallelPlugin:
+    """Accelerate's FSDP settings, carried out by FSDP2 (`fa.fsdp`).
+
+    ``sharding_strategy`` FULL_SHARD and SHARD_GRAD_OP become
+    ``reshard_after_forward`` True and False; ``fsdp_version`` 1 configs run
+    on FSDP2 (fnaccel ships no FSDP1). Options without an FSDP2 counterpart
+    in this build are refused when the plugin is built.
+
+    >>> plugin = FullyShardedDataParallelPlugin.from_config(
+    ...     {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+    ...      "fsdp_transformer_layer_cls_to_wrap": "Block", "fsdp_sharding_strategy": 2})
+    >>> plugin.transform()
+    fsdp(transformer_cls_names_to_wrap=('Block',), reshard_after_forward=False)
+    """
+
+    fsdp_version: int = 2
+    sharding_strategy: str = "FULL_SHARD"
+    reshard_after_forward: bool | None = None
+    cpu_offload: bool = False
+    auto_wrap_policy: str | None = None
+    transformer_cls_names_to_wrap: tuple[str, ...] = ()
+    min_num_params: int | None = None
+    backward_prefetch: str | None = None
+    forward_prefetch: bool = False
+    state_dict_type: str = "SHARDED_STATE_DICT"
+    use_orig_params: bool = True
+    sync_module_states: bool = False
+    cpu_ram_efficient_loading: bool = False
+    activation_checkpointing: bool = False
+
+    @classmethod
+    def from_config(
+        cls, section: Mapping[str, Any], source: str = "fsdp_config"
+    ) -> FullyShardedDataParallelPlugin:
+        """Read a config file's ``fsdp_config`` mapping (Accelerate's ``fsdp_*`` keys).
+
+        Raises:
+            ConfigError: an unknown key, a wrongly typed value, or an option
+                this build cannot carry out; the message names the key.
+        """
+        values: dict[str, Any] = {}
+        for key, raw in section.items():
+            name = key.removeprefix("fsdp_")
+            if name in ("version", "min_num_params"):
+                values["fsdp_version" if name == "version" else name] = _int(raw, key, source)
+            elif name == "sharding_strategy":
+                number = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+                if number is None and isinstance(raw, str) and raw.strip().isdigit():
+                    number = int(raw)
+                if number is not None:
+                    if not 1 <= number <= len(_STRATEGIES):
+                        raise ConfigError(f"{source}: key '{key}' must be 1-{len(_STRATEGIES)} or one "
+                                          f"of {', '.join(_STRATEGIES)}, got {raw!r}")
+                    values[name] = _STRATEGIES[number - 1]
+                else:
+                    values[name] = _choice(raw, key, source, _STRATEGIES)
+            elif name in ("reshard_after_forward", "forward_prefetch", "use_orig_params",
+                          "sync_module_states", "cpu_ram_efficient_loading", "activation_checkpointing"):
+                values[name] = _bool(raw, key, source)
+            elif name == "offload_params":
+                values["cpu_offload"] = _bool(raw, key, source)
+            elif name == "auto_wrap_policy":
+                values[name] = _choice(raw, key, source, _WRAP_POLICIES)
+            elif name == "transformer_layer_cls_to_wrap":
+                values["transformer_cls_names_to_wrap"] = _names(raw, key, source)
+            elif name in ("backward_prefetch", "backward_prefetch_policy"):
+                values["backward_prefetch"] = _choice(raw, key, source, _PREFETCH)
+            elif name == "state_dict_type":
+                values[name] = _choice(raw, key, source, _STATE_DICT_TYPES)
+            else:
+                known = ("fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward",
+                         "fsdp_offload_params", "fsdp_auto_wrap_policy",
+                         "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
+                         "fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_state_dict_type",
+                         "fsdp_use_orig_params", "fsdp_sync_module_states",
+                         "fsdp_cpu_ram_efficient_loading", "fsdp_activation_checkpointing")
+                raise ConfigError(f"{source}: unknown key '{key}'; known keys are {', '.join(known)}")
+        plugin = cls(**values)
+        plugin.check(source)
+        return plugin
+
+    def check(self, source: str = "fsdp_config") -> None:
+        """Refuse what FSDP2 in this build cannot carry out (ConfigError naming the key)."""
+        if self.fsdp_version not in (1, 2):
+            raise _refuse("fsdp_version", source, f"must be 1 or 2, got {self.fsdp_version}")
+        if self.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            raise _refuse("fsdp_sharding_strategy", source,
+                          f"{self.sharding_strategy} is not built (FSDP2 over one mesh dimension "
+                          "shards fully); use FULL_SHARD or SHARD_GRAD_OP, or fa.ddp() for NO_SHARD")
+        if self.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and not self.transformer_cls_names_to_wrap:
+            raise _refuse("fsdp_transformer_layer_cls_to_wrap", source,
+                          "TRANSFORMER_BASED_WRAP needs the layer class names to wrap")
+        if self.auto_wrap_policy == "SIZE_BASED_WRAP" and self.min_num_params is None:
+            raise _refuse("fsdp_min_num_params", source, "SIZE_BASED_WRAP needs fsdp_min_num_params")
+        if self.backward_prefetch not in (None, "BACKWARD_PRE"):
+            raise _refuse("fsdp_backward_prefetch", source,
+                          f"{self.backward_prefetch} has no FSDP2 counterpart; FSDP2 prefetches "
+                          "the next module in backward (BACKWARD_PRE): use that or leave it out")
+        for flag, why in (
+            ("forward_prefetch", "explicit forward prefetching is not built"),
+            ("sync_module_states", "broadcasting rank 0's weights at wrap time is not built; "
+                                   "load the same weights on every rank"),
+            ("cpu_ram_efficient_loading", "loading on rank 0 only is not built; "
+                                          "load the weights on every rank"),
+            ("activation_checkpointing", "activation checkpointing is not built; wrap blocks "
+                                         "with torch.utils.checkpoint in the model"),
+        ):
+            if getattr(self, flag):
+                raise _refuse(f"fsdp_{flag}", source, f"true is not supported: {why}")
+
+    def transform(self) -> Any:
+        """The `fa.fsdp` transform these settings describe."""
+        from fnaccel.transforms.parallel import fsdp
+
+        reshard = self.reshard_after_forward
+        if reshard is None:
+            reshard = self.sharding_strategy == "FULL_SHARD"
+        wrap = self.auto_wrap_policy
+        return fsdp(
+            transformer_cls_names_to_wrap=self.transformer_cls_names_to_wrap
+            if wrap in (None, "TRANSFORMER_BASED_WRAP") else (),
+            min_num_params=self.min_num_params if wrap in (None, "SIZE_BASED_WRAP") else None,
+            reshard_after_forward=reshard,
+            cpu_offload=self.cpu_offload,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TorchDynamoPlugin:
+    """Accelerate's TorchDynamo settings, carried out by `fa.compile`.
+
+    >>> TorchDynamoPlugin.from_config({"dynamo_backend": "AOT_EAGER", "dynamo_use_fullgraph": True}).transform()
+    compile(backend='aot_eager', fullgraph=True)
+    """
+
+    backend: str = "NO"
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    use_regional_compilation: bool = False
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any], source: str = "dynamo_config") -> TorchDynamoPlugin:
+        """Read a config file's ``dynamo_config`` mapping (Accelerate's ``dynamo_*`` keys).
+
+        Raises:
+            ConfigError: an unknown key, a wrongly typed value, an unknown
+                backend or mode; the message names the key.
+        """
+        from fnaccel.transforms.compile import _MODES
+        from fnaccel.utils.constants import DynamoBackend
+
+        values: dict[str, Any] = {}
+        for key, raw in section.items():
+            name = key.removeprefix("dynamo_")
+            if name == "backend":
+                values[name] = _choice(raw, key, source, tuple(b.value for b in DynamoBackend))
+            elif name == "mode":
+                if raw not in _MODES:
+                    raise ConfigError(f"{source}: key '{key}' must be one of "
+                                      f"{', '.join(str(m) for m in _MODES[1:])}, got {raw!r}")
+                values[name] = raw
+            elif name in ("use_fullgraph", "use_dynamic", "use_regional_compilation"):
+                field_name = {"use_fullgraph": "fullgraph", "use_dynamic": "dynamic"}.get(name, name)
+                values[field_name] = None if raw is None and name == "use_dynamic" else _bool(raw, key, source)
+            else:
+                raise ConfigError(
+                    f"{source}: unknown key '{key}'; known keys are dynamo_backend, dynamo_mode, "
+                    "dynamo_use_fullgraph, dynamo_use_dynamic, dynamo_use_regional_compilation"
+                )
+        plugin = cls(**values)
+        if plugin.use_regional_compilation:
+            raise _refuse("dynamo_use_regional_compilation", source,
+                          "true is not supported: regional compilation is not built; compile "
+                          "the whole model")
+        return plugin
+
+    def transform(self) -> Any:
+        """The `fa.compile` transform, or None when the backend is NO."""
+        from fnaccel.transforms.compile import compile
+
+        if self.backend == "NO":
+            return None
+        return compile(backend=self.backend.lower(), mode=self.mode, fullgraph=self.fullgraph,
+                       dynamic=self.dynamic)
+
+
+def plugin_env(section: Mapping[str, Any]) -> dict[str, str]:
+    """A config section as the environment variables `fnaccel launch` sets:
+    ``fsdp_offload_params`` becomes ``FNACCEL_FSDP_OFFLOAD_PARAMS``, and so on.
+
+    >>> plugin_env({"dynamo_backend": "INDUCTOR", "dynamo_use_fullgraph": True})
+    {'FNACCEL_DYNAMO_BACKEND': 'INDUCTOR', 'FNACCEL_DYNAMO_USE_FULLGRAPH': 'true'}
+    """
+    env = {}
+    for key, value in section.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (list, tuple)):
+            text = ",".join(str(v) for v in value)
+        else:
+            text = str(value)
+        env[f"FNACCEL_{key.upper()}"] = text
+    return env
+
+
+def section_from_env(prefix: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The inverse of `plugin_env` for the keys starting with ``prefix`` (``fsdp_``,
+    ``dynamo_``): string values, which the plugins' ``from_config`` read.
+
+    >>> section_from_env("dynamo_", {"FNACCEL_DYNAMO_BACKEND": "EAGER", "PATH": "/bin"})
+    {'dynamo_backend': 'EAGER'}
+    """
+    head = f"FNACCEL_{prefix.upper()}"
+    return {name[len("FNACCEL_"):].lower(): value for name, value in environ.items()
+            if name.startswith(head)}
