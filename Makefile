@@ -27,7 +27,7 @@ test: typecheck
 
 # The main job: train the example classifier on 2 gloo processes.
 train: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node 2 \
+	$(BIN)/fnaccel launch --cpu --num_processes 2 --num_cpu_threads_per_process 1 \
 		examples/train_classifier.py
 
 bench: $(STAMP)

@@ -1,0 +1,245 @@
+"""``fnaccel launch``: run a script on every process of a run, under torchrun's elastic agent.
+
+The command resolves one `LaunchConfig` (the config file, then the command
+line on top), turns it into `torch.distributed.run` arguments and into the
+environment variables `fa.init` reads, and runs the agent in this process, as
+``accelerate launch`` does. The script needs no arguments of its own: ranks
+come from torchrun's variables, everything else from ``FNACCEL_*`` ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from fnaccel._errors import ConfigError
+from fnaccel.commands.launch_flags import DYNAMO_FLAGS, FSDP_FLAGS, add_launch_arguments, refused_flags
+from fnaccel.commands.main import CommandError
+from fnaccel.config import CONFIG_FILE_ENV, LaunchConfig, default_config_file, load_config
+
+__all__ = ["launch_environment", "register", "run", "run_launch", "torchrun_arguments"]
+
+_REFUSED_TYPES = MappingProxyType({
+    "DEEPSPEED": "this build has no DeepSpeed engine; use distributed_type FSDP (FSDP2)",
+    "MEGATRON_LM": "this build has no Megatron-LM engine",
+    "XLA": "this build has no TPU (torch_xla) engine",
+})
+
+_FSDP_ALIASES = MappingProxyType({"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"})
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "launch", help="Launch a training script on every process of a run (torchrun's agent).",
+        description="Launch a script on one or many processes and machines with torch.distributed.run. "
+                    "Values come from the config file; flags given here win.",
+    )
+    add_launch_arguments(parser)
+    parser.set_defaults(handler=run, command_name="launch")
+
+
+def _given(args: argparse.Namespace, name: str) -> Any:
+    return getattr(args, name, None)
+
+
+def resolve(args: argparse.Namespace) -> LaunchConfig:
+    """The config file (``--config_file``, else the default file if any) with the
+    flags that were given laid over it; refused engines raise `CommandError`."""
+    for flag, why in refused_flags(args):
+        raise CommandError(f"{flag}: {why}")
+    if args.config_file is not None:
+        config = load_config(args.config_file)
+    elif default_config_file().is_file():
+        config = load_config(default_config_file())
+    else:
+        config = LaunchConfig()
+    if config.compute_environment != "LOCAL_MACHINE":
+        raise CommandError(f"{config.source}: compute_environment {config.compute_environment}: "
+                           "this build launches on local machines only (LOCAL_MACHINE)")
+    changes: dict[str, Any] = {}
+    for name in ("mixed_precision", "num_processes", "num_machines", "machine_rank", "main_process_ip",
+                 "main_process_port", "rdzv_backend", "gpu_ids", "same_network", "enable_cpu_affinity",
+                 "debug"):
+        if _given(args, name) is not None:
+            changes[name] = _given(args, name)
+    if args.cpu:
+        changes["use_cpu"] = True
+    if args.multi_gpu:
+        if args.cpu:
+            raise CommandError("--cpu and --multi_gpu contradict each other; pass one")
+        changes["distributed_type"] = "MULTI_GPU"
+    if args.use_fsdp:
+        changes["distributed_type"] = "FSDP"
+    fsdp = {_FSDP_ALIASES.get(flag[2:], flag[2:]): _given(args, flag[2:]) for flag, _, _ in FSDP_FLAGS
+            if _given(args, flag[2:]) is not None}
+    if fsdp:
+        changes["fsdp_config"] = {**config.fsdp_config, **fsdp}
+    dynamo = {flag[2:]: _given(args, flag[2:]) for flag, _, _ in DYNAMO_FLAGS
+              if _given(args, flag[2:]) is not None}
+    if dynamo:
+        changes["dynamo_config"] = {**config.dynamo_config, **dynamo}
+    config = dataclasses.replace(config, **changes)
+    if config.distributed_type in _REFUSED_TYPES:
+        raise CommandError(f"distributed_type {config.distributed_type}: "
+                           f"{_REFUSED_TYPES[config.distributed_type]}")
+    if config.mixed_precision == "fp8":
+        raise CommandError("mixed_precision fp8: this build has no FP8 engine "
+                           "(TransformerEngine, MS-AMP or torchao); use bf16 or fp16")
+    _check_plugins(config)
+    return config
+
+
+def _check_plugins(config: LaunchConfig) -> None:
+    from fnaccel.utils.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+
+    where = config.source or "the command line"
+    if config.distributed_type == "FSDP":
+        FullyShardedDataParallelPlugin.from_config(config.fsdp_config, f"{where}: fsdp_config")
+    TorchDynamoPlugin.from_config(config.dynamo_config, f"{where}: dynamo_config")
+
+
+def _num_processes(args: argparse.Namespace, config: LaunchConfig) -> int:
+    import torch
+
+    if args.num_processes is None and config.source is None and config.distributed_type == "MULTI_GPU":
+        if not torch.cuda.is_available():
+            raise CommandError("--multi_gpu needs CUDA GPUs and this machine has none; "
+                               "use --cpu --num_processes N for processes on the CPU")
+        return torch.cuda.device_count()
+    return config.num_processes
+
+
+def torchrun_arguments(args: argparse.Namespace, config: LaunchConfig) -> list[str]:
+    """The ``torch.distributed.run`` command line for this launch."""
+    num_processes = _num_processes(args, config)
+    num_machines = config.num_machines
+    if num_processes % num_machines:
+        raise CommandError(f"--num_processes {num_processes} is the total over all machines and "
+                           f"must divide evenly over --num_machines {num_machines}")
+    argv = ["--nproc_per_node", str(num_processes // num_machines)]
+    if num_machines > 1:
+        if config.main_process_ip is None or config.main_process_port is None:
+            raise CommandError(f"--num_machines {num_machines} needs --main_process_ip and "
+                               "--main_process_port (the machine of rank 0)")
+        if not 0 <= config.machine_rank < num_machines:
+            raise CommandError(f"--machine_rank {config.machine_rank} is outside "
+                               f"0..{num_machines - 1} for --num_machines {num_machines}")
+        argv += ["--nnodes", str(num_machines)]
+        if config.rdzv_backend == "static":
+            argv += ["--node_rank", str(config.machine_rank), "--master_addr", config.main_process_ip,
+                     "--master_port", str(config.main_process_port)]
+        else:
+            argv += ["--rdzv_backend", config.rdzv_backend,
+                     "--rdzv_endpoint", f"{config.main_process_ip}:{config.main_process_port}"]
+    elif config.main_process_port is not None:
+        argv += ["--master_addr", config.main_process_ip or "127.0.0.1",
+                 "--master_port", str(config.main_process_port)]
+    else:
+        argv += ["--standalone"]  # one machine, no port named: torchrun picks a free one
+    for flag, value in (("--rdzv_conf", args.rdzv_conf), ("--max_restarts", args.max_restarts),
+                        ("--monitor_interval", args.monitor_interval), ("--role", args.role),
+                        ("--tee", args.tee), ("--log_dir", args.log_dir)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.module:
+        argv.append("--module")
+    if args.no_python:
+        argv.append("--no_python")
+    return [*argv, args.training_script, *args.training_script_args]
+
+
+def launch_environment(args: argparse.Namespace, config: LaunchConfig) -> dict[str, str]:
+    """The variables every process gets: what `fa.init` reads, plus thread and GPU settings."""
+    from fnaccel.utils.plugins import plugin_env
+
+    env = {"FNACCEL_MIXED_PRECISION": config.mixed_precision}
+    if config.source is not None:
+        env[CONFIG_FILE_ENV] = str(Path(config.source).resolve())
+    if config.use_cpu:
+        env["FNACCEL_USE_CPU"] = "true"
+    if config.debug:
+        env["FNACCEL_DEBUG_MODE"] = "true"
+    if config.enable_cpu_affinity:
+        env["FNACCEL_CPU_AFFINITY"] = "true"
+    if config.distributed_type == "FSDP":
+        env["FNACCEL_USE_FSDP"] = "true"
+        env.update(plugin_env(config.fsdp_config))
+    env.update(plugin_env(config.dynamo_config))
+    if config.gpu_ids not in ("all", ""):
+        env["CUDA_VISIBLE_DEVICES"] = config.gpu_ids
+    threads = args.num_cpu_threads_per_process
+    if threads is None and "OMP_NUM_THREADS" not in os.environ:
+        local = max(1, _num_processes(args, config) // config.num_machines)
+        threads = max(1, len(os.sched_getaffinity(0)) // local)
+    if threads is not None:
+        if threads < 1:
+            raise CommandError(f"--num_cpu_threads_per_process must be at least 1, got {threads}")
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+@contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def _check_script(args: argparse.Namespace) -> None:
+    if args.module or args.no_python:
+        return
+    if not Path(args.training_script).is_file():
+        raise CommandError(f"no such script: {args.training_script} (pass a Python file, or a module "
+                           "with -m)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch ``args.training_script`` and return the run's exit status."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        config = resolve(args)
+    except ConfigError as exc:
+        raise CommandError(str(exc)) from None
+    _check_script(args)
+    torchrun_args = torchrun.get_args_parser().parse_args(torchrun_arguments(args, config))
+    if args.quiet:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    with _environment(launch_environment(args, config)):
+        try:
+            torchrun.run(torchrun_args)
+        except ChildFailedError as exc:
+            if args.debug:
+                raise
+            rank, first = exc.get_first_failure()
+            print(f"fnaccel launch: {exc.name} failed: rank {rank} exited with code "
+                  f"{first.exitcode} (its traceback is above; --debug shows the launcher's)",
+                  file=sys.stderr)
+            return first.exitcode if first.exitcode > 0 else 1
+    return 0
+
+
+def run_launch(argv: Sequence[str]) -> int:
+    """Parse ``argv`` exactly as ``fnaccel launch <argv>`` would, and launch.
+
+    Used by ``fnaccel test``; errors are reported as the command line does.
+    """
+    from fnaccel.commands.main import main
+
+    return main(["launch", *argv])

@@ -1,0 +1,183 @@
+"""Every flag of ``accelerate launch``, same spellings, and what fnaccel does with it.
+
+Flags that the config file can also hold default to None ("not given"), so
+that a config value shows through unless the command line sets it. Flags for
+engines this build does not ship are parsed like the others, then refused by
+`refused_flags` with a message that names the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+
+__all__ = ["add_launch_arguments", "refused_flags", "FSDP_FLAGS", "DYNAMO_FLAGS"]
+
+Flag = tuple[str, "type | None", str]  # (flag, value type or None for a switch, help)
+
+# (flag, type, help): the FSDP section, stored under its config key (the flag's name)
+FSDP_FLAGS: tuple[Flag, ...] = (
+    ("--fsdp_version", int, "FSDP version (fnaccel runs FSDP2 for both 1 and 2)."),
+    ("--fsdp_offload_params", str, "(true|false) offload parameters and gradients to the CPU."),
+    ("--fsdp_min_num_params", int, "Parameters a submodule needs to be sharded on its own (SIZE_BASED_WRAP)."),
+    ("--fsdp_sharding_strategy", str, "FULL_SHARD (1) or SHARD_GRAD_OP (2)."),
+    ("--fsdp_reshard_after_forward", str, "(true|false) free gathered parameters after forward."),
+    ("--fsdp_auto_wrap_policy", str, "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP."),
+    ("--fsdp_transformer_layer_cls_to_wrap", str, "Layer class names to shard on their own, e.g. `Block,MLP`."),
+    ("--fsdp_backward_prefetch", str, "BACKWARD_PRE (FSDP2's behaviour); others are refused."),
+    ("--fsdp_backward_prefetch_policy", str, "Deprecated spelling of --fsdp_backward_prefetch."),
+    ("--fsdp_state_dict_type", str, "SHARDED_STATE_DICT or FULL_STATE_DICT."),
+    ("--fsdp_forward_prefetch", str, "(true|false) explicit forward prefetch (true is refused)."),
+    ("--fsdp_use_orig_params", str, "(true|false) FSDP2 always keeps the original parameters."),
+    ("--fsdp_cpu_ram_efficient_loading", str, "(true|false) load on rank 0 only (true is refused)."),
+    ("--fsdp_sync_module_states", str, "(true|false) broadcast rank 0's weights (true is refused)."),
+    ("--fsdp_activation_checkpointing", str, "(true|false) activation checkpointing (true is refused)."),
+)
+
+DYNAMO_FLAGS: tuple[Flag, ...] = (
+    ("--dynamo_backend", str, "torch.compile backend (e.g. INDUCTOR, AOT_EAGER, EAGER) or NO."),
+    ("--dynamo_mode", str, "torch.compile mode: default, reduce-overhead, max-autotune, ..."),
+    ("--dynamo_use_fullgraph", None, "Compile the whole model as one graph."),
+    ("--dynamo_use_dynamic", None, "Compile with dynamic shapes."),
+    ("--dynamo_use_regional_compilation", None, "Compile repeated blocks once (refused: not built)."),
+)
+
+_REFUSED: tuple[tuple[str, str, tuple[Flag, ...]], ...] = (
+    # (group title, why, flags as (flag, type or None for a switch, help))
+    ("TPU arguments", "this build has no TPU (torch_xla) engine", (
+        ("--tpu", None, "Launch TPU training."),
+        ("--tpu_cluster", None, "Use a GCP TPU pod."),
+        ("--tpu_use_sudo", None, "Run the TPU script with sudo."),
+        ("--vm", str, "Compute VM instance names (TPU pods)."),
+        ("--env", str, "Environment variables for the TPU VMs."),
+        ("--main_training_function", str, "The function a TPU launch calls."),
+        ("--downcast_bf16", None, "Downcast float and double tensors to bf16 on TPU."),
+    )),
+    ("DeepSpeed arguments", "this build has no DeepSpeed engine; use --use_fsdp (FSDP2)", (
+        ("--use_deepspeed", None, "Train with DeepSpeed."),
+        ("--deepspeed_config_file", str, "DeepSpeed config file."),
+        ("--zero_stage", int, "ZeRO stage."),
+        ("--offload_optimizer_device", str, "Optimizer offload device (none|cpu|nvme)."),
+        ("--offload_param_device", str, "Parameter offload device (none|cpu|nvme)."),
+        ("--offload_optimizer_nvme_path", str, "NVMe path for optimizer offload."),
+        ("--offload_param_nvme_path", str, "NVMe path for parameter offload."),
+        ("--gradient_accumulation_steps", int, "DeepSpeed gradient accumulation steps."),
+        ("--gradient_clipping", float, "DeepSpeed gradient clipping."),
+        ("--zero3_init_flag", str, "(true|false) deepspeed.zero.Init."),
+        ("--zero3_save_16bit_model", str, "(true|false) save 16-bit weights under ZeRO-3."),
+        ("--deepspeed_hostfile", str, "DeepSpeed hostfile."),
+        ("--deepspeed_exclusion_filter", str, "DeepSpeed exclusion filter."),
+        ("--deepspeed_inclusion_filter", str, "DeepSpeed inclusion filter."),
+        ("--deepspeed_multinode_launcher", str, "DeepSpeed multi-node launcher."),
+        ("--deepspeed_moe_layer_cls_names", str, "MoE layer class names."),
+    )),
+    ("Megatron-LM arguments", "this build has no Megatron-LM engine", (
+        ("--use_megatron_lm", None, "Train with Megatron-LM."),
+        ("--megatron_lm_tp_degree", int, "Tensor parallel degree."),
+        ("--megatron_lm_pp_degree", int, "Pipeline parallel degree."),
+        ("--megatron_lm_num_micro_batches", int, "Micro-batches when the PP degree is above 1."),
+        ("--megatron_lm_sequence_parallelism", str, "(true|false) sequence parallelism."),
+        ("--megatron_lm_recompute_activations", str, "(true|false) selective recompute."),
+        ("--megatron_lm_use_distributed_optimizer", str, "(true|false) distributed optimizer."),
+        ("--megatron_lm_gradient_clipping", float, "Global L2-norm gradient clipping."),
+    )),
+    ("FP8 arguments", "this build has no FP8 engine (TransformerEngine, MS-AMP or torchao)", (
+        ("--fp8_backend", str, "FP8 backend (te or msamp)."),
+        ("--fp8_use_autocast_during_eval", None, "FP8 autocast in evaluation."),
+        ("--fp8_margin", int, "Margin for the scaling factor."),
+        ("--fp8_interval", int, "Interval of scaling-factor updates."),
+        ("--fp8_format", str, "FP8 format (HYBRID or E4M3)."),
+        ("--fp8_amax_history_len", int, "amax history length."),
+        ("--fp8_amax_compute_algo", str, "amax algorithm (max or most_recent)."),
+        ("--fp8_override_linear_precision", str, "Higher precision for fprop, dgrad, wgrad."),
+        ("--fp8_opt_level", str, "MS-AMP optimisation level (O1 or O2)."),
+    )),
+    ("AWS SageMaker arguments", "this build has no SageMaker launcher", (
+        ("--aws_access_key_id", str, "AWS access key id."),
+        ("--aws_secret_access_key", str, "AWS secret access key."),
+    )),
+    ("Other hardware", "this build supports CPUs and CUDA GPUs only", (
+        ("--ipex", None, "Intel Extension for PyTorch (deprecated in Accelerate)."),
+        ("--use_xpu", None, "Intel XPU (deprecated in Accelerate)."),
+    )),
+)
+
+
+def _add(group: argparse._ArgumentGroup, flag: str, kind: type | None, text: str) -> None:
+    if kind is None:
+        group.add_argument(flag, action="store_true", default=None, help=text)
+    else:
+        group.add_argument(flag, type=kind, default=None, help=text)
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``accelerate launch``'s flags to ``parser`` (script and its arguments last)."""
+    parser.add_argument("--config_file", default=None,
+                        help="The config file whose values are the defaults of the flags below.")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="Run the script as a Python module, as `python -m` does.")
+    parser.add_argument("--no_python", action="store_true",
+                        help="Run the script directly, without `python` (for non-Python scripts).")
+    parser.add_argument("--debug", action="store_true", default=None,
+                        help="Full torch.distributed stack traces on failure; FNACCEL_DEBUG_MODE=1 "
+                             "in the script (collectives check shapes across ranks).")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="Silence the launcher's own log lines; only the relevant traceback shows.")
+
+    hardware = parser.add_argument_group("Hardware selection arguments")
+    _add(hardware, "--cpu", None, "Train on the CPU even when GPUs are available.")
+    _add(hardware, "--multi_gpu", None, "Distributed training over GPUs.")
+
+    resources = parser.add_argument_group("Resource selection arguments")
+    resources.add_argument("--mixed_precision", choices=("no", "fp16", "bf16", "fp8"), default=None,
+                           help="Mixed precision: no, fp16 or bf16 (fp8 is refused: no FP8 engine).")
+    _add(resources, "--num_processes", int, "Total number of processes, over all machines.")
+    _add(resources, "--num_machines", int, "Number of machines.")
+    _add(resources, "--num_cpu_threads_per_process", int,
+         "OMP_NUM_THREADS for each process (default: this machine's cores over its processes).")
+    _add(resources, "--enable_cpu_affinity", None, "Pin each local process to its own share of the CPUs.")
+
+    paradigm = parser.add_argument_group("Training paradigm arguments")
+    _add(paradigm, "--use_fsdp", None, "Shard the model with FSDP2 (fa.fsdp) in the default pipeline.")
+
+    cluster = parser.add_argument_group("Distributed GPU arguments")
+    _add(cluster, "--gpu_ids", str, "Comma-separated GPU ids this machine uses (CUDA_VISIBLE_DEVICES).")
+    _add(cluster, "--same_network", None, "All machines are on one local network (torchrun needs no "
+                                          "setting for it; accepted for config compatibility).")
+    _add(cluster, "--machine_rank", int, "The rank of this machine.")
+    _add(cluster, "--main_process_ip", str, "The IP address of the machine of rank 0.")
+    _add(cluster, "--main_process_port", int, "The port of the machine of rank 0.")
+    cluster.add_argument("-t", "--tee", default=None,
+                         help="Tee the processes' std streams into the log files as well as the "
+                              "console (torchrun's --tee: 0 none, 1 stdout, 2 stderr, 3 both).")
+    _add(cluster, "--log_dir", str, "Base directory of torchrun's per-process log files.")
+    _add(cluster, "--role", str, "User-defined role of the workers.")
+    cluster.add_argument("--rdzv_backend", default=None,
+                         help="Rendezvous: static (default) or c10d (or etcd).")
+    _add(cluster, "--rdzv_conf", str, "Extra rendezvous configuration (<key1>=<value1>,...).")
+    _add(cluster, "--max_restarts", int, "Restarts of the worker group before the launch fails.")
+    _add(cluster, "--monitor_interval", float, "Seconds between checks of the workers' state.")
+
+    fsdp = parser.add_argument_group("FSDP arguments (with --use_fsdp or a config's fsdp_config)")
+    for flag, kind, text in FSDP_FLAGS:
+        _add(fsdp, flag, kind, text)
+    dynamo = parser.add_argument_group("TorchDynamo arguments")
+    for flag, kind, text in DYNAMO_FLAGS:
+        _add(dynamo, flag, kind, text)
+    for title, why, flags in _REFUSED:
+        group = parser.add_argument_group(f"{title} (refused: {why})")
+        for flag, kind, text in flags:
+            _add(group, flag, kind, text)
+
+    parser.add_argument("training_script",
+                        help="The script (or module with -m) to launch in every process.")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                        help="Arguments of the training script.")
+
+
+def refused_flags(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """``(flag, why)`` for each flag given for an engine this build does not ship."""
+    for _, why, flags in _REFUSED:
+        for flag, _, _ in flags:
+            if getattr(args, flag.lstrip("-"), None) is not None:
+                yield flag, why

@@ -1,0 +1,299 @@
+"""`fnaccel launch`: real torchrun launches of tests/commands/_launched.py, the flags, the errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fnaccel.commands.launch import launch_environment, resolve, torchrun_arguments
+from fnaccel.commands.main import build_parser, main
+
+SCRIPT = Path(__file__).with_name("_launched.py")
+
+
+def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fnaccel", "launch", "-q", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def report(out: Path) -> list[dict[str, Any]]:
+    return json.loads((out / "report.json").read_text())
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(out / "final" / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    left, right = weights(a), weights(b)
+    assert left.keys() == right.keys()
+    for name in left:
+        assert torch.equal(left[name], right[name]), name
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 gloo processes from a config file's values, one of them overridden by a flag."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    config = root / "config.yaml"
+    config.write_text("use_cpu: true\nnum_processes: 2\nmixed_precision: fp16\ndistributed_type: MULTI_CPU\n")
+    out = root / "out"
+    out.mkdir()
+    result = launch("--config_file", str(config), "--mixed_precision", "no", str(SCRIPT), str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_config_file_values_reach_the_script_and_flags_win(uninterrupted: Path) -> None:
+    ranks = report(uninterrupted)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for seen in ranks:
+        assert seen["num_processes"] == 2 and seen["backend"] == "gloo" and seen["device"] == "cpu"
+        assert seen["mixed_precision"] == "no"  # the flag beat the file's fp16
+        assert seen["pipeline"] == "compose(ddp())" and seen["steps"] == 16
+
+
+def test_config_default_then_launch_uses_its_values(tmp_path: Path) -> None:
+    config = tmp_path / "default.yaml"
+    assert main(["config", "default", "--config_file", str(config), "--mixed_precision", "bf16"]) == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    result = launch(
+        "--config_file", str(config), "--num_processes", "2", "--use_fsdp",
+        "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "--enable_cpu_affinity",
+        "--num_cpu_threads_per_process", "1", "--debug", str(SCRIPT), str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    ranks = report(out)
+    for seen in ranks:
+        assert seen["mixed_precision"] == "bf16"  # from `config default`
+        assert seen["device"] == "cpu" and seen["num_processes"] == 2  # use_cpu from the file, 2 from the flag
+        assert "fsdp(reshard_after_forward=False)" in seen["pipeline"], seen["pipeline"]
+        assert seen["debug"] is True and seen["omp_threads"] == "1"
+    if len(os.sched_getaffinity(0)) >= 2:  # each process pinned to its own share
+        assert not set(ranks[0]["affinity"]) & set(ranks[1]["affinity"])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_two_machines_form_one_world(tmp_path: Path, uninterrupted: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    port = str(free_port())
+    machines = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_machines", "2",
+             "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+             "--main_process_port", port, str(SCRIPT), str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for rank in (0, 1)
+    ]
+    for machine in machines:
+        _, stderr = machine.communicate(timeout=240)
+        assert machine.returncode == 0, stderr
+    ranks = report(out)
+    assert [(r["rank"], r["node_rank"], r["num_nodes"], r["num_processes"]) for r in ranks] == [
+        (0, 0, 2, 2), (1, 1, 2, 2)]
+    assert_same_weights(out, uninterrupted)  # the same training as 2 processes on one machine
+
+
+def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path: Path, uninterrupted: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    result = launch("--cpu", "--num_processes", "2", "--max_restarts", "1", "--monitor_interval", "0.2",
+                    str(SCRIPT), str(out), "--kill-after-checkpoint")
+    assert result.returncode == 0, result.stderr
+    assert "exitcode: -9" in result.stderr  # rank 1 really died once
+    ranks = report(out)
+    assert all(r["restarts"] == 1 and r["resumed"] for r in ranks)
+    assert_same_weights(out, uninterrupted)
+
+
+def test_a_failing_script_gives_its_exit_status(tmp_path: Path) -> None:
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    result = launch("--cpu", str(script))
+    assert result.returncode == 3
+    assert "rank 0 exited with code 3" in result.stderr
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("num_processes: [2\n", "malformed YAML at line"),
+    ("num_proceses: 2\n", "unknown key 'num_proceses'"),
+    ("num_processes: two\n", "key 'num_processes' must be int"),
+    ("fsdp_config: {fsdp_sharding_strategy: 9}\ndistributed_type: FSDP\n", "key 'fsdp_sharding_strategy'"),
+])
+def test_bad_config_files_give_one_line_and_exit_2(tmp_path: Path, text: str, message: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    result = launch("--config_file", str(config), str(SCRIPT), str(tmp_path), timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert message in lines[0] and str(config) in lines[0]
+
+
+def parse(*argv: str) -> Any:
+    return build_parser().parse_args(["launch", *argv, "train.py", "--lr", "1"])
+
+
+@pytest.mark.parametrize("flag", [
+    ["--use_deepspeed"], ["--zero_stage", "2"], ["--use_megatron_lm"], ["--megatron_lm_tp_degree", "2"],
+    ["--tpu"], ["--main_training_function", "main"], ["--fp8_backend", "te"],
+    ["--aws_access_key_id", "x"], ["--ipex"], ["--use_xpu"],
+])
+def test_flags_of_engines_not_shipped_are_refused(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", *flag, str(SCRIPT)]) == 2
+    err = capsys.readouterr().err
+    assert flag[0] in err and "this build" in err and len(err.strip().splitlines()) == 1
+
+
+def test_fp8_and_engines_in_the_config_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--mixed_precision", "fp8", str(SCRIPT)]) == 2
+    assert "no FP8 engine" in capsys.readouterr().err
+    config = tmp_path / "ds.yaml"
+    config.write_text("distributed_type: DEEPSPEED\n")
+    assert main(["launch", "--config_file", str(config), str(SCRIPT)]) == 2
+    assert "DeepSpeed" in capsys.readouterr().err
+    assert main(["launch", "--cpu", "--multi_gpu", str(SCRIPT)]) == 2
+    assert "contradict" in capsys.readouterr().err
+    assert main(["launch", "--cpu", str(tmp_path / "missing.py")]) == 2
+    assert "no such script" in capsys.readouterr().err
+
+
+def test_torchrun_arguments() -> None:
+    args = parse("--cpu", "--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
+                 "--main_process_ip", "10.0.0.1", "--main_process_port", "1234", "--max_restarts", "2",
+                 "--tee", "3", "--log_dir", "logs", "--role", "trainer", "--monitor_interval", "0.5")
+    assert torchrun_arguments(args, resolve(args)) == [
+        "--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1",
+        "--master_port", "1234", "--max_restarts", "2", "--monitor_interval", "0.5", "--role", "trainer",
+        "--tee", "3", "--log_dir", "logs", "train.py", "--lr", "1"]
+    args = parse("--num_processes", "4", "--num_machines", "2", "--rdzv_backend", "c10d",
+                 "--main_process_ip", "h", "--main_process_port", "9", "--rdzv_conf", "a=1", "-m")
+    assert torchrun_arguments(args, resolve(args))[:10] == [
+        "--nproc_per_node", "2", "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:9",
+        "--rdzv_conf", "a=1"]
+    assert "--module" in torchrun_arguments(args, resolve(args))
+    args = parse("--num_processes", "3")
+    assert torchrun_arguments(args, resolve(args))[:3] == ["--nproc_per_node", "3", "--standalone"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--num_processes", "3", "--num_machines", "2", "--main_process_ip", "h", "--main_process_port", "1"],
+     "must divide evenly"),
+    (["--num_processes", "2", "--num_machines", "2"], "needs --main_process_ip and --main_process_port"),
+    (["--num_processes", "2", "--num_machines", "2", "--machine_rank", "2", "--main_process_ip", "h",
+      "--main_process_port", "1"], "--machine_rank 2 is outside 0..1"),
+])
+def test_inconsistent_machine_flags(argv: list[str], message: str) -> None:
+    from fnaccel.commands.main import CommandError
+
+    args = parse(*argv)
+    with pytest.raises(CommandError, match=message):
+        torchrun_arguments(args, resolve(args))
+
+
+def test_the_environment_the_script_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fnaccel as fa
+    from fnaccel.train import default_pipeline
+
+    config = tmp_path / "c.yaml"
+    config.write_text(textwrap.dedent("""\
+        distributed_type: FSDP
+        fsdp_config: {fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, fsdp_transformer_layer_cls_to_wrap: Block}
+        dynamo_config: {dynamo_backend: EAGER}
+    """))
+    args = parse("--config_file", str(config), "--cpu", "--fsdp_offload_params", "false",
+                 "--dynamo_use_fullgraph", "--gpu_ids", "0,1", "--num_cpu_threads_per_process", "2")
+    env = launch_environment(args, resolve(args))
+    assert env["FNACCEL_USE_FSDP"] == "true" and env["FNACCEL_FSDP_OFFLOAD_PARAMS"] == "false"
+    assert env["FNACCEL_FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP"] == "Block"
+    assert env["FNACCEL_DYNAMO_BACKEND"] == "EAGER" and env["FNACCEL_DYNAMO_USE_FULLGRAPH"] == "true"
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["OMP_NUM_THREADS"] == "2"
+    assert env["FNACCEL_USE_CPU"] == "true" and env["FNACCEL_MIXED_PRECISION"] == "no"
+    assert env["FNACCEL_CONFIG_FILE"] == str(config.resolve())
+    # what fa.init makes of it (a world of one: ddp/fsdp are left out, compile is not)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    state = fa.init()
+    assert state.config.distributed_type == "FSDP"
+    assert state.config.fsdp_config["fsdp_offload_params"] == "false"
+    assert repr(default_pipeline(state)) == "compose(compile(backend='eager', fullgraph=True))"
+
+
+def _help(*argv: str) -> str:
+    parser = build_parser()
+    for name in argv:
+        sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+        parser = sub.choices[name]  # type: ignore[attr-defined]
+    return parser.format_help()
+
+
+# accelerate launch's flags, from the reference page (docs/cli.md maps each)
+ACCELERATE_LAUNCH_FLAGS = """
+--config_file -m --module --no_python --debug -q --quiet --cpu --multi_gpu --tpu --ipex
+--mixed_precision --num_processes --num_machines --num_cpu_threads_per_process --enable_cpu_affinity
+--use_deepspeed --use_fsdp --use_megatron_lm --use_xpu --gpu_ids --same_network --machine_rank
+--main_process_ip --main_process_port -t --tee --log_dir --role --rdzv_backend --rdzv_conf --max_restarts
+--monitor_interval --tpu_cluster --tpu_use_sudo --vm --env --main_training_function --downcast_bf16
+--deepspeed_config_file --zero_stage --offload_optimizer_device --offload_param_device
+--offload_optimizer_nvme_path --gradient_accumulation_steps --gradient_clipping --zero3_init_flag
+--zero3_save_16bit_model --deepspeed_hostfile --deepspeed_exclusion_filter --deepspeed_inclusion_filter
+--deepspeed_multinode_launcher --deepspeed_moe_layer_cls_names --fsdp_offload_params --fsdp_min_num_params
+--fsdp_sharding_strategy --fsdp_auto_wrap_policy --fsdp_transformer_layer_cls_to_wrap
+--fsdp_backward_prefetch_policy --fsdp_state_dict_type --fsdp_forward_prefetch --fsdp_use_orig_params
+--fsdp_cpu_ram_efficient_loading --fsdp_sync_module_states --fsdp_activation_checkpointing
+--megatron_lm_tp_degree --megatron_lm_pp_degree --megatron_lm_num_micro_batches
+--megatron_lm_sequence_parallelism --megatron_lm_recompute_activations
+--megatron_lm_use_distributed_optimizer --megatron_lm_gradient_clipping --fp8_backend
+--fp8_use_autocast_during_eval --fp8_margin --fp8_interval --fp8_format --fp8_amax_history_len
+--fp8_amax_compute_algo --fp8_override_linear_precision --fp8_opt_level --aws_access_key_id
+--aws_secret_access_key --dynamo_backend --dynamo_mode --dynamo_use_fullgraph --dynamo_use_dynamic
+""".split()
+
+
+def test_launch_help_lists_every_accelerate_flag() -> None:
+    text = _help("launch")
+    missing = [flag for flag in ACCELERATE_LAUNCH_FLAGS if f"{flag} " not in text and f"{flag}," not in text
+               and f"{flag}\n" not in text]
+    assert not missing
+
+
+def test_every_help_lists_every_flag_of_its_parser() -> None:
+    def walk(parser: Any, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+        found = [(path, parser)]
+        for action in parser._actions:
+            if action.__class__.__name__ == "_SubParsersAction":
+                for name, child in action.choices.items():
+                    found += walk(child, (*path, name))
+        return found
+
+    parsers = walk(build_parser(), ())
+    names = {path[0] for path, _ in parsers if path}
+    assert {"config", "env", "launch", "test", "estimate-memory", "merge-weights", "tpu-config"} <= names
+    for path, parser in parsers:
+        text = parser.format_help()
+        for action in parser._actions:
+            for option in action.option_strings:
+                assert option in text, (path, option)
+    top = subprocess.run([sys.executable, "-m", "fnaccel", "--help"], capture_output=True, text=True)
+    assert top.returncode == 0 and all(name in top.stdout for name in names)

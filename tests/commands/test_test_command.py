@@ -1,0 +1,188 @@
+"""``fnaccel test`` and the check script it launches (`fnaccel.commands.test_script`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import fnaccel as fa
+from fnaccel.commands import launch, test_script
+from fnaccel.commands.main import main
+from fnaccel.commands.test import SCRIPT
+from fnaccel.commands.test_script import CheckFailed, CheckResult, CheckSkipped, run_checks
+
+NAMES = [name for name, _ in test_script.CHECKS]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _report_lines(out: str) -> dict[str, str]:
+    """check name -> its outcome, from the printed report."""
+    lines = {}
+    for line in out.splitlines():
+        for name in NAMES:
+            if line.startswith(f"  {name} ."):
+                lines[name] = line.split(". ", 1)[1].lstrip(".").strip()
+    return lines
+
+
+# ---- the script --------------------------------------------------------------------------------
+
+
+def test_the_script_passes_every_check_in_a_world_of_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert test_script.main() == 0
+    lines = _report_lines(capsys.readouterr().out)
+    assert set(lines) == set(NAMES)
+    assert all(outcome.startswith("ok") for name, outcome in lines.items() if name != "mixed precision")
+    assert lines["mixed precision"].startswith("skipped: not configured")
+    assert lines["training vs PyTorch"] == "ok (4 steps, parameters bit-identical to plain PyTorch)"
+
+
+def test_mixed_precision_is_checked_when_the_launch_configures_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FNACCEL_MIXED_PRECISION", "bf16")
+    assert test_script.main() == 0
+    out = capsys.readouterr().out
+    assert _report_lines(out)["mixed precision"].startswith("ok (compose(autocast(dtype=torch.bfloat16))")
+    assert out.rstrip().endswith("All 11 checks passed.")
+
+
+def test_a_failing_check_is_reported_and_the_exit_status_is_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FNACCEL_MIXED_PRECISION", "fp8")  # accepted by fa.init; no engine to run it
+    assert test_script.main() == 1
+    captured = capsys.readouterr()
+    lines = _report_lines(captured.out)
+    assert lines["mixed precision"].startswith("FAILED: ValueError: fp8 needs an FP8 engine")
+    assert all(lines[name].startswith("ok") for name in NAMES if name != "mixed precision")
+    assert captured.out.rstrip().endswith("1 of 11 checks FAILED.")
+    assert "[rank 0] check 'mixed precision' failed:" in captured.err and "Traceback" in captured.err
+
+
+def _fails() -> str:
+    raise CheckFailed("expected 1, got 2")
+
+
+def _skips() -> str:
+    raise CheckSkipped("not here")
+
+
+def test_run_checks_turns_outcomes_into_report_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    state = fa.init(cpu=True)
+    results = run_checks(state, [
+        ("works", lambda state: "fine"),
+        ("breaks", lambda state: _fails()),
+        ("does not apply", lambda state: _skips()),
+    ])
+    assert results == [
+        CheckResult(name="works", status="ok", detail="fine"),
+        CheckResult(name="breaks", status="FAILED", detail="CheckFailed: expected 1, got 2"),
+        CheckResult(name="does not apply", status="skipped", detail="not here"),
+    ]
+    assert results[1].line() == "  breaks ................... FAILED: CheckFailed: expected 1, got 2"
+    report = test_script.format_report(state, results)
+    assert report.splitlines()[0].startswith("fnaccel installation check: 1 process(es), device cpu")
+    assert report.endswith("1 of 3 checks FAILED.")
+    assert "check 'breaks' failed" in capsys.readouterr().err
+
+
+def _fails_on_rank_1(state: fa.RunState) -> str:
+    if state.dist.rank == 1:
+        raise RuntimeError("only rank 1 sees this")
+    return "fine here"
+
+
+def _checks_with_one_rank_failing(state: fa.RunState) -> list[CheckResult]:
+    checks = [("lopsided", _fails_on_rank_1), ("process group", test_script.check_process_group)]
+    return run_checks(state, checks)
+
+
+def test_a_failure_on_one_rank_is_reported_on_every_rank(world2: Any) -> None:
+    for lopsided, group in world2.run(_checks_with_one_rank_failing):
+        assert lopsided == CheckResult(name="lopsided", status="FAILED",
+                                       detail="rank 1: RuntimeError: only rank 1 sees this")
+        assert group.status == "ok" and "2 processes" in group.detail
+
+
+def test_the_script_passes_every_check_under_torchrun() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **ENV},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = _report_lines(result.stdout)
+    assert set(lines) == set(NAMES), result.stdout
+    assert all(lines[name].startswith("ok") for name in NAMES if name != "mixed precision"), result.stdout
+    assert lines["process group"] == "ok (2 processes on 1 machine(s), backend gloo, device cpu)"
+    assert result.stdout.count("fnaccel installation check") == 1  # the main process reports
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+
+def _fake_launch(monkeypatch: pytest.MonkeyPatch, status: int) -> list[Sequence[str]]:
+    calls: list[Sequence[str]] = []
+
+    def run_launch(argv: Sequence[str]) -> int:
+        calls.append(list(argv))
+        return status
+
+    monkeypatch.setattr(launch, "run_launch", run_launch)
+    return calls
+
+
+def test_launch_flags_pass_through_in_order_with_the_config_file_first(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls = _fake_launch(monkeypatch, 0)
+    assert main(["test", "--cpu", "--config_file", "c.yaml", "--num_processes", "2",
+                 "--mixed_precision=bf16"]) == 0
+    assert calls == [["--config_file", "c.yaml", "--cpu", "--num_processes", "2", "--mixed_precision=bf16",
+                      str(SCRIPT)]]
+    assert "Test is a success!" in capsys.readouterr().out
+    assert main(["test"]) == 0
+    assert calls[1] == [str(SCRIPT)]
+
+
+def test_a_failed_check_run_returns_its_status(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_launch(monkeypatch, 1)
+    assert main(["test", "--cpu"]) == 1
+    captured = capsys.readouterr()
+    assert "Test is a success" not in captured.out
+    assert "fnaccel test: the installation check failed (exit status 1)" in captured.err
+
+
+def test_a_launch_usage_error_is_launchs_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["test", "--cpu", "--mixed_precision", "fp8"]) == 2  # refused before any process starts
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fnaccel launch: error:") and "fp8" in lines[0]
+
+
+def test_help_says_where_other_flags_go(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["test", "--help"])
+    out = capsys.readouterr().out
+    assert "--config_file" in out and "fnaccel launch" in out
+
+
+def test_fnaccel_test_end_to_end_on_two_cpu_processes(tmp_path: Path) -> None:
+    """Needs `fnaccel.commands.launch.run_launch`."""
+    result = subprocess.run(
+        [sys.executable, "-m", "fnaccel", "test", "--cpu", "--num_processes", "2"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **ENV}, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "All 10 checks passed (1 skipped)." in result.stdout
+    assert "ok (2 processes on 1 machine(s), backend gloo, device cpu)" in result.stdout
+    assert "Test is a success! You are ready for your distributed training!" in result.stdout
