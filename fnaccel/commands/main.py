@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         usage="fnaccel <command> [<args>]",
         description="Launch and manage fnaccel training runs (the `accelerate` commands, same flags).",
     )
-    subparsers = parser.add_subparsers(title="commands", metavar="<command>")
+    subparsers = parser.add_subparsers(title="commands", metavar="<command>", prog="fnaccel")
     for name in _COMMANDS:
         importlib.import_module(f"fnaccel.commands.{name}").register(subparsers)
     return parser
