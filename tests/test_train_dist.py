@@ -199,6 +199,12 @@ def train_fsdp_variant(state: fa.RunState, variant: str) -> dict[str, Any]:
         return {"error": None}
     if variant == "min_size":
         parts = [fa.fsdp(min_num_params=50)]
+    elif variant == "sync":  # only rank 0 holds the real weights; the others hold noise
+        if rank != 0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_()
+        parts = [fa.fsdp(transformer_cls_names_to_wrap=["Block"], sync_module_states=True)]
     else:
         parts = [fa.autocast(fa.bf16), fa.fsdp(transformer_cls_names_to_wrap=["Block"])]
     state = fa.prepare(state, model, opt, loss_fn=loss_fn, pipeline=fa.compose(*parts))
@@ -227,9 +233,10 @@ def test_fsdp_by_size_with_bf16_policy_and_offload_refused_on_cpu(world2: Any) -
     expected = reference()
     for result in world2.run(train_fsdp_variant, "offload"):  # needs CUDA: a clear error here
         assert "run computes on the CPU already" in result["error"]
-    for result in world2.run(train_fsdp_variant, "min_size"):
-        for p, q in zip(result["params"], expected):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
+    for variant in ("min_size", "sync"):
+        for result in world2.run(train_fsdp_variant, variant):
+            for p, q in zip(result["params"], expected):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
     for result in world2.run(train_fsdp_variant, "bf16"):
         assert not result["patched_forward"]  # the precision went into MixedPrecisionPolicy
         assert result["param_dtype"] == "torch.float32"  # sharded master weights stay fp32

@@ -29,8 +29,8 @@ FSDP_FLAGS: tuple[Flag, ...] = (
     ("--fsdp_state_dict_type", str, "SHARDED_STATE_DICT or FULL_STATE_DICT."),
     ("--fsdp_forward_prefetch", str, "(true|false) explicit forward prefetch (true is refused)."),
     ("--fsdp_use_orig_params", str, "(true|false) FSDP2 always keeps the original parameters."),
-    ("--fsdp_cpu_ram_efficient_loading", str, "(true|false) load on rank 0 only (true is refused)."),
-    ("--fsdp_sync_module_states", str, "(true|false) broadcast rank 0's weights (true is refused)."),
+    ("--fsdp_cpu_ram_efficient_loading", str, "(true|false) real weights on rank 0 only (needs sync)."),
+    ("--fsdp_sync_module_states", str, "(true|false) broadcast rank 0's weights before sharding."),
     ("--fsdp_activation_checkpointing", str, "(true|false) activation checkpointing (true is refused)."),
 )
 

@@ -102,12 +102,27 @@ def _wrap_targets(
     return targets
 
 
+def _broadcast_from_first_rank(model: nn.Module, ctx: DistContext) -> None:
+    import torch.distributed as dist
+
+    first = dist.get_global_rank(ctx.process_group, 0)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise ValueError(
+                f"fsdp(sync_module_states=True): '{name}' is on the meta device; every rank needs "
+                "real tensors of the right shapes to receive rank 0's values (e.g. torch.empty)"
+            )
+        with torch.no_grad():
+            dist.broadcast(tensor.data, src=first, group=ctx.process_group)
+
+
 def fsdp(
     *,
     transformer_cls_names_to_wrap: tuple[str, ...] | list[str] = (),
     min_num_params: int | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    sync_module_states: bool = False,
 ) -> Transform:
     """Shard the model over the ranks with FSDP2's `fully_shard`.
 
@@ -119,6 +134,8 @@ def fsdp(
         reshard_after_forward: free the gathered parameters after forward.
         cpu_offload: keep the sharded parameters, gradients and optimizer
             state on the CPU (`CPUOffloadPolicy`).
+        sync_module_states: before sharding, give every rank rank 0's
+            parameters and buffers (so weights need loading on rank 0 only).
 
     Under ``autocast``, the precision becomes FSDP2's `MixedPrecisionPolicy`
     (parameters in that dtype for compute, gradients reduced in fp32, outputs
@@ -155,6 +172,8 @@ def fsdp(
                 param_dtype=forward.dtype, reduce_dtype=torch.float32, output_dtype=torch.float32
             )
         assert ctx.process_group is not None  # a world larger than one has a group
+        if sync_module_states:
+            _broadcast_from_first_rank(model, ctx)
         shard_options: dict[str, Any] = {
             "mesh": DeviceMesh.from_group(ctx.process_group, ctx.device.type),
             "reshard_after_forward": reshard_after_forward,
@@ -176,6 +195,7 @@ def fsdp(
         + (options(min_num_params=min_num_params) if min_num_params is not None else ())
         + (options(reshard_after_forward=False) if not reshard_after_forward else ())
         + (options(cpu_offload=True) if cpu_offload else ())
+        + (options(sync_module_states=True) if sync_module_states else ())
     )
     return Transform(
         name="fsdp",

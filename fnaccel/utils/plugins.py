@@ -81,8 +81,11 @@ class FullyShardedDataParallelPlugin:
 
     ``sharding_strategy`` FULL_SHARD and SHARD_GRAD_OP become
     ``reshard_after_forward`` True and False; ``fsdp_version`` 1 configs run
-    on FSDP2 (fnaccel ships no FSDP1). Options without an FSDP2 counterpart
-    in this build are refused when the plugin is built.
+    on FSDP2 (fnaccel ships no FSDP1). ``sync_module_states`` broadcasts rank
+    0's weights before sharding; ``cpu_ram_efficient_loading`` (which needs it)
+    means the script loads real weights on rank 0 only, into a model of the
+    right shapes on the other ranks. Options without an FSDP2 counterpart in
+    this build are refused when the plugin is built.
 
     >>> plugin = FullyShardedDataParallelPlugin.from_config(
     ...     {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
@@ -174,12 +177,12 @@ class FullyShardedDataParallelPlugin:
             raise _refuse("fsdp_backward_prefetch", source,
                           f"{self.backward_prefetch} has no FSDP2 counterpart; FSDP2 prefetches "
                           "the next module in backward (BACKWARD_PRE): use that or leave it out")
+        if self.cpu_ram_efficient_loading and not self.sync_module_states:
+            raise _refuse("fsdp_sync_module_states", source,
+                          "fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states true: only "
+                          "rank 0's weights are real, and the others receive them")
         for flag, why in (
             ("forward_prefetch", "explicit forward prefetching is not built"),
-            ("sync_module_states", "broadcasting rank 0's weights at wrap time is not built; "
-                                   "load the same weights on every rank"),
-            ("cpu_ram_efficient_loading", "loading on rank 0 only is not built; "
-                                          "load the weights on every rank"),
             ("activation_checkpointing", "activation checkpointing is not built; wrap blocks "
                                          "with torch.utils.checkpoint in the model"),
         ):
@@ -200,6 +203,7 @@ class FullyShardedDataParallelPlugin:
             min_num_params=self.min_num_params if wrap in (None, "SIZE_BASED_WRAP") else None,
             reshard_after_forward=reshard,
             cpu_offload=self.cpu_offload,
+            sync_module_states=self.sync_module_states,
         )
 
 

@@ -1,0 +1,120 @@
+"""FullyShardedDataParallelPlugin and TorchDynamoPlugin: Accelerate's config sections, validated."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import fnaccel as fa
+from fnaccel.config import load_config, with_launch_env
+from fnaccel.utils import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+from fnaccel.utils.plugins import plugin_env, section_from_env
+
+# what `accelerate config` writes for FSDP (accelerate 1.x)
+ACCELERATE_FSDP_FILE = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch: BACKWARD_PRE
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_forward_prefetch: false
+  fsdp_offload_params: false
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_sync_module_states: true
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_use_orig_params: true
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def test_an_accelerate_fsdp_config_becomes_fsdp2(tmp_path: Path) -> None:
+    path = tmp_path / "default_config.yaml"
+    path.write_text(ACCELERATE_FSDP_FILE)
+    config = load_config(path)
+    plugin = FullyShardedDataParallelPlugin.from_config(config.fsdp_config)
+    assert plugin.transformer_cls_names_to_wrap == ("LlamaDecoderLayer",)
+    assert plugin.sync_module_states and plugin.cpu_ram_efficient_loading
+    assert repr(plugin.transform()) == (
+        "fsdp(transformer_cls_names_to_wrap=('LlamaDecoderLayer',), sync_module_states=True)")
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ({"fsdp_sharding_strategy": "NO_SHARD"}, "NO_SHARD is not built"),
+    ({"fsdp_sharding_strategy": 4}, "HYBRID_SHARD is not built"),
+    ({"fsdp_sharding_strategy": 0}, "must be 1-5"),
+    ({"fsdp_offload_params": "maybe"}, "key 'fsdp_offload_params' must be true or false"),
+    ({"fsdp_min_num_params": "many"}, "key 'fsdp_min_num_params' must be an integer"),
+    ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}, "needs the layer class names"),
+    ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, "needs fsdp_min_num_params"),
+    ({"fsdp_backward_prefetch": "BACKWARD_POST"}, "no FSDP2 counterpart"),
+    ({"fsdp_cpu_ram_efficient_loading": True}, "needs fsdp_sync_module_states true"),
+    ({"fsdp_activation_checkpointing": True}, "activation checkpointing is not built"),
+    ({"fsdp_forward_prefetch": "true"}, "explicit forward prefetching is not built"),
+    ({"fsdp_shard_everything": True}, "unknown key 'fsdp_shard_everything'"),
+])
+def test_fsdp_options_this_build_cannot_honour_are_refused_by_key(section: dict[str, object], message: str) -> None:
+    with pytest.raises(fa.ConfigError, match=message) as info:
+        FullyShardedDataParallelPlugin.from_config(section, "c.yaml: fsdp_config")
+    assert str(info.value).startswith("c.yaml: fsdp_config")
+
+
+def test_sharding_strategies_and_wrapping() -> None:
+    plugin = FullyShardedDataParallelPlugin.from_config(
+        {"fsdp_sharding_strategy": "2", "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+         "fsdp_min_num_params": "1000", "fsdp_offload_params": "true", "fsdp_version": 1,
+         "fsdp_transformer_layer_cls_to_wrap": "A,B"})
+    # SIZE_BASED_WRAP: the class names are not used
+    assert repr(plugin.transform()) == "fsdp(min_num_params=1000, reshard_after_forward=False, cpu_offload=True)"
+    explicit = FullyShardedDataParallelPlugin.from_config({"fsdp_reshard_after_forward": False})
+    assert repr(explicit.transform()) == "fsdp(reshard_after_forward=False)"
+
+
+def test_dynamo_plugin() -> None:
+    assert TorchDynamoPlugin.from_config({}).transform() is None
+    assert TorchDynamoPlugin.from_config({"dynamo_backend": "NO"}).transform() is None
+    plugin = TorchDynamoPlugin.from_config({"dynamo_backend": "eager", "dynamo_mode": "max-autotune",
+                                            "dynamo_use_dynamic": "true"})
+    assert repr(plugin.transform()) == "compile(backend='eager', mode='max-autotune', dynamic=True)"
+    for section, message in (({"dynamo_backend": "TURBO"}, "must be one of"),
+                             ({"dynamo_mode": "fastest"}, "key 'dynamo_mode'"),
+                             ({"dynamo_use_regional_compilation": True}, "regional compilation"),
+                             ({"dynamo_cache": 1}, "unknown key 'dynamo_cache'")):
+        with pytest.raises(fa.ConfigError, match=message):
+            TorchDynamoPlugin.from_config(section)
+
+
+def test_sections_round_trip_through_the_environment(tmp_path: Path) -> None:
+    section = {"fsdp_offload_params": False, "fsdp_transformer_layer_cls_to_wrap": ["A", "B"],
+               "fsdp_min_num_params": 10, "fsdp_mode": None}
+    env = plugin_env(section)
+    assert env == {"FNACCEL_FSDP_OFFLOAD_PARAMS": "false", "FNACCEL_FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP": "A,B",
+                   "FNACCEL_FSDP_MIN_NUM_PARAMS": "10"}
+    back = section_from_env("fsdp_", env)
+    plugin = FullyShardedDataParallelPlugin.from_config(back)
+    assert plugin.transformer_cls_names_to_wrap == ("A", "B") and plugin.min_num_params == 10
+    path = tmp_path / "c.yaml"
+    path.write_text(textwrap.dedent("""\
+        fsdp_config: {fsdp_offload_params: true, fsdp_version: 2}
+    """))
+    config = with_launch_env(load_config(path), {"FNACCEL_USE_FSDP": "1", **env})
+    assert config.distributed_type == "FSDP"
+    assert config.fsdp_config == {"fsdp_offload_params": "false", "fsdp_version": 2,
+                                  "fsdp_transformer_layer_cls_to_wrap": "A,B", "fsdp_min_num_params": "10"}
