@@ -77,6 +77,30 @@ def test_a_terminal_without_tqdm_gets_plain_lines(monkeypatch: pytest.MonkeyPatc
     assert len(lines) == 10 and all(_LINE.match(line) for line in lines)
 
 
+def test_a_loop_left_early_reports_where_it_stopped() -> None:
+    out = io.StringIO()
+    for item in progress(fa.init(cpu=True), range(20), desc="train", file=out):
+        if item == 5:
+            break  # items 0 to 4 done, as tqdm counts
+    lines = out.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["train: 2/20", "train: 4/20", "train: 5/20"]
+    out = io.StringIO()
+    with pytest.raises(RuntimeError, match="boom"):
+        for item in progress(fa.init(cpu=True), range(20), desc="train", file=out):
+            if item == 3:
+                raise RuntimeError("boom")
+    assert out.getvalue().splitlines()[-1].startswith("train: 3/20 (15%)")
+
+
+def test_a_loop_left_early_closes_the_tqdm_bar() -> None:
+    out = Terminal()
+    for item in progress(fa.init(cpu=True), range(20), desc="train", file=out):
+        if item == 5:
+            break
+    text = out.getvalue()
+    assert text.endswith("\n") and "5/20" in text.rsplit("\r", 1)[-1]  # the bar's last state, closed
+
+
 @pytest.mark.parametrize("file", [io.StringIO(), Terminal()], ids=["plain", "terminal"])
 def test_other_processes_iterate_silently(file: io.StringIO, capsys: pytest.CaptureFixture[str]) -> None:
     state = fa.init(cpu=True)

@@ -21,6 +21,7 @@ from fnaccel.tracking import (
     init_trackers,
     log,
 )
+from fnaccel.tracking.values import _to_cpu_at_once, read_values
 
 _READS = frozenset({
     torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.__float__,
@@ -28,14 +29,14 @@ _READS = frozenset({
 })
 
 
-def _counting_tensor_class() -> tuple[type[torch.Tensor], list[str]]:
-    """A tensor class that records every read of its values into host memory."""
+def _counting_tensor_class(counted: frozenset[Any] = _READS) -> tuple[type[torch.Tensor], list[str]]:
+    """A tensor class that records every read of its values into host memory (every call of ``counted``)."""
     reads: list[str] = []
 
     class Counted(torch.Tensor):
         @classmethod
         def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func in _READS:
+            if func in counted:
                 reads.append(func.__name__)
             return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -90,6 +91,26 @@ def test_log_reads_every_tensor_with_one_transfer(tmp_path: Path) -> None:
     end_training(state)
     first = _lines(tmp_path / "exp" / "metrics.jsonl")[0]
     assert (first["loss"], first["half"], first["steps"], first["nested"]) == (1.25, 0.5, 3, {"norm": 2.0})
+
+
+_ODD_VALUES = (2**40 + 1, True, -7, 0.1, 1 / 3, 1 / 3)
+_ODD_DTYPES = (torch.int64, torch.bool, torch.int8, torch.bfloat16, torch.float16, torch.float32)
+
+
+def test_values_can_cross_to_the_host_as_bytes_in_one_transfer() -> None:
+    # MPS has no float64, so there the values cross before the upcast, this way; checked on the CPU
+    Counted, moves = _counting_tensor_class(_READS | {torch.Tensor.cpu, torch.Tensor.to})
+    tensors = [torch.tensor(v, dtype=d).as_subclass(Counted) for v, d in zip(_ODD_VALUES, _ODD_DTYPES)]
+    host = _to_cpu_at_once(tensors)
+    assert moves == ["cpu"]
+    assert [(t.dtype, t.shape) for t in host] == [(d, torch.Size([])) for d in _ODD_DTYPES]
+    assert all(torch.equal(h.as_subclass(torch.Tensor), t.as_subclass(torch.Tensor)) for h, t in zip(host, tensors))
+
+
+@pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an MPS device")
+def test_values_on_mps_are_read_exactly() -> None:
+    tensors = {f"v{i}": torch.tensor(v, dtype=d) for i, (v, d) in enumerate(zip(_ODD_VALUES, _ODD_DTYPES))}
+    assert read_values({k: t.to("mps") for k, t in tensors.items()}) == read_values(tensors)
 
 
 def test_other_processes_open_nothing_and_read_nothing(tmp_path: Path) -> None:

@@ -57,8 +57,6 @@ __all__ = [
     "shard_checkpoint",
 ]
 
-# (suffix, bytes) in match order: the binary units before the decimal ones they end like
-_SIZE_UNITS = (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3))
 _PRIVATE = ".fnaccel-"  # staging and parked folders inside a save directory
 _SHARD_NAME = re.compile(re.escape(SAFE_MODEL_NAME) + r"-\d{5}-of-\d{5}\.safetensors")  # as shard_checkpoint names them
 
@@ -79,7 +77,7 @@ def _is_sharded(module: nn.Module) -> bool:
 
 
 def _read_index(index: Path) -> dict[str, Any]:
-    from fnaccel.modeling.loading import read_index
+    from fnaccel.modeling.checkpoint_files import read_index
 
     return read_index(index)
 
@@ -131,9 +129,10 @@ def shard_checkpoint(
     Args:
         state_dict: tensor names to tensors (tied names once: see `untie`).
         max_shard_size: bytes, or a size such as ``"10GB"``, ``"500MB"``,
-            ``"5GiB"``: KB/MB/GB are decimal (10^3, 10^6, 10^9), KiB/MiB/GiB
-            binary (2^10, 2^20, 2^30); as in transformers, a lowercase final
-            ``b`` means bits (``"8Mb"`` is 10^6 bytes).
+            ``"5GiB"``, read as `convert_file_size_to_int` reads ``max_memory``:
+            KB/MB/GB/TB are decimal (10^3 ... 10^12), KiB/MiB/GiB/TiB binary
+            (2^10 ... 2^40); as in transformers, a lowercase final ``b`` of a
+            decimal unit means bits (``"8Mb"`` is 10^6 bytes).
         weights_name: the file name of an unsharded checkpoint.
 
     Returns:
@@ -232,23 +231,17 @@ def save_model(
 
 
 def _size_in_bytes(size: int | str) -> int:
-    nbytes = 0
-    if isinstance(size, int) and not isinstance(size, bool):
-        nbytes = size
-    elif isinstance(size, str):
-        text = size.strip()
-        unit = next((u for u in _SIZE_UNITS if text.upper().endswith(u[0])), None)
-        if unit is not None:
-            try:
-                nbytes = int(float(text[: -len(unit[0])]) * unit[1])
-            except (ValueError, OverflowError):
-                nbytes = 0
-            if text.endswith("b") and unit[0] in ("GB", "MB", "KB"):
-                nbytes //= 8
+    # sizes read as max_memory's; imported here: `import fnaccel` never loads fnaccel.modeling
+    from fnaccel.modeling.memory_budget import convert_file_size_to_int
+
+    try:
+        nbytes = convert_file_size_to_int(size)
+    except ValueError:
+        nbytes = 0
     if nbytes <= 0:
         raise ValueError(
             f"max_shard_size must be a positive number of bytes or a size such as '10GB', "
-            f"'500MB' or '5GiB' (KB/MB/GB: powers of 10; KiB/MiB/GiB: powers of 2), got {size!r}"
+            f"'500MB' or '5GiB' (KB/MB/GB/TB: powers of 10; KiB/MiB/GiB/TiB: powers of 2), got {size!r}"
         )
     return nbytes
 

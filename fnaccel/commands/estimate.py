@@ -28,7 +28,6 @@ import importlib
 import json
 import os
 import re
-import struct
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -39,8 +38,9 @@ import torch
 from torch import nn
 
 from fnaccel.commands.main import CommandError
+from fnaccel.modeling.checkpoint_files import index_files, read_dtypes_and_shapes
 from fnaccel.modeling.empty import init_empty_weights
-from fnaccel.modeling.sizes import _largest_layer, compute_module_sizes, named_module_tensors
+from fnaccel.modeling.sizes import compute_module_sizes, largest_layer, named_module_tensors
 
 __all__ = ["create_empty_model", "register", "run"]
 
@@ -51,13 +51,6 @@ _AS: Mapping[str, str | torch.dtype] = MappingProxyType(
 # Peak of Adam training, in float32 model sizes (Accelerate's estimate_training_usage).
 _ADAM_PEAK = MappingProxyType({"float32": 4, "float16": 2})
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
-_SAFETENSORS_DTYPES = MappingProxyType({
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
-})
-_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
 
 
 def register(subparsers: Any) -> None:
@@ -95,6 +88,7 @@ def create_empty_model(model_name: str, library_name: str | None = None,
 
     Raises:
         CommandError: the model cannot be found or built locally; the message says why.
+        CheckpointError: an unreadable safetensors file or shard index.
     """
     path = Path(model_name)
     if path.exists():
@@ -118,7 +112,7 @@ def _local_model(path: Path, library_name: str | None, trust_remote_code: bool) 
         if (path / "config.json").is_file() and (library_name == "transformers" or not files):
             return _transformers_model(path, trust_remote_code)
         if len(indexes) == 1:
-            return _header_model(_index_files(indexes[0]))
+            return _header_model([file for file, _ in index_files(indexes[0])])
         if files:
             return _header_model(files)
         raise CommandError(f"{path} holds no *.safetensors file and no config.json: nothing to estimate")
@@ -127,7 +121,7 @@ def _local_model(path: Path, library_name: str | None, trust_remote_code: bool) 
     if path.suffix == ".json":
         data = _read_json(path)
         if "weight_map" in data:
-            return _header_model(_index_files(path))
+            return _header_model([file for file, _ in index_files(path)])
         return _transformers_model(path, trust_remote_code)
     raise CommandError(f"{path} is not a .safetensors file, a shard index or a config.json")
 
@@ -142,35 +136,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _index_files(index: Path) -> list[Path]:
-    weight_map = _read_json(index).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise CommandError(f"{index} has no 'weight_map' from tensor names to file names")
-    files = [index.parent / name for name in dict.fromkeys(weight_map.values())]
-    for file in files:
-        if not file.is_file():
-            raise CommandError(f"{index} maps tensors to {file.name}, which is missing from {index.parent}")
-    return files
-
-
-def _read_header(file: Path) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The name, dtype and shape of each tensor of a safetensors file, from its header alone."""
-    try:
-        with open(file, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8).ljust(8, b"\0"))
-            if not 0 < length <= min(_MAX_HEADER, os.fstat(handle.fileno()).st_size - 8):
-                raise ValueError(f"its header length {length} does not fit the file")
-            header = json.loads(handle.read(length))
-        entries = [(name, info["dtype"], tuple(int(d) for d in info["shape"]))
-                   for name, info in header.items() if name != "__metadata__"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CommandError(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc!r}") from None
-    unknown = sorted({dtype for _, dtype, _ in entries if dtype not in _SAFETENSORS_DTYPES})
-    if unknown:
-        raise CommandError(f"{file} holds tensors of dtypes {unknown}, which torch has no dtype for")
-    return [(name, _SAFETENSORS_DTYPES[dtype], shape) for name, dtype, shape in entries]
-
-
 class _Block(nn.Module):
     """A numbered module (``layers.3``) of a header-only model: a residual block, kept whole."""
 
@@ -179,7 +144,7 @@ def _header_model(files: Sequence[Path]) -> nn.Module:
     """A meta-device model with one parameter per tensor of ``files``, in modules named as the tensors are."""
     root = nn.Module()
     for file in files:
-        for name, dtype, shape in _read_header(file):
+        for name, (dtype, shape) in read_dtypes_and_shapes(file).items():
             *path, leaf = name.split(".")
             module = root
             for part in path:
@@ -262,7 +227,7 @@ def _sizes_as(model: nn.Module, dtype: str) -> tuple[int, int]:
     floats = {name: _AS[dtype] for name, tensor in named_module_tensors(model, recurse=True)
               if tensor.is_floating_point()}
     sizes = compute_module_sizes(model, special_dtypes=floats)
-    return _largest_layer(model, sizes)[0], sizes[""]
+    return largest_layer(model, sizes)[0], sizes[""]
 
 
 def _rows(model: nn.Module, dtypes: Sequence[str]) -> list[tuple[str, str, str, str]]:

@@ -6,15 +6,9 @@ weight is loaded (`init_empty_weights`, `compute_module_sizes`,
 re-exports them under Accelerate's names.
 """
 
-from fnaccel.modeling.device_map import (
-    check_device_map,
-    clean_device_map,
-    convert_file_size_to_int,
-    get_balanced_memory,
-    get_max_memory,
-    infer_auto_device_map,
-)
+from fnaccel.modeling.device_map import check_device_map, clean_device_map, infer_auto_device_map
 from fnaccel.modeling.empty import init_empty_weights, init_on_device
+from fnaccel.modeling.memory_budget import convert_file_size_to_int, get_balanced_memory, get_max_memory
 from fnaccel.modeling.sizes import (
     calculate_maximum_sizes,
     compute_module_sizes,

@@ -1,10 +1,11 @@
-"""Where each part of a model goes: memory budgets and device maps.
+"""Where each part of a model goes: device maps.
 
 A device map is a dict from module (or parameter) names to a device: a GPU
 index (``0``, ``1``...), ``"mps"``, ``"cpu"`` or ``"disk"``; ``""`` names the
 whole model. `infer_auto_device_map` computes one from module sizes alone
 (pure arithmetic: no device is touched, so a map for GPUs can be planned on a
-CPU-only machine), filling the GPUs in order, then the CPU, then the disk.
+CPU-only machine), filling the GPUs in order, then the CPU, then the disk,
+within the budgets of `fnaccel.modeling.memory_budget`.
 
 >>> from torch import nn
 >>> model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(4)])  # 440 bytes each
@@ -18,15 +19,19 @@ a layer on disk: so '1' does not fit next to '0', nor '2' next to '1'.
 
 from __future__ import annotations
 
-import logging
-import os
-import re
 import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from fnaccel.modeling.memory_budget import (
+    Device,
+    _class_names,
+    convert_file_size_to_int,
+    get_balanced_memory,
+    get_max_memory,
+)
 from fnaccel.modeling.sizes import (
     DTypeLike,
     _top_level_entries,
@@ -36,160 +41,20 @@ from fnaccel.modeling.sizes import (
 from fnaccel.modeling.tied import find_tied_parameters
 
 __all__ = [
+    "STRATEGIES",
     "check_device_map",
     "clean_device_map",
-    "convert_file_size_to_int",
+    "convert_file_size_to_int",  # these three live in memory_budget
     "get_balanced_memory",
     "get_max_memory",
     "infer_auto_device_map",
+    "resolve_device_map",
 ]
 
-_LOG = logging.getLogger(__name__)
-
-Device = int | str
 Entry = tuple[str, "nn.Module | torch.Tensor"]
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
-_NAMED_DEVICES = ("mps", "cpu", "disk")  # after the GPUs, in this order
-
-
-def convert_file_size_to_int(size: int | str) -> int:
-    """A size in bytes, from an int or a string such as ``"10GiB"`` or ``"256MB"``.
-
-    KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB powers of 10; a lowercase
-    ``b`` (``"8Gb"``) means bits, as in Accelerate.
-
-    Raises:
-        ValueError: ``size`` is negative or not a size.
-
-    >>> convert_file_size_to_int("1GiB"), convert_file_size_to_int("256MB"), convert_file_size_to_int("8kb")
-    (1073741824, 256000000, 1000)
-    """
-    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
-        return size
-    match = _SIZE.match(size) if isinstance(size, str) else None
-    if match is None:
-        raise ValueError(
-            f"{size!r} is not a size: pass a number of bytes or a string such as '10GiB' or '256MB' "
-            "(KiB/MiB/GiB/TiB: powers of 2; KB/MB/GB/TB: powers of 10)"
-        )
-    number, unit = float(match.group(1)), match.group(2)
-    power = "KMGT".index(unit[0].upper()) + 1
-    scale = 2 ** (10 * power) if unit[1] in "iI" else 10 ** (3 * power)
-    nbytes = int(number * scale)
-    return nbytes // 8 if unit.endswith("b") else nbytes
-
-
-def _available_cpu_memory() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def get_max_memory(max_memory: Mapping[Device, int | str] | None = None) -> dict[Device, int]:
-    """The memory budget of each device, in bytes, GPUs first, then ``"mps"``, ``"cpu"``, ``"disk"``.
-
-    Args:
-        max_memory: budgets by device (``{0: "10GiB", "cpu": "30GB"}``); GPU
-            keys are integers. ``None`` measures the free memory of each GPU
-            and the available RAM (``{"cpu": ...}`` on a machine without GPU).
-
-    Raises:
-        ValueError: a key is not a device or a budget is not a size.
-
-    >>> get_max_memory({"cpu": "1GB", 1: "2GiB", 0: 1000})
-    {0: 1000, 1: 2147483648, 'cpu': 1000000000}
-    """
-    if max_memory is None:
-        memory: dict[Device, int] = {}
-        if torch.cuda.is_available():
-            memory = {i: torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())}
-        name = "mps" if torch.backends.mps.is_available() else "cpu"  # the MPS device shares the RAM
-        memory[name] = _available_cpu_memory()
-        return memory
-    for key in max_memory:
-        if not (isinstance(key, int) and not isinstance(key, bool) and key >= 0) and key not in _NAMED_DEVICES:
-            raise ValueError(
-                f"max_memory has the key {key!r}, which is not a device: use integers for GPUs "
-                f"(0, 1...) and 'mps', 'cpu' or 'disk' for the others"
-            )
-    gpus = sorted(key for key in max_memory if isinstance(key, int))
-    if gpus and torch.cuda.is_available() and gpus[-1] >= torch.cuda.device_count():
-        _LOG.warning("max_memory names GPU %d but this machine has %d", gpus[-1], torch.cuda.device_count())
-    order: list[Device] = [*gpus, *(name for name in _NAMED_DEVICES if name in max_memory)]
-    return {key: convert_file_size_to_int(max_memory[key]) for key in order}
-
-
-def _class_names(no_split_module_classes: Sequence[str] | str | None) -> list[str]:
-    if no_split_module_classes is None:
-        return []
-    if isinstance(no_split_module_classes, str):
-        return [no_split_module_classes]
-    return list(no_split_module_classes)
-
-
-def get_balanced_memory(
-    model: nn.Module,
-    max_memory: Mapping[Device, int | str] | None = None,
-    no_split_module_classes: Sequence[str] | None = None,
-    dtype: DTypeLike | None = None,
-    special_dtypes: Mapping[str, DTypeLike] | None = None,
-    low_zero: bool = False,
-) -> dict[Device, int]:
-    """A ``max_memory`` for `infer_auto_device_map` that spreads the model evenly over the GPUs.
-
-    Each GPU but the last gets the model's size divided by the number of GPUs,
-    plus a margin (1.25 times the larger of the biggest no-split block and the
-    mean leaf module) so that layers do not spill over; the last GPU keeps its
-    full budget. Without GPUs the budget is returned unchanged.
-
-    Args:
-        model: the model to place (may be on the meta device).
-        max_memory: budgets by device, as for `get_max_memory`; ``None`` uses
-            90% of a single GPU's free memory, or all of several GPUs'.
-        no_split_module_classes: class names of modules never split over devices.
-        dtype: size floating-point tensors in this dtype.
-        special_dtypes: dtypes for particular tensors, by full name.
-        low_zero: put as little as possible on GPU 0 (keep it free for
-            generation and other work).
-
-    >>> model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(4)])  # 1760 bytes
-    >>> get_balanced_memory(model, {0: 10_000, 1: 10_000, "cpu": 10_000})
-    {0: 1430, 1: 10000, 'cpu': 10000}
-    """
-    user_gave_no_budget = max_memory is None
-    memory = get_max_memory(max_memory)
-    gpus = [key for key, budget in memory.items() if isinstance(key, int) and budget > 0]
-    if not gpus:
-        return memory
-    if len(gpus) == 1:
-        low_zero = False  # nothing to move GPU 0's share to
-        if user_gave_no_budget:
-            memory[gpus[0]] = int(memory[gpus[0]] * 0.9)  # leave room for activations
-    sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
-    per_gpu = sizes[""] // (len(gpus) - 1 if low_zero else len(gpus))
-
-    no_split = _class_names(no_split_module_classes)
-    block_sizes = [sizes.get(name, 0) for name, module in model.named_modules()
-                   if name and type(module).__name__ in no_split]
-    # The leaf modules are the modules that own tensors directly and have no submodule holding any.
-    owners = {name.rpartition(".")[0] for name, _ in model.named_parameters()}
-    owners |= {name.rpartition(".")[0] for name, _ in model.named_buffers()}
-    leaves = [name for name in owners if not any(other.startswith(f"{name}.") or (name == "" and other)
-                                                 for other in owners)]
-    mean_leaf = int(sum(sizes.get(name, 0) for name in leaves) / max(len(leaves), 1))
-    per_gpu += int(1.25 * max(max(block_sizes, default=0), mean_leaf))
-
-    for gpu in gpus[:-1]:  # the last one keeps its budget, in case the margin was not enough
-        memory[gpu] = min(memory[gpu] if low_zero and gpu == gpus[0] else per_gpu, memory[gpu])
-    if low_zero:
-        memory[gpus[0]] = min(max(0, sizes[""] - sum(memory[gpu] for gpu in gpus[1:])), memory[gpus[0]])
-    return memory
+# The names a device_map may be instead of a dict (Accelerate's).
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def _within(name: str, module_name: str) -> bool:
@@ -412,3 +277,44 @@ def infer_auto_device_map(
                 stacklevel=2,
             )
     return clean_device_map(device_map) if clean_result else device_map
+
+
+def resolve_device_map(
+    model: nn.Module,
+    device_map: str,
+    max_memory: Mapping[Device, int | str] | None = None,
+    no_split_module_classes: Sequence[str] | None = None,
+    dtype: DTypeLike | None = None,
+    special_dtypes: Mapping[str, DTypeLike] | None = None,
+    offload_buffers: bool = False,
+) -> dict[str, Device]:
+    """The device map a strategy name stands for: ``"sequential"`` fills the
+    devices in order (`infer_auto_device_map` within ``max_memory``);
+    ``"auto"`` and ``"balanced"`` first spread the model evenly over the GPUs
+    (`get_balanced_memory`), ``"balanced_low_0"`` keeping GPU 0 as free as it can.
+
+    Args:
+        model: the model to place (may be on the meta device).
+        device_map: one of `STRATEGIES`.
+        max_memory, no_split_module_classes, dtype, special_dtypes,
+            offload_buffers: as for `infer_auto_device_map`.
+
+    Raises:
+        ValueError: ``device_map`` is not one of `STRATEGIES`, or a bad ``max_memory``.
+
+    >>> model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(4)])  # 440 bytes each
+    >>> resolve_device_map(model, "sequential", max_memory={0: 1000, "cpu": 1000})
+    {'0': 0, '1': 'cpu', '2': 'disk', '3': 'disk'}
+    >>> resolve_device_map(model, "balanced", max_memory={0: 10_000, 1: 10_000})
+    {'0': 0, '1': 0, '2': 1, '3': 1}
+    """
+    if device_map not in STRATEGIES:
+        raise ValueError(
+            f"device_map={device_map!r}: a string must be one of {', '.join(STRATEGIES)} "
+            "(or pass a dict from module names to devices)"
+        )
+    if device_map != "sequential":
+        max_memory = get_balanced_memory(model, max_memory, no_split_module_classes, dtype, special_dtypes,
+                                         low_zero=device_map == "balanced_low_0")
+    return infer_auto_device_map(model, max_memory, no_split_module_classes, dtype, special_dtypes,
+                                 offload_buffers=offload_buffers)

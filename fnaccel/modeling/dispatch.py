@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fnaccel.modeling.device_map import check_device_map, get_balanced_memory, infer_auto_device_map
+from fnaccel.modeling.device_map import check_device_map, resolve_device_map
 from fnaccel.modeling.hooks import AlignDevicesHook, add_hook_to_module
 from fnaccel.modeling.loading import DeviceMap, load_checkpoint_in_model
 from fnaccel.modeling.offload import (
@@ -41,8 +41,6 @@ from fnaccel.modeling.tensors import Placement, as_device, device_for, parse_dev
 from fnaccel.modeling.tied import find_tied_parameters, retie_parameters
 
 __all__ = ["dispatch_model", "load_checkpoint_and_dispatch"]
-
-_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def _main_device(places: Sequence[Placement]) -> torch.device:
@@ -258,8 +256,7 @@ def load_checkpoint_and_dispatch(
         checkpoint: as for `load_checkpoint_in_model`.
         device_map: a map, or ``"auto"`` / ``"balanced"`` / ``"balanced_low_0"``
             / ``"sequential"`` to infer one from ``max_memory``
-            (`infer_auto_device_map`; all but "sequential" balance the GPUs
-            first with `get_balanced_memory`). None loads without dispatching.
+            (`resolve_device_map`). None loads without dispatching.
         max_memory: device (GPU index, ``"cpu"``, ``"disk"``) to the most it
             may hold, in bytes or as ``"256MB"``; by default what is free.
         no_split_module_classes: class names of modules never split across devices.
@@ -285,13 +282,8 @@ def load_checkpoint_and_dispatch(
     True
     """
     if isinstance(device_map, str):
-        if device_map not in _STRATEGIES:
-            raise ValueError(f"device_map={device_map!r}: a string must be one of {', '.join(_STRATEGIES)}")
-        if device_map != "sequential":
-            max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split_module_classes,
-                                             dtype=dtype, low_zero=device_map == "balanced_low_0")
-        device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split_module_classes,
-                                           dtype=dtype, offload_buffers=offload_buffers)
+        device_map = resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype,
+                                        offload_buffers=offload_buffers)
     if offload_state_dict is None:
         offload_state_dict = device_map is not None and "disk" in device_map.values()
     load_checkpoint_in_model(model, checkpoint, device_map=device_map, offload_folder=offload_folder, dtype=dtype,

@@ -3,7 +3,8 @@
 `load_checkpoint_in_model` reads the layout `fa.save_model` writes (and
 Accelerate, transformers and ``safetensors.torch.save_model`` write):
 ``model.safetensors``, or shards and ``model.safetensors.index.json``. Pickles
-(``.bin``, ``.pt``) are refused, never unpickled.
+(``.bin``, ``.pt``) are refused, never unpickled. Finding the files and
+reading their headers is `fnaccel.modeling.checkpoint_files`.
 
 Memory: a file is never read whole. Its tensors are memory-mapped a few at a
 time (a new mapping every ``64 MiB``, the previous one released) and each is
@@ -16,7 +17,6 @@ size, never twice it, whether or not the checkpoint is sharded. Tensors that
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -32,16 +32,22 @@ from torch import nn
 
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.tied import retie
+from fnaccel.modeling.checkpoint_files import (
+    PICKLE_SUFFIXES,
+    checkpoint_files,
+    read_header,
+    refuse_pickle,
+    unreadable,
+)
 from fnaccel.modeling.device_map import check_device_map
 from fnaccel.modeling.offload import index_tied_names, load_offloaded_weights, offload_weight, save_offload_index
+from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.modeling.tensors import DeviceMap, device_for, parse_device_map, set_module_tensor_to_device
 from fnaccel.modeling.tied import find_tied_parameters, retie_parameters
 from fnaccel.transforms.parallel import unwrap_model
-from fnaccel.utils.constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 __all__ = ["IncompatibleKeys", "load_checkpoint_in_model", "load_state_dict"]
 
-PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
 _MAPPED_BYTES = 64 * 2**20  # how much of a file is mapped before the mapping is renewed
 
 
@@ -191,7 +197,9 @@ def load_checkpoint_in_model(
     if to_disk and offload_folder is None:
         raise ValueError(f"device_map sends {sorted(to_disk)[:3]} and others to 'disk': pass offload_folder=, "
                          "the folder to write their weights to")
-    new_dtype = as_dtype(dtype)
+    new_dtype = None if dtype is None else as_torch_dtype(dtype)
+    if dtype is not None and new_dtype is None:
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float16' or torch.bfloat16")
     keep_fp32 = tuple(name.split(".") for name in keep_in_fp32_modules or ())
     files, result = _check_fit(module, targets, Path(checkpoint), strict)
     tied = find_tied_parameters(module)
@@ -302,15 +310,6 @@ def is_sharded(module: nn.Module) -> bool:
     return dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in module.parameters())
 
 
-def as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float16' or torch.bfloat16")
-    return found
-
-
 def _in_modules(name: str, modules: Sequence[list[str]]) -> bool:
     """Whether ``name``'s dotted parts contain one of ``modules``' parts, in a row."""
     parts = name.split(".")
@@ -323,79 +322,3 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor, device: torch.device, 
             target.copy_(value)
         else:  # same object, new data: parameters stay registered, tied and optimised
             target.data = value.to(device=device, dtype=dtype, copy=True)
-
-
-def refuse_pickle(path: Path) -> CheckpointError:
-    return CheckpointError(
-        f"{path} is a pickle checkpoint; fnaccel never unpickles (that can run arbitrary code). "
-        "Convert it once where you trust it: load it with torch.load(..., weights_only=True) "
-        "into the model and write it with fa.save_model (or safetensors.torch.save_model)"
-    )
-
-
-def checkpoint_files(path: Path) -> list[tuple[Path, frozenset[str] | None]]:
-    """The safetensors files of a checkpoint, each with the names its index maps to it."""
-    if path.is_dir():
-        if (path / SAFE_WEIGHTS_NAME).is_file():
-            return [(path / SAFE_WEIGHTS_NAME, None)]
-        indexes = sorted(path.glob("*.index.json"))
-        if len(indexes) == 1:
-            return _index_files(indexes[0])
-        pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if not indexes and pickles:
-            raise refuse_pickle(pickles[0])
-        raise CheckpointError(
-            f"{path} holds no {SAFE_WEIGHTS_NAME} and "
-            + (f"several indexes {[p.name for p in indexes]}" if indexes else f"no {SAFE_WEIGHTS_INDEX_NAME}")
-            + "; pass the file or index to load"
-        )
-    if path.is_file():
-        if path.name.endswith(".json"):
-            return _index_files(path)
-        if path.suffix in PICKLE_SUFFIXES:
-            raise refuse_pickle(path)
-        return [(path, None)]
-    raise CheckpointError(f"no checkpoint at {path}")
-
-
-def read_index(index: Path) -> dict[str, Any]:
-    """A sharded checkpoint's index, checked to map tensor names to file names."""
-    try:
-        data = json.loads(index.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{index} is not a readable JSON index: {exc}") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise CheckpointError(f"{index} has no 'weight_map' from tensor names to file names")
-    return data
-
-
-def _index_files(index: Path) -> list[tuple[Path, frozenset[str] | None]]:
-    by_file: dict[str, set[str]] = {}
-    for name, file in read_index(index)["weight_map"].items():
-        by_file.setdefault(file, set()).add(name)
-    for file in by_file:
-        if Path(file).suffix in PICKLE_SUFFIXES:
-            raise refuse_pickle(index)
-        if not (index.parent / file).is_file():
-            raise CheckpointError(f"{index} maps tensors to {file}, which is missing from {index.parent}")
-    return [(index.parent / file, frozenset(names)) for file, names in by_file.items()]
-
-
-def read_header(file: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """A safetensors file's tensor shapes by name (aliases included) and its
-    aliases, from the header alone."""
-    try:
-        with safe_open(file, framework="pt", device="cpu") as handle:
-            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-            metadata = handle.metadata() or {}
-    except (SafetensorError, OSError) as exc:
-        raise unreadable(file, exc) from None
-    if metadata.get("format") in ("tf", "flax"):
-        raise CheckpointError(f"{file} holds {metadata['format']} weights (other layouts); load PyTorch ('pt') ones")
-    aliases = {alias: kept for alias, kept in metadata.items() if kept in shapes and alias not in shapes}
-    return {**shapes, **{alias: shapes[kept] for alias, kept in aliases.items()}}, aliases
-
-
-def unreadable(file: Path, exc: Exception) -> CheckpointError:
-    return CheckpointError(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc}")

@@ -19,13 +19,16 @@ writes when the checkpoint is already safetensors; and fnaccel records a tied
 name stored once under another name as ``{"dtype", "shape", "weight_name":
 stored name}`` (Accelerate would look for a file of the tied name).
 
-Each ``.dat`` file is written under a temporary name and renamed, and the
-index last, so a crash never leaves a name pointing at half a file. Nothing
-is fsynced: an offload folder is scratch space that the next load rewrites.
+Each ``.dat`` file is written with ordinary file writes under a temporary
+name and renamed, and the index last, so a crash never leaves a name pointing
+at half a file, and a full disk is an ``OSError`` (a write through a shared
+mapping would turn it into a ``SIGBUS``). Nothing is fsynced: an offload
+folder is scratch space that the next load rewrites.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -40,6 +43,7 @@ from torch import nn
 
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.tied import untie
+from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.modeling.tensors import DeviceLike, as_device, owner_of, set_module_tensor_to_device
 from fnaccel.modeling.tied import find_tied_parameters, retie_parameters
 
@@ -47,6 +51,7 @@ __all__ = [
     "OffloadedWeightsLoader",
     "PrefixedDataset",
     "extract_submodules_state_dict",
+    "index_tied_names",
     "load_offloaded_weight",
     "load_offloaded_weights",
     "offload_state_dict",
@@ -64,10 +69,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _parse_dtype(name: Any, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
+    dtype = as_torch_dtype(name) if isinstance(name, str) else None
+    if dtype is None:
         raise CheckpointError(f"{where}: {name!r} is not a torch dtype name such as 'float32' or 'bfloat16'")
     return dtype
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor, as it is (C order, the machine's byte
+    order, bfloat16 as its raw words), without a copy; valid while ``tensor`` lives."""
+    return memoryview((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr()))
 
 
 def offload_weight(
@@ -100,13 +111,11 @@ def offload_weight(
     final = folder / f"{weight_name}.dat"
     partial = folder / f".{final.name}.tmp-{uuid.uuid4().hex}"
     tensor = weight.detach()
+    host = tensor.cpu().contiguous().resolve_conj().resolve_neg()  # no copy for a contiguous CPU tensor
     try:
-        if tensor.numel() == 0:
-            partial.touch()
-        else:  # written through a shared mapping: no intermediate copy of the bytes
-            mapped = torch.from_file(str(partial), shared=True, size=tensor.numel(), dtype=tensor.dtype)
-            mapped.copy_(tensor.reshape(-1))
-            del mapped
+        with open(partial, "wb") as file:  # a failed write (a full disk) raises OSError here
+            if host.numel():
+                file.write(_bytes_of(host))
         os.replace(partial, final)
     finally:
         partial.unlink(missing_ok=True)

@@ -20,34 +20,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.utils.environment import is_bnb_available
 
 __all__ = ["BnbQuantizationConfig", "load_and_quantize_model"]
 
-_DTYPES = MappingProxyType(
-    {
-        "fp32": torch.float32,
-        "float32": torch.float32,
-        "fp16": torch.float16,
-        "float16": torch.float16,
-        "bf16": torch.bfloat16,
-        "bfloat16": torch.bfloat16,
-    }
-)
+# Short names Accelerate's configs use, beside torch's own.
+_SHORT_DTYPE_NAMES = MappingProxyType({"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
 _QUANT_TYPES = ("fp4", "nf4")
 _DEFAULT_THRESHOLD = 6.0
-_AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 MISSING_BNB = "bitsandbytes is not installed: pip install bitsandbytes"
 
 
 def _as_dtype(value: Any, field_name: str) -> torch.dtype:
-    if isinstance(value, torch.dtype) and value.is_floating_point:
-        return value
-    if isinstance(value, str) and value in _DTYPES:
-        return _DTYPES[value]
+    dtype = as_torch_dtype(_SHORT_DTYPE_NAMES.get(value, value) if isinstance(value, str) else value)
+    if dtype is not None and dtype.is_floating_point:
+        return dtype
     raise ValueError(
-        f"BnbQuantizationConfig: {field_name} must be one of {', '.join(map(repr, _DTYPES))} "
-        f"or a floating-point torch.dtype, got {value!r}"
+        f"BnbQuantizationConfig: {field_name} must be one of {', '.join(map(repr, _SHORT_DTYPE_NAMES))}, "
+        f"a floating-point torch.dtype or its name ('bfloat16'), got {value!r}"
     )
 
 
@@ -178,30 +169,19 @@ def _target_device(
     if device_map is None:
         return None
     if isinstance(device_map, str):
-        if device_map not in _AUTO_MAPS:
-            raise ValueError(
-                f"load_and_quantize_model: device_map must be a dict or one of {_AUTO_MAPS}, "
-                f"got {device_map!r}"
-            )
-        from fnaccel.modeling.device_map import get_balanced_memory, infer_auto_device_map
+        from fnaccel.modeling.device_map import resolve_device_map
 
+        unquantized = config.torch_dtype
+        assert isinstance(unquantized, torch.dtype)  # __post_init__ resolved it
         special = {
             name: torch.float32
             if _matches(name.rpartition(".")[0], config.keep_in_fp32_modules or ())
-            else config.torch_dtype
+            else unquantized
             for name, _ in model.named_parameters()
             if _matches(name.rpartition(".")[0], keep)
         }
-        sizing: dict[str, Any] = {
-            "dtype": config.target_dtype,
-            "special_dtypes": special,
-            "no_split_module_classes": no_split_module_classes,
-        }
-        if device_map != "sequential":
-            max_memory = get_balanced_memory(
-                model, max_memory, low_zero=device_map == "balanced_low_0", **sizing
-            )
-        device_map = infer_auto_device_map(model, max_memory, **sizing)
+        device_map = resolve_device_map(model, device_map, max_memory, no_split_module_classes,
+                                        dtype=config.target_dtype, special_dtypes=special)
     if not isinstance(device_map, Mapping):
         raise TypeError(
             f"load_and_quantize_model: device_map must be a dict, a string or None, got {device_map!r}"

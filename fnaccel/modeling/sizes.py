@@ -23,11 +23,13 @@ import torch
 from torch import nn
 
 __all__ = [
+    "as_torch_dtype",
     "calculate_maximum_sizes",
     "compute_module_sizes",
     "compute_module_total_buffer_size",
     "dtype_byte_size",
     "get_max_layer_size",
+    "largest_layer",
     "named_module_tensors",
 ]
 
@@ -37,17 +39,29 @@ _CUSTOM_DTYPE_BYTES = MappingProxyType({"int2": 0.25, "int4": 0.5, "fp8": 1.0})
 DTypeLike = str | torch.dtype
 
 
-def _proper_dtype(dtype: DTypeLike) -> torch.dtype | str:
-    """``dtype`` as a torch dtype, or one of the custom names ("int4", "int2", "fp8")."""
+def as_torch_dtype(dtype: object) -> torch.dtype | None:
+    """``dtype`` as a ``torch.dtype``: itself, or the dtype its name names
+    (``"float16"``, ``"torch.bfloat16"``); None when it names none.
+
+    Every dtype argument and index entry of `fnaccel.modeling` is read through
+    this; each caller raises its own error for None, naming what was wrong.
+
+    >>> as_torch_dtype("torch.bfloat16"), as_torch_dtype(torch.int8), as_torch_dtype("float17")
+    (torch.bfloat16, torch.int8, None)
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        if name in _CUSTOM_DTYPE_BYTES:
-            return name
-        found = getattr(torch, name, None)
-        if isinstance(found, torch.dtype):
-            return found
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    return found if isinstance(found, torch.dtype) else None
+
+
+def _proper_dtype(dtype: DTypeLike) -> torch.dtype | str:
+    """``dtype`` as a torch dtype, or one of the custom names ("int4", "int2", "fp8")."""
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _CUSTOM_DTYPE_BYTES:
+        return dtype.removeprefix("torch.")
+    found = as_torch_dtype(dtype)
+    if found is not None:
+        return found
     raise ValueError(
         f"{dtype!r} is not a dtype: pass a torch.dtype, a name such as 'float16' or 'torch.bfloat16', "
         f"or one of {', '.join(repr(n) for n in _CUSTOM_DTYPE_BYTES)}"
@@ -223,7 +237,19 @@ def _top_level_entries(model: nn.Module) -> list[tuple[str, nn.Module | torch.Te
     ]
 
 
-def _largest_layer(model: nn.Module, module_sizes: Mapping[str, int]) -> tuple[int, list[str]]:
+def largest_layer(model: nn.Module, module_sizes: Mapping[str, int]) -> tuple[int, list[str]]:
+    """The largest layer of ``model`` as `get_max_layer_size` finds it: ``(size, layer_names)``,
+    with the model's own ``_no_split_modules`` as the classes never split.
+
+    Args:
+        model: the model.
+        module_sizes: its sizes, as `compute_module_sizes` returns them (in
+            the dtypes to plan for).
+
+    >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    >>> largest_layer(model, compute_module_sizes(model, dtype="float16"))
+    (40, ['0'])
+    """
     # transformers models name the classes they never split; honour it as Accelerate does
     no_split = getattr(model, "_no_split_modules", None) or []
     return get_max_layer_size(_top_level_entries(model), module_sizes, list(no_split))
@@ -240,4 +266,4 @@ def calculate_maximum_sizes(model: nn.Module) -> tuple[int, tuple[int, list[str]
     (120, (80, ['0']))
     """
     sizes = compute_module_sizes(model)
-    return sizes[""], _largest_layer(model, sizes)
+    return sizes[""], largest_layer(model, sizes)

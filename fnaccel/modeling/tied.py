@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from fnaccel.modeling.tensors import owner_of
+
 __all__ = ["find_tied_parameters", "retie_parameters"]
 
 
@@ -51,16 +53,14 @@ def find_tied_parameters(model: nn.Module) -> list[list[str]]:
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str, nn.Parameter]:
     """The module that holds the parameter ``name``, its name there, and the parameter."""
-    prefix, _, leaf = name.rpartition(".")
+    wrong = f"{name!r} names no parameter of the model: pass groups as find_tied_parameters returns them"
     try:
-        module = model.get_submodule(prefix)
-    except AttributeError:
-        module = None
-    param = None if module is None else module._parameters.get(leaf)
-    if module is None or not isinstance(param, nn.Parameter):
-        raise ValueError(
-            f"{name!r} names no parameter of the model: pass groups as find_tied_parameters returns them"
-        )
+        module, leaf = owner_of(model, name)
+    except ValueError:
+        raise ValueError(wrong) from None
+    param = module._parameters.get(leaf)
+    if not isinstance(param, nn.Parameter):  # a buffer
+        raise ValueError(wrong)
     return module, leaf, param
 
 

@@ -42,7 +42,8 @@ def progress(
         desc: a label before the count.
         every: for plain lines, the most seconds between two lines while
             items arrive; a line is also printed at each tenth of ``total``
-            and at the end.
+            and at the end, or where the loop stopped when it is left early
+            (a ``break``, an exception).
         file: where to write; default ``sys.stderr``. A tqdm bar is used
             when ``file.isatty()`` and tqdm is installed.
 
@@ -89,18 +90,20 @@ def _lines(
     start = last = time.monotonic()
     count = printed = 0
     next_tenth = 1  # the next tenth of total that earns a line
-    for item in iterable:
-        yield item  # counted once the loop body is done with it, as tqdm does
-        count += 1
-        now = time.monotonic()
-        tenth_reached = total is not None and total > 0 and count * 10 >= next_tenth * total
-        if tenth_reached or now - last >= every:
-            _write(stream, desc, count, total, now - start)
-            last, printed = now, count
-            if total:
-                next_tenth = count * 10 // total + 1
-    if count != printed or count == 0:
-        _write(stream, desc, count, total, time.monotonic() - start)
+    try:
+        for item in iterable:
+            yield item  # counted once the loop body is done with it, as tqdm does
+            count += 1
+            now = time.monotonic()
+            tenth_reached = total is not None and total > 0 and count * 10 >= next_tenth * total
+            if tenth_reached or now - last >= every:
+                _write(stream, desc, count, total, now - start)
+                last, printed = now, count
+                if total:
+                    next_tenth = count * 10 // total + 1
+    finally:  # at the end, and where the loop was left early (break, an exception), as tqdm closes its bar
+        if count != printed or count == 0:
+            _write(stream, desc, count, total, time.monotonic() - start)
 
 
 def _write(stream: TextIO, desc: str | None, count: int, total: int | None, elapsed: float) -> None:

@@ -63,9 +63,12 @@ def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
     for index, tensor in enumerate(tensors):
         by_device.setdefault(tensor.device, []).append(index)
     numbers: list[Any] = [None] * len(tensors)
-    for indices in by_device.values():
+    for device, indices in by_device.items():
+        values = [tensors[i].detach().reshape(()) for i in indices]
+        if device.type == "mps":  # MPS has no float64: bring the values over first, in one transfer
+            values = _to_cpu_at_once(values)
         # float64 holds every float dtype exactly (and integers up to 2**53)
-        stacked = torch.stack([tensors[i].detach().reshape(()).to(torch.float64) for i in indices])
+        stacked = torch.stack([value.to(torch.float64) for value in values])
         for index, number in zip(indices, stacked.tolist()):
             dtype = tensors[index].dtype
             numbers[index] = (
@@ -74,6 +77,18 @@ def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
                 else int(number)
             )
     return numbers
+
+
+def _to_cpu_at_once(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``values`` (0-d tensors on one device, of any dtypes) on the CPU, unchanged
+    bit for bit, in one transfer: their bytes, concatenated, then viewed back."""
+    raw = torch.cat([value.reshape(1).view(torch.uint8) for value in values]).cpu()
+    out, start = [], 0
+    for value in values:
+        end = start + value.element_size()
+        out.append(raw[start:end].clone().view(value.dtype).reshape(()))  # clone: aligned for the view
+        start = end
+    return out
 
 
 def _fill(tree: Any, numbers: list[Any]) -> Any:

@@ -27,6 +27,7 @@ from fnaccel.checkpoint.weights import (
     save_model,
     shard_checkpoint,
 )
+from fnaccel.modeling.memory_budget import convert_file_size_to_int
 
 
 class TiedLM(nn.Module):
@@ -109,15 +110,18 @@ def test_one_shard_keeps_the_weights_name_and_needs_no_index() -> None:
 
 @pytest.mark.parametrize(
     ("size", "num_shards"),
-    [("1KB", 2), ("1KiB", 1), (" 1 kib ", 1), ("8Kb", 2), ("0.001MB", 2), ("0.5GiB", 1), (1024, 1), (1000, 2)],
+    [("1KB", 2), ("1KiB", 1), (" 1 kib ", 1), ("8Kb", 2), ("0.001MB", 2), ("0.5GiB", 1), (1024, 1), (1000, 2),
+     ("1TB", 1)],
 )
 def test_sizes_read_as_transformers_reads_them(size: Any, num_shards: int) -> None:
-    # 1000 + 24 bytes: one shard under a KiB (1024), two under a KB (1000; "8Kb" is 8000 bits)
+    # 1000 + 24 bytes: one shard under a KiB (1024), two under a KB (1000; "8Kb" is 8000 bits);
+    # read by convert_file_size_to_int, as max_memory is
+    assert convert_file_size_to_int(size) > 0
     shards, _ = shard_checkpoint(uint8s(1000, 24), max_shard_size=size)
     assert len(shards) == num_shards
 
 
-@pytest.mark.parametrize("size", ["10", "GB", "-1GB", "ten GB", "1TB", "nanGB", 0, -5, True, 1.5])
+@pytest.mark.parametrize("size", ["10", "GB", "-1GB", "ten GB", "0GB", "5PB", "nanGB", 0, -5, True, 1.5])
 def test_bad_sizes_are_refused_with_the_fix(size: Any) -> None:
     with pytest.raises(ValueError, match=r"max_shard_size .* such as '10GB'.*got"):
         shard_checkpoint(uint8s(1), max_shard_size=size)

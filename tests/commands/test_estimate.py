@@ -172,7 +172,8 @@ def test_timm_needs_timm(capsys: pytest.CaptureFixture[str], monkeypatch: pytest
     (b"", "not a readable safetensors file"),
     (b"\xff" * 8 + b"{}", "not a readable safetensors file"),
     ((20).to_bytes(8, "little") + b'{"a": {"dtype": "F32"', "not a readable safetensors file"),
-    ((39).to_bytes(8, "little") + b'{"a": {"dtype": "F4", "shape": [2, 2]}}', "dtypes ['F4'], which torch has"),
+    ((63).to_bytes(8, "little") + b'{"a": {"dtype": "F4", "shape": [2, 2], "data_offsets": [0, 2]}}' + b"\0\0",
+     "dtypes ['F4'], which torch has"),
 ])
 def test_broken_files_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes,
                                 message: str) -> None:

@@ -15,7 +15,8 @@ import fnaccel as fa
 from fnaccel.commands import launch, test_script
 from fnaccel.commands.main import main
 from fnaccel.commands.test import SCRIPT
-from fnaccel.commands.test_script import CheckFailed, CheckResult, CheckSkipped, run_checks
+from fnaccel.commands.test_checks import CheckFailed, CheckSkipped, check_process_group
+from fnaccel.commands.test_script import CheckResult, run_checks
 
 NAMES = [name for name, _ in test_script.CHECKS]
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -100,7 +101,7 @@ def _fails_on_rank_1(state: fa.RunState) -> str:
 
 
 def _checks_with_one_rank_failing(state: fa.RunState) -> list[CheckResult]:
-    checks = [("lopsided", _fails_on_rank_1), ("process group", test_script.check_process_group)]
+    checks = [("lopsided", _fails_on_rank_1), ("process group", check_process_group)]
     return run_checks(state, checks)
 
 

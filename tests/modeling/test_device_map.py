@@ -19,12 +19,11 @@ from torch import nn
 from fnaccel.modeling.device_map import (
     check_device_map,
     clean_device_map,
-    convert_file_size_to_int,
-    get_balanced_memory,
-    get_max_memory,
     infer_auto_device_map,
+    resolve_device_map,
 )
 from fnaccel.modeling.empty import init_empty_weights
+from fnaccel.modeling.memory_budget import convert_file_size_to_int, get_balanced_memory, get_max_memory
 from fnaccel.modeling.sizes import compute_module_sizes
 from fnaccel.modeling.tied import find_tied_parameters
 
@@ -72,6 +71,7 @@ def test_the_hand_counted_sizes() -> None:
 @pytest.mark.parametrize(("text", "size"), [
     ("10GiB", 10 * 2**30), ("256MB", 256 * 10**6), ("1.5KiB", 1536), ("2kb", 250), ("3GB", 3 * 10**9),
     ("1TiB", 2**40), (" 7 MiB ", 7 * 2**20), ("8Gb", 10**9), (123, 123), (0, 0),
+    ("1TB", 10**12), ("0GB", 0), (" 1 kib ", 1024),  # bits only for decimal units, as Accelerate
 ])
 def test_convert_file_size_to_int(text: str | int, size: int) -> None:
     assert convert_file_size_to_int(text) == size
@@ -119,6 +119,22 @@ def test_balanced_memory_is_a_good_max_memory() -> None:
     budget = get_balanced_memory(model, {0: 100_000, 1: 100_000, 2: 100_000}, ["Block"])
     device_map = infer_auto_device_map(model, budget, ["Block"])
     assert set(device_map.values()) == {0, 1, 2}
+
+
+def test_strategy_names_resolve_to_balanced_or_sequential_maps() -> None:
+    model = TinyLM(num_layers=8)
+    budget = {0: 100_000, 1: 100_000, 2: 100_000}
+    assert resolve_device_map(model, "sequential", budget, ["Block"]) == {"": 0}
+    for strategy in ("auto", "balanced"):
+        balanced = get_balanced_memory(model, budget, ["Block"])
+        assert resolve_device_map(model, strategy, budget, ["Block"]) == infer_auto_device_map(model, balanced, ["Block"])
+    low_0 = resolve_device_map(model, "balanced_low_0", budget, ["Block"], dtype="float16")
+    assert low_0 == infer_auto_device_map(
+        model, get_balanced_memory(model, budget, ["Block"], dtype="float16", low_zero=True), ["Block"],
+        dtype="float16")
+    assert 0 not in low_0.values()
+    with pytest.raises(ValueError, match="'everywhere': a string must be one of auto, balanced"):
+        resolve_device_map(model, "everywhere", budget)
 
 
 # --- infer_auto_device_map: hand-computed maps ----------------------------------------------------------

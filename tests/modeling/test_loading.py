@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.modeling import loading
+from fnaccel.modeling import checkpoint_files, loading
 from fnaccel.modeling.empty import init_empty_weights
 from fnaccel.modeling.loading import IncompatibleKeys, load_checkpoint_in_model, load_state_dict
 from fnaccel.modeling.offload import OffloadedWeightsLoader, read_offload_index
@@ -109,6 +109,7 @@ def test_the_files_are_released_and_mapped_a_slice_at_a_time(tmp_path: Path, mon
         return real(file, *args, **kwargs)
 
     monkeypatch.setattr(loading, "safe_open", counting)
+    monkeypatch.setattr(checkpoint_files, "safe_open", counting)  # the header
     monkeypatch.setattr(loading, "_MAPPED_BYTES", 1)  # a new mapping for every tensor
     load_checkpoint_in_model(empty_lm(), tmp_path)
     assert len(opened) == 1 + len(make_lm(0).state_dict()) - 1  # the header, then each stored tensor once

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +103,26 @@ def test_writes_leave_no_partial_files_and_meta_tensors_are_refused(tmp_path: Pa
     with pytest.raises(ValueError, match="'w' is on the meta device and holds no data"):
         offload_weight(torch.empty(2, device="meta"), "w", tmp_path)
     assert offload_weight(torch.ones(1), "x", tmp_path) is None  # no index asked for
+
+
+_WRITE_PAST_THE_FILE_SIZE_LIMIT = """
+import errno, os, resource, signal, sys, torch
+from fnaccel.modeling.offload import offload_weight
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, a write fails (EFBIG) instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    offload_weight(torch.ones(10_000), "w", sys.argv[1], index={})
+except OSError as exc:
+    print(type(exc).__name__, exc.errno == errno.EFBIG, os.listdir(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "SIGXFSZ"), reason="needs POSIX file size limits")
+def test_a_failed_write_is_an_oserror_and_leaves_no_file(tmp_path: Path) -> None:
+    # a full disk, as a file size limit: plain writes report it (a shared mapping would SIGBUS)
+    result = subprocess.run([sys.executable, "-c", _WRITE_PAST_THE_FILE_SIZE_LIMIT, str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.stdout.split() == ["OSError", "True", "[]"], result.stdout + result.stderr
 
 
 def test_tied_tensors_are_written_once(tmp_path: Path) -> None:

@@ -67,6 +67,10 @@ def test_config_defaults_follow_accelerate() -> None:
     assert explicit == BnbQuantizationConfig(
         load_in_8bit=True, torch_dtype="fp32", bnb_4bit_compute_dtype="fp32"
     )
+    # dtype names are read as everywhere in fnaccel.modeling: torch's names too
+    assert explicit == BnbQuantizationConfig(
+        load_in_8bit=True, torch_dtype="torch.float32", bnb_4bit_compute_dtype="float"
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         eight.load_in_4bit = True  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -88,7 +92,8 @@ def test_config_defaults_follow_accelerate() -> None:
             "bnb_4bit_compute_dtype must be",
         ),
         ({"load_in_8bit": True, "torch_dtype": torch.int8}, ValueError, "torch_dtype must be one of"),
-        ({"load_in_8bit": True, "torch_dtype": "half"}, ValueError, "torch_dtype must be one of"),
+        ({"load_in_8bit": True, "torch_dtype": "int8"}, ValueError, "torch_dtype must be one of"),
+        ({"load_in_8bit": True, "torch_dtype": "float17"}, ValueError, "torch_dtype must be one of"),
         ({"load_in_8bit": True, "llm_int8_threshold": "6"}, TypeError, "llm_int8_threshold must be a number"),
         (
             {"load_in_8bit": True, "llm_int8_threshold": True},
@@ -141,7 +146,7 @@ def test_arguments_are_checked_first(no_bnb: None) -> None:
         empty = _mlp()
     with pytest.raises(ValueError, match="meta device .* give weights_location"):
         load_and_quantize_model(empty, config)
-    with pytest.raises(ValueError, match="device_map must be a dict or one of"):
+    with pytest.raises(ValueError, match="a string must be one of auto, balanced, balanced_low_0, sequential"):
         load_and_quantize_model(_mlp(), config, device_map="everywhere")
     with pytest.raises(TypeError, match="device_map must be a dict"):
         load_and_quantize_model(_mlp(), config, device_map=0)  # type: ignore[arg-type]

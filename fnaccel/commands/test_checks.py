@@ -1,0 +1,373 @@
+"""The checks of ``fnaccel test`` (run by `fnaccel.commands.test_script`), one function each.
+
+A check takes the run's `RunState`, runs on every rank, and returns a detail
+for the report; it raises `CheckFailed` on a wrong result, `CheckSkipped` when
+it does not apply to this launch. `CHECKS` lists them in the order they run:
+the process group, each collective, the data loader's sharding, training steps
+through `fa.step` against a hand-written PyTorch loop, a checkpoint round trip
+that must resume bit for bit, and mixed precision when the launch configures it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+import fnaccel as fa
+from fnaccel.checkpoint.project import ProjectConfiguration
+from fnaccel.utils.constants import PrecisionType
+
+__all__ = [
+    "CHECKS",
+    "SEED",
+    "Check",
+    "CheckFailed",
+    "CheckSkipped",
+    "check_broadcast",
+    "check_broadcast_object_list",
+    "check_checkpoint",
+    "check_data_loader",
+    "check_gather",
+    "check_gather_object",
+    "check_mixed_precision",
+    "check_pad_across_processes",
+    "check_process_group",
+    "check_reduce",
+    "check_training",
+    "kwargs_handlers",
+]
+
+SEED = 0
+NUM_STEPS = 4
+BATCH_SIZE = 4  # per process: any number of processes divides the global batch
+# Long enough for a loaded machine; short enough that a rank left waiting in a
+# collective that a failed rank never joined gives up instead of hanging.
+COLLECTIVE_TIMEOUT = timedelta(seconds=180)
+
+
+class CheckFailed(Exception):
+    """A check saw a wrong result; the message says what it expected."""
+
+
+class CheckSkipped(Exception):
+    """A check does not apply to this launch; the message says how to enable it."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckFailed(message)
+
+
+def _same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    actual = actual.cpu()
+    _require(actual.shape == expected.shape and torch.equal(actual, expected),
+             f"{what}: got {actual.tolist()}, expected {expected.tolist()}")
+
+
+def kwargs_handlers(project: ProjectConfiguration | None = None) -> tuple[Any, ...]:
+    """The ``kwargs_handlers`` of every run the check makes: a collective timeout, and ``project``."""
+    timeout = fa.InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)
+    return (timeout,) if project is None else (timeout, project)
+
+
+def _fresh_run(state: fa.RunState, project: ProjectConfiguration | None = None,
+               mixed_precision: str | None = "no") -> fa.RunState:
+    """A new run beside ``state`` on the same device, in fp32 unless told otherwise."""
+    return fa.init(seed=SEED, cpu=state.dist.device.type == "cpu", mixed_precision=mixed_precision,
+                   kwargs_handlers=kwargs_handlers(project))
+
+
+# ---- the process group and the collectives -------------------------------------------------
+
+
+def check_process_group(state: fa.RunState) -> str:
+    """Every rank is present once and an all-reduce adds up."""
+    ctx = state.dist
+    ranks = fa.ops.gather_object(state, [ctx.rank])
+    _require(ranks == list(range(ctx.num_processes)), f"the ranks reported are {ranks}")
+    total = fa.ops.reduce(state, torch.ones((), device=ctx.device), "sum").item()
+    _require(total == ctx.num_processes, f"an all-reduce of ones gave {total}")
+    if ctx.num_processes == 1:
+        return f"1 process, no process group needed, device {ctx.device.type}"
+    return (f"{ctx.num_processes} processes on {ctx.num_nodes} machine(s), backend {ctx.backend}, "
+            f"device {ctx.device.type}")
+
+
+def check_gather(state: fa.RunState) -> str:
+    ctx = state.dist
+    rank, n = ctx.rank, ctx.num_processes
+    tree = {"vector": torch.tensor([rank, rank + 0.5], device=ctx.device),
+            "scalar": torch.tensor(float(rank), device=ctx.device)}
+    out = fa.ops.gather(state, tree)
+    _same(out["vector"], torch.tensor([v for k in range(n) for v in (k, k + 0.5)]), "a vector per rank")
+    _same(out["scalar"], torch.arange(n, dtype=torch.float32), "a 0-d tensor per rank")
+    return ""
+
+
+def check_reduce(state: fa.RunState) -> str:
+    ctx = state.dist
+    n = ctx.num_processes
+    value = torch.tensor([1.0, 2.0], device=ctx.device) * (ctx.rank + 1)
+    total = n * (n + 1) / 2
+    _same(fa.ops.reduce(state, value, "sum"), torch.tensor([total, 2 * total]), "sum")
+    _same(fa.ops.reduce(state, value, "mean"), torch.tensor([total, 2 * total]) / n, "mean")
+    count = fa.ops.reduce(state, torch.tensor([1], device=ctx.device), "sum")
+    _same(count, torch.tensor([n]), "sum of integers")
+    return ""
+
+
+def check_broadcast(state: fa.RunState) -> str:
+    ctx = state.dist
+    source = ctx.num_processes - 1  # the last rank: a source other than 0 when there are several
+    out = fa.ops.broadcast(state, torch.full((3,), float(ctx.rank), device=ctx.device), from_process=source)
+    _same(out, torch.full((3,), float(source)), f"from rank {source}")
+    return ""
+
+
+def check_pad_across_processes(state: fa.RunState) -> str:
+    ctx = state.dist
+    rank, n = ctx.rank, ctx.num_processes
+    mine = torch.full((rank + 1, 2), float(rank), device=ctx.device)  # a different length per rank
+    padded = fa.ops.pad_across_processes(state, mine, dim=0, pad_index=-1)
+    expected = torch.full((n, 2), -1.0)
+    expected[: rank + 1] = rank
+    _same(padded, expected, "padded to the longest rank")
+    everyone = fa.ops.gather(state, padded)
+    _require(tuple(everyone.shape) == (n * n, 2),
+             f"gathering the padded tensors gave {tuple(everyone.shape)}")
+    return ""
+
+
+def check_gather_object(state: fa.RunState) -> str:
+    rank, n = state.dist.rank, state.dist.num_processes
+    out = fa.ops.gather_object(state, [f"rank {rank}", {"rank": rank}])
+    expected = [item for k in range(n) for item in (f"rank {k}", {"rank": k})]
+    _require(out == expected, f"got {out}, expected {expected}")
+    return ""
+
+
+def check_broadcast_object_list(state: fa.RunState) -> str:
+    rank, source = state.dist.rank, state.dist.num_processes - 1
+    out = fa.ops.broadcast_object_list(state, [{"from": rank}, f"rank {rank}"], from_process=source)
+    expected = [{"from": source}, f"rank {source}"]
+    _require(out == expected, f"got {out}, expected {expected}")
+    return ""
+
+
+# ---- training --------------------------------------------------------------------------------
+
+
+def _model() -> nn.Sequential:
+    with torch.random.fork_rng(devices=[]):  # the same weights on every rank, the process RNG untouched
+        torch.manual_seed(SEED)
+        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+
+
+def _loss(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _data(num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(SEED + 1)
+    x = torch.randn(num_samples, 8, generator=generator)
+    return x, torch.randint(0, 4, (num_samples,), generator=generator)
+
+
+def _my_batches(ctx: fa.DistContext) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's slice of each global batch, on its device."""
+    x, y = _data(NUM_STEPS * BATCH_SIZE * ctx.num_processes)
+    for step in range(NUM_STEPS):
+        start = (step * ctx.num_processes + ctx.rank) * BATCH_SIZE
+        yield x[start : start + BATCH_SIZE].to(ctx.device), y[start : start + BATCH_SIZE].to(ctx.device)
+
+
+def _pipeline(ctx: fa.DistContext) -> fa.Pipeline:
+    return fa.compose(fa.ddp()) if ctx.num_processes > 1 else fa.compose()
+
+
+def _hand_written_loop(model: nn.Module, ctx: fa.DistContext) -> list[float]:
+    """What a user would write with PyTorch alone, DDP over the default group included."""
+    model = model.to(ctx.device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if ctx.num_processes > 1:
+        model = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+    losses = []
+    with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda" else []):
+        torch.manual_seed(SEED)  # the generators fa.init(seed=SEED) gives the run
+        for batch in _my_batches(ctx):
+            loss = _loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    return losses
+
+
+def check_training(state: fa.RunState) -> str:
+    """`fa.step` against the hand-written loop: same losses, same parameters."""
+    ctx = state.dist
+    model = _model()
+    reference = copy.deepcopy(model)
+    run = _fresh_run(state)
+    try:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        run = fa.prepare(run, model, optimizer, loss_fn=_loss, pipeline=_pipeline(ctx))
+        losses = []
+        for batch in _my_batches(ctx):
+            run, metrics = fa.step(run, batch)
+            losses.append(metrics["loss"].item())
+        _require(run.step == NUM_STEPS, f"state.step is {run.step} after {NUM_STEPS} steps")
+    finally:
+        fa.shutdown(run)
+    expected = _hand_written_loop(reference, ctx)
+    pairs = list(zip(model.parameters(), reference.parameters()))
+    if losses == expected and all(torch.equal(p, q) for p, q in pairs):
+        return f"{NUM_STEPS} steps, parameters bit-identical to plain PyTorch"
+    worst = max((p - q).abs().max().item() for p, q in pairs)
+    # Summation order may differ between two all-reduce bucketings (3+ ranks): equal within float32.
+    close = all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in pairs) and all(
+        math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(losses, expected))
+    _require(close, f"after {NUM_STEPS} steps the parameters differ from plain PyTorch by up to {worst:.3g} "
+                    f"(losses {losses} vs {expected})")
+    return f"{NUM_STEPS} steps, parameters equal to plain PyTorch within {worst:.1g}"
+
+
+def check_data_loader(state: fa.RunState) -> str:
+    """The prepared loader gives every sample to exactly one rank, once per epoch."""
+    ctx = state.dist
+    num_samples = 3 * BATCH_SIZE * ctx.num_processes
+    loader = DataLoader(TensorDataset(torch.arange(num_samples)), batch_size=BATCH_SIZE, shuffle=True)
+    run = fa.prepare(_fresh_run(state), loader=loader)
+    try:
+        seen = [b[0].tolist() for b in fa.batches(run, epochs=1)]
+    finally:
+        fa.shutdown(run)
+    _require([len(b) for b in seen] == [BATCH_SIZE] * 3,
+             f"rank {ctx.rank} got batches of sizes {[len(b) for b in seen]}, expected 3 of {BATCH_SIZE}")
+    everyone = sorted(i for b in fa.ops.gather_object(state, seen) for i in b)
+    _require(everyone == list(range(num_samples)),
+             "one epoch did not give each sample to exactly one rank exactly once")
+    return f"{num_samples} samples shuffled and sharded over {ctx.num_processes} process(es)"
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def _checkpoint_root(state: fa.RunState) -> Path:
+    """A fresh directory: made by each machine's first process, its name gathered by the others
+    (machines may not share a filesystem, so each writes its own: save_on_each_node)."""
+    ctx = state.dist
+    made = tempfile.mkdtemp(prefix="fnaccel-test-") if ctx.is_local_main_process else None
+    everyone = fa.ops.gather_object(state, [(ctx.node_rank, made)])
+    return Path(next(path for node, path in everyone if node == ctx.node_rank and path is not None))
+
+
+def _train(run: fa.RunState, num_steps: int) -> tuple[fa.RunState, list[float]]:
+    losses = []
+    for batch in fa.batches(run, epochs=1):
+        run, metrics = fa.step(run, batch)
+        losses.append(metrics["loss"].item())
+        if len(losses) == num_steps:
+            break
+    return run, losses
+
+
+def check_checkpoint(state: fa.RunState) -> str:
+    """fa.save, train on, fa.load, train the same steps again: identical, bit for bit."""
+    ctx = state.dist
+    root = _checkpoint_root(state)
+    project = ProjectConfiguration(save_on_each_node=ctx.num_nodes > 1)
+    run = _fresh_run(state, project)
+    try:
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        loader = DataLoader(TensorDataset(*_data(8 * BATCH_SIZE * ctx.num_processes)),
+                            batch_size=BATCH_SIZE, shuffle=True)
+        run = fa.prepare(run, model, optimizer, loader, scheduler, loss_fn=_loss, pipeline=_pipeline(ctx))
+        run, _ = _train(run, 3)
+        fa.save(run, root / "checkpoint")
+        run, first = _train(run, 3)
+        after_first = [p.detach().clone() for p in model.parameters()]
+        run = fa.load(run, root / "checkpoint")
+        _require((run.step, run.micro_step) == (3, 3),
+                 f"the loaded state is at step {run.step}, micro step {run.micro_step}; expected 3, 3")
+        run, second = _train(run, 3)
+        _require(first == second, f"the resumed losses {second} differ from the first run's {first}")
+        _require(all(torch.equal(p, q) for p, q in zip(model.parameters(), after_first)),
+                 "the resumed run's parameters differ from the first run's")
+    finally:
+        fa.shutdown(run)
+        fa.wait_for_everyone(state)  # nobody still reads the files
+        if ctx.is_local_main_process:
+            shutil.rmtree(root, ignore_errors=True)
+    return "saved at step 3, loaded, the next 3 steps identical bit for bit"
+
+
+# ---- mixed precision -------------------------------------------------------------------------
+
+
+def check_mixed_precision(state: fa.RunState) -> str:
+    """The launch's precision: the default pipeline autocasts, training stays finite."""
+    precision = state.mixed_precision
+    if precision == PrecisionType.NO:
+        raise CheckSkipped("not configured; launch with --mixed_precision fp16 or bf16 to check it")
+    ctx = state.dist
+    model = _model()
+    dtypes: list[torch.dtype] = []
+    model[0].register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+    before = [p.detach().clone() for p in model.parameters()]
+    run = _fresh_run(state, mixed_precision=None)  # None: the launch's precision
+    try:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = fa.prepare(run, model, optimizer, loss_fn=_loss)  # the default pipeline follows the launch
+        losses, scales = [], []
+        for batch in _my_batches(ctx):
+            run, metrics = fa.step(run, batch)
+            losses.append(metrics["loss"].item())
+            scales.append(metrics.get("scale"))
+        pipeline = repr(run.pipeline)
+    finally:
+        fa.shutdown(run)
+    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision.value]
+    _require(bool(dtypes) and all(d == low for d in dtypes),
+             f"the first layer computed in {sorted(set(map(str, dtypes)))}, expected {low} "
+             f"(pipeline {pipeline})")
+    _require(all(math.isfinite(v) for v in losses), f"non-finite losses {losses}")
+    _require(all(torch.isfinite(p).all().item() for p in model.parameters()), "non-finite parameters")
+    _require(any(not torch.equal(p.cpu(), q) for p, q in zip(model.parameters(), before)),
+             "the parameters did not change")
+    if precision == PrecisionType.FP16:
+        _require(all(s is not None for s in scales), "fp16 steps report no loss scale (no grad scaler)")
+    return f"{pipeline} on {ctx.device.type}: the model computes in {low}, {NUM_STEPS} finite steps"
+
+
+# ---- the list --------------------------------------------------------------------------------
+
+Check = Callable[[fa.RunState], str]
+
+CHECKS: tuple[tuple[str, Check], ...] = (
+    ("process group", check_process_group),
+    ("gather", check_gather),
+    ("reduce", check_reduce),
+    ("broadcast", check_broadcast),
+    ("pad_across_processes", check_pad_across_processes),
+    ("gather_object", check_gather_object),
+    ("broadcast_object_list", check_broadcast_object_list),
+    ("data loader sharding", check_data_loader),
+    ("training vs PyTorch", check_training),
+    ("checkpoint round trip", check_checkpoint),
+    ("mixed precision", check_mixed_precision),
+)
