@@ -204,14 +204,18 @@ def load_config(path: str | os.PathLike[str]) -> LaunchConfig:
 
 def with_launch_env(config: LaunchConfig, environ: Mapping[str, str]) -> LaunchConfig:
     """``config`` with what `fnaccel launch` put in the environment laid over it:
-    ``FNACCEL_USE_FSDP`` and the ``FNACCEL_FSDP_*`` / ``FNACCEL_DYNAMO_*`` keys."""
+    ``FNACCEL_DISTRIBUTED_TYPE`` (the launch's resolved kind, so that a flag can
+    also switch a file's FSDP off), ``FNACCEL_USE_FSDP``, and the
+    ``FNACCEL_FSDP_*`` / ``FNACCEL_DYNAMO_*`` keys."""
     from dataclasses import replace
 
     from fnaccel.utils.environment import str_to_bool
     from fnaccel.utils.plugins import section_from_env
 
     changes: dict[str, Any] = {}
-    if str_to_bool(environ.get("FNACCEL_USE_FSDP", "") or "false", to_bool=True):
+    if kind := environ.get("FNACCEL_DISTRIBUTED_TYPE"):
+        changes["distributed_type"] = _check_value("distributed_type", kind, "FNACCEL_DISTRIBUTED_TYPE")
+    elif str_to_bool(environ.get("FNACCEL_USE_FSDP", "") or "false", to_bool=True):
         changes["distributed_type"] = "FSDP"
     for prefix, key in (("fsdp_", "fsdp_config"), ("dynamo_", "dynamo_config")):
         overlay = section_from_env(prefix, environ)

@@ -105,7 +105,8 @@ def on_local_main_process(
 
 
 def print_on_main(ctx: DistContext | Any, *args: Any, **kwargs: Any) -> None:
-    """`print` on the main process only (Accelerate's ``accelerator.print``)."""
+    """`print` on the main process only: once per run (Accelerate's
+    ``accelerator.print`` prints once per machine, on each local main process)."""
     if as_dist(ctx).is_main_process:
         builtins.print(*args, **kwargs)
 

@@ -290,7 +290,8 @@ def init(
         )
         group, owner = _start_process_group(pg_handler, backend, device, env)
         distributed_type = (
-            DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU
+            DistributedType.FSDP if launch_config.distributed_type == "FSDP"
+            else DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU
         )
 
     del group  # the owner is its only holder: see _destroy_group

@@ -67,8 +67,8 @@ def default_pipeline(state: RunState) -> Pipeline:
     names a dynamo backend."""
     handlers = state.kwargs_handlers
     parts = []
-    if state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16):
-        cast = handlers.get("AutocastKwargs")
+    cast = handlers.get("AutocastKwargs")
+    if state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16) and (cast is None or cast.enabled):
         parts.append(autocast(state.mixed_precision.value,
                               cache_enabled=None if cast is None else cast.cache_enabled))
     if state.mixed_precision == PrecisionType.FP8:
@@ -212,7 +212,9 @@ def prepare(
     ctx = state.dist
     if pipeline is None:
         pipeline = state.pipeline if state.pipeline is not None else default_pipeline(state)
-    elif state.pipeline is not None and state.model is not None and pipeline != state.pipeline:
+    elif state.pipeline is None:
+        _warn_if_launch_ignored(pipeline, state)
+    if state.pipeline is not None and state.model is not None and pipeline != state.pipeline:
         raise ValueError("fa.prepare: this state's model was prepared with another pipeline")
     pipeline = _complete(pipeline, state)
     transform_states = dict(state.transform_states)
@@ -224,6 +226,7 @@ def prepare(
     if model is not None:
         if state.model is not None:
             raise ValueError("fa.prepare: this state already holds a prepared model")
+        _refuse_meta(model, ctx)
         names = {id(p): name for name, p in model.named_parameters()}
         model = model.to(ctx.device)
         for t in pipeline.transforms:
@@ -233,6 +236,8 @@ def prepare(
             _rebind_optimizer(optimizer, names, model)
         changes["model"] = model
     if optimizer is not None:
+        if model is None and state.model is not None:
+            _check_optimizer_params(optimizer, state.model)
         changes["optimizer"] = optimizer
     if scheduler is not None:
         changes["scheduler"] = scheduler
@@ -249,6 +254,61 @@ def prepare(
     if new.model is not None:
         plan.set_sync_for(new.model, new.micro_step)
     return new
+
+
+def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
+    """An explicit pipeline wins over the launch (as explicit arguments do); say so
+    when the launch asked for a precision or FSDP that the pipeline leaves out."""
+    import warnings
+
+    cast = pipeline.get("autocast")
+    dtype = dict(cast.options)["dtype"] if cast is not None else None
+    wanted = {PrecisionType.FP16: torch.float16, PrecisionType.BF16: torch.bfloat16}.get(state.mixed_precision)
+    if wanted is not None and dtype is not wanted:
+        warnings.warn(
+            f"fa.prepare: the launch asked for mixed_precision {state.mixed_precision.value} but the "
+            f"pipeline passed in is {pipeline!r}; the pipeline wins. Leave pipeline out to follow the "
+            "launch, or add fa.autocast to it", UserWarning, stacklevel=3)
+    if state.config.distributed_type == "FSDP" and state.dist.num_processes > 1 \
+            and "fsdp" not in pipeline.names:
+        warnings.warn(
+            f"fa.prepare: the launch asked for FSDP but the pipeline passed in is {pipeline!r}; the "
+            "pipeline wins. Leave pipeline out to follow the launch, or add fa.fsdp to it",
+            UserWarning, stacklevel=3)
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """An optimizer passed after its model was prepared must hold the prepared
+    model's parameters: wrapping (FSDP2's DTensors) may have replaced the ones it was built on."""
+    current = {id(p) for p in model.parameters()}
+    if any(id(p) not in current for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError(
+            "fa.prepare: the optimizer holds parameters that are not the prepared model's (preparing "
+            "replaced them, e.g. fa.fsdp shards them); pass the optimizer in the same fa.prepare "
+            "call as the model, or build it from state.model.parameters()"
+        )
+
+
+def _refuse_meta(model: nn.Module, ctx: Any) -> None:
+    """A model with tensors on the meta device cannot be moved or trained. In a larger
+    world the ranks agree first (one small all-reduce per prepare), so that every rank
+    raises instead of one raising while the others wait in DDP's or FSDP2's first
+    collective."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    on_meta = next((name for name, t in tensors if t.is_meta), None)
+    anywhere = on_meta is not None
+    if ctx.num_processes > 1:
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(anywhere)], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.process_group)
+        anywhere = bool(flag.item())
+    if anywhere:
+        where = f"'{on_meta}' is" if on_meta else "another rank's model has a tensor"
+        raise ValueError(
+            f"fa.prepare: {where} on the meta device (no data to train); load the weights first "
+            "(fnaccel.utils.load_checkpoint_in_model) or build the model with real tensors"
+        )
 
 
 def _require(state: RunState, action: str) -> tuple[nn.Module, torch.optim.Optimizer, StepPlan]:

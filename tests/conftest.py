@@ -24,8 +24,13 @@ _LAUNCH_VARS = (
 @pytest.fixture(autouse=True)
 def isolated_launch_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """No test sees the developer's config file or a launcher's variables."""
+    import os
+
     for name in _LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
+    for name in list(os.environ):  # everything fnaccel launch or torchrun may have set
+        if name.startswith(("FNACCEL_", "TORCHELASTIC_")):
+            monkeypatch.delenv(name)
     monkeypatch.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf_home")))
 
 

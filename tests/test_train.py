@@ -332,3 +332,38 @@ def test_accumulate_normalised_by_items_equals_the_mean_over_all_tokens() -> Non
                      loss_fn=loss_fn, pipeline=fa.compose(fa.accumulate(2, normalize="items")))
     with pytest.raises(ValueError, match="num_items"):  # the loss function gave no item count
         fa.step(bad, make_batches(1)[0])
+
+
+def test_a_model_on_the_meta_device_is_refused_before_anything_moves() -> None:
+    with torch.device("meta"):
+        model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="'weight' is on the meta device.*load_checkpoint_in_model"):
+        fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_an_explicit_pipeline_that_drops_the_launch_precision_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Linear(2, 2)
+    state = fa.init(seed=0, cpu=True, mixed_precision="bf16")
+    with pytest.warns(UserWarning, match="asked for mixed_precision bf16.*the pipeline wins"):
+        fa.prepare(state, model, pipeline=fa.compose(fa.clip_grad_norm(1.0)))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same precision: nothing to say
+        fa.prepare(fa.init(seed=0, cpu=True, mixed_precision="bf16"), nn.Linear(2, 2),
+                   pipeline=fa.compose(fa.autocast(fa.bf16)))
+        fa.prepare(fa.init(seed=0, cpu=True), nn.Linear(2, 2), pipeline=fa.compose(fa.autocast(fa.bf16)))
+
+
+def test_autocast_kwargs_enabled_false_leaves_autocast_out() -> None:
+    state = fa.init(seed=0, cpu=True, mixed_precision="bf16", kwargs_handlers=[fa.AutocastKwargs(enabled=False)])
+    assert repr(fa.prepare(state, nn.Linear(2, 2)).pipeline) == "compose()"
+
+
+def test_an_optimizer_prepared_later_must_hold_the_prepared_parameters() -> None:
+    model = nn.Linear(2, 2)
+    state = fa.prepare(fa.init(seed=0, cpu=True), model)
+    with pytest.raises(ValueError, match="pass the optimizer in the same fa.prepare call"):
+        fa.prepare(state, optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    state = fa.prepare(state, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert state.optimizer is not None

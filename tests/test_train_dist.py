@@ -191,6 +191,14 @@ def train_fsdp_variant(state: fa.RunState, variant: str) -> dict[str, Any]:
     rank, world = state.dist.rank, state.dist.num_processes
     model = make_blocks()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if variant == "sync_meta":  # rank 1 built its model on meta: every rank must refuse, none hang
+        if rank == 1:
+            model = model.to("meta")
+        try:
+            fa.prepare(state, model, pipeline=fa.compose(fa.fsdp(sync_module_states=True)))
+        except ValueError as exc:
+            return {"error": str(exc)}
+        return {"error": None}
     if variant == "offload":
         try:
             fa.prepare(state, model, opt, pipeline=fa.compose(fa.fsdp(cpu_offload=True)))
@@ -233,6 +241,9 @@ def test_fsdp_by_size_with_bf16_policy_and_offload_refused_on_cpu(world2: Any) -
     expected = reference()
     for result in world2.run(train_fsdp_variant, "offload"):  # needs CUDA: a clear error here
         assert "run computes on the CPU already" in result["error"]
+    rank0, rank1 = world2.run(train_fsdp_variant, "sync_meta")
+    assert "another rank's model has a tensor on the meta device" in rank0["error"]
+    assert "'0.linear.weight' is on the meta device" in rank1["error"]
     for variant in ("min_size", "sync"):
         for result in world2.run(train_fsdp_variant, variant):
             for p, q in zip(result["params"], expected):

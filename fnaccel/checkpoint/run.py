@@ -128,7 +128,13 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
     return state.saves.start(final, lambda: write_snapshot(snap, background, final, token, on_commit))
 
 
-def _manifest(directory: Path, state: RunState) -> dict[str, Any]:
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """A checkpoint's ``fnaccel.json``, checked: present, JSON, fnaccel's format,
+    a known schema version, and its own sha256.
+
+    Raises:
+        CheckpointError: naming the file and what is wrong with it.
+    """
     import json
 
     path = directory / MANIFEST
@@ -148,6 +154,11 @@ def _manifest(directory: Path, state: RunState) -> dict[str, Any]:
         )
     if manifest.get("manifest_sha256") != manifest_hash(manifest):
         raise CheckpointError(f"{path}: corrupt (its content does not match its own sha256)")
+    return manifest
+
+
+def _manifest(directory: Path, state: RunState) -> dict[str, Any]:
+    manifest = read_manifest(directory)
     saved, now = manifest["num_processes"], state.dist.num_processes
     if saved != now:
         raise CheckpointError(

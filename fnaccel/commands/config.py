@@ -239,6 +239,7 @@ def _ask_fsdp(q: Questions) -> dict[str, Any]:
     elif policy == "SIZE_BASED_WRAP":
         fsdp["fsdp_min_num_params"] = q.ask("What should be your FSDP's minimum number of parameters "
                                             "for default auto wrapping?", 100_000_000, _positive)
-    fsdp["fsdp_state_dict_type"] = q.choose("What should be your FSDP's state dict type?",
-                                            ("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
+    fsdp["fsdp_state_dict_type"] = "SHARDED_STATE_DICT"  # fa.save's only layout under FSDP
+    fsdp["fsdp_sync_module_states"] = q.yes_no(
+        "Do you want each sharded module to start from rank 0's weights (sync module states)?", True)
     return fsdp

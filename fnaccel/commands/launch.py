@@ -14,8 +14,7 @@ import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -24,6 +23,7 @@ from fnaccel._errors import ConfigError
 from fnaccel.commands.launch_flags import DYNAMO_FLAGS, FSDP_FLAGS, add_launch_arguments, refused_flags
 from fnaccel.commands.main import CommandError
 from fnaccel.config import CONFIG_FILE_ENV, LaunchConfig, default_config_file, load_config
+from fnaccel.utils.environment import patch_environment as _patched_environment
 
 __all__ = ["launch_environment", "register", "run", "run_launch", "torchrun_arguments"]
 
@@ -160,7 +160,9 @@ def launch_environment(args: argparse.Namespace, config: LaunchConfig) -> dict[s
     """The variables every process gets: what `fa.init` reads, plus thread and GPU settings."""
     from fnaccel.utils.plugins import plugin_env
 
-    env = {"FNACCEL_MIXED_PRECISION": config.mixed_precision}
+    env = {"FNACCEL_MIXED_PRECISION": config.mixed_precision,
+           "FNACCEL_DISTRIBUTED_TYPE": config.distributed_type,
+           "FNACCEL_USE_FSDP": "true" if config.distributed_type == "FSDP" else "false"}
     if config.source is not None:
         env[CONFIG_FILE_ENV] = str(Path(config.source).resolve())
     if config.use_cpu:
@@ -170,7 +172,6 @@ def launch_environment(args: argparse.Namespace, config: LaunchConfig) -> dict[s
     if config.enable_cpu_affinity:
         env["FNACCEL_CPU_AFFINITY"] = "true"
     if config.distributed_type == "FSDP":
-        env["FNACCEL_USE_FSDP"] = "true"
         env.update(plugin_env(config.fsdp_config))
     env.update(plugin_env(config.dynamo_config))
     if config.gpu_ids not in ("all", ""):
@@ -178,7 +179,7 @@ def launch_environment(args: argparse.Namespace, config: LaunchConfig) -> dict[s
     threads = args.num_cpu_threads_per_process
     if threads is None and "OMP_NUM_THREADS" not in os.environ:
         local = max(1, _num_processes(args, config) // config.num_machines)
-        threads = max(1, len(os.sched_getaffinity(0)) // local)
+        threads = max(1, _usable_cpus() // local)
     if threads is not None:
         if threads < 1:
             raise CommandError(f"--num_cpu_threads_per_process must be at least 1, got {threads}")
@@ -186,18 +187,9 @@ def launch_environment(args: argparse.Namespace, config: LaunchConfig) -> dict[s
     return env
 
 
-@contextmanager
-def _environment(values: Mapping[str, str]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
+def _usable_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux only
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def _check_script(args: argparse.Namespace) -> None:
@@ -221,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     torchrun_args = torchrun.get_args_parser().parse_args(torchrun_arguments(args, config))
     if args.quiet:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    with _environment(launch_environment(args, config)):
+    with _patched_environment(**launch_environment(args, config)):
         try:
             torchrun.run(torchrun_args)
         except ChildFailedError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator
+from types import MappingProxyType
 
 __all__ = ["add_launch_arguments", "refused_flags", "FSDP_FLAGS", "DYNAMO_FLAGS"]
 
@@ -26,9 +27,9 @@ FSDP_FLAGS: tuple[Flag, ...] = (
     ("--fsdp_transformer_layer_cls_to_wrap", str, "Layer class names to shard on their own, e.g. `Block,MLP`."),
     ("--fsdp_backward_prefetch", str, "BACKWARD_PRE (FSDP2's behaviour); others are refused."),
     ("--fsdp_backward_prefetch_policy", str, "Deprecated spelling of --fsdp_backward_prefetch."),
-    ("--fsdp_state_dict_type", str, "SHARDED_STATE_DICT or FULL_STATE_DICT."),
+    ("--fsdp_state_dict_type", str, "SHARDED_STATE_DICT (FULL_STATE_DICT is refused: use fa.save_model)."),
     ("--fsdp_forward_prefetch", str, "(true|false) explicit forward prefetch (true is refused)."),
-    ("--fsdp_use_orig_params", str, "(true|false) FSDP2 always keeps the original parameters."),
+    ("--fsdp_use_orig_params", str, "(true|false) FSDP2 always keeps them (false is refused)."),
     ("--fsdp_cpu_ram_efficient_loading", str, "(true|false) real weights on rank 0 only (needs sync)."),
     ("--fsdp_sync_module_states", str, "(true|false) broadcast rank 0's weights before sharding."),
     ("--fsdp_activation_checkpointing", str, "(true|false) activation checkpointing (true is refused)."),
@@ -175,9 +176,16 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Arguments of the training script.")
 
 
+# DeepSpeed's own settings for what fnaccel does with transforms: say which one
+_INSTEAD = MappingProxyType({
+    "--gradient_accumulation_steps": "it is DeepSpeed's; put fa.accumulate(n) in the pipeline",
+    "--gradient_clipping": "it is DeepSpeed's; put fa.clip_grad_norm(max_norm) in the pipeline",
+})
+
+
 def refused_flags(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
     """``(flag, why)`` for each flag given for an engine this build does not ship."""
     for _, why, flags in _REFUSED:
         for flag, _, _ in flags:
             if getattr(args, flag.lstrip("-"), None) is not None:
-                yield flag, why
+                yield flag, _INSTEAD.get(flag, why)

@@ -21,7 +21,6 @@ Accelerate's ``--unsafe_serialization`` (write a pickled ``.bin``) is refused.
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 import shutil
 import warnings
@@ -168,32 +167,14 @@ def _load_model_tensors(metadata: Any, reader: Any) -> dict[str, torch.Tensor]:
     return {names[key]: tensor for key, tensor in full.items()}
 
 
-def _fnaccel_manifest(source: Path) -> dict[str, Any]:
-    from fnaccel.checkpoint.writer import FORMAT, MANIFEST, SCHEMA_VERSION, manifest_hash
-
-    path = source / MANIFEST
-    try:
-        manifest = json.loads(path.read_bytes())
-    except ValueError:
-        raise CheckpointError(f"{path}: corrupt (not valid JSON)") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not an fnaccel checkpoint manifest")
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise CheckpointError(
-            f"{path}: schema version {manifest.get('schema_version')!r} is unknown to this "
-            f"fnaccel (it reads version {SCHEMA_VERSION})"
-        )
-    if manifest.get("manifest_sha256") != manifest_hash(manifest):
-        raise CheckpointError(f"{path}: corrupt (its content does not match its own sha256)")
-    return manifest
-
-
 def _read_fnaccel(source: Path) -> dict[str, torch.Tensor]:
     from fnaccel.checkpoint.files import read_json, read_tensors
     from fnaccel.checkpoint.sharded import METADATA, _metadata_from, _storage_classes
     from fnaccel.checkpoint.tied import retie
 
-    manifest = _fnaccel_manifest(source)
+    from fnaccel.checkpoint.run import read_manifest
+
+    manifest = read_manifest(source)
     if METADATA in manifest["files"]:  # an fsdp() run: DCP's chunks in pickle-free files
         metadata, storage = _metadata_from(read_json(source, METADATA, manifest), str(source / METADATA))
         _, reader_cls = _storage_classes()
@@ -243,6 +224,9 @@ def _merge(checkpoint_dir: str | Path, output_path: str | Path, remove_checkpoin
             f"{output} is inside {source}, which --remove_checkpoint_dir would delete; "
             "write the merged weights elsewhere"
         )
+    if output == source or (output.is_relative_to(source) and (source / MANIFEST).is_file()):
+        # writing model.safetensors into an fnaccel checkpoint would break its checksums
+        raise ValueError(f"{output} is inside the checkpoint {source}; write the merged weights elsewhere")
     if (source / MANIFEST).is_file():
         marker, kind, weights = MANIFEST, "fnaccel checkpoint", _read_fnaccel(source)
     elif (source / DCP_METADATA).is_file():

@@ -105,15 +105,13 @@ def _wrap_targets(
 def _broadcast_from_first_rank(model: nn.Module, ctx: DistContext) -> None:
     import torch.distributed as dist
 
-    first = dist.get_global_rank(ctx.process_group, 0)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_meta:
-            raise ValueError(
-                f"fsdp(sync_module_states=True): '{name}' is on the meta device; every rank needs "
-                "real tensors of the right shapes to receive rank 0's values (e.g. torch.empty)"
-            )
-        with torch.no_grad():
-            dist.broadcast(tensor.data, src=first, group=ctx.process_group)
+    # fa.prepare has refused meta tensors on every rank before this point
+    group = ctx.process_group
+    assert group is not None
+    first = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=first, group=group)
 
 
 def fsdp(

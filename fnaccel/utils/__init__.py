@@ -96,7 +96,9 @@ from fnaccel.checkpoint.extras import register_for_checkpointing
 from fnaccel.checkpoint.project import ProjectConfiguration
 from fnaccel.checkpoint.weights import save_model, shard_checkpoint
 from fnaccel.config import write_basic_config
-from fnaccel.utils.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+from fnaccel.utils.plugins import FullyShardedDataParallelPlugin, GradientAccumulationPlugin, TorchDynamoPlugin
+from fnaccel.utils.engines import DeepSpeedPlugin, MegatronLMPlugin
+from fnaccel.checkpoint.single import save
 
 # The memory and modelling utilities load on first use: most training scripts
 # never touch them, and importing them all would add to every `import fnaccel`.
@@ -106,9 +108,10 @@ _LAZY = MappingProxyType({
         "dtype_byte_size", "get_max_layer_size", "named_module_tensors"), "fnaccel.modeling.sizes"),
     **dict.fromkeys(("init_empty_weights", "init_on_device"), "fnaccel.modeling.empty"),
     **dict.fromkeys(("find_tied_parameters", "retie_parameters"), "fnaccel.modeling.tied"),
-    **dict.fromkeys((
-        "check_device_map", "clean_device_map", "convert_file_size_to_int", "get_balanced_memory",
-        "get_max_memory", "infer_auto_device_map"), "fnaccel.modeling.device_map"),
+    **dict.fromkeys(("check_device_map", "clean_device_map", "infer_auto_device_map"),
+                    "fnaccel.modeling.device_map"),
+    **dict.fromkeys(("convert_file_size_to_int", "get_balanced_memory", "get_max_memory"),
+                    "fnaccel.modeling.memory_budget"),
     "set_module_tensor_to_device": "fnaccel.modeling.tensors",
     **dict.fromkeys((
         "OffloadedWeightsLoader", "PrefixedDataset", "extract_submodules_state_dict",
@@ -169,7 +172,8 @@ __all__ = [
     "register_for_checkpointing", "ProjectConfiguration",
     "save_model", "shard_checkpoint",
     # configs and plugins
-    "write_basic_config", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin",
+    "write_basic_config", "FullyShardedDataParallelPlugin", "GradientAccumulationPlugin",
+    "TorchDynamoPlugin", "DeepSpeedPlugin", "MegatronLMPlugin", "save",
     # memory and modelling (loaded on first use)
     *_LAZY,
 ]

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fnaccel._errors import ConfigError
 from fnaccel.utils.environment import str_to_bool
 
-__all__ = ["FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "plugin_env", "section_from_env"]
+__all__ = [
+    "FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "TorchDynamoPlugin",
+    "plugin_env", "section_from_env",
+]
+
+T = TypeVar("T")
 
 # FSDP1's strategies by number and name; FSDP2 expresses the first two with reshard_after_forward.
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
@@ -81,8 +86,8 @@ class FullyShardedDataParallelPlugin:
 
     ``sharding_strategy`` FULL_SHARD and SHARD_GRAD_OP become
     ``reshard_after_forward`` True and False; ``fsdp_version`` 1 configs run
-    on FSDP2 (fnaccel ships no FSDP1). ``sync_module_states`` broadcasts rank
-    0's weights before sharding; ``cpu_ram_efficient_loading`` (which needs it)
+    on FSDP2 (fnaccel ships no FSDP1). ``sync_module_states`` (default True,
+    as in Accelerate) broadcasts rank 0's weights before sharding; ``cpu_ram_efficient_loading`` (which needs it)
     means the script loads real weights on rank 0 only, into a model of the
     right shapes on the other ranks. Options without an FSDP2 counterpart in
     this build are refused when the plugin is built.
@@ -91,11 +96,11 @@ class FullyShardedDataParallelPlugin:
     ...     {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
     ...      "fsdp_transformer_layer_cls_to_wrap": "Block", "fsdp_sharding_strategy": 2})
     >>> plugin.transform()
-    fsdp(transformer_cls_names_to_wrap=('Block',), reshard_after_forward=False)
+    fsdp(transformer_cls_names_to_wrap=('Block',), reshard_after_forward=False, sync_module_states=True)
     """
 
     fsdp_version: int = 2
-    sharding_strategy: str = "FULL_SHARD"
+    sharding_strategy: str | None = None
     reshard_after_forward: bool | None = None
     cpu_offload: bool = False
     auto_wrap_policy: str | None = None
@@ -105,7 +110,7 @@ class FullyShardedDataParallelPlugin:
     forward_prefetch: bool = False
     state_dict_type: str = "SHARDED_STATE_DICT"
     use_orig_params: bool = True
-    sync_module_states: bool = False
+    sync_module_states: bool = True
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool = False
 
@@ -156,15 +161,16 @@ class FullyShardedDataParallelPlugin:
                          "fsdp_use_orig_params", "fsdp_sync_module_states",
                          "fsdp_cpu_ram_efficient_loading", "fsdp_activation_checkpointing")
                 raise ConfigError(f"{source}: unknown key '{key}'; known keys are {', '.join(known)}")
-        plugin = cls(**values)
-        plugin.check(source)
-        return plugin
+        return _built(cls, values, source)
+
+    def __post_init__(self) -> None:
+        self.check(type(self).__name__)
 
     def check(self, source: str = "fsdp_config") -> None:
         """Refuse what FSDP2 in this build cannot carry out (ConfigError naming the key)."""
         if self.fsdp_version not in (1, 2):
             raise _refuse("fsdp_version", source, f"must be 1 or 2, got {self.fsdp_version}")
-        if self.sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        if self.sharding_strategy not in (None, "FULL_SHARD", "SHARD_GRAD_OP"):
             raise _refuse("fsdp_sharding_strategy", source,
                           f"{self.sharding_strategy} is not built (FSDP2 over one mesh dimension "
                           "shards fully); use FULL_SHARD or SHARD_GRAD_OP, or fa.ddp() for NO_SHARD")
@@ -173,6 +179,21 @@ class FullyShardedDataParallelPlugin:
                           "TRANSFORMER_BASED_WRAP needs the layer class names to wrap")
         if self.auto_wrap_policy == "SIZE_BASED_WRAP" and self.min_num_params is None:
             raise _refuse("fsdp_min_num_params", source, "SIZE_BASED_WRAP needs fsdp_min_num_params")
+        if None not in (self.reshard_after_forward, self.sharding_strategy) and (
+                self.reshard_after_forward != (self.sharding_strategy == "FULL_SHARD")):
+            raise _refuse("fsdp_reshard_after_forward", source,
+                          f"{self.reshard_after_forward} contradicts fsdp_sharding_strategy "
+                          f"{self.sharding_strategy} (FULL_SHARD reshards, SHARD_GRAD_OP does not); "
+                          "keep one of the two")
+        if self.state_dict_type != "SHARDED_STATE_DICT":
+            raise _refuse("fsdp_state_dict_type", source,
+                          f"{self.state_dict_type} is not supported: fa.save always writes sharded "
+                          "checkpoints under FSDP; full weights come from fa.save_model or "
+                          "`fnaccel merge-weights`. Use SHARDED_STATE_DICT")
+        if not self.use_orig_params:
+            raise _refuse("fsdp_use_orig_params", source,
+                          "false is not supported: FSDP2 always keeps the original parameters; "
+                          "set it true or leave it out")
         if self.backward_prefetch not in (None, "BACKWARD_PRE"):
             raise _refuse("fsdp_backward_prefetch", source,
                           f"{self.backward_prefetch} has no FSDP2 counterpart; FSDP2 prefetches "
@@ -195,9 +216,9 @@ class FullyShardedDataParallelPlugin:
 
         reshard = self.reshard_after_forward
         if reshard is None:
-            reshard = self.sharding_strategy == "FULL_SHARD"
+            reshard = self.sharding_strategy != "SHARD_GRAD_OP"
         wrap = self.auto_wrap_policy
-        return fsdp(
+        return fsdp(  # every field reaches fsdp() or was refused by check()
             transformer_cls_names_to_wrap=self.transformer_cls_names_to_wrap
             if wrap in (None, "TRANSFORMER_BASED_WRAP") else (),
             min_num_params=self.min_num_params if wrap in (None, "SIZE_BASED_WRAP") else None,
@@ -219,6 +240,8 @@ class TorchDynamoPlugin:
     mode: str | None = None
     fullgraph: bool = False
     dynamic: bool | None = None
+    options: Mapping[str, Any] | None = None
+    disable: bool = False
     use_regional_compilation: bool = False
 
     @classmethod
@@ -250,21 +273,76 @@ class TorchDynamoPlugin:
                     f"{source}: unknown key '{key}'; known keys are dynamo_backend, dynamo_mode, "
                     "dynamo_use_fullgraph, dynamo_use_dynamic, dynamo_use_regional_compilation"
                 )
-        plugin = cls(**values)
-        if plugin.use_regional_compilation:
+        return _built(cls, values, source)
+
+    def __post_init__(self) -> None:
+        from fnaccel.utils.constants import DynamoBackend
+
+        source = type(self).__name__
+        if str(self.backend).upper() not in tuple(b.value for b in DynamoBackend):
+            raise _refuse("dynamo_backend", source, f"unknown backend {self.backend!r}")
+        if self.use_regional_compilation:
             raise _refuse("dynamo_use_regional_compilation", source,
                           "true is not supported: regional compilation is not built; compile "
                           "the whole model")
-        return plugin
+        if self.options:
+            raise _refuse("options", source, "backend options are not passed on by fa.compile; "
+                          "call torch.compile yourself for them")
 
     def transform(self) -> Any:
-        """The `fa.compile` transform, or None when the backend is NO."""
+        """The `fa.compile` transform, or None when the backend is NO or ``disable`` is set."""
         from fnaccel.transforms.compile import compile
 
-        if self.backend == "NO":
+        if str(self.backend).upper() == "NO" or self.disable:
             return None
-        return compile(backend=self.backend.lower(), mode=self.mode, fullgraph=self.fullgraph,
+        return compile(backend=str(self.backend).lower(), mode=self.mode, fullgraph=self.fullgraph,
                        dynamic=self.dynamic)
+
+
+def _built(cls: type[T], values: Mapping[str, Any], source: str) -> T:
+    """``cls(**values)``, its validation errors naming ``source`` (the config file's section)."""
+    try:
+        return cls(**values)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace(cls.__name__, source, 1)) from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradientAccumulationPlugin:
+    """Accelerate's gradient accumulation settings, carried out by `fa.accumulate`.
+
+    fnaccel steps the scheduler once per optimizer step, which is what
+    ``adjust_scheduler=True`` asks for. Accumulation boundaries run across
+    epoch ends (every ``num_steps`` batches), so ``sync_with_dataloader``
+    defaults to False here and True is refused rather than ignored.
+
+    >>> GradientAccumulationPlugin(num_steps=4).transform()
+    accumulate(num_steps=4)
+    """
+
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = False
+    sync_each_batch: bool = False
+
+    def __post_init__(self) -> None:
+        source = type(self).__name__
+        if self.num_steps is None or isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) \
+                or self.num_steps < 1:
+            raise _refuse("num_steps", source, f"must be a positive int, got {self.num_steps!r}")
+        if not self.adjust_scheduler:
+            raise _refuse("adjust_scheduler", source, "false is not supported: fa.step steps the "
+                          "scheduler once per optimizer step")
+        if self.sync_with_dataloader:
+            raise _refuse("sync_with_dataloader", source, "true is not built: boundaries fall every "
+                          "num_steps batches across epoch ends; pick num_steps dividing an epoch")
+
+    def transform(self) -> Any:
+        """The `fa.accumulate` transform these settings describe."""
+        from fnaccel.transforms.accumulate import accumulate
+
+        assert self.num_steps is not None
+        return accumulate(self.num_steps, sync_each_batch=self.sync_each_batch)
 
 
 def plugin_env(section: Mapping[str, Any]) -> dict[str, str]:

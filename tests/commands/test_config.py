@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from fnaccel.commands.config import Questions, ask_config
@@ -26,7 +27,7 @@ def test_answers_from_a_pipe_become_the_config() -> None:
     # multi-CPU, 2 machines, rank 1, ip, port, c10d, same network, debug, FSDP (SHARD_GRAD_OP,
     # no offload, size-based wrap with 1000 params, full state dict), dynamo (AOT_EAGER, default,
     # fullgraph, not dynamic), 4 processes, bf16
-    config, transcript = answer("1\n2\n1\n10.0.0.1\n29400\n1\nyes\nyes\nyes\n1\nno\n1\n1000\n1\n"
+    config, transcript = answer("1\n2\n1\n10.0.0.1\n29400\n1\nyes\nyes\nyes\n1\nno\n1\n1000\nno\n"
                                 "yes\n1\n0\nyes\nno\n4\n2\n")
     assert config == {
         "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "use_cpu": True,
@@ -34,7 +35,8 @@ def test_answers_from_a_pipe_become_the_config() -> None:
         "rdzv_backend": "c10d", "same_network": True, "debug": True,
         "fsdp_config": {"fsdp_version": 2, "fsdp_sharding_strategy": "SHARD_GRAD_OP",
                         "fsdp_offload_params": False, "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
-                        "fsdp_min_num_params": 1000, "fsdp_state_dict_type": "FULL_STATE_DICT"},
+                        "fsdp_min_num_params": 1000, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                        "fsdp_sync_module_states": False},
         "dynamo_config": {"dynamo_backend": "AOT_EAGER", "dynamo_mode": "default",
                           "dynamo_use_fullgraph": True, "dynamo_use_dynamic": False},
         "num_processes": 4, "mixed_precision": "bf16",
@@ -65,8 +67,9 @@ def test_config_writes_the_default_location(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_config_default_writes_this_machine_and_keeps_an_existing_file(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine's CPU, even on a GPU box
     target = tmp_path / "sub" / "default.yaml"
     assert main(["config", "default", "--config_file", str(target), "--mixed_precision", "fp16"]) == 0
     written = load_config(target)

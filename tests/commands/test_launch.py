@@ -65,7 +65,8 @@ def test_config_file_values_reach_the_script_and_flags_win(uninterrupted: Path) 
         assert seen["pipeline"] == "compose(ddp())" and seen["steps"] == 16
 
 
-def test_config_default_then_launch_uses_its_values(tmp_path: Path) -> None:
+def test_config_default_then_launch_uses_its_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU config, even on a GPU box
     config = tmp_path / "default.yaml"
     assert main(["config", "default", "--config_file", str(config), "--mixed_precision", "bf16"]) == 0
     out = tmp_path / "out"
@@ -80,7 +81,7 @@ def test_config_default_then_launch_uses_its_values(tmp_path: Path) -> None:
     for seen in ranks:
         assert seen["mixed_precision"] == "bf16"  # from `config default`
         assert seen["device"] == "cpu" and seen["num_processes"] == 2  # use_cpu from the file, 2 from the flag
-        assert "fsdp(reshard_after_forward=False)" in seen["pipeline"], seen["pipeline"]
+        assert "fsdp(reshard_after_forward=False, sync_module_states=True)" in seen["pipeline"]
         assert seen["debug"] is True and seen["omp_threads"] == "1"
     if len(os.sched_getaffinity(0)) >= 2:  # each process pinned to its own share
         assert not set(ranks[0]["affinity"]) & set(ranks[1]["affinity"])
@@ -226,6 +227,7 @@ def test_the_environment_the_script_reads(tmp_path: Path, monkeypatch: pytest.Mo
                  "--dynamo_use_fullgraph", "--gpu_ids", "0,1", "--num_cpu_threads_per_process", "2")
     env = launch_environment(args, resolve(args))
     assert env["FNACCEL_USE_FSDP"] == "true" and env["FNACCEL_FSDP_OFFLOAD_PARAMS"] == "false"
+    assert env["FNACCEL_DISTRIBUTED_TYPE"] == "FSDP"
     assert env["FNACCEL_FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP"] == "Block"
     assert env["FNACCEL_DYNAMO_BACKEND"] == "EAGER" and env["FNACCEL_DYNAMO_USE_FULLGRAPH"] == "true"
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["OMP_NUM_THREADS"] == "2"
@@ -238,6 +240,11 @@ def test_the_environment_the_script_reads(tmp_path: Path, monkeypatch: pytest.Mo
     assert state.config.distributed_type == "FSDP"
     assert state.config.fsdp_config["fsdp_offload_params"] == "false"
     assert repr(default_pipeline(state)) == "compose(compile(backend='eager', fullgraph=True))"
+    # a flag switches the file's FSDP off in the script too (the file is read again there)
+    args = parse("--config_file", str(config), "--multi_gpu")
+    for name, value in launch_environment(args, resolve(args)).items():
+        monkeypatch.setenv(name, value)
+    assert fa.init(cpu=True).config.distributed_type == "MULTI_GPU"
 
 
 def _help(*argv: str) -> str:

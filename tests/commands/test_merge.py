@@ -145,6 +145,20 @@ def test_remove_checkpoint_dir(saved: Path, tmp_path: Path, capsys: pytest.Captu
     assert f"Removed {source}" in capsys.readouterr().out
 
 
+def test_writing_into_the_checkpoint_itself_is_refused(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fnaccel.checkpoint.run import read_manifest
+
+    source = _copy(saved / "ckpt", tmp_path / "ckpt")
+    before = {p.name: p.read_bytes() for p in source.rglob("*") if p.is_file()}
+    for output in (source, source / "merged"):
+        assert main(["merge-weights", str(source), str(output)]) == 2
+        assert "inside the checkpoint" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
+    read_manifest(source)  # still a valid checkpoint
+
+
 def test_large_weights_are_sharded_with_an_index(
     saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -65,9 +65,12 @@ def test_an_accelerate_fsdp_config_becomes_fsdp2(tmp_path: Path) -> None:
     ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}, "needs the layer class names"),
     ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"}, "needs fsdp_min_num_params"),
     ({"fsdp_backward_prefetch": "BACKWARD_POST"}, "no FSDP2 counterpart"),
-    ({"fsdp_cpu_ram_efficient_loading": True}, "needs fsdp_sync_module_states true"),
+    ({"fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": False}, "needs fsdp_sync_module_states"),
     ({"fsdp_activation_checkpointing": True}, "activation checkpointing is not built"),
     ({"fsdp_forward_prefetch": "true"}, "explicit forward prefetching is not built"),
+    ({"fsdp_state_dict_type": "FULL_STATE_DICT"}, "fa.save always writes sharded"),
+    ({"fsdp_use_orig_params": False}, "FSDP2 always keeps the original parameters"),
+    ({"fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_reshard_after_forward": True}, "contradicts"),
     ({"fsdp_shard_everything": True}, "unknown key 'fsdp_shard_everything'"),
 ])
 def test_fsdp_options_this_build_cannot_honour_are_refused_by_key(section: dict[str, object], message: str) -> None:
@@ -80,11 +83,12 @@ def test_sharding_strategies_and_wrapping() -> None:
     plugin = FullyShardedDataParallelPlugin.from_config(
         {"fsdp_sharding_strategy": "2", "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
          "fsdp_min_num_params": "1000", "fsdp_offload_params": "true", "fsdp_version": 1,
-         "fsdp_transformer_layer_cls_to_wrap": "A,B"})
+         "fsdp_transformer_layer_cls_to_wrap": "A,B", "fsdp_sync_module_states": False})
     # SIZE_BASED_WRAP: the class names are not used
     assert repr(plugin.transform()) == "fsdp(min_num_params=1000, reshard_after_forward=False, cpu_offload=True)"
     explicit = FullyShardedDataParallelPlugin.from_config({"fsdp_reshard_after_forward": False})
-    assert repr(explicit.transform()) == "fsdp(reshard_after_forward=False)"
+    assert repr(explicit.transform()) == "fsdp(reshard_after_forward=False, sync_module_states=True)"
+    assert repr(FullyShardedDataParallelPlugin.from_config({}).transform()) == "fsdp(sync_module_states=True)"
 
 
 def test_dynamo_plugin() -> None:

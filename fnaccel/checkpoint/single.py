@@ -1,0 +1,77 @@
+"""`save`: Accelerate's ``accelerate.utils.save``, one file from one process, pickle-free."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fnaccel.dist import DistContext, as_dist
+
+__all__ = ["save"]
+
+
+def save(
+    state: DistContext | Any,
+    obj: Mapping[str, torch.Tensor],
+    f: str | os.PathLike[str],
+    save_on_each_node: bool = False,
+    safe_serialization: bool = True,
+) -> None:
+    """Write ``obj`` (a mapping of names to tensors) to ``f`` as safetensors, from
+    the main process only (from each machine's main process with
+    ``save_on_each_node``). Reads the state (a `RunState` or its `DistContext`);
+    consumes nothing.
+
+    The file is written beside its name and renamed into place, so ``f`` holds
+    the old file or the whole new one, never a part. Tied tensors (two names,
+    one storage) are stored as copies.
+
+    Args:
+        state: the run (only its ranks are read).
+        obj: e.g. a ``state_dict()``.
+        f: the file to write.
+        save_on_each_node: write on every machine's local main process.
+        safe_serialization: must stay True: fnaccel writes no pickles.
+
+    Raises:
+        ValueError: ``obj`` holds something other than tensors, or
+            ``safe_serialization=False``.
+
+    >>> import fnaccel as fa, tempfile, pathlib, safetensors.torch
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "weights.safetensors"
+    >>> save(fa.init(cpu=True), {"w": torch.ones(2)}, path)
+    >>> safetensors.torch.load_file(path)["w"]
+    tensor([1., 1.])
+    """
+    if not safe_serialization:
+        raise ValueError("save: safe_serialization=False would write a pickle, which fnaccel never does "
+                         "(a pickle runs code when loaded); leave it True to write safetensors")
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"save: obj must map names to tensors (e.g. a state_dict), got {type(obj).__name__}")
+    for name, value in obj.items():
+        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
+            raise ValueError(f"save: safetensors holds tensors under string names; {name!r} is a "
+                             f"{type(value).__name__}")
+    ctx = as_dist(state)
+    if not (ctx.is_local_main_process if save_on_each_node else ctx.is_main_process):
+        return
+    from safetensors.torch import save as to_bytes
+
+    from fnaccel.checkpoint.files import fsync_dir, write_bytes
+
+    # safetensors refuses shared storage: each name gets its own contiguous copy
+    data = to_bytes({name: t.detach().cpu().contiguous().clone() for name, t in obj.items()})
+    target = Path(f)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        write_bytes(tmp, data)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(target.parent)

@@ -1,0 +1,181 @@
+"""DeepSpeed and Megatron-LM settings: accepted and validated, not run.
+
+fnaccel ships neither engine. These records carry Accelerate's field names
+and defaults so that a config moves over and is checked (a misspelt stage or
+offload device fails where it is written); building the engine from them
+raises `ConfigError` saying whether the package is missing or this build
+simply does not drive it, and what to use instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+from fnaccel._errors import ConfigError
+
+__all__ = ["DeepSpeedPlugin", "MegatronLMPlugin"]
+
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _positive(owner: str, name: str, value: Any, zero: bool = False) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
+        least = "a non-negative" if zero else "a positive"
+        raise ConfigError(f"{owner}: {name} must be {least} int, got {value!r}")
+
+
+def _flag(owner: str, name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"{owner}: {name} must be True, False or None, got {value!r}")
+
+
+def _number(owner: str, name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+        raise ConfigError(f"{owner}: {name} must be a non-negative number, got {value!r}")
+
+
+def _engine_error(owner: str, module: str, package: str, instead: str) -> ConfigError:
+    if importlib.util.find_spec(module) is None:
+        return ConfigError(f"{owner}: {package} is not installed, and this build of fnaccel does not "
+                           f"drive it either; {instead}")
+    return ConfigError(f"{owner}: {package} is installed, but this build of fnaccel does not drive it; "
+                       f"{instead}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeepSpeedPlugin:
+    """Accelerate's DeepSpeed settings, validated; `transform` raises (no engine).
+
+    >>> plugin = DeepSpeedPlugin(zero_stage=3, offload_param_device="cpu")
+    >>> plugin.zero_stage
+    3
+    >>> DeepSpeedPlugin(zero_stage=4)
+    Traceback (most recent call last):
+    ...
+    fnaccel._errors.ConfigError: DeepSpeedPlugin: zero_stage must be 0, 1, 2 or 3, got 4
+    """
+
+    hf_ds_config: Any = None
+    gradient_accumulation_steps: int | None = None
+    gradient_clipping: float | None = None
+    zero_stage: int | None = None
+    is_train_batch_min: bool = True
+    offload_optimizer_device: str | None = None
+    offload_param_device: str | None = None
+    offload_optimizer_nvme_path: str | None = None
+    offload_param_nvme_path: str | None = None
+    zero3_init_flag: bool | None = None
+    zero3_save_16bit_model: bool | None = None
+    transformer_moe_cls_names: str | None = None
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        if self.hf_ds_config is not None and not isinstance(self.hf_ds_config, (str, dict)):
+            raise ConfigError(f"{owner}: hf_ds_config must be a path to a JSON file or a dict, "
+                              f"got {type(self.hf_ds_config).__name__}")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{owner}: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        _positive(owner, "gradient_accumulation_steps", self.gradient_accumulation_steps)
+        _number(owner, "gradient_clipping", self.gradient_clipping)
+        for name in ("is_train_batch_min", "zero3_init_flag", "zero3_save_16bit_model"):
+            _flag(owner, name, getattr(self, name))
+        for kind in ("optimizer", "param"):
+            device = getattr(self, f"offload_{kind}_device")
+            if device is not None and device not in _OFFLOAD_DEVICES:
+                raise ConfigError(f"{owner}: offload_{kind}_device must be one of "
+                                  f"{', '.join(_OFFLOAD_DEVICES)}, got {device!r}")
+            if device == "nvme" and not getattr(self, f"offload_{kind}_nvme_path"):
+                raise ConfigError(f"{owner}: offload_{kind}_device 'nvme' needs offload_{kind}_nvme_path")
+        if self.zero3_init_flag and self.zero_stage not in (None, 3):
+            raise ConfigError(f"{owner}: zero3_init_flag only applies to zero_stage 3, "
+                              f"got zero_stage {self.zero_stage}")
+
+    def transform(self) -> Any:
+        """Always raises: this build has no DeepSpeed engine."""
+        raise _engine_error(type(self).__name__, "deepspeed", "DeepSpeed",
+                            "shard with fa.fsdp() (FSDP2), which covers ZeRO-3 with cpu_offload")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MegatronLMPlugin:
+    """Accelerate's Megatron-LM settings, validated; `transform` raises (no engine).
+
+    >>> MegatronLMPlugin(tp_degree=2, pp_degree=2, num_micro_batches=4).tp_degree
+    2
+    """
+
+    tp_degree: int | None = None
+    pp_degree: int | None = None
+    num_micro_batches: int | None = None
+    gradient_clipping: float | None = None
+    sequence_parallelism: bool | None = None
+    recompute_activations: bool | None = None
+    use_distributed_optimizer: bool | None = None
+    pipeline_model_parallel_split_rank: int | None = None
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    is_train_batch_min: bool = True
+    train_iters: int | None = None
+    train_samples: int | None = None
+    weight_decay_incr_style: str = "constant"
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    lr_decay_style: str = "linear"
+    lr_decay_iters: int | None = None
+    lr_decay_samples: int | None = None
+    lr_warmup_iters: int | None = None
+    lr_warmup_samples: int | None = None
+    lr_warmup_fraction: float | None = None
+    min_lr: float = 0
+    consumed_samples: list[int] | None = None
+    no_wd_decay_cond: Any = None
+    scale_lr_cond: Any = None
+    lr_mult: float = 1.0
+    megatron_dataset_flag: bool = False
+    seq_length: int | None = None
+    encoder_seq_length: int | None = None
+    decoder_seq_length: int | None = None
+    tensorboard_dir: str | None = None
+    set_all_logging_options: bool = False
+    eval_iters: int = 100
+    eval_interval: int = 1000
+    return_logits: bool = False
+    custom_train_step_class: Any = None
+    custom_train_step_kwargs: Any = None
+    custom_model_provider_function: Any = None
+    custom_prepare_model_function: Any = None
+    other_megatron_args: Any = None
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        for name in ("tp_degree", "pp_degree", "num_micro_batches", "num_layers_per_virtual_pipeline_stage",
+                     "train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples",
+                     "seq_length", "encoder_seq_length", "decoder_seq_length", "eval_iters",
+                     "eval_interval"):
+            _positive(owner, name, getattr(self, name))
+        for name in ("pipeline_model_parallel_split_rank", "lr_warmup_iters", "lr_warmup_samples"):
+            _positive(owner, name, getattr(self, name), zero=True)
+        for name in ("gradient_clipping", "start_weight_decay", "end_weight_decay", "min_lr", "lr_mult"):
+            _number(owner, name, getattr(self, name))
+        for name in ("sequence_parallelism", "recompute_activations", "use_distributed_optimizer",
+                     "is_train_batch_min", "megatron_dataset_flag", "set_all_logging_options",
+                     "return_logits"):
+            _flag(owner, name, getattr(self, name))
+        if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
+            raise ConfigError(f"{owner}: lr_warmup_fraction must be within [0, 1], "
+                              f"got {self.lr_warmup_fraction!r}")
+        for name, choices in (("weight_decay_incr_style", ("constant", "linear", "cosine")),
+                              ("lr_decay_style", ("constant", "linear", "cosine", "inverse-square-root"))):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{owner}: {name} must be one of {', '.join(choices)}, "
+                                  f"got {getattr(self, name)!r}")
+        if (self.pp_degree or 1) > 1 and self.num_micro_batches is None:
+            raise ConfigError(f"{owner}: pp_degree {self.pp_degree} needs num_micro_batches")
+
+    def transform(self) -> Any:
+        """Always raises: this build has no Megatron-LM engine."""
+        raise _engine_error(type(self).__name__, "megatron", "Megatron-LM",
+                            "train data-parallel with fa.ddp() or sharded with fa.fsdp()")
