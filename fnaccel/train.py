@@ -32,7 +32,6 @@ from fnaccel.transforms.base import Pipeline, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.precision import autocast, grad_scaler, precision_dtype
 from fnaccel.utils.constants import PrecisionType
-from fnaccel.utils.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 __all__ = ["StepPlan", "apply_gradients", "backward", "prepare", "step"]
 
@@ -65,6 +64,8 @@ def default_pipeline(state: RunState) -> Pipeline:
     (with its kwargs handlers), `ddp()` when the world is larger than one (or
     `fsdp()` from the config's FSDP section), and `compile()` when the config
     names a dynamo backend."""
+    from fnaccel.utils.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+
     handlers = state.kwargs_handlers
     parts = []
     cast = handlers.get("AutocastKwargs")

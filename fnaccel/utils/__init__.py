@@ -96,13 +96,15 @@ from fnaccel.checkpoint.extras import register_for_checkpointing
 from fnaccel.checkpoint.project import ProjectConfiguration
 from fnaccel.checkpoint.weights import save_model, shard_checkpoint
 from fnaccel.config import write_basic_config
-from fnaccel.utils.plugins import FullyShardedDataParallelPlugin, GradientAccumulationPlugin, TorchDynamoPlugin
-from fnaccel.utils.engines import DeepSpeedPlugin, MegatronLMPlugin
-from fnaccel.checkpoint.single import save
 
-# The memory and modelling utilities load on first use: most training scripts
-# never touch them, and importing them all would add to every `import fnaccel`.
+# The plugins, engines' configs and memory and modelling utilities load on first
+# use: most training scripts never touch them, and importing them all would add
+# to every `import fnaccel`.
 _LAZY = MappingProxyType({
+    **dict.fromkeys(("FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "TorchDynamoPlugin"),
+                    "fnaccel.utils.plugins"),
+    **dict.fromkeys(("DeepSpeedPlugin", "MegatronLMPlugin"), "fnaccel.utils.engines"),
+    "save": "fnaccel.checkpoint.single",
     **dict.fromkeys((
         "calculate_maximum_sizes", "compute_module_sizes", "compute_module_total_buffer_size",
         "dtype_byte_size", "get_max_layer_size", "named_module_tensors"), "fnaccel.modeling.sizes"),
@@ -172,8 +174,7 @@ __all__ = [
     "register_for_checkpointing", "ProjectConfiguration",
     "save_model", "shard_checkpoint",
     # configs and plugins
-    "write_basic_config", "FullyShardedDataParallelPlugin", "GradientAccumulationPlugin",
-    "TorchDynamoPlugin", "DeepSpeedPlugin", "MegatronLMPlugin", "save",
-    # memory and modelling (loaded on first use)
+    "write_basic_config",
+    # plugins, memory and modelling (loaded on first use)
     *_LAZY,
 ]
