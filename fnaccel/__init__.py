@@ -4,6 +4,10 @@ The public surface is curated here; the implementation lives in private
 modules and may move freely behind it (see fnaccel/README.md for the design).
 """
 
+import importlib
+from types import MappingProxyType
+from typing import Any
+
 # isort: off
 # `fnaccel.utils` first: it re-exports modules that import `fnaccel.utils.constants`.
 from fnaccel import utils
@@ -17,8 +21,6 @@ from fnaccel._errors import (
     StaleStateError,
 )
 from fnaccel.checkpoint.project import ProjectConfiguration
-from fnaccel.checkpoint.run import load, save
-from fnaccel.checkpoint.weights import save_model
 from fnaccel.config import LaunchConfig
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.prepared import batches
@@ -31,12 +33,10 @@ from fnaccel.process import (
     split_between_processes,
     wait_for_everyone,
 )
-from fnaccel.tracking.progress import progress
 from fnaccel.rng import RNGState
 from fnaccel.runtime import init, shutdown
 from fnaccel.seeding import set_seed, synchronize_rng_states, with_rng
 from fnaccel.state import RunState
-from fnaccel.tracking import end_training, get_tracker, init_trackers, log
 from fnaccel.train import apply_gradients, backward, prepare, step
 from fnaccel.transforms import (
     Pipeline,
@@ -73,6 +73,32 @@ from fnaccel.utils.kwargs import (
 )
 
 __version__ = "0.1.0"
+
+# Loaded on first use, so that `import fnaccel` costs little more than `import torch`:
+# the checkpoint writer and reader, and the trackers.
+_LAZY = MappingProxyType({
+    "save": "fnaccel.checkpoint.run",
+    "load": "fnaccel.checkpoint.run",
+    "save_model": "fnaccel.checkpoint.weights",
+    "init_trackers": "fnaccel.tracking.run",
+    "log": "fnaccel.tracking.run",
+    "get_tracker": "fnaccel.tracking.run",
+    "end_training": "fnaccel.tracking.run",
+    "progress": "fnaccel.tracking.progress",
+})
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fnaccel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 __all__ = [
     # the run

@@ -22,7 +22,6 @@ from fnaccel.config import LaunchConfig, resolve_config
 from fnaccel.dist import DistContext
 from fnaccel.rng import RNGState
 from fnaccel.state import RunState
-from fnaccel.tracking import end_training
 from fnaccel.utils.constants import DistributedType, PrecisionType
 from fnaccel.utils.environment import parse_flag_from_env
 from fnaccel.utils.kwargs import InitProcessGroupKwargs, KwargsHandler
@@ -325,7 +324,10 @@ def shutdown(state: RunState) -> None:
     destroyed at interpreter exit instead.
     """
     state.saves.close()  # the last asynchronous save lands (or raises) before anything ends
-    end_training(state)  # flush and close the run's trackers (harmless twice)
+    if state.trackers:
+        from fnaccel.tracking import end_training
+
+        end_training(state)  # flush and close the run's trackers (harmless twice)
     for value in state.transform_states.values():
         close = getattr(value, "close", None)
         if callable(close):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fnaccel._errors import StaleStateError
-from fnaccel.checkpoint.writer import SaveQueue
+from fnaccel.checkpoint.queue import SaveQueue
 from fnaccel.config import LaunchConfig
 from fnaccel.rng import STEP_KINDS, RNGState
 from fnaccel.dist import DistContext

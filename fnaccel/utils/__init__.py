@@ -92,9 +92,7 @@ from fnaccel.process import (
     wait_for_everyone,
 )
 from fnaccel.seeding import set_seed, synchronize_rng_states
-from fnaccel.checkpoint.extras import register_for_checkpointing
 from fnaccel.checkpoint.project import ProjectConfiguration
-from fnaccel.checkpoint.weights import save_model, shard_checkpoint
 from fnaccel.config import write_basic_config
 
 # The plugins, engines' configs and memory and modelling utilities load on first
@@ -105,6 +103,8 @@ _LAZY = MappingProxyType({
                     "fnaccel.utils.plugins"),
     **dict.fromkeys(("DeepSpeedPlugin", "MegatronLMPlugin"), "fnaccel.utils.engines"),
     "save": "fnaccel.checkpoint.single",
+    "register_for_checkpointing": "fnaccel.checkpoint.extras",
+    **dict.fromkeys(("save_model", "shard_checkpoint"), "fnaccel.checkpoint.weights"),
     **dict.fromkeys((
         "calculate_maximum_sizes", "compute_module_sizes", "compute_module_total_buffer_size",
         "dtype_byte_size", "get_max_layer_size", "named_module_tensors"), "fnaccel.modeling.sizes"),
@@ -171,8 +171,7 @@ __all__ = [
     "on_main_process", "on_process", "print_on_main", "split_between_processes",
     "wait_for_everyone", "set_seed", "synchronize_rng_states",
     # checkpoints
-    "register_for_checkpointing", "ProjectConfiguration",
-    "save_model", "shard_checkpoint",
+    "ProjectConfiguration",
     # configs and plugins
     "write_basic_config",
     # plugins, memory and modelling (loaded on first use)

@@ -1,0 +1,90 @@
+"""The run's asynchronous saves: `SaveQueue` (carried by every `RunState`) and `SaveHandle`.
+
+Kept apart from the writer so that building a `RunState` imports no
+checkpoint machinery: the writer loads with the first save.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from fnaccel._errors import CheckpointError
+from fnaccel.dist import DistContext
+
+__all__ = ["SaveHandle", "SaveQueue"]
+
+
+class SaveHandle:
+    """A save in progress (or done): `wait` blocks until it is on disk and re-raises its error."""
+
+    def __init__(self, path: Path, thread: threading.Thread | None = None) -> None:
+        self.path = path
+        self._thread = thread
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"the asynchronous save to {self.path} failed: {error}") from error
+        return self.path
+
+
+class SaveQueue:
+    """The run's saves, one at a time; a live object carried by the run's states."""
+
+    __slots__ = ("_pending", "_ctx", "_owner")
+
+    def __init__(self) -> None:
+        self._pending: SaveHandle | None = None
+        self._ctx: DistContext | None = None
+        self._owner: Any = None
+
+    def wait(self) -> None:
+        """Wait for the save in flight; re-raise its error here, once."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def background_ctx(self, ctx: DistContext) -> DistContext:
+        """A context over a process group of the saves' own (made once, collectively)."""
+        if ctx.num_processes == 1:
+            return ctx
+        if self._ctx is None:
+            import dataclasses
+
+            import torch.distributed as dist
+
+            from fnaccel.runtime import _GroupOwner
+
+            group = dist.new_group(backend="gloo")  # file writing is CPU work
+            self._owner = _GroupOwner(group, is_default=False)
+            self._ctx = dataclasses.replace(ctx, _owner=self._owner)
+        return self._ctx
+
+    def start(self, path: Path, work: Any) -> SaveHandle:
+        handle = SaveHandle(path)
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as exc:  # surfaced by wait(), never lost
+                handle._error = exc
+
+        handle._thread = threading.Thread(target=run, name=f"fnaccel-save-{path.name}", daemon=False)
+        self._pending = handle
+        handle._thread.start()
+        return handle
+
+    def close(self) -> None:
+        """Wait for the last save, then release the saves' process group (from fa.shutdown)."""
+        self.wait()
+        if self._owner is not None:
+            self._owner.close()
+            self._owner = self._ctx = None
