@@ -126,6 +126,18 @@ def _settle(group: Any) -> None:
               file=sys.stderr)
 
 
+def _collect_cycles_at_exit() -> None:
+    """At interpreter exit, while it is still fully alive: free the objects kept only
+    by reference cycles. An fsdp() model is one (its hooks refer back to it) and its
+    device mesh holds the process group, so without this the group's C++ object is
+    freed during finalization, where a gloo thread releasing a tensor needs the
+    GIL and the process aborts ("terminate called without an active exception":
+    4 runs in 12 with each process pinned to one core, 0 in 12 with this)."""
+    import gc
+
+    gc.collect()
+
+
 class _GroupOwner:
     """Owns a process group fnaccel started and is the only holder of it in fnaccel:
     `close` (from `fa.shutdown`, or at interpreter exit) destroys and releases it."""
@@ -133,8 +145,14 @@ class _GroupOwner:
     __slots__ = ("_holder", "_finalizer", "__weakref__")
 
     def __init__(self, group: Any, is_default: bool) -> None:
+        import atexit
+
         self._holder = [group]
         self._finalizer = weakref.finalize(self, _destroy_group, self._holder, is_default)
+        # once per process, however many groups: unregister first; atexit runs it before
+        # the finalizer above (handlers run last-registered first)
+        atexit.unregister(_collect_cycles_at_exit)
+        atexit.register(_collect_cycles_at_exit)
 
     @property
     def group(self) -> Any:

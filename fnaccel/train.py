@@ -237,7 +237,7 @@ def prepare(
             _rebind_optimizer(optimizer, names, model)
         changes["model"] = model
     if optimizer is not None:
-        if model is None and state.model is not None:
+        if model is None and state.model is not None and "fsdp" in pipeline.names:
             _check_optimizer_params(optimizer, state.model)
         changes["optimizer"] = optimizer
     if scheduler is not None:
@@ -265,6 +265,9 @@ def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
     cast = pipeline.get("autocast")
     dtype = dict(cast.options)["dtype"] if cast is not None else None
     wanted = {PrecisionType.FP16: torch.float16, PrecisionType.BF16: torch.bfloat16}.get(state.mixed_precision)
+    handler = state.kwargs_handlers.get("AutocastKwargs")
+    if handler is not None and not handler.enabled:
+        wanted = None  # the default pipeline would leave autocast out too
     if wanted is not None and dtype is not wanted:
         warnings.warn(
             f"fa.prepare: the launch asked for mixed_precision {state.mixed_precision.value} but the "
@@ -279,14 +282,16 @@ def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
 
 
 def _check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """An optimizer passed after its model was prepared must hold the prepared
-    model's parameters: wrapping (FSDP2's DTensors) may have replaced the ones it was built on."""
+    """Under fsdp(), an optimizer passed after its model was prepared must hold the
+    sharded parameters: FSDP2 replaced the ones it may have been built on. (An
+    optimizer that also holds parameters of its own, outside the model, is fine
+    when passed together with the model.)"""
     current = {id(p) for p in model.parameters()}
     if any(id(p) not in current for group in optimizer.param_groups for p in group["params"]):
         raise ValueError(
-            "fa.prepare: the optimizer holds parameters that are not the prepared model's (preparing "
-            "replaced them, e.g. fa.fsdp shards them); pass the optimizer in the same fa.prepare "
-            "call as the model, or build it from state.model.parameters()"
+            "fa.prepare: the optimizer holds parameters that are not the prepared model's: fa.fsdp "
+            "replaced the model's parameters with sharded ones; pass the optimizer in the same "
+            "fa.prepare call as the model, or build it from state.model.parameters()"
         )
 
 
@@ -308,7 +313,9 @@ def _refuse_meta(model: nn.Module, ctx: Any) -> None:
         where = f"'{on_meta}' is" if on_meta else "another rank's model has a tensor"
         raise ValueError(
             f"fa.prepare: {where} on the meta device (no data to train); load the weights first "
-            "(fnaccel.utils.load_checkpoint_in_model) or build the model with real tensors"
+            "(fnaccel.utils.load_checkpoint_in_model), or, on ranks that receive rank 0's weights "
+            "(fsdp(sync_module_states=True)), give the model real storage with "
+            "model.to_empty(device=...)"
         )
 
 

@@ -39,3 +39,21 @@ def test_utils_exports_exist_and_are_unique() -> None:
     assert len(fnaccel.utils.__all__) == len(set(fnaccel.utils.__all__))
     for name in fnaccel.utils.__all__:
         assert hasattr(fnaccel.utils, name), name
+
+
+def test_import_fnaccel_leaves_the_heavy_layers_for_first_use() -> None:
+    """`import fnaccel` stays close to `import torch` (docs/benchmarks.md): these load when used."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, fnaccel, fnaccel.utils\n"
+        "heavy = ('fnaccel.checkpoint.run', 'fnaccel.checkpoint.writer', 'fnaccel.checkpoint.weights', "
+        "'fnaccel.tracking', 'fnaccel.utils.plugins', 'fnaccel.utils.engines', 'fnaccel.modeling', "
+        "'fnaccel.commands', 'yaml')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+        "fnaccel.save, fnaccel.log, fnaccel.utils.infer_auto_device_map, fnaccel.utils.DeepSpeedPlugin\n"
+        "print('__version__' in dir(fnaccel), 'save' in dir(fnaccel))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["[]", "True True"]

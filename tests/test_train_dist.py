@@ -199,6 +199,16 @@ def train_fsdp_variant(state: fa.RunState, variant: str) -> dict[str, Any]:
         except ValueError as exc:
             return {"error": str(exc)}
         return {"error": None}
+    if variant == "late_optimizer":  # built on the parameters fsdp() then replaced
+        state = fa.prepare(state, model, pipeline=fa.compose(fa.fsdp()))
+        errors = []
+        for attempt in (lambda: fa.prepare(state, optimizer=opt),
+                        lambda: fa.utils.save(state, model.state_dict(), "/nonexistent/x.safetensors")):
+            try:
+                attempt()
+            except ValueError as exc:
+                errors.append(str(exc))
+        return {"error": errors[0], "errors": errors}
     if variant == "offload":
         try:
             fa.prepare(state, model, opt, pipeline=fa.compose(fa.fsdp(cpu_offload=True)))
@@ -241,6 +251,9 @@ def test_fsdp_by_size_with_bf16_policy_and_offload_refused_on_cpu(world2: Any) -
     expected = reference()
     for result in world2.run(train_fsdp_variant, "offload"):  # needs CUDA: a clear error here
         assert "run computes on the CPU already" in result["error"]
+    for result in world2.run(train_fsdp_variant, "late_optimizer"):
+        assert "fa.fsdp replaced the model's parameters" in result["errors"][0]
+        assert "sharded over the ranks" in result["errors"][1]  # fnaccel.utils.save, on every rank
     rank0, rank1 = world2.run(train_fsdp_variant, "sync_meta")
     assert "another rank's model has a tensor on the meta device" in rank0["error"]
     assert "'0.linear.weight' is on the meta device" in rank1["error"]

@@ -53,10 +53,15 @@ def save(
                          "(a pickle runs code when loaded); leave it True to write safetensors")
     if not isinstance(obj, Mapping):
         raise ValueError(f"save: obj must map names to tensors (e.g. a state_dict), got {type(obj).__name__}")
+    dtensor = getattr(torch.distributed, "tensor", None)
     for name, value in obj.items():
         if not isinstance(name, str) or not isinstance(value, torch.Tensor):
             raise ValueError(f"save: safetensors holds tensors under string names; {name!r} is a "
                              f"{type(value).__name__}")
+        if dtensor is not None and isinstance(value, getattr(dtensor, "DTensor", ())):
+            # every rank holds only its shard: one process cannot write the whole tensor
+            raise ValueError(f"save: {name!r} is sharded over the ranks (an fsdp() model's state_dict); "
+                             "write the model with fa.save_model(state, path), which gathers the shards")
     ctx = as_dist(state)
     if not (ctx.is_local_main_process if save_on_each_node else ctx.is_main_process):
         return

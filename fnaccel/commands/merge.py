@@ -209,7 +209,8 @@ def _merge(checkpoint_dir: str | Path, output_path: str | Path, remove_checkpoin
     from fnaccel.checkpoint.writer import MANIFEST
     from fnaccel.utils.constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-    source, output = Path(checkpoint_dir).absolute(), Path(output_path).absolute()
+    # resolved: '..' and symlinks must not hide that the output lies inside the source
+    source, output = Path(checkpoint_dir).resolve(), Path(output_path).resolve()
     if not source.is_dir():
         raise CheckpointError(
             f"{source}: {'not a directory' if source.exists() else 'no such directory'}; "

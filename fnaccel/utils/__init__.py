@@ -141,7 +141,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted({*globals(), *__all__})
 
 __all__ = [
     # constants and enums

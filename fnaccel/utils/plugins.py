@@ -76,6 +76,16 @@ def _choice(value: Any, key: str, source: str, choices: tuple[str, ...]) -> str:
     return text
 
 
+def _require_bools(record: Any, optional: tuple[str, ...], required: tuple[str, ...]) -> None:
+    """A record's yes/no fields hold real bools (None allowed for ``optional``): a
+    string such as "false" would otherwise read as true."""
+    for name in (*optional, *required):
+        value = getattr(record, name)
+        if not isinstance(value, bool) and not (value is None and name in optional):
+            allowed = "True, False or None" if name in optional else "True or False"
+            raise _refuse(name, type(record).__name__, f"must be {allowed}, got {value!r}")
+
+
 def _refuse(key: str, source: str, why: str) -> ConfigError:
     return ConfigError(f"{source}: key '{key}': {why}")
 
@@ -164,6 +174,9 @@ class FullyShardedDataParallelPlugin:
         return _built(cls, values, source)
 
     def __post_init__(self) -> None:
+        _require_bools(self, ("reshard_after_forward",), ("cpu_offload", "forward_prefetch",
+                       "use_orig_params", "sync_module_states", "cpu_ram_efficient_loading",
+                       "activation_checkpointing"))
         self.check(type(self).__name__)
 
     def check(self, source: str = "fsdp_config") -> None:
@@ -278,7 +291,13 @@ class TorchDynamoPlugin:
     def __post_init__(self) -> None:
         from fnaccel.utils.constants import DynamoBackend
 
+        from fnaccel.transforms.compile import _MODES
+
         source = type(self).__name__
+        _require_bools(self, ("dynamic",), ("fullgraph", "disable", "use_regional_compilation"))
+        if self.mode not in _MODES:
+            raise _refuse("mode", source, f"must be one of {', '.join(str(m) for m in _MODES[1:])}, "
+                          f"got {self.mode!r}")
         if str(self.backend).upper() not in tuple(b.value for b in DynamoBackend):
             raise _refuse("dynamo_backend", source, f"unknown backend {self.backend!r}")
         if self.use_regional_compilation:
@@ -327,6 +346,7 @@ class GradientAccumulationPlugin:
 
     def __post_init__(self) -> None:
         source = type(self).__name__
+        _require_bools(self, (), ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"))
         if self.num_steps is None or isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) \
                 or self.num_steps < 1:
             raise _refuse("num_steps", source, f"must be a positive int, got {self.num_steps!r}")

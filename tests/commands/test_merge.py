@@ -152,9 +152,16 @@ def test_writing_into_the_checkpoint_itself_is_refused(
 
     source = _copy(saved / "ckpt", tmp_path / "ckpt")
     before = {p.name: p.read_bytes() for p in source.rglob("*") if p.is_file()}
-    for output in (source, source / "merged"):
-        assert main(["merge-weights", str(source), str(output)]) == 2
+    link = tmp_path / "link"
+    link.symlink_to(source)
+    for given, output in ((source, source), (source, source / "merged"),
+                          (tmp_path / "x" / ".." / "ckpt", source / "merged"), (link, source / "merged")):
+        assert main(["merge-weights", str(given), str(output)]) == 2
         assert "inside the checkpoint" in capsys.readouterr().err
+    (tmp_path / "x").mkdir()
+    for given in (tmp_path / "x" / ".." / "ckpt", link):  # the removal would take the output with it
+        assert main(["merge-weights", str(given), str(source / "merged"), "--remove_checkpoint_dir"]) == 2
+        assert "which --remove_checkpoint_dir would delete" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in source.rglob("*") if p.is_file()} == before
     read_manifest(source)  # still a valid checkpoint
 

@@ -122,3 +122,19 @@ def test_sections_round_trip_through_the_environment(tmp_path: Path) -> None:
     assert config.distributed_type == "FSDP"
     assert config.fsdp_config == {"fsdp_offload_params": "false", "fsdp_version": 2,
                                   "fsdp_transformer_layer_cls_to_wrap": "A,B", "fsdp_min_num_params": "10"}
+
+
+def test_plugins_built_directly_check_their_yes_no_fields() -> None:
+    from fnaccel.utils import GradientAccumulationPlugin
+
+    for build, message in (
+        (lambda: FullyShardedDataParallelPlugin(sync_module_states="false"), "sync_module_states': must be True or False"),
+        (lambda: FullyShardedDataParallelPlugin(reshard_after_forward="no"), "True, False or None"),
+        (lambda: TorchDynamoPlugin(backend="EAGER", fullgraph="false"), "fullgraph': must be True or False"),
+        (lambda: TorchDynamoPlugin(backend="EAGER", mode="fastest"), "mode': must be one of"),
+        (lambda: GradientAccumulationPlugin(num_steps=2, sync_each_batch="no"), "sync_each_batch'"),
+    ):
+        with pytest.raises(fa.ConfigError, match=message):
+            build()
+    # from a config file, strings are read as yes/no before the record is built
+    assert FullyShardedDataParallelPlugin.from_config({"fsdp_sync_module_states": "false"}).sync_module_states is False
