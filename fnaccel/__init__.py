@@ -4,9 +4,7 @@ The public surface is curated here; the implementation lives in private
 modules and may move freely behind it (see fnaccel/README.md for the design).
 """
 
-import importlib
 from types import MappingProxyType
-from typing import Any
 
 # isort: off
 # `fnaccel.utils` first: it re-exports modules that import `fnaccel.utils.constants`.
@@ -20,6 +18,7 @@ from fnaccel._errors import (
     FnaccelError,
     StaleStateError,
 )
+from fnaccel._lazy import lazy_attributes
 from fnaccel.checkpoint.project import ProjectConfiguration
 from fnaccel.config import LaunchConfig
 from fnaccel.data.config import DataLoaderConfiguration
@@ -88,17 +87,7 @@ _LAZY = MappingProxyType({
 })
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fnaccel' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once loaded, a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_attributes("fnaccel", _LAZY, globals())
 
 __all__ = [
     # the run

@@ -246,18 +246,11 @@ def write_config(config: LaunchConfig, path: str | os.PathLike[str]) -> Path:
     into place), creating its directory. Returns the path written."""
     import yaml
 
+    from fnaccel.checkpoint.files import replace_atomically
+
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(config.to_dict(), sort_keys=True, default_flow_style=False)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    replace_atomically(target, lambda file: file.write(text.encode("utf-8")))
     return target
 
 

@@ -18,8 +18,10 @@ import hashlib
 import json
 import os
 import shutil
+import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -29,6 +31,7 @@ from fnaccel._errors import CheckpointError
 
 __all__ = [
     "commit",
+    "replace_atomically",
     "json_copy",
     "fsync_dir",
     "read_json",
@@ -71,6 +74,26 @@ def _dumps(value: Any, where: str, **options: Any) -> str:
 def json_copy(value: Any, where: str) -> Any:
     """A deep copy of ``value`` through the JSON encoder (see `_dumps`)."""
     return json.loads(_dumps(value, where))
+
+
+def replace_atomically(target: Path, write: Callable[[BinaryIO], object], *, durable: bool = True) -> None:
+    """Write one file by ``write(file)`` into a hidden sibling, then rename it onto
+    ``target``: the name holds the old file or the whole new one, never a part.
+    ``durable`` fsyncs the file and its directory (not for scratch files such as
+    offloaded weights); a failed write removes the sibling and raises."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        with open(partial, "wb") as handle:
+            write(handle)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    if durable:
+        fsync_dir(target.parent)
 
 
 def write_bytes(path: Path, data: bytes) -> dict[str, Any]:

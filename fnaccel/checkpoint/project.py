@@ -13,10 +13,11 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fnaccel.utils.kwargs import KwargsHandler
 
-__all__ = ["ProjectConfiguration", "next_checkpoint", "rotate"]
+__all__ = ["ProjectConfiguration", "next_checkpoint", "project_of", "rotate"]
 
 _NAME = re.compile(r"checkpoint_(\d+)$")
 
@@ -75,3 +76,12 @@ def rotate(project_dir: Path, total_limit: int, newest: Path) -> None:
     for path in existing[: max(0, len(existing) + 1 - total_limit)]:
         (path / "fnaccel.json").unlink()  # no longer complete the moment deletion starts
         shutil.rmtree(path)
+
+
+def project_of(state: Any) -> tuple[ProjectConfiguration, Path | None]:
+    """A run's `ProjectConfiguration` (its kwargs handler, else the defaults) and its
+    project directory (the handler's, else ``fa.init(project_dir=...)``), absolute."""
+    config = state.kwargs_handlers.get("ProjectConfiguration") or ProjectConfiguration()
+    assert isinstance(config, ProjectConfiguration)
+    directory = config.project_dir or state.project_dir
+    return config, None if directory is None else Path(directory).absolute()

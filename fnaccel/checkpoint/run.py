@@ -43,7 +43,7 @@ from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.codec import load_optimizer, rng_from
 from fnaccel.checkpoint.files import read_json, read_tensors, read_verified
-from fnaccel.checkpoint.project import ProjectConfiguration, next_checkpoint, rotate
+from fnaccel.checkpoint.project import next_checkpoint, project_of, rotate
 from fnaccel.checkpoint.sharded import is_sharded, load_sharded
 from fnaccel.checkpoint.tied import retie
 from fnaccel.checkpoint.writer import (
@@ -66,13 +66,6 @@ def _module(state: RunState, action: str) -> torch.nn.Module | None:
     if state.model is None:
         return None
     return unwrap_model(state.model)
-
-
-def _project(state: RunState) -> tuple[ProjectConfiguration, Path | None]:
-    config = state.kwargs_handlers.get("ProjectConfiguration") or ProjectConfiguration()
-    assert isinstance(config, ProjectConfiguration)
-    directory = config.project_dir or state.project_dir
-    return config, None if directory is None else Path(directory).absolute()
 
 
 def save(state: RunState, path: str | Path | None = None, *, blocking: bool = True) -> SaveHandle:
@@ -100,7 +93,7 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
     """
     state.check_fresh("fa.save")
     state.saves.wait()
-    project, project_dir = _project(state)
+    project, project_dir = project_of(state)
     if path is None:
         if not (project.automatic_checkpoint_naming and project_dir is not None):
             raise ValueError(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -67,16 +66,8 @@ def save(
         return
     from safetensors.torch import save as to_bytes
 
-    from fnaccel.checkpoint.files import fsync_dir, write_bytes
+    from fnaccel.checkpoint.files import replace_atomically
 
     # safetensors refuses shared storage: each name gets its own contiguous copy
     data = to_bytes({name: t.detach().cpu().contiguous().clone() for name, t in obj.items()})
-    target = Path(f)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        write_bytes(tmp, data)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(target.parent)
+    replace_atomically(Path(f), lambda file: file.write(data))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 from fnaccel.commands.main import CommandError
+from fnaccel.utils.environment import str_to_bool
 from fnaccel.config import (
     basic_config,
     config_from_mapping,
@@ -135,12 +136,10 @@ class Questions:
 
 
 def _yes_no(text: str) -> bool:
-    value = text.lower()
-    if value in ("y", "yes", "true", "1"):
-        return True
-    if value in ("n", "no", "false", "0"):
-        return False
-    raise ValueError("please answer yes or no")
+    try:
+        return str_to_bool(text, to_bool=True)
+    except ValueError:
+        raise ValueError("please answer yes or no") from None
 
 
 def _index(count: int) -> Callable[[str], int]:

@@ -32,7 +32,6 @@ import ctypes
 import json
 import math
 import os
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from safetensors import safe_open
 from torch import nn
 
 from fnaccel._errors import CheckpointError
+from fnaccel.checkpoint.files import replace_atomically
 from fnaccel.checkpoint.tied import untie
 from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.modeling.tensors import DeviceLike, as_device, owner_of, set_module_tensor_to_device
@@ -106,19 +106,11 @@ def offload_weight(
     """
     if weight.is_meta:
         raise ValueError(f"{weight_name!r} is on the meta device and holds no data to offload")
-    folder = Path(offload_folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / f"{weight_name}.dat"
-    partial = folder / f".{final.name}.tmp-{uuid.uuid4().hex}"
     tensor = weight.detach()
     host = tensor.cpu().contiguous().resolve_conj().resolve_neg()  # no copy for a contiguous CPU tensor
-    try:
-        with open(partial, "wb") as file:  # a failed write (a full disk) raises OSError here
-            if host.numel():
-                file.write(_bytes_of(host))
-        os.replace(partial, final)
-    finally:
-        partial.unlink(missing_ok=True)
+    # scratch space: not fsynced; a failed write (a full disk) raises OSError
+    replace_atomically(Path(offload_folder) / f"{weight_name}.dat",
+                       lambda file: file.write(_bytes_of(host)) if host.numel() else None, durable=False)
     if index is not None:
         index[weight_name] = {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape)}
     return index
@@ -181,12 +173,8 @@ def save_offload_index(index: Mapping[str, Any] | None, offload_folder: PathLike
         return
     folder = Path(offload_folder)
     merged = {**read_offload_index(folder), **index}
-    partial = folder / f".{INDEX_NAME}.tmp-{uuid.uuid4().hex}"
-    try:
-        partial.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(partial, folder / INDEX_NAME)
-    finally:
-        partial.unlink(missing_ok=True)
+    text = json.dumps(merged, indent=2, sort_keys=True) + "\n"
+    replace_atomically(folder / INDEX_NAME, lambda file: file.write(text.encode("utf-8")), durable=False)
 
 
 def offload_state_dict(save_dir: PathLike, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from fnaccel.checkpoint.run import _project
+from fnaccel.checkpoint.project import project_of
 from fnaccel.tracking.trackers import BUILT_IN, GeneralTracker, resolve_trackers
 from fnaccel.tracking.values import read_values
 
@@ -103,7 +103,7 @@ def init_trackers(
 
 
 def _logging_root(state: RunState, logging_dir: str | os.PathLike[str] | None) -> Path:
-    project, project_dir = _project(state)
+    project, project_dir = project_of(state)
     chosen = logging_dir if logging_dir is not None else project.logging_dir
     if chosen is None and project_dir is None:
         raise ValueError(

@@ -4,10 +4,9 @@ Leaf modules first: `fnaccel.dist` imports `fnaccel.utils.constants`, so the
 modules re-exported at the bottom (which import `fnaccel.dist`) must come after.
 """
 
-import importlib
 from types import MappingProxyType
-from typing import Any
 
+from fnaccel._lazy import lazy_attributes
 from fnaccel.utils.constants import (
     MODEL_NAME,
     OPTIMIZER_NAME,
@@ -133,15 +132,7 @@ _LAZY = MappingProxyType({
 })
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'fnaccel.utils' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_attributes("fnaccel.utils", _LAZY, globals())
 
 __all__ = [
     # constants and enums

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fnaccel._errors import ConfigError
+from fnaccel.utils.plugins import _require_bools
 
 __all__ = ["DeepSpeedPlugin", "MegatronLMPlugin"]
 
@@ -26,11 +27,6 @@ def _positive(owner: str, name: str, value: Any, zero: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
         least = "a non-negative" if zero else "a positive"
         raise ConfigError(f"{owner}: {name} must be {least} int, got {value!r}")
-
-
-def _flag(owner: str, name: str, value: Any) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise ConfigError(f"{owner}: {name} must be True, False or None, got {value!r}")
 
 
 def _number(owner: str, name: str, value: Any) -> None:
@@ -81,8 +77,7 @@ class DeepSpeedPlugin:
             raise ConfigError(f"{owner}: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         _positive(owner, "gradient_accumulation_steps", self.gradient_accumulation_steps)
         _number(owner, "gradient_clipping", self.gradient_clipping)
-        for name in ("is_train_batch_min", "zero3_init_flag", "zero3_save_16bit_model"):
-            _flag(owner, name, getattr(self, name))
+        _require_bools(self, ("is_train_batch_min", "zero3_init_flag", "zero3_save_16bit_model"), ())
         for kind in ("optimizer", "param"):
             device = getattr(self, f"offload_{kind}_device")
             if device is not None and device not in _OFFLOAD_DEVICES:
@@ -160,10 +155,9 @@ class MegatronLMPlugin:
             _positive(owner, name, getattr(self, name), zero=True)
         for name in ("gradient_clipping", "start_weight_decay", "end_weight_decay", "min_lr", "lr_mult"):
             _number(owner, name, getattr(self, name))
-        for name in ("sequence_parallelism", "recompute_activations", "use_distributed_optimizer",
-                     "is_train_batch_min", "megatron_dataset_flag", "set_all_logging_options",
-                     "return_logits"):
-            _flag(owner, name, getattr(self, name))
+        _require_bools(self, ("sequence_parallelism", "recompute_activations", "use_distributed_optimizer",
+                              "is_train_batch_min", "megatron_dataset_flag", "set_all_logging_options",
+                              "return_logits"), ())
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
             raise ConfigError(f"{owner}: lr_warmup_fraction must be within [0, 1], "
                               f"got {self.lr_warmup_fraction!r}")
