@@ -35,7 +35,7 @@ from fnaccel.process import (
 from fnaccel.rng import RNGState
 from fnaccel.runtime import init, shutdown
 from fnaccel.seeding import set_seed, synchronize_rng_states, with_rng
-from fnaccel.state import RunState
+from fnaccel.state import DataPosition, RunState
 from fnaccel.train import apply_gradients, backward, prepare, step
 from fnaccel.transforms import (
     Pipeline,
@@ -74,7 +74,7 @@ from fnaccel.utils.kwargs import (
 __version__ = "0.1.0"
 
 # Loaded on first use, so that `import fnaccel` costs little more than `import torch`:
-# the checkpoint writer and reader, and the trackers.
+# the checkpoint writer and reader, the trackers, and evaluation.
 _LAZY = MappingProxyType({
     "save": "fnaccel.checkpoint.run",
     "load": "fnaccel.checkpoint.run",
@@ -84,6 +84,8 @@ _LAZY = MappingProxyType({
     "get_tracker": "fnaccel.tracking.run",
     "end_training": "fnaccel.tracking.run",
     "progress": "fnaccel.tracking.progress",
+    "evaluate": "fnaccel.evaluation",
+    "eval_batches": "fnaccel.data.evaluation",
 })
 
 
@@ -92,6 +94,7 @@ __getattr__, __dir__ = lazy_attributes("fnaccel", _LAZY, globals())
 __all__ = [
     # the run
     "RunState",
+    "DataPosition",
     "DistContext",
     "RNGState",
     "LaunchConfig",
@@ -105,6 +108,9 @@ __all__ = [
     "apply_gradients",
     "batches",
     "DataLoaderConfiguration",
+    # evaluation
+    "evaluate",
+    "eval_batches",
     # checkpoints
     "save",
     "load",

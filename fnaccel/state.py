@@ -32,7 +32,39 @@ if TYPE_CHECKING:
     from fnaccel.train import StepPlan
     from fnaccel.transforms.base import Pipeline
 
-__all__ = ["RunState"]
+__all__ = ["DataPosition", "RunState"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataPosition:
+    """Where a run stands in its data: the batches of ``epoch`` already stepped.
+
+    Advanced by `fa.step` (and `fa.backward`) when they consume a batch that
+    `fa.batches` fetched, never by the fetch itself: a batch fetched and not
+    stepped is fetched again after `fa.load`. The live loader is a cache that
+    `fa.batches` positions from this value.
+
+    Attributes:
+        epoch: the epoch in progress (after an epoch's last batch of a sized
+            loader, the next one, at ``num_batches=0``).
+        num_batches: batches of ``epoch`` consumed.
+        loader_state: the `StatefulDataLoader` snapshot taken right after the
+            consumed batches (plain data), for loaders whose position is more
+            than two integers (iterable datasets, samplers fnaccel does not
+            own); None where ``epoch`` and ``num_batches`` locate it alone.
+
+    >>> DataPosition(epoch=1, num_batches=3)
+    DataPosition(epoch=1, num_batches=3, loader_state=None)
+    """
+
+    epoch: int = 0
+    num_batches: int = 0
+    loader_state: Mapping[str, Any] | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(epoch, num_batches)``: positions of one loader order by it."""
+        return (self.epoch, self.num_batches)
 
 
 class _Lease:
@@ -62,7 +94,8 @@ class RunState:
         seed: the seed the run started from, or None.
         step: optimizer steps taken.
         micro_step: batches stepped (counts accumulation micro-steps too).
-        epoch: the current epoch of the data loader.
+        data_position: where the run stands in its data (`DataPosition`);
+            ``state.epoch`` reads its epoch.
         mixed_precision: the precision the launch asked for.
         model, optimizer, scheduler, loader: live objects, once prepared.
         pipeline: the composed transforms, once prepared.
@@ -88,7 +121,7 @@ class RunState:
     seed: int | None = None
     step: int = 0
     micro_step: int = 0
-    epoch: int = 0
+    data_position: DataPosition = DataPosition()
     mixed_precision: PrecisionType = PrecisionType.NO
     model: torch.nn.Module | None = field(default=None, repr=False)
     optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
@@ -120,7 +153,14 @@ class RunState:
         """
         if "_lease" in changes:
             raise TypeError("the lease is not a field a caller may replace")
+        if "epoch" in changes:  # the epoch is the data position's: one truth
+            changes["data_position"] = DataPosition(epoch=changes.pop("epoch"))
         return dataclasses.replace(self, **changes)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch in progress: ``data_position.epoch``."""
+        return self.data_position.epoch
 
     @property
     def is_spent(self) -> bool:

@@ -7,9 +7,12 @@ A step is a fixed sequence; transforms contribute through named hooks
                wraps model.forward; DDP/FSDP's sync switch is already set)
     backward:  loss / micro_steps -> scale_loss hooks -> .backward();
                then set_sync hooks for the *next* micro-step
+    window:    zero_grad(set_to_none=True) at an accumulation window's first
+               micro-step (gradients from another run never count)
     boundary:  before_update hooks (unscale, clip) -> optimizer_step hook or
                optimizer.step() -> scheduler.step() unless skipped ->
-               zero_grad(set_to_none=True) -> after_step hooks
+               after_step hooks
+    position:  the data position moves past the batch `fa.batches` fetched last
 
 Metrics are detached tensors on the device: nothing here reads a tensor on
 the host, so there is no host-device sync beyond what torch's GradScaler does
@@ -340,18 +343,24 @@ def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
     metrics: dict[str, Any] = {}
     for before_update, transform_state in plan.before_update:
         metrics.update(before_update(model, optimizer, transform_state))
-    skipped = None
     if plan.optimizer_step is None:
         optimizer.step()
     else:
-        optimizer_step, scaler = plan.optimizer_step
-        skipped = metrics["skipped"] = optimizer_step(optimizer, scaler)
-        metrics["scale"] = scaler._scale.detach().clone()
+        optimizer_step, transform_state = plan.optimizer_step
+        metrics.update(optimizer_step(optimizer, transform_state))
     metrics["lr"] = optimizer.param_groups[0]["lr"]  # the rate this update used
+    skipped = metrics.get("skipped")
     if state.scheduler is not None and (skipped is None or not bool(skipped)):
         state.scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
     return metrics
+
+
+def _start_window(state: RunState, optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:
+    """Gradients start from nothing at an accumulation window's first micro-step, so
+    that what another run's backward left on these parameters (a GAN's generator
+    loss flowing into the discriminator) never reaches this run's update."""
+    if state.micro_step % plan.micro_steps == 0:
+        optimizer.zero_grad(set_to_none=True)
 
 
 def _after(plan: StepPlan) -> None:
@@ -359,12 +368,21 @@ def _after(plan: StepPlan) -> None:
         after_step(transform_state)
 
 
+def _consumed(state: RunState) -> Any:
+    """The data position once this step has consumed the batch `fa.batches` fetched last."""
+    loader = state.loader
+    return state.data_position if loader is None else loader.consumed(state.data_position)
+
+
 def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     """Consumes ``state``: one training step on ``batch``.
 
-    Runs the loss function under the run's RNG, backward, and at an
-    accumulation boundary: unscale, clip, optimizer step, scheduler step (not
-    when the fp16 scaler skipped), ``zero_grad(set_to_none=True)``.
+    At an accumulation window's first micro-step, ``zero_grad(set_to_none=True)``
+    (so gradients another run's backward left here never count); then the loss
+    function under the run's RNG, backward, and at an accumulation boundary:
+    unscale, clip, optimizer step, scheduler step (not when the fp16 scaler
+    skipped). When ``batch`` came from `fa.batches`, the state's data position
+    moves past it.
 
     Returns:
         ``(new_state, metrics)``: ``loss`` (detached), ``aux`` when the loss
@@ -386,6 +404,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     # The run's generators in, the step, then their new values out: no restore
     # of the process's values (every step installs its own), no context manager.
     kinds = state.step_rng_types
+    _start_window(state, optimizer, plan)
     state.rng.install(kinds)
     out = loss_fn(model, batch)
     loss, aux = out if isinstance(out, tuple) else (out, None)
@@ -400,7 +419,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
         rng=rng,
         micro_step=state.micro_step + 1,
         step=state.step + int(boundary),
-        epoch=state.epoch if state.loader is None else state.loader.epoch,
+        data_position=_consumed(state),
     )
     plan.set_sync_for(model, new.micro_step)
     _after(plan)
@@ -418,9 +437,10 @@ def backward(state: RunState, loss: torch.Tensor, aux: Any = None) -> RunState:
     ``state, metrics = fa.apply_gradients(state)``.
     """
     by = f"fa.backward at step {state.step} (micro-step {state.micro_step})"
-    model, _, plan = _require(state, by)
+    model, optimizer, plan = _require(state, by)
+    _start_window(state, optimizer, plan)
     _backward(plan, loss, aux)
-    new = state.advance(by, micro_step=state.micro_step + 1)
+    new = state.advance(by, micro_step=state.micro_step + 1, data_position=_consumed(state))
     plan.set_sync_for(model, new.micro_step)
     return new
 

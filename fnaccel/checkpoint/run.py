@@ -55,7 +55,7 @@ from fnaccel.checkpoint.writer import (
     take_snapshot,
     write_snapshot,
 )
-from fnaccel.state import RunState
+from fnaccel.state import DataPosition, RunState
 from fnaccel.transforms.parallel import unwrap_model
 
 __all__ = ["load", "save"]
@@ -181,6 +181,31 @@ def _load_model(module: torch.nn.Module, directory: Path, manifest: dict[str, An
     module.load_state_dict(weights, strict=True)
 
 
+def _data_position(data: Any, manifest: dict[str, Any], state: RunState, where: Path) -> DataPosition:
+    """The saved data position, refused when this run's loader would read it differently."""
+    if not isinstance(data, dict) or set(data) != {"num_batches", "loader_state", "layout"}:
+        raise CheckpointError(f"{where}: 'data' must hold num_batches, loader_state and layout, got {data!r}")
+    epoch, num_batches, loader_state = manifest["epoch"], data["num_batches"], data["loader_state"]
+    for key, value in (("epoch", epoch), ("num_batches", num_batches)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointError(f"{where}: the data position's {key} must be an int >= 0, got {value!r}")
+    if loader_state is not None and not isinstance(loader_state, dict):
+        raise CheckpointError(f"{where}: the data position's loader_state must be a mapping or null")
+    if state.loader is not None:
+        if data["layout"] is None:
+            raise CheckpointError(f"{where}: the checkpoint was saved without a loader but this run has one; "
+                                  "prepare the loader after fa.load, or resume a run saved with its loader")
+        state.loader.layout.check_resume(data["layout"], str(where))
+        sampler = state.loader.sampler
+        if sampler is not None and num_batches >= len(sampler):
+            raise CheckpointError(f"{where}: the data position is {num_batches} batches into an epoch of "
+                                  f"{len(sampler)}")
+        if sampler is None and num_batches > 0 and loader_state is None:
+            raise CheckpointError(f"{where}: the data position is {num_batches} batches into an epoch "
+                                  "but holds no loader_state to resume this loader from")
+    return DataPosition(epoch=epoch, num_batches=num_batches, loader_state=loader_state)
+
+
 def load(state: RunState, path: str | Path) -> RunState:
     """Consumes ``state``: restore the checkpoint at ``path`` into its live objects.
 
@@ -199,6 +224,9 @@ def load(state: RunState, path: str | Path) -> RunState:
     manifest = _manifest(directory, state)
     module = _module(state, by)
     rank = state.dist.rank
+    own = read_json(directory, f"rank{rank}.json", manifest)
+    # checked before anything live is touched: a refused resume leaves the run as it was
+    position = _data_position(own.get("data"), manifest, state, directory / f"rank{rank}.json")
     sharded = is_sharded(state.model)
     if sharded:  # model and optimizer from sharded/ (torch.distributed.checkpoint)
         load_sharded(state, directory, manifest)
@@ -217,9 +245,6 @@ def load(state: RunState, path: str | Path) -> RunState:
         state.scheduler.load_state_dict(read_json(directory, "scheduler.json", manifest))
     read_verified(directory, "config.yaml", manifest)  # recorded for people; checked all the same
     tensors = read_tensors(directory, f"rank{rank}.safetensors", manifest)
-    own = read_json(directory, f"rank{rank}.json", manifest)
-    if state.loader is not None and own["loader"] is not None:
-        state.loader.load_state_dict(own["loader"])
     for name, saved in own["transforms"].items():
         value = state.transform_states.get(name)
         if value is None or not callable(getattr(value, "load_state_dict", None)):
@@ -235,9 +260,11 @@ def load(state: RunState, path: str | Path) -> RunState:
         rng=rng_from(tensors, own["rng"]),
         step=manifest["step"],
         micro_step=manifest["micro_step"],
-        epoch=manifest["epoch"],
+        data_position=position,
         seed=manifest["seed"],
     )
+    if state.loader is not None:
+        state.loader.forget()  # the next fa.batches positions it from the loaded state
     if state.extras:
         trees = read_json(directory, "extras.json", manifest)
         extra_tensors = read_tensors(directory, "extras.safetensors", manifest)

@@ -42,7 +42,7 @@ from fnaccel.process import wait_for_everyone
 __all__ = ["SaveHandle", "SaveQueue", "Snapshot", "take_snapshot", "write_snapshot"]
 
 MANIFEST = "fnaccel.json"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the data position is the state's (rank<r>.json "data")
 FORMAT = "fnaccel-checkpoint"
 
 
@@ -59,6 +59,17 @@ class Snapshot:
     raw_files: dict[str, bytes] = field(default_factory=dict)
     manifest: dict[str, Any] = field(default_factory=dict)
     sharded: ShardedSnapshot | None = None  # an fsdp() run's model and optimizer (DCP)
+
+
+def data_payload(state: Any) -> dict[str, Any]:
+    """The data position past the epoch (the manifest has the epoch), and the layout
+    of the loader it belongs to (None without a loader)."""
+    position = state.data_position
+    return {
+        "num_batches": position.num_batches,
+        "loader_state": None if position.loader_state is None else dict(position.loader_state),
+        "layout": None if state.loader is None else state.loader.layout.to_dict(),
+    }
 
 
 def take_snapshot(
@@ -87,8 +98,7 @@ def take_snapshot(
     }
     snap.tensors[f"rank{ctx.rank}.safetensors"] = {k: own(v) for k, v in rank_tensors.items()}
     snap.json_files[f"rank{ctx.rank}.json"] = json_copy(
-        {"rng": rng_json, "transforms": transforms,
-         "loader": None if state.loader is None else state.loader.state_dict()},
+        {"rng": rng_json, "transforms": transforms, "data": data_payload(state)},
         f"rank{ctx.rank}.json",
     )
     tied: dict[str, str] = {}

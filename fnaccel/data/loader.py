@@ -34,7 +34,7 @@ from torchdata.stateful_dataloader import sampler as stateful_sampler
 
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.iterable import shard_iterable
-from fnaccel.data.prepared import PreparedLoader, _Collated
+from fnaccel.data.prepared import Collated, LoaderLayout, PreparedLoader
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.dist import DistContext
 
@@ -72,7 +72,7 @@ class _Collate:
             "this rank's batch is empty: with even_batches=False the last step of an epoch "
             "leaves some ranks without samples, and the loader's collate_fn cannot collate an "
             "empty batch. Use DataLoaderConfiguration(even_batches=True) (the default: the batch "
-            "is padded and state.loader.num_valid counts the real samples), a DataLoader with "
+            "is padded), a DataLoader with "
             "drop_last=True, or a collate_fn that accepts an empty list."
         )
         if self.unbatched:  # there is no item to give the collate_fn
@@ -89,9 +89,9 @@ class _CollateSteps:
     def __init__(self, collate: _Collate) -> None:
         self.collate = collate
 
-    def __call__(self, step: tuple[list[Any], int]) -> _Collated:
+    def __call__(self, step: tuple[list[Any], int]) -> Collated:
         samples, num_valid = step
-        return _Collated(self.collate(samples), num_valid)
+        return Collated(self.collate(samples), num_valid)
 
 
 class _Plan(NamedTuple):
@@ -168,7 +168,6 @@ def _reader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
         "pin_memory_device": loader.pin_memory_device,
         # Seeds the workers; PreparedLoader reseeds it every epoch (see _worker_seed).
         "generator": torch.Generator(),
-        "snapshot_every_n_steps": 1,  # a snapshot at every batch: resuming replays nothing
     }
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
@@ -212,8 +211,8 @@ def prepare_loader(
     >>> import torch, fnaccel as fa
     >>> data = torch.utils.data.DataLoader(torch.arange(6), batch_size=4)
     >>> prepared = prepare_loader(data, fa.DistContext(), seed=0)
-    >>> [b.tolist() for b in prepared], prepared.epoch
-    ([[0, 1, 2, 3], [4, 5]], 1)
+    >>> [b.tolist() for b in prepared.read(1)], len(prepared)
+    ([[0, 1, 2, 3], [4, 5]], 2)
     """
     if not isinstance(loader, DataLoader):
         raise TypeError(
@@ -241,19 +240,28 @@ def prepare_loader(
     user_sampler = plan.batch_sampler if plan.batch_sampler is not None else plan.sampler
     hooks = tuple(h for h in (user_sampler, loader.dataset) if hasattr(h, "set_epoch"))
 
-    def prepared(built: StatefulDataLoader, sampler: ShardedBatchSampler | None) -> PreparedLoader:
+    def prepared(built: StatefulDataLoader, sampler: ShardedBatchSampler | None, batch_size: int | None,
+                 even_batches: bool) -> PreparedLoader:
+        sized = plan.kind != "iterable"
+        layout = LoaderLayout(
+            num_samples=len(loader.dataset) if sized else None,  # type: ignore[arg-type]
+            batch_size=batch_size, num_processes=world, num_workers=loader.num_workers,
+            drop_last=plan.drop_last, even_batches=even_batches, split_batches=config.split_batches)
         return PreparedLoader(built, sampler=sampler, epoch_hooks=hooks, seed=seed, device=ctx.device,
-                              non_blocking=config.non_blocking, num_processes=world, rank=ctx.rank,
-                              unbatched=plan.batch_size is None)
+                              non_blocking=config.non_blocking, layout=layout, rank=ctx.rank, sized=sized)
 
+    # A loader whose position fnaccel does not own is located by torchdata's snapshot
+    # of the batch stepped last: one at every batch, so resuming replays nothing.
+    snapshots = {"snapshot_every_n_steps": 1}
     if not ours:
         if plan.batch_sampler is not None:
             built = _stateful_loader(loader.dataset, batch_sampler=plan.batch_sampler,
-                                       collate_fn=loader.collate_fn, **reader)
+                                     collate_fn=loader.collate_fn, **reader, **snapshots)
         else:
             built = _stateful_loader(loader.dataset, batch_size=plan.batch_size, sampler=plan.sampler,
-                                       drop_last=plan.drop_last, collate_fn=loader.collate_fn, **reader)
-        return prepared(built, None)
+                                     drop_last=plan.drop_last, collate_fn=loader.collate_fn, **reader,
+                                     **snapshots)
+        return prepared(built, None, plan.batch_size, False)
 
     per_rank = _per_rank_batch_size(plan.batch_size, num_processes, config.split_batches)
     rank = ctx.rank if num_processes > 1 else 0
@@ -262,15 +270,18 @@ def prepare_loader(
     if plan.kind == "iterable":
         dataset = shard_iterable(loader.dataset, batch_size=per_rank, num_processes=num_processes,
                                  rank=rank, drop_last=plan.drop_last, even_batches=even_batches)
-        return prepared(_stateful_loader(dataset, batch_size=None, collate_fn=_CollateSteps(collate), **reader),
-                        None)
+        built = _stateful_loader(dataset, batch_size=None, collate_fn=_CollateSteps(collate), **reader,
+                                 **snapshots)
+        return prepared(built, None, per_rank, even_batches)
     sampler = ShardedBatchSampler(
         len(loader.dataset), per_rank, num_processes=num_processes, rank=rank,  # type: ignore[arg-type]
         seed=seed, shuffle=plan.kind == "random", drop_last=plan.drop_last, even_batches=even_batches,
     )
     hooks = (sampler, *(h for h in hooks if h is loader.dataset))  # the user's sampler is replaced
-    return prepared(_stateful_loader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader),
-                    sampler)
+    # Its position is (epoch, batches stepped): no snapshots needed, none taken.
+    built = _stateful_loader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader,
+                             snapshot_every_n_steps=2**31 - 1)
+    return prepared(built, sampler, per_rank, even_batches)
 
 
 def _per_rank_batch_size(batch_size: int | None, num_processes: int, split_batches: bool) -> int:

@@ -1,16 +1,19 @@
 """`PreparedLoader`, the live prepared loader, and `batches` (`fa.batches`), which reads it.
 
-A `PreparedLoader` is a live object, like the model: it holds the torchdata
-`StatefulDataLoader`, the epoch and the iterator of the epoch in progress, so
-that its `state_dict` is the exact mid-epoch position and a fresh loader given
-it resumes there. Iterating it yields the rest of the current epoch on the
-device; `batches` iterates it over epochs.
+The run's data position is a value in the state (`fnaccel.state.DataPosition`),
+advanced when a step consumes a batch. The `PreparedLoader` is a cache behind
+it: the torchdata `StatefulDataLoader`, its workers and the iterator of the
+epoch in progress. `batches` positions the cache from the state (for free
+when it already stands there); every batch it yields carries, on the side,
+the position right after it, which `fa.step` takes into the new state. So a
+batch fetched and never stepped is fetched again after `fa.load`.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -19,35 +22,71 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from fnaccel._errors import CheckpointError
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.ops.tree import send_to_device
+from fnaccel.state import DataPosition
 
-__all__ = ["PreparedLoader", "batches"]
+__all__ = ["LoaderLayout", "PreparedLoader", "batches"]
 
 
-class _Collated(NamedTuple):
+class Collated(NamedTuple):
     """A collated step of an `IterableShard`, with its count of real samples."""
 
     batch: Any
     num_valid: int
 
 
-class PreparedLoader:
-    """A prepared data loader: a live object, like the model, that knows its position.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoaderLayout:
+    """What a data position means: a position resumes exactly only under the same layout.
 
-    Iterating it yields the rest of the current epoch, each batch on
-    ``device``; when the epoch runs out, ``epoch`` advances and the next
-    iteration starts the next one. `fa.batches` iterates it over epochs. Build
-    one with `prepare_loader` (`fa.prepare` does).
+    Attributes:
+        num_samples: the dataset's length (None for a stream without one).
+        batch_size: samples per rank per step (None: the loader does not batch).
+        num_processes: ranks sharing the data.
+        num_workers: loader worker processes (their snapshots differ in shape).
+        drop_last, even_batches, split_batches: how the epoch is cut.
+    """
+
+    num_samples: int | None
+    batch_size: int | None
+    num_processes: int
+    num_workers: int
+    drop_last: bool
+    even_batches: bool
+    split_batches: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def check_resume(self, saved: Any, where: str) -> None:
+        """Raise `CheckpointError` unless ``saved`` (a `to_dict`) is this layout."""
+        if not isinstance(saved, Mapping):
+            raise CheckpointError(f"{where}: the data layout must be a mapping, got {saved!r}")
+        for key, here in self.to_dict().items():
+            if key not in saved:
+                raise CheckpointError(f"{where}: the data layout lacks {key!r}")
+            if saved[key] != here or type(saved[key]) is not type(here):
+                raise CheckpointError(
+                    f"{where}: the checkpoint's data position was saved with {key}={saved[key]!r} but "
+                    f"this run's loader has {key}={here!r}; the same position would start at another "
+                    f"sample. Resume with {key}={saved[key]!r} (or start a new run from the weights)"
+                )
+
+
+class PreparedLoader:
+    """A prepared data loader: a live cache behind the state's `DataPosition`.
+
+    Build one with `prepare_loader` (`fa.prepare` does); read it with
+    `fa.batches`. It holds no position of its own that could disagree with
+    the state's: only where its live iterator stands, and the position right
+    after the batch it fetched last, for `consumed`.
 
     Attributes:
         dataloader: the torchdata `StatefulDataLoader` that reads the data.
-        sampler: the `ShardedBatchSampler` ordering a map-style dataset, or None.
-        epoch: the current epoch.
+        sampler: the `ShardedBatchSampler` ordering a map-style dataset, or None
+            (then the loader's own snapshots locate a position).
+        layout: what a position of this loader means (`LoaderLayout`).
         device: where batches are placed.
         non_blocking: whether the copies to ``device`` are non-blocking.
-        num_valid: how many leading samples of the batch yielded last are real
-            (the rest is padding from ``even_batches``); pass it to
-            `gather_for_metrics`. None when every sample is real as far as
-            fnaccel knows (a loader it did not shard, or before the first batch).
     """
 
     def __init__(
@@ -59,135 +98,111 @@ class PreparedLoader:
         seed: int,
         device: torch.device,
         non_blocking: bool,
-        num_processes: int,
+        layout: LoaderLayout,
         rank: int,
-        unbatched: bool,
+        sized: bool,
     ) -> None:
         self.dataloader = dataloader
         self.sampler = sampler
+        self.layout = layout
         self.device = device
         self.non_blocking = non_blocking
-        self.epoch = 0
-        self.num_valid: int | None = None
         self._epoch_hooks = epoch_hooks
         self._seed = seed
-        self._num_processes = num_processes
         self._rank = rank
-        self._unbatched = unbatched
+        self._num_batches = len(dataloader) if sized else None
         self._iterator: Iterator[Any] | None = None
-        self._batches_yielded = 0
-        self._resume: dict[str, Any] = {}  # a loaded mid-epoch position, until the epoch resumes
+        self._iter_epoch = 0
+        self._at = DataPosition()  # where the live iterator continues
+        self._start: DataPosition | None = None  # where the current reading began
+        self._last: tuple[DataPosition, DataPosition] | None = None  # (before, after) the last fetch
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
         return len(self.dataloader)
 
+    def __iter__(self) -> Iterator[Any]:
+        """The rest of the epoch where the live iterator stands (for inspection and tests;
+        training reads through `fa.batches`, which positions it from the state first)."""
+        return self.read(self._at.epoch + 1)
+
     def __repr__(self) -> str:
-        return (f"PreparedLoader(epoch={self.epoch}, batches_yielded={self._batches_yielded}, "
-                f"sampler={self.sampler!r}, device={self.device})")
+        return f"PreparedLoader(at={self._at.key}, sampler={self.sampler!r}, device={self.device})"
 
-    @property
-    def batches_yielded(self) -> int:
-        """Batches of the current epoch already yielded."""
-        return self._batches_yielded
+    def seek(self, position: DataPosition) -> None:
+        """Make the next fetch the batch right after ``position`` (free when the live
+        iterator already stands there; otherwise the next fetch starts a new one)."""
+        if self._iterator is None or position.key != self._at.key:
+            self._iterator = None
+            self._at = position
+        self._start, self._last = position, None
 
-    def _worker_seed(self) -> int:
+    def forget(self) -> None:
+        """Drop what ties the live iterator to a state (`fa.load` replaced the position)."""
+        self._start, self._last = None, None
+
+    def consumed(self, position: DataPosition) -> DataPosition:
+        """The position after consuming the batch fetched last, when it follows
+        ``position`` in the current reading; ``position`` itself otherwise (no batch
+        fetched since, or the state is not the one this reading started from)."""
+        last, start = self._last, self._start
+        if last is None or start is None or not start.key <= position.key <= last[0].key:
+            return position
+        return last[1]
+
+    def _worker_seed(self, epoch: int) -> int:
         # Pure in (seed, epoch, rank): resuming an epoch seeds its workers as before,
         # and ranks augment differently.
-        return (self._seed + self.epoch) * self._num_processes + self._rank
+        return (self._seed + epoch) * self.layout.num_processes + self._rank
 
-    def _start_epoch(self) -> Iterator[Any]:
+    def _begin(self) -> Iterator[Any]:
+        at = self._at
+        self._iter_epoch = at.epoch
         for hook in self._epoch_hooks:
-            hook.set_epoch(self.epoch)
+            hook.set_epoch(at.epoch)
         generator = self.dataloader.generator
         assert generator is not None  # prepare_loader always gives one
-        generator.manual_seed(self._worker_seed())
-        self._resume = {}  # the StatefulDataLoader took it in load_state_dict
+        generator.manual_seed(self._worker_seed(at.epoch))
+        if self.sampler is not None:
+            self.sampler.load_state_dict({"epoch": at.epoch, "batches_yielded": at.num_batches})
+        elif at.loader_state is not None:
+            self.dataloader.load_state_dict(copy.deepcopy(dict(at.loader_state)))
         return iter(self.dataloader)
 
-    def __iter__(self) -> Iterator[Any]:
-        """The rest of the current epoch, on ``device``; ``epoch`` advances at its end."""
-        if self._iterator is None:
-            self._iterator = self._start_epoch()
-        while True:
+    def _after(self, before: DataPosition) -> DataPosition:
+        num_batches = before.num_batches + 1
+        if num_batches == self._num_batches:
+            return DataPosition(epoch=before.epoch + 1)
+        snapshot = None if self.sampler is not None else copy.deepcopy(self.dataloader.state_dict())
+        return DataPosition(epoch=before.epoch, num_batches=num_batches, loader_state=snapshot)
+
+    def read(self, end_epoch: int) -> Iterator[Any]:
+        """Batches on ``device`` from where the live iterator stands, through epoch
+        ``end_epoch - 1``."""
+        while self._at.epoch < end_epoch:
+            if self._iterator is None:
+                self._iterator = self._begin()
             try:
                 item = next(self._iterator)
             except StopIteration:
                 self._iterator = None
-                self._batches_yielded = 0
-                self.epoch += 1
-                return
-            num_valid: int | None
-            if isinstance(item, _Collated):
-                batch, num_valid = item
-            elif self.sampler is not None:
-                batch, num_valid = item, self.sampler.num_valid(self._batches_yielded)
-            else:
-                batch, num_valid = item, None
-            if self._unbatched and num_valid is not None:
-                num_valid = None if num_valid else 0  # a whole item is real or padding
-            self._batches_yielded += 1
-            self.num_valid = num_valid
+                if self._at.epoch == self._iter_epoch:  # a stream without a length ended
+                    self._at = DataPosition(epoch=self._iter_epoch + 1)
+                continue
+            before = self._at
+            self._at = after = self._after(before)
+            self._last = (before, after)
+            batch = item.batch if isinstance(item, Collated) else item
             yield send_to_device(batch, self.device, non_blocking=self.non_blocking)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The exact position: plain ints, strings, None and dicts (no pickle).
-
-        ``{"epoch", "batches_yielded", "num_processes", "num_workers", "dataloader"}``,
-        where ``dataloader`` is the `StatefulDataLoader`'s own state mid-epoch
-        (holding the sampler's or iterable dataset's state) and ``{}`` at an
-        epoch's start.
-        """
-        if self._iterator is not None:
-            position = copy.deepcopy(self.dataloader.state_dict())
-        else:
-            position = copy.deepcopy(self._resume)
-        return {
-            "epoch": self.epoch,
-            "batches_yielded": self._batches_yielded,
-            "num_processes": self._num_processes,
-            "num_workers": self.dataloader.num_workers,
-            "dataloader": position,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Go to the position in ``state_dict``; the next iteration resumes there.
-
-        Raises:
-            CheckpointError: the state is malformed, or was saved with another
-                number of processes or workers, or another epoch length.
-        """
-        expected = ("epoch", "batches_yielded", "num_processes", "num_workers", "dataloader")
-        missing = [key for key in expected if key not in state_dict]
-        if missing:
-            raise CheckpointError(f"the loader state lacks {missing}: it is not a PreparedLoader.state_dict()")
-        for key in expected[:4]:
-            value = state_dict[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise CheckpointError(f"the loader state's {key!r} must be an int >= 0, got {value!r}")
-        for key, here in (("num_processes", self._num_processes), ("num_workers", self.dataloader.num_workers)):
-            if state_dict[key] != here:
-                raise CheckpointError(
-                    f"the loader state was saved with {key}={state_dict[key]} but this loader has "
-                    f"{key}={here}: resume with the same {key}"
-                )
-        if self.sampler is not None and state_dict["batches_yielded"] > len(self.sampler):
-            raise CheckpointError(
-                f"the loader state is {state_dict['batches_yielded']} batches into an epoch of "
-                f"{len(self.sampler)}: it was saved with another dataset size or batch size"
-            )
-        if not isinstance(state_dict["dataloader"], dict):
-            raise CheckpointError("the loader state's 'dataloader' must be a dict")
-        self._iterator = None
-        self.epoch = state_dict["epoch"]
-        self._batches_yielded = state_dict["batches_yielded"]
-        self.num_valid = None
-        self._resume = copy.deepcopy(state_dict["dataloader"])
-        self.dataloader.load_state_dict(copy.deepcopy(self._resume))
 
 
 def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
-    """Reads the state's prepared loader: its batches, on the device, from its position.
+    """Reads the state's prepared loader: its batches, on the device, from the state's data position.
+
+    The position is the state's (`RunState.data_position`); `fa.step` advances
+    it when it steps a batch from here. A batch fetched and not stepped (a
+    ``break`` right after the fetch) comes again from the next ``fa.batches``,
+    in this process or after `fa.load` in a new one.
 
     Args:
         state: a `RunState` whose ``loader`` was prepared (`fa.prepare`).
@@ -195,23 +210,24 @@ def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
             epoch (which reshuffles); None yields the rest of the current epoch.
 
     Returns:
-        A generator of batches placed on ``state.dist.device``. The loader is a
-        live object: after an epoch ends, ``state.loader.epoch`` has advanced.
+        A generator of batches placed on ``state.dist.device``.
 
     Raises:
         ValueError: the state has no prepared loader, or ``epochs`` is negative.
+        StaleStateError: ``state`` was already consumed (use the newest one).
 
     >>> import torch, fnaccel as fa
-    >>> from fnaccel.data.loader import prepare_loader
-    >>> state = fa.init(seed=0, cpu=True)
-    >>> data = torch.utils.data.DataLoader(torch.arange(4), batch_size=2, shuffle=True)
-    >>> state = state.replace(loader=prepare_loader(data, state.dist, seed=0))
-    >>> [b.tolist() for b in batches(state, epochs=2)]
-    [[0, 1], [3, 2], [1, 3], [2, 0]]
-    >>> state.loader.epoch
-    2
+    >>> model = torch.nn.Linear(1, 1)
+    >>> data = torch.utils.data.DataLoader(torch.arange(4.0).view(4, 1), batch_size=2, shuffle=True)
+    >>> state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), 0.1),
+    ...                    data, loss_fn=lambda m, b: m(b).mean())
+    >>> for batch in fa.batches(state, epochs=2):
+    ...     state, metrics = fa.step(state, batch)
+    >>> state.epoch, state.step
+    (2, 4)
     """
-    loader = getattr(state, "loader", None)
+    state.check_fresh("fa.batches")
+    loader = state.loader
     if loader is None:
         raise ValueError(
             "fa.batches: the state has no prepared loader; prepare one first with "
@@ -224,9 +240,6 @@ def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
         )
     if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0):
         raise ValueError(f"fa.batches: epochs must be an int >= 0 or None, got {epochs!r}")
-    return _epochs(loader, loader.epoch + 1 if epochs is None else epochs)
-
-
-def _epochs(loader: PreparedLoader, end: int) -> Iterator[Any]:
-    while loader.epoch < end:
-        yield from loader
+    position = state.data_position
+    loader.seek(position)
+    return loader.read(position.epoch + 1 if epochs is None else epochs)

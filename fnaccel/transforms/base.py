@@ -18,8 +18,9 @@ Hooks (every one optional):
     scale_loss(loss, state) -> loss: before backward (the fp16 scaler).
     before_update(model, optimizer, state) -> metrics: at an update boundary,
         before the optimizer steps (unscaling, clipping).
-    optimizer_step(optimizer, state) -> skipped: replaces `optimizer.step()`
-        (the fp16 scaler); returns a bool tensor, True when it skipped.
+    optimizer_step(optimizer, state) -> metrics: replaces `optimizer.step()`
+        (the fp16 scaler); its metrics include ``skipped`` (a bool tensor),
+        which also holds back the scheduler.
     after_backward(aux, state): after each backward, with the loss
         function's aux (item counting).
     after_step(state): after every micro-step (the profiler).

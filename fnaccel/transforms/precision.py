@@ -117,13 +117,13 @@ def grad_scaler(**kwargs: Any) -> Transform:
         scaler.unscale_(optimizer)  # clipping, which comes next, sees true gradients
         return {}
 
-    def optimizer_step(optimizer: Any, scaler: torch.amp.GradScaler) -> torch.Tensor:
+    def optimizer_step(optimizer: Any, scaler: torch.amp.GradScaler) -> dict[str, torch.Tensor]:
         scaler.step(optimizer)
         # torch keeps the per-device inf flags of this step here until update()
         flags = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
         skipped = torch.stack(flags).sum() > 0 if flags else torch.tensor(False)
         scaler.update()
-        return skipped
+        return {"skipped": skipped, "scale": scaler._scale.detach().clone()}  # no host sync
 
     return Transform(
         name="grad_scaler",

@@ -1,0 +1,103 @@
+"""`eval_batches` (`fa.eval_batches`): a user's evaluation `DataLoader`, split for exact metrics.
+
+Evaluation reads the dataset in its own order (a ``shuffle=True`` loader is
+read in order too), split by `fnaccel.data.sharding.shard_batch`, the rule
+training uses: step ``s`` gives rank ``r`` the samples
+``[s*B*W + r*B, (s*B*W + (r+1)*B)``, padded to ``B`` by wrapping around to the
+start. Every rank runs the same number of steps, so no rank waits in a
+collective for a batch that never comes, and each step yields how many of its
+leading samples are real: concatenating the ranks' real samples in rank order
+gives the dataset order, for any length and world size (fewer samples than
+ranks included). That is what `gather_for_metrics` needs to be exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from fnaccel.data.iterable import shard_iterable
+from fnaccel.data.loader import _Collate, _CollateSteps, _plan
+from fnaccel.data.prepared import Collated
+from fnaccel.data.sharding import eval_shards
+from fnaccel.dist import as_dist
+from fnaccel.ops.tree import send_to_device, tree_leaves
+
+__all__ = ["eval_batches"]
+
+
+def _reader(loader: DataLoader[Any]) -> dict[str, Any]:
+    """How the user's loader reads; its workers are seeded without drawing from the process."""
+    kwargs: dict[str, Any] = {
+        "num_workers": loader.num_workers, "pin_memory": loader.pin_memory, "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn, "multiprocessing_context": loader.multiprocessing_context,
+        "generator": torch.Generator().manual_seed(0),
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    return kwargs
+
+
+def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int]]:
+    """Reads ``state`` (a `RunState` or its `DistContext`, not consumed): this rank's share
+    of ``loader``'s dataset as ``(batch, num_valid)`` pairs, on the device.
+
+    For hand-written evaluation loops; `fa.evaluate` is the loop written once.
+
+    Args:
+        state: the run's state, or its ``dist``.
+        loader: a `DataLoader` with a ``batch_size`` (samples per rank per step)
+            over a map-style or iterable dataset; its dataset, collate_fn,
+            workers and pinning are kept, its sampler's order is not.
+
+    Yields:
+        ``(batch, num_valid)``: the batch on ``state.dist.device`` and how many of
+        its leading samples are real; pass ``num_valid`` to
+        ``fa.ops.gather_for_metrics(state, outputs, num_valid=num_valid)``.
+
+    Raises:
+        TypeError: ``loader`` is not a `DataLoader`.
+        ValueError: the loader does not batch, uses a custom batch sampler
+            across several processes, or its dataset is empty.
+
+    >>> import torch, fnaccel as fa
+    >>> state = fa.init(cpu=True)
+    >>> data = torch.utils.data.DataLoader(torch.arange(5), batch_size=2, shuffle=True)
+    >>> [(batch.tolist(), n) for batch, n in fa.eval_batches(state, data)]
+    [([0, 1], 2), ([2, 3], 2), ([4, 0], 1)]
+    """
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"fa.eval_batches takes a torch.utils.data.DataLoader, got {type(loader).__name__}")
+    ctx = as_dist(state)
+    plan = _plan(loader)
+    if plan.kind == "custom" and plan.batch_sampler is not None:
+        if ctx.num_processes > 1:
+            raise ValueError(
+                f"fa.eval_batches: the DataLoader's custom {type(plan.batch_sampler).__name__} cannot be "
+                "split exactly across processes; evaluate with a DataLoader(dataset, batch_size=...)")
+        return ((send_to_device(b, ctx.device), _num_samples(b)) for b in loader)
+    if plan.batch_size is None:
+        raise ValueError("fa.eval_batches needs a DataLoader with a batch_size (samples per rank per step), "
+                         "got batch_size=None")
+    collate = _Collate(loader.collate_fn, unbatched=False)
+    if isinstance(loader.dataset, IterableDataset):
+        stream = shard_iterable(loader.dataset, batch_size=plan.batch_size, num_processes=ctx.num_processes,
+                                rank=ctx.rank, drop_last=False, even_batches=True)
+        steps = DataLoader(stream, batch_size=None, collate_fn=_CollateSteps(collate), **_reader(loader))
+        return ((send_to_device(c.batch, ctx.device), c.num_valid) for c in steps if isinstance(c, Collated))
+    num_samples = len(loader.dataset)  # type: ignore[arg-type]
+    if num_samples == 0:
+        raise ValueError("fa.eval_batches: the evaluation dataset is empty")
+    shards = eval_shards(num_samples, plan.batch_size, ctx.num_processes, ctx.rank)
+    reader = DataLoader(loader.dataset, batch_sampler=[list(s.indices) for s in shards], collate_fn=collate,
+                        **_reader(loader))
+    return ((send_to_device(b, ctx.device), s.num_valid) for b, s in zip(reader, shards))
+
+
+def _num_samples(batch: Any) -> int:
+    """A batch's sample count (dim 0 of its first tensor), for loaders fnaccel does not split."""
+    leaves = tree_leaves(batch)
+    return int(leaves[0].shape[0]) if leaves and leaves[0].ndim else 1
