@@ -2,92 +2,205 @@
 
 The public surface is curated here; the implementation lives in private
 modules and may move freely behind it (see fnaccel/README.md for the design).
+
+A facade: every name loads on first use from the module that owns it, so that
+`import fnaccel` (or any of its modules) costs little more than `import torch`
+and nothing inside the package depends on this file.
 """
 
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-# isort: off
-# `fnaccel.utils` first: it re-exports modules that import `fnaccel.utils.constants`.
-from fnaccel import utils
-# isort: on
-from fnaccel import ops
-from fnaccel._errors import (
-    CheckpointError,
-    CollectiveMismatchError,
-    ConfigError,
-    FnaccelError,
-    StaleStateError,
-)
 from fnaccel._lazy import lazy_attributes
-from fnaccel.checkpoint.project import ProjectConfiguration
-from fnaccel.config import LaunchConfig
-from fnaccel.data.config import DataLoaderConfiguration
-from fnaccel.data.prepared import batches
-from fnaccel.dist import DistContext
-from fnaccel.process import (
-    local_main_process_first,
-    main_process_first,
-    on_main_process,
-    print_on_main,
-    split_between_processes,
-    wait_for_everyone,
-)
-from fnaccel.rng import RNGState
-from fnaccel.runtime import init, shutdown
-from fnaccel.seeding import set_seed, synchronize_rng_states, with_rng
-from fnaccel.state import DataPosition, RunState
-from fnaccel.train import apply_gradients, backward, prepare, step
-from fnaccel.transforms import (
-    Pipeline,
-    Transform,
-    accumulate,
-    autocast,
-    bf16,
-    clip_grad_norm,
-    clip_grad_value,
-    compile,
-    ddp,
-    fp16,
-    fp32,
-    fsdp,
-    grad_scaler,
-    profile,
-    broadcast,
-    broadcast_object_list,
-    compose,
-    gather,
-    gather_for_metrics,
-    gather_object,
-    pad_across_processes,
-    reduce,
-)
-from fnaccel.utils.constants import DistributedType, PrecisionType
-from fnaccel.utils.kwargs import (
-    AutocastKwargs,
-    DistributedDataParallelKwargs,
-    FP8RecipeKwargs,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-    ProfileKwargs,
-)
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
+    from fnaccel._errors import (
+        CheckpointError,
+        CollectiveMismatchError,
+        ConfigError,
+        FnaccelError,
+        StaleStateError,
+    )
+    from fnaccel.checkpoint.project import (
+        ProjectConfiguration,
+    )
+    from fnaccel.checkpoint.run import (
+        load,
+        save,
+    )
+    from fnaccel.checkpoint.weights import (
+        save_model,
+    )
+    from fnaccel.config import (
+        LaunchConfig,
+    )
+    from fnaccel.constants import (
+        DistributedType,
+        PrecisionType,
+    )
+    from fnaccel.data.config import (
+        DataLoaderConfiguration,
+    )
+    from fnaccel.data.evaluation import (
+        eval_batches,
+    )
+    from fnaccel.data.prepared import (
+        batches,
+    )
+    from fnaccel.dist import (
+        DistContext,
+    )
+    from fnaccel.evaluation import (
+        evaluate,
+    )
+    from fnaccel.kwargs import (
+        AutocastKwargs,
+        DistributedDataParallelKwargs,
+        FP8RecipeKwargs,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        ProfileKwargs,
+    )
+    from fnaccel import ops
+    from fnaccel.process import (
+        local_main_process_first,
+        main_process_first,
+        on_main_process,
+        print_on_main,
+        split_between_processes,
+        wait_for_everyone,
+    )
+    from fnaccel.rng import (
+        RNGState,
+    )
+    from fnaccel.runtime import (
+        init,
+        shutdown,
+    )
+    from fnaccel.seeding import (
+        set_seed,
+        synchronize_rng_states,
+        with_rng,
+    )
+    from fnaccel.state import (
+        DataPosition,
+        RunState,
+    )
+    from fnaccel.tracking.progress import (
+        progress,
+    )
+    from fnaccel.tracking.run import (
+        end_training,
+        get_tracker,
+        init_trackers,
+        log,
+    )
+    from fnaccel.train import (
+        apply_gradients,
+        backward,
+        prepare,
+        step,
+    )
+    from fnaccel.transforms import (
+        Pipeline,
+        Transform,
+        accumulate,
+        autocast,
+        bf16,
+        broadcast,
+        broadcast_object_list,
+        clip_grad_norm,
+        clip_grad_value,
+        compile,
+        compose,
+        ddp,
+        fp16,
+        fp32,
+        fsdp,
+        gather,
+        gather_for_metrics,
+        gather_object,
+        grad_scaler,
+        pad_across_processes,
+        profile,
+        reduce,
+    )
+    from fnaccel import utils
 
 __version__ = "0.1.0"
 
-# Loaded on first use, so that `import fnaccel` costs little more than `import torch`:
-# the checkpoint writer and reader, the trackers, and evaluation.
 _LAZY = MappingProxyType({
-    "save": "fnaccel.checkpoint.run",
+    "CheckpointError": "fnaccel._errors",
+    "CollectiveMismatchError": "fnaccel._errors",
+    "ConfigError": "fnaccel._errors",
+    "FnaccelError": "fnaccel._errors",
+    "StaleStateError": "fnaccel._errors",
+    "ProjectConfiguration": "fnaccel.checkpoint.project",
     "load": "fnaccel.checkpoint.run",
+    "save": "fnaccel.checkpoint.run",
     "save_model": "fnaccel.checkpoint.weights",
+    "LaunchConfig": "fnaccel.config",
+    "DistributedType": "fnaccel.constants",
+    "PrecisionType": "fnaccel.constants",
+    "DataLoaderConfiguration": "fnaccel.data.config",
+    "eval_batches": "fnaccel.data.evaluation",
+    "batches": "fnaccel.data.prepared",
+    "DistContext": "fnaccel.dist",
+    "evaluate": "fnaccel.evaluation",
+    "AutocastKwargs": "fnaccel.kwargs",
+    "DistributedDataParallelKwargs": "fnaccel.kwargs",
+    "FP8RecipeKwargs": "fnaccel.kwargs",
+    "GradScalerKwargs": "fnaccel.kwargs",
+    "InitProcessGroupKwargs": "fnaccel.kwargs",
+    "ProfileKwargs": "fnaccel.kwargs",
+    "ops": "fnaccel.ops",
+    "local_main_process_first": "fnaccel.process",
+    "main_process_first": "fnaccel.process",
+    "on_main_process": "fnaccel.process",
+    "print_on_main": "fnaccel.process",
+    "split_between_processes": "fnaccel.process",
+    "wait_for_everyone": "fnaccel.process",
+    "RNGState": "fnaccel.rng",
+    "init": "fnaccel.runtime",
+    "shutdown": "fnaccel.runtime",
+    "set_seed": "fnaccel.seeding",
+    "synchronize_rng_states": "fnaccel.seeding",
+    "with_rng": "fnaccel.seeding",
+    "DataPosition": "fnaccel.state",
+    "RunState": "fnaccel.state",
+    "progress": "fnaccel.tracking.progress",
+    "end_training": "fnaccel.tracking.run",
+    "get_tracker": "fnaccel.tracking.run",
     "init_trackers": "fnaccel.tracking.run",
     "log": "fnaccel.tracking.run",
-    "get_tracker": "fnaccel.tracking.run",
-    "end_training": "fnaccel.tracking.run",
-    "progress": "fnaccel.tracking.progress",
-    "evaluate": "fnaccel.evaluation",
-    "eval_batches": "fnaccel.data.evaluation",
+    "apply_gradients": "fnaccel.train",
+    "backward": "fnaccel.train",
+    "prepare": "fnaccel.train",
+    "step": "fnaccel.train",
+    "Pipeline": "fnaccel.transforms",
+    "Transform": "fnaccel.transforms",
+    "accumulate": "fnaccel.transforms",
+    "autocast": "fnaccel.transforms",
+    "bf16": "fnaccel.transforms",
+    "broadcast": "fnaccel.transforms",
+    "broadcast_object_list": "fnaccel.transforms",
+    "clip_grad_norm": "fnaccel.transforms",
+    "clip_grad_value": "fnaccel.transforms",
+    "compile": "fnaccel.transforms",
+    "compose": "fnaccel.transforms",
+    "ddp": "fnaccel.transforms",
+    "fp16": "fnaccel.transforms",
+    "fp32": "fnaccel.transforms",
+    "fsdp": "fnaccel.transforms",
+    "gather": "fnaccel.transforms",
+    "gather_for_metrics": "fnaccel.transforms",
+    "gather_object": "fnaccel.transforms",
+    "grad_scaler": "fnaccel.transforms",
+    "pad_across_processes": "fnaccel.transforms",
+    "profile": "fnaccel.transforms",
+    "reduce": "fnaccel.transforms",
+    "utils": "fnaccel.utils",
 })
-
 
 __getattr__, __dir__ = lazy_attributes("fnaccel", _LAZY, globals())
 

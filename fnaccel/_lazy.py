@@ -13,14 +13,16 @@ def lazy_attributes(
     module: str, table: Mapping[str, str], namespace: MutableMapping[str, Any]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """A module's ``__getattr__`` and ``__dir__`` for the names in ``table``
-    (name -> the module defining it). A name loaded once becomes a plain attribute
-    of ``namespace`` (the module's ``globals()``)."""
+    (name -> the module defining it, or the submodule itself when it is
+    ``<module>.<name>``). A name loaded once becomes a plain attribute of
+    ``namespace`` (the module's ``globals()``)."""
 
     def __getattr__(name: str) -> Any:
         source = table.get(name)
         if source is None:
             raise AttributeError(f"module '{module}' has no attribute {name!r}")
-        value = getattr(importlib.import_module(source), name)
+        loaded = importlib.import_module(source)
+        value = loaded if source == f"{module}.{name}" else getattr(loaded, name)  # a submodule
         namespace[name] = value
         return value
 

@@ -105,7 +105,7 @@ _TYPES: Mapping[str, tuple[type, ...]] = MappingProxyType({
 
 
 def _choices() -> Mapping[str, tuple[str, ...]]:
-    from fnaccel.utils.constants import ComputeEnvironment, DistributedType
+    from fnaccel.constants import ComputeEnvironment, DistributedType
 
     return MappingProxyType({
         "compute_environment": tuple(e.value for e in ComputeEnvironment),
@@ -209,8 +209,8 @@ def with_launch_env(config: LaunchConfig, environ: Mapping[str, str]) -> LaunchC
     ``FNACCEL_FSDP_*`` / ``FNACCEL_DYNAMO_*`` keys."""
     from dataclasses import replace
 
-    from fnaccel.utils.environment import str_to_bool
-    from fnaccel.utils.plugins import section_from_env
+    from fnaccel.environment import str_to_bool
+    from fnaccel.plugins import section_from_env
 
     changes: dict[str, Any] = {}
     if kind := environ.get("FNACCEL_DISTRIBUTED_TYPE"):

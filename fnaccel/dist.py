@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fnaccel.utils.constants import DistributedType
+from fnaccel.constants import DistributedType
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

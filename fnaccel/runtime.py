@@ -22,9 +22,9 @@ from fnaccel.config import LaunchConfig, resolve_config
 from fnaccel.dist import DistContext
 from fnaccel.rng import RNGState
 from fnaccel.state import RunState
-from fnaccel.utils.constants import DistributedType, PrecisionType
-from fnaccel.utils.environment import parse_flag_from_env
-from fnaccel.utils.kwargs import InitProcessGroupKwargs, KwargsHandler
+from fnaccel.constants import DistributedType, PrecisionType
+from fnaccel.environment import parse_flag_from_env
+from fnaccel.kwargs import InitProcessGroupKwargs, KwargsHandler
 
 __all__ = ["init", "shutdown"]
 

@@ -16,7 +16,7 @@ import torch
 
 from fnaccel.ops.collectives import broadcast_object_list
 from fnaccel.rng import RNGState, installed
-from fnaccel.utils.constants import RNGType
+from fnaccel.constants import RNGType
 
 if TYPE_CHECKING:
     from fnaccel.state import RunState

@@ -25,12 +25,11 @@ from fnaccel.checkpoint.queue import SaveQueue
 from fnaccel.config import LaunchConfig
 from fnaccel.rng import STEP_KINDS, RNGState
 from fnaccel.dist import DistContext
-from fnaccel.utils.constants import PrecisionType
+from fnaccel.protocols import PipelineLike, StepPlanLike
+from fnaccel.constants import PrecisionType
 
 if TYPE_CHECKING:
     from fnaccel.tracking.trackers import GeneralTracker
-    from fnaccel.train import StepPlan
-    from fnaccel.transforms.base import Pipeline
 
 __all__ = ["DataPosition", "RunState"]
 
@@ -127,9 +126,9 @@ class RunState:
     optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
     scheduler: Any = field(default=None, repr=False)
     loader: Any = field(default=None, repr=False)
-    pipeline: Pipeline | None = None
+    pipeline: PipelineLike | None = None
     loss_fn: Callable[[Any, Any], Any] | None = field(default=None, repr=False)
-    plan: StepPlan | None = field(default=None, repr=False)
+    plan: StepPlanLike | None = field(default=None, repr=False)
     extras: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
     saves: SaveQueue = field(default_factory=SaveQueue, repr=False, compare=False)
     transform_states: Mapping[str, Any] = field(

@@ -34,7 +34,7 @@ from fnaccel.state import RunState
 from fnaccel.transforms.base import Pipeline, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.precision import autocast, grad_scaler, precision_dtype
-from fnaccel.utils.constants import PrecisionType
+from fnaccel.constants import PrecisionType
 
 __all__ = ["StepPlan", "apply_gradients", "backward", "prepare", "step"]
 
@@ -67,7 +67,7 @@ def default_pipeline(state: RunState) -> Pipeline:
     (with its kwargs handlers), `ddp()` when the world is larger than one (or
     `fsdp()` from the config's FSDP section), and `compile()` when the config
     names a dynamo backend."""
-    from fnaccel.utils.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+    from fnaccel.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
     handlers = state.kwargs_handlers
     parts = []
@@ -215,7 +215,9 @@ def prepare(
     state.check_fresh(by)
     ctx = state.dist
     if pipeline is None:
-        pipeline = state.pipeline if state.pipeline is not None else default_pipeline(state)
+        held = state.pipeline
+        assert held is None or isinstance(held, Pipeline), "a state's pipeline comes from fa.prepare"
+        pipeline = held if held is not None else default_pipeline(state)
     elif state.pipeline is None:
         _warn_if_launch_ignored(pipeline, state)
     if state.pipeline is not None and state.model is not None and pipeline != state.pipeline:
@@ -326,7 +328,9 @@ def _require(state: RunState, action: str) -> tuple[nn.Module, torch.optim.Optim
     state.check_fresh(action)
     if state.model is None or state.optimizer is None or state.plan is None:
         raise ValueError(f"{action}: prepare a model and an optimizer first (fa.prepare)")
-    return state.model, state.optimizer, state.plan
+    plan = state.plan
+    assert isinstance(plan, StepPlan), "a state's plan comes from fa.prepare"
+    return state.model, state.optimizer, plan
 
 
 def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fnaccel.utils.kwargs import KwargsHandler
+from fnaccel.kwargs import KwargsHandler
 
 __all__ = ["ProjectConfiguration", "next_checkpoint", "project_of", "rotate"]
 

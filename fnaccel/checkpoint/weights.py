@@ -46,7 +46,7 @@ from fnaccel.checkpoint.files import fsync_dir, write_bytes
 from fnaccel.checkpoint.tied import retie, untie
 from fnaccel.ops.collectives import broadcast_object_list
 from fnaccel.transforms.parallel import unwrap_model
-from fnaccel.utils.constants import SAFE_MODEL_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from fnaccel.constants import SAFE_MODEL_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 if TYPE_CHECKING:
     from fnaccel.state import RunState

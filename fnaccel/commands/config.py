@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 from fnaccel.commands.main import CommandError
-from fnaccel.utils.environment import str_to_bool
+from fnaccel.environment import str_to_bool
 from fnaccel.config import (
     basic_config,
     config_from_mapping,

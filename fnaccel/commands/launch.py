@@ -23,7 +23,7 @@ from fnaccel._errors import ConfigError
 from fnaccel.commands.launch_flags import DYNAMO_FLAGS, FSDP_FLAGS, add_launch_arguments, refused_flags
 from fnaccel.commands.main import CommandError
 from fnaccel.config import CONFIG_FILE_ENV, LaunchConfig, default_config_file, load_config
-from fnaccel.utils.environment import patch_environment as _patched_environment
+from fnaccel.environment import patch_environment as _patched_environment
 
 __all__ = ["launch_environment", "register", "run", "run_launch", "torchrun_arguments"]
 
@@ -98,7 +98,7 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
 
 
 def _check_plugins(config: LaunchConfig) -> None:
-    from fnaccel.utils.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+    from fnaccel.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
     where = config.source or "the command line"
     if config.distributed_type == "FSDP":
@@ -158,7 +158,7 @@ def torchrun_arguments(args: argparse.Namespace, config: LaunchConfig) -> list[s
 
 def launch_environment(args: argparse.Namespace, config: LaunchConfig) -> dict[str, str]:
     """The variables every process gets: what `fa.init` reads, plus thread and GPU settings."""
-    from fnaccel.utils.plugins import plugin_env
+    from fnaccel.plugins import plugin_env
 
     env = {"FNACCEL_MIXED_PRECISION": config.mixed_precision,
            "FNACCEL_DISTRIBUTED_TYPE": config.distributed_type,

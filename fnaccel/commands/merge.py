@@ -207,7 +207,7 @@ def _not_a_checkpoint(source: Path) -> CheckpointError:
 def _merge(checkpoint_dir: str | Path, output_path: str | Path, remove_checkpoint_dir: bool) -> _Merged:
     from fnaccel.checkpoint.weights import _write_weights
     from fnaccel.checkpoint.writer import MANIFEST
-    from fnaccel.utils.constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+    from fnaccel.constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
     # resolved: '..' and symlinks must not hide that the output lies inside the source
     source, output = Path(checkpoint_dir).resolve(), Path(output_path).resolve()

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
 from fnaccel.checkpoint.project import ProjectConfiguration
-from fnaccel.utils.constants import PrecisionType
+from fnaccel.constants import PrecisionType
 
 __all__ = [
     "CHECKS",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fnaccel.utils.kwargs import KwargsHandler, _check, _is_int, _require
+from fnaccel.kwargs import KwargsHandler, check_value, is_int, require
 
 __all__ = ["DataLoaderConfiguration"]
 
@@ -55,10 +55,10 @@ class DataLoaderConfiguration(KwargsHandler):
     shard: bool | None = None
 
     def _validate(self) -> None:
-        _require(
+        require(
             self.dispatch_batches is not True,
             "dispatch_batches=True is not supported: fnaccel has no dispatching loader, every "
             "rank reads its own shard of the data. Leave dispatch_batches=None (or False).",
         )
-        _check("data_seed", self.data_seed, self.data_seed is None or _is_int(self.data_seed),
+        check_value("data_seed", self.data_seed, self.data_seed is None or is_int(self.data_seed),
                "an int or None", "e.g. data_seed=42, or None to use the run's seed")

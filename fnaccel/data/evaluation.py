@@ -86,7 +86,8 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int
     if isinstance(loader.dataset, IterableDataset):
         stream = shard_iterable(loader.dataset, batch_size=plan.batch_size, num_processes=ctx.num_processes,
                                 rank=ctx.rank, drop_last=False, even_batches=True)
-        steps = DataLoader(stream, batch_size=None, collate_fn=_CollateSteps(collate), **_reader(loader))
+        steps = DataLoader(stream, batch_size=None, collate_fn=_CollateSteps(collate),  # type: ignore[arg-type]
+                           **_reader(loader))
         return ((send_to_device(c.batch, ctx.device), c.num_valid) for c in steps if isinstance(c, Collated))
     num_samples = len(loader.dataset)  # type: ignore[arg-type]
     if num_samples == 0:

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Sampler
 
 from fnaccel.data.sharding import num_steps, shard_batch
-from fnaccel.utils.kwargs import _is_int
+from fnaccel.kwargs import is_int
 
 __all__ = ["ShardedBatchSampler", "epoch_order"]
 
@@ -99,7 +99,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         _check_int("batch_size", batch_size, 1)
         _check_int("num_processes", num_processes, 1)
         _check_int("seed", seed)
-        if not _is_int(rank) or not 0 <= rank < num_processes:
+        if not is_int(rank) or not 0 <= rank < num_processes:
             raise ValueError(f"ShardedBatchSampler: rank={rank!r} is not a rank of {num_processes} processes")
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("even_batches", even_batches),
                            ("split_batches", split_batches)):

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from fnaccel._errors import CheckpointError
-from fnaccel.utils.constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from fnaccel.constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 __all__ = [
     "PICKLE_SUFFIXES",

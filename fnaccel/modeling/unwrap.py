@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from fnaccel.transforms.parallel import unwrap_model
-from fnaccel.transforms.precision import _AutocastForward
+from fnaccel.transforms.precision import AutocastForward
 
 __all__ = ["extract_model_from_parallel"]
 
@@ -56,9 +56,9 @@ def _strip_children(module: nn.Module, keep_torch_compile: bool) -> None:
 def _remove_autocast(module: nn.Module) -> None:
     """Give ``module`` back the ``forward`` it had before `fa.autocast` wrapped it."""
     forward = module.__dict__.get("forward")
-    if not isinstance(forward, _AutocastForward):
+    if not isinstance(forward, AutocastForward):
         return
-    while isinstance(forward, _AutocastForward):
+    while isinstance(forward, AutocastForward):
         forward = forward.forward
     own = getattr(forward, "__self__", None) is module and (
         getattr(forward, "__func__", None) is getattr(type(module), "forward", None)

@@ -14,7 +14,7 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 import torch
 
-from fnaccel.utils.constants import LoggerType
+from fnaccel.constants import LoggerType
 
 __all__ = ["GeneralTracker", "JSONLTracker", "TensorBoardTracker", "resolve_trackers"]
 

@@ -9,12 +9,12 @@ import torch
 
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
-from fnaccel.utils.constants import DynamoBackend
+from fnaccel.constants import DynamoBackend
 
 __all__ = ["compile"]
 
 COMPILE_PHASE = 160
-_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def compile(  # noqa: A001 - Accelerate's and torch's name for it
@@ -37,8 +37,8 @@ def compile(  # noqa: A001 - Accelerate's and torch's name for it
             f"compile: unknown backend {backend!r}; torch has "
             f"{', '.join(sorted(torch._dynamo.list_backends()))}"
         )
-    if mode not in _MODES:
-        raise ValueError(f"compile: unknown mode {mode!r}; use one of {_MODES[1:]}")
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile: unknown mode {mode!r}; use one of {COMPILE_MODES[1:]}")
 
     def prepare_model(ctx: DistContext, model: Any, state: Any) -> Any:
         return torch.compile(model, backend=name, mode=mode, fullgraph=fullgraph, dynamic=dynamic)

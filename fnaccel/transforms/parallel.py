@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
-from fnaccel.utils.kwargs import DistributedDataParallelKwargs
+from fnaccel.kwargs import DistributedDataParallelKwargs
 
 __all__ = ["ddp", "fsdp", "unwrap_compiled", "unwrap_model"]
 
@@ -151,7 +151,7 @@ def fsdp(
         raise ValueError(f"fsdp: min_num_params must be positive, got {min_num_params}")
 
     def prepare_model(ctx: DistContext, model: nn.Module, state: Any) -> nn.Module:
-        from fnaccel.transforms.precision import _AutocastForward
+        from fnaccel.transforms.precision import AutocastForward
 
         if ctx.num_processes == 1:
             return model
@@ -162,7 +162,7 @@ def fsdp(
             )
         inner_policy = root_policy = MixedPrecisionPolicy()
         forward = model.__dict__.get("forward")
-        if isinstance(forward, _AutocastForward):  # autocast folds into FSDP2's policy
+        if isinstance(forward, AutocastForward):  # autocast folds into FSDP2's policy
             del model.forward
             inner_policy = MixedPrecisionPolicy(param_dtype=forward.dtype, reduce_dtype=torch.float32)
             # only the model's own outputs come back in fp32, as autocast's would

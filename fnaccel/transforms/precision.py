@@ -23,8 +23,8 @@ import torch
 from fnaccel.dist import DistContext
 from fnaccel.ops.tree import convert_to_fp32
 from fnaccel.transforms.base import Transform, options
-from fnaccel.utils.constants import PrecisionType
-from fnaccel.utils.kwargs import GradScalerKwargs
+from fnaccel.constants import PrecisionType
+from fnaccel.kwargs import GradScalerKwargs
 
 __all__ = ["autocast", "bf16", "fp16", "fp32", "grad_scaler", "precision_dtype"]
 
@@ -55,7 +55,7 @@ def precision_dtype(precision: torch.dtype | str | PrecisionType) -> torch.dtype
     return _BY_NAME[name]
 
 
-class _AutocastForward:
+class AutocastForward:
     """``forward`` run under ``torch.autocast``, outputs cast to fp32 (picklable)."""
 
     def __init__(self, forward: Any, device_type: str, dtype: torch.dtype,
@@ -86,7 +86,7 @@ def autocast(dtype: torch.dtype | str, cache_enabled: bool | None = None) -> Tra
     def prepare_model(ctx: DistContext, model: Any, state: Any) -> Any:
         if resolved is fp32:
             return model
-        model.forward = _AutocastForward(model.forward, ctx.device.type, resolved, cache_enabled)
+        model.forward = AutocastForward(model.forward, ctx.device.type, resolved, cache_enabled)
         return model
 
     opts = options(dtype=resolved) + (
@@ -123,7 +123,9 @@ def grad_scaler(**kwargs: Any) -> Transform:
         flags = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
         skipped = torch.stack(flags).sum() > 0 if flags else torch.tensor(False)
         scaler.update()
-        return {"skipped": skipped, "scale": scaler._scale.detach().clone()}  # no host sync
+        scale = scaler._scale  # the scale tensor itself: get_scale() would sync with the host
+        assert scale is not None, "the scaler scaled this step's loss"
+        return {"skipped": skipped, "scale": scale.detach().clone()}
 
     return Transform(
         name="grad_scaler",

@@ -1,13 +1,13 @@
 """Accelerate's utilities under Accelerate's names, adapted to take the run's state.
 
-Leaf modules first: `fnaccel.dist` imports `fnaccel.utils.constants`, so the
-modules re-exported at the bottom (which import `fnaccel.dist`) must come after.
+A facade: it defines nothing and nothing inside fnaccel imports it (see the
+layers in fnaccel/README.md); every name comes from the module that owns it.
 """
 
 from types import MappingProxyType
 
 from fnaccel._lazy import lazy_attributes
-from fnaccel.utils.constants import (
+from fnaccel.constants import (
     MODEL_NAME,
     OPTIMIZER_NAME,
     PROFILE_PATTERN_NAME,
@@ -29,7 +29,7 @@ from fnaccel.utils.constants import (
     RNGType,
     SageMakerDistributedType,
 )
-from fnaccel.utils.environment import (
+from fnaccel.environment import (
     clear_environment,
     is_bf16_available,
     is_bitsandbytes_available,
@@ -52,7 +52,7 @@ from fnaccel.utils.environment import (
     patch_environment,
     str_to_bool,
 )
-from fnaccel.utils.kwargs import (
+from fnaccel.kwargs import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     FP8RecipeKwargs,
@@ -99,8 +99,8 @@ from fnaccel.config import write_basic_config
 # to every `import fnaccel`.
 _LAZY = MappingProxyType({
     **dict.fromkeys(("FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "TorchDynamoPlugin"),
-                    "fnaccel.utils.plugins"),
-    **dict.fromkeys(("DeepSpeedPlugin", "MegatronLMPlugin"), "fnaccel.utils.engines"),
+                    "fnaccel.plugins"),
+    **dict.fromkeys(("DeepSpeedPlugin", "MegatronLMPlugin"), "fnaccel.engines"),
     "save": "fnaccel.checkpoint.single",
     "register_for_checkpointing": "fnaccel.checkpoint.extras",
     **dict.fromkeys(("save_model", "shard_checkpoint"), "fnaccel.checkpoint.weights"),

@@ -9,7 +9,7 @@ import pytest
 
 import fnaccel as fa
 from fnaccel.data.config import DataLoaderConfiguration
-from fnaccel.utils.kwargs import KwargsHandler
+from fnaccel.kwargs import KwargsHandler
 
 
 def test_fields_and_defaults_follow_accelerate() -> None:

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from fnaccel.utils import constants as c
-from fnaccel.utils.constants import (
+from fnaccel.constants import (
     ComputeEnvironment,
     DDPCommunicationHookType,
     DistributedType,

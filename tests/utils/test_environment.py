@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fnaccel.utils import environment as env
-from fnaccel.utils.environment import (
+from fnaccel.environment import (
     clear_environment,
     is_bf16_available,
     is_bitsandbytes_available,

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fnaccel.utils.constants import DDPCommunicationHookType
-from fnaccel.utils.kwargs import (
+from fnaccel.constants import DDPCommunicationHookType
+from fnaccel.kwargs import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     FP8RecipeKwargs,

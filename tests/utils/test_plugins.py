@@ -10,7 +10,7 @@ import pytest
 import fnaccel as fa
 from fnaccel.config import load_config, with_launch_env
 from fnaccel.utils import FullyShardedDataParallelPlugin, TorchDynamoPlugin
-from fnaccel.utils.plugins import plugin_env, section_from_env
+from fnaccel.plugins import plugin_env, section_from_env
 
 # what `accelerate config` writes for FSDP (accelerate 1.x)
 ACCELERATE_FSDP_FILE = """\

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fnaccel.utils.constants import PROFILE_PATTERN_NAME, DDPCommunicationHookType
+from fnaccel.constants import PROFILE_PATTERN_NAME, DDPCommunicationHookType
 
 __all__ = [
     "KwargsHandler", "AutocastKwargs", "DistributedDataParallelKwargs", "GradScalerKwargs",
@@ -36,20 +36,20 @@ _KNOWN_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "ccl", "hccl", "cncl", 
 _SCHEDULE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first", "skip_first_wait")
 
 
-def _require(condition: bool, message: str) -> None:
+def require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
 
 
-def _check(name: str, value: object, ok: bool, expected: str, fix: str = "") -> None:
-    _require(ok, f"{name} must be {expected}, got {value!r}" + (f": {fix}" if fix else ""))
+def check_value(name: str, value: object, ok: bool, expected: str, fix: str = "") -> None:
+    require(ok, f"{name} must be {expected}, got {value!r}" + (f": {fix}" if fix else ""))
 
 
 def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
-    _require(value in choices, f"unknown {name} {value!r}: use one of {', '.join(choices)}")
+    require(value in choices, f"unknown {name} {value!r}: use one of {', '.join(choices)}")
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -69,7 +69,7 @@ class KwargsHandler:
             # Annotations are strings under `from __future__ import annotations`, types otherwise.
             if f.type in ("bool", "bool | None", bool, bool | None):
                 value, optional = getattr(self, f.name), f.type not in ("bool", bool)
-                _check(f.name, value, isinstance(value, bool) or (optional and value is None),
+                check_value(f.name, value, isinstance(value, bool) or (optional and value is None),
                        "True or False" + (" or None" if optional else ""))
         self._validate()
 
@@ -154,26 +154,26 @@ class DistributedDataParallelKwargs(KwargsHandler):
     comm_state_option: Mapping[str, Any] = field(default_factory=dict)
 
     def _validate(self) -> None:
-        _check("dim", self.dim, _is_int(self.dim), "an int")
-        _check("bucket_cap_mb", self.bucket_cap_mb, _is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+        check_value("dim", self.dim, is_int(self.dim), "an int")
+        check_value("bucket_cap_mb", self.bucket_cap_mb, _is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
                "a positive number of megabytes", "pass e.g. bucket_cap_mb=25 (the default)")
         hook, wrapper = _to_hook_type("comm_hook", self.comm_hook), _to_hook_type("comm_wrapper", self.comm_wrapper)
-        _check("comm_wrapper", wrapper.value, wrapper in (_Hook.NO, _Hook.FP16, _Hook.BF16),
+        check_value("comm_wrapper", wrapper.value, wrapper in (_Hook.NO, _Hook.FP16, _Hook.BF16),
                "'no', 'fp16' or 'bf16'", "PowerSGD is a comm_hook, not a wrapper")
-        _require(wrapper is _Hook.NO or hook in _POWER_SGD_HOOKS,
+        require(wrapper is _Hook.NO or hook in _POWER_SGD_HOOKS,
                  f"comm_wrapper={wrapper.value!r} wraps a PowerSGD hook but comm_hook={hook.value!r}: "
                  f"{_USE_POWER_SGD}, or leave comm_wrapper='no'")
-        _check("comm_state_option", self.comm_state_option, isinstance(self.comm_state_option, Mapping), "a dict")
+        check_value("comm_state_option", self.comm_state_option, isinstance(self.comm_state_option, Mapping), "a dict")
         options = dict(self.comm_state_option)
         if options:
-            _require(hook in _POWER_SGD_HOOKS, f"comm_state_option configures PowerSGD but comm_hook={hook.value!r}: "
+            require(hook in _POWER_SGD_HOOKS, f"comm_state_option configures PowerSGD but comm_hook={hook.value!r}: "
                      f"{_USE_POWER_SGD}, or drop comm_state_option")
             from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
             valid = [p for p in inspect.signature(PowerSGDState.__init__).parameters
                      if p not in ("self", "process_group")]
             unknown = sorted(set(options) - set(valid))
-            _require(not unknown, f"unknown comm_state_option keys {unknown}: use among {', '.join(valid)}")
+            require(not unknown, f"unknown comm_state_option keys {unknown}: use among {', '.join(valid)}")
         object.__setattr__(self, "comm_hook", hook)
         object.__setattr__(self, "comm_wrapper", wrapper)
         object.__setattr__(self, "comm_state_option", MappingProxyType(options))
@@ -214,7 +214,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
 
 def _to_hook_type(name: str, value: object) -> DDPCommunicationHookType:
-    _require(isinstance(value, str) and value.lower() in _Hook,
+    require(isinstance(value, str) and value.lower() in _Hook,
              f"unknown {name} {value!r}: use one of {', '.join(_Hook.list())}")
     return _Hook(str(value).lower())
 
@@ -242,11 +242,11 @@ class GradScalerKwargs(KwargsHandler):
 
     def _validate(self) -> None:
         scale, growth, backoff, interval = self.init_scale, self.growth_factor, self.backoff_factor, self.growth_interval
-        _check("init_scale", scale, _is_number(scale) and scale > 0, "a number > 0", "try 65536.0 (the default)")
-        _check("growth_factor", growth, _is_number(growth) and growth > 1, "a number > 1", "try 2.0 (the default)")
-        _check("backoff_factor", backoff, _is_number(backoff) and 0 < backoff < 1,
+        check_value("init_scale", scale, _is_number(scale) and scale > 0, "a number > 0", "try 65536.0 (the default)")
+        check_value("growth_factor", growth, _is_number(growth) and growth > 1, "a number > 1", "try 2.0 (the default)")
+        check_value("backoff_factor", backoff, _is_number(backoff) and 0 < backoff < 1,
                "a number strictly between 0 and 1", "try 0.5 (the default)")
-        _check("growth_interval", interval, _is_int(interval) and interval >= 1, "an int >= 1",
+        check_value("growth_interval", interval, is_int(interval) and interval >= 1, "an int >= 1",
                "try 2000 (the default)")
 
 
@@ -275,18 +275,18 @@ class InitProcessGroupKwargs(KwargsHandler):
     def _validate(self) -> None:
         known = sorted(set(_KNOWN_BACKENDS) | _registered_backends())
         hint = f"use one of {', '.join(known)}, or a mapping such as 'cpu:gloo,cuda:nccl'"
-        _check("backend", self.backend, isinstance(self.backend, str), "a string", hint)
+        check_value("backend", self.backend, isinstance(self.backend, str), "a string", hint)
         if ":" in self.backend:
             for pair in self.backend.split(","):
                 device, _, name = pair.partition(":")
-                _require(bool(device.strip()) and name.strip() in known,
+                require(bool(device.strip()) and name.strip() in known,
                          f"bad entry {pair!r} in backend {self.backend!r}: write 'device:backend' pairs, {hint}")
         else:
             _check_choice("backend", self.backend, known)
         method, timeout = self.init_method, self.timeout
-        _check("init_method", method, method is None or (isinstance(method, str) and "://" in method),
+        check_value("init_method", method, method is None or (isinstance(method, str) and "://" in method),
                "a URL such as 'env://' or 'tcp://10.0.0.1:29500'")
-        _check("timeout", timeout,
+        check_value("timeout", timeout,
                timeout is None or (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0),
                "a positive datetime.timedelta", "pass e.g. timeout=timedelta(minutes=30)")
 
@@ -334,17 +334,17 @@ class FP8RecipeKwargs(KwargsHandler):
                               ("opt_level", ("O1", "O2"))):
             value = getattr(self, name)
             if value is not None:
-                _check(name, value, isinstance(value, str), "a string")
+                check_value(name, value, isinstance(value, str), "a string")
                 _check_choice(f"fp8 {name}", value.upper(), choices)
                 object.__setattr__(self, name, value.upper())
         if self.amax_compute_algo is not None:
             _check_choice("fp8 amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
         for name, minimum in (("margin", 0), ("interval", 1), ("amax_history_len", 1)):
             value = getattr(self, name)
-            _check(name, value, value is None or (_is_int(value) and value >= minimum), f"an int >= {minimum} or None")
+            check_value(name, value, value is None or (is_int(value) and value >= minimum), f"an int >= {minimum} or None")
         precision = self.override_linear_precision
         if precision is not None:
-            _check("override_linear_precision", precision, isinstance(precision, Sequence) and len(precision) == 3
+            check_value("override_linear_precision", precision, isinstance(precision, Sequence) and len(precision) == 3
                    and all(isinstance(p, bool) for p in precision), "three bools (fprop, dgrad, wgrad)")
             object.__setattr__(self, "override_linear_precision", tuple(precision))
 
@@ -389,28 +389,28 @@ class ProfileKwargs(KwargsHandler):
     def _validate(self) -> None:
         if self.activities is not None:
             known = list(_profiler_activities())
-            _check("activities", self.activities, isinstance(self.activities, Sequence)
+            check_value("activities", self.activities, isinstance(self.activities, Sequence)
                    and not isinstance(self.activities, str), "a list of names", "e.g. ['cpu', 'cuda']")
             names = tuple(str(a).lower() for a in self.activities)
             unknown = [a for a in names if a not in known]
-            _require(not unknown, f"unknown profiler activities {unknown}: use among {', '.join(known)}")
+            require(not unknown, f"unknown profiler activities {unknown}: use among {', '.join(known)}")
             object.__setattr__(self, "activities", names)
         if self.schedule_option is not None:
-            _check("schedule_option", self.schedule_option, isinstance(self.schedule_option, Mapping), "a dict")
+            check_value("schedule_option", self.schedule_option, isinstance(self.schedule_option, Mapping), "a dict")
             options = dict(self.schedule_option)
             unknown = sorted(set(options) - set(_SCHEDULE_KEYS))
-            _require(not unknown, f"unknown schedule_option keys {unknown}: use among {', '.join(_SCHEDULE_KEYS)}")
+            require(not unknown, f"unknown schedule_option keys {unknown}: use among {', '.join(_SCHEDULE_KEYS)}")
             missing = [k for k in ("wait", "warmup", "active") if k not in options]
-            _require(not missing, f"schedule_option lacks {missing}: give wait, warmup and active")
-            bad = {k: v for k, v in options.items() if not (_is_int(v) and v >= 0)}
-            _require(not bad, f"schedule_option values must be ints >= 0, got {bad}")
-            _require(options["active"] >= 1, "schedule_option active must be >= 1: profile at least one step")
+            require(not missing, f"schedule_option lacks {missing}: give wait, warmup and active")
+            bad = {k: v for k, v in options.items() if not (is_int(v) and v >= 0)}
+            require(not bad, f"schedule_option values must be ints >= 0, got {bad}")
+            require(options["active"] >= 1, "schedule_option active must be >= 1: profile at least one step")
             object.__setattr__(self, "schedule_option", MappingProxyType(options))
-        _check("on_trace_ready", self.on_trace_ready, self.on_trace_ready is None or callable(self.on_trace_ready),
+        check_value("on_trace_ready", self.on_trace_ready, self.on_trace_ready is None or callable(self.on_trace_ready),
                "callable")
         out = self.output_trace_dir
         if out is not None:
-            _check("output_trace_dir", out, isinstance(out, (str, os.PathLike)) and os.fspath(out) != "",
+            check_value("output_trace_dir", out, isinstance(out, (str, os.PathLike)) and os.fspath(out) != "",
                    "a directory path")
             object.__setattr__(self, "output_trace_dir", os.fspath(out))
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fnaccel._errors import ConfigError
-from fnaccel.utils.plugins import _require_bools
+from fnaccel.plugins import require_bools
 
 __all__ = ["DeepSpeedPlugin", "MegatronLMPlugin"]
 
@@ -77,7 +77,7 @@ class DeepSpeedPlugin:
             raise ConfigError(f"{owner}: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         _positive(owner, "gradient_accumulation_steps", self.gradient_accumulation_steps)
         _number(owner, "gradient_clipping", self.gradient_clipping)
-        _require_bools(self, ("is_train_batch_min", "zero3_init_flag", "zero3_save_16bit_model"), ())
+        require_bools(self, ("is_train_batch_min", "zero3_init_flag", "zero3_save_16bit_model"), ())
         for kind in ("optimizer", "param"):
             device = getattr(self, f"offload_{kind}_device")
             if device is not None and device not in _OFFLOAD_DEVICES:
@@ -155,7 +155,7 @@ class MegatronLMPlugin:
             _positive(owner, name, getattr(self, name), zero=True)
         for name in ("gradient_clipping", "start_weight_decay", "end_weight_decay", "min_lr", "lr_mult"):
             _number(owner, name, getattr(self, name))
-        _require_bools(self, ("sequence_parallelism", "recompute_activations", "use_distributed_optimizer",
+        require_bools(self, ("sequence_parallelism", "recompute_activations", "use_distributed_optimizer",
                               "is_train_batch_min", "megatron_dataset_flag", "set_all_logging_options",
                               "return_logits"), ())
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:

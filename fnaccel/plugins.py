@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fnaccel._errors import ConfigError
-from fnaccel.utils.environment import str_to_bool
+from fnaccel.environment import str_to_bool
 
 __all__ = [
     "FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "TorchDynamoPlugin",
@@ -76,7 +76,7 @@ def _choice(value: Any, key: str, source: str, choices: tuple[str, ...]) -> str:
     return text
 
 
-def _require_bools(record: Any, optional: tuple[str, ...], required: tuple[str, ...]) -> None:
+def require_bools(record: Any, optional: tuple[str, ...], required: tuple[str, ...]) -> None:
     """A record's yes/no fields hold real bools (None allowed for ``optional``): a
     string such as "false" would otherwise read as true."""
     for name in (*optional, *required):
@@ -174,7 +174,7 @@ class FullyShardedDataParallelPlugin:
         return _built(cls, values, source)
 
     def __post_init__(self) -> None:
-        _require_bools(self, ("reshard_after_forward",), ("cpu_offload", "forward_prefetch",
+        require_bools(self, ("reshard_after_forward",), ("cpu_offload", "forward_prefetch",
                        "use_orig_params", "sync_module_states", "cpu_ram_efficient_loading",
                        "activation_checkpointing"))
         self.check(type(self).__name__)
@@ -265,8 +265,8 @@ class TorchDynamoPlugin:
             ConfigError: an unknown key, a wrongly typed value, an unknown
                 backend or mode; the message names the key.
         """
-        from fnaccel.transforms.compile import _MODES
-        from fnaccel.utils.constants import DynamoBackend
+        from fnaccel.transforms.compile import COMPILE_MODES
+        from fnaccel.constants import DynamoBackend
 
         values: dict[str, Any] = {}
         for key, raw in section.items():
@@ -274,9 +274,9 @@ class TorchDynamoPlugin:
             if name == "backend":
                 values[name] = _choice(raw, key, source, tuple(b.value for b in DynamoBackend))
             elif name == "mode":
-                if raw not in _MODES:
+                if raw not in COMPILE_MODES:
                     raise ConfigError(f"{source}: key '{key}' must be one of "
-                                      f"{', '.join(str(m) for m in _MODES[1:])}, got {raw!r}")
+                                      f"{', '.join(str(m) for m in COMPILE_MODES[1:])}, got {raw!r}")
                 values[name] = raw
             elif name in ("use_fullgraph", "use_dynamic", "use_regional_compilation"):
                 field_name = {"use_fullgraph": "fullgraph", "use_dynamic": "dynamic"}.get(name, name)
@@ -289,14 +289,14 @@ class TorchDynamoPlugin:
         return _built(cls, values, source)
 
     def __post_init__(self) -> None:
-        from fnaccel.utils.constants import DynamoBackend
+        from fnaccel.constants import DynamoBackend
 
-        from fnaccel.transforms.compile import _MODES
+        from fnaccel.transforms.compile import COMPILE_MODES
 
         source = type(self).__name__
-        _require_bools(self, ("dynamic",), ("fullgraph", "disable", "use_regional_compilation"))
-        if self.mode not in _MODES:
-            raise _refuse("mode", source, f"must be one of {', '.join(str(m) for m in _MODES[1:])}, "
+        require_bools(self, ("dynamic",), ("fullgraph", "disable", "use_regional_compilation"))
+        if self.mode not in COMPILE_MODES:
+            raise _refuse("mode", source, f"must be one of {', '.join(str(m) for m in COMPILE_MODES[1:])}, "
                           f"got {self.mode!r}")
         if str(self.backend).upper() not in tuple(b.value for b in DynamoBackend):
             raise _refuse("dynamo_backend", source, f"unknown backend {self.backend!r}")
@@ -346,7 +346,7 @@ class GradientAccumulationPlugin:
 
     def __post_init__(self) -> None:
         source = type(self).__name__
-        _require_bools(self, (), ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"))
+        require_bools(self, (), ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"))
         if self.num_steps is None or isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) \
                 or self.num_steps < 1:
             raise _refuse("num_steps", source, f"must be a positive int, got {self.num_steps!r}")
