@@ -10,8 +10,9 @@ process or under a launcher:
 `fa.init` reads the launch environment; `fa.prepare` wraps the model for the
 world it finds (DDP over gloo here) and shards the shuffling loader across the
 ranks; `fa.step` runs forward, backward, clipping, the optimizer and the
-scheduler; dropout draws from the run's own generators. Evaluation counts
-every test sample exactly once with `fa.ops.gather_for_metrics`. Each epoch's
+scheduler; dropout draws from the run's own generators. `fa.evaluate` splits
+the test set across the ranks and gathers every sample's prediction exactly
+once, in order, without touching the run's state. Each epoch's
 metrics go to ``<output's directory>/classifier/metrics.jsonl`` (one JSON
 object per line, written by the main process), and a progress display follows
 the epochs on stderr.
@@ -29,7 +30,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
-from fnaccel.data.sharding import eval_shards
 
 
 def spirals(num_samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,21 +56,11 @@ def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
 
 
-@torch.no_grad()
-def accuracy(state: fa.RunState, test_x: torch.Tensor, test_y: torch.Tensor) -> float:
+def accuracy(state: fa.RunState, test: DataLoader[tuple[torch.Tensor, ...]]) -> float:
     """Every test sample counted once, whatever the number of processes."""
-    ctx, model = state.dist, state.model
-    assert model is not None
-    model.eval()
-    hits = []
-    for shard in eval_shards(len(test_x), 128, ctx.num_processes, ctx.rank):
-        idx = torch.tensor(shard.indices)
-        correct = model(test_x[idx].to(ctx.device)).argmax(1) == test_y[idx].to(ctx.device)
-        hits.append(fa.ops.gather_for_metrics(state, correct, num_valid=shard.num_valid))
-    model.train()
-    everyone = torch.cat(hits)
-    assert len(everyone) == len(test_x)
-    return everyone.float().mean().item()
+    hits = fa.evaluate(state, test, lambda model, batch: model(batch[0]).argmax(1) == batch[1])
+    assert len(hits) == len(test.dataset)  # type: ignore[arg-type]
+    return hits.float().mean().item()
 
 
 def main() -> None:
@@ -85,6 +75,7 @@ def main() -> None:
     train_x, train_y = spirals(3000, seed=1)
     test_x, test_y = spirals(1000, seed=2)
     loader = DataLoader(TensorDataset(train_x, train_y), batch_size=args.batch_size, shuffle=True)
+    test = DataLoader(TensorDataset(test_x, test_y), batch_size=128)
 
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
     model = make_model()
@@ -95,9 +86,9 @@ def main() -> None:
 
     state = fa.init_trackers(state, "classifier", config=vars(args))
 
-    for epoch in fa.progress(state, range(args.epochs), desc="epochs"):
+    for epoch in fa.progress(state, range(state.epoch, args.epochs), desc="epochs"):
         losses = []
-        for batch in fa.batches(state, epochs=epoch + 1):
+        for batch in fa.batches(state):  # the rest of the current epoch
             state, metrics = fa.step(state, batch)
             losses.append(metrics["loss"])  # device tensors: no sync per step
         # Every rank takes part in the reduction; fa.log reads the tensors once, on the main process.
@@ -108,7 +99,7 @@ def main() -> None:
             "epoch": epoch + 1,
         }
         if epoch % 5 == 4 or epoch == args.epochs - 1:
-            logged["test_accuracy"] = accuracy(state, test_x, test_y)
+            logged["test_accuracy"] = accuracy(state, test)
             fa.print_on_main(
                 state,
                 f"epoch {epoch + 1:3d}  step {state.step:5d}  train loss {logged['train_loss']:.4f}  "

@@ -139,6 +139,9 @@ class StepPlan:
     after_backward: tuple[tuple[Callable[..., Any], Any], ...] = ()
     set_sync: tuple[Callable[..., Any], ...] = ()
     after_step: tuple[tuple[Callable[..., Any], Any], ...] = ()
+    # The parameters this run's backward writes gradients to (its optimizer's), so that
+    # a loss that flows through another run's model leaves nothing on it; None: all.
+    backward_inputs: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
     def of(cls, pipeline: Pipeline, transform_states: Mapping[str, Any]) -> StepPlan:
@@ -255,7 +258,13 @@ def prepare(
         config = state.kwargs_handlers.get("DataLoaderConfiguration")
         changes["loader"] = prepare_loader(loader, ctx, seed=state.seed or 0, config=config)
     changes["transform_states"] = MappingProxyType(transform_states)
-    changes["plan"] = plan = StepPlan.of(pipeline, transform_states)
+    plan = StepPlan.of(pipeline, transform_states)
+    held = changes.get("optimizer", state.optimizer)
+    if held is not None and "fsdp" not in pipeline.names:
+        # FSDP2 computes gradients on unsharded copies of the parameters, not on these
+        plan = dataclasses.replace(plan, backward_inputs=tuple(
+            p for group in held.param_groups for p in group["params"] if p.requires_grad))
+    changes["plan"] = plan
     new = state.advance(by, **changes)
     if new.model is not None:
         plan.set_sync_for(new.model, new.micro_step)
@@ -337,7 +346,7 @@ def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> None:
     scaled = loss / plan.micro_steps if plan.micro_steps > 1 and plan.divide_loss else loss
     for scale_loss, transform_state in plan.scale_loss:
         scaled = scale_loss(scaled, transform_state)
-    scaled.backward()
+    scaled.backward(inputs=plan.backward_inputs)
     for after_backward, transform_state in plan.after_backward:
         after_backward(aux, transform_state)
 
@@ -361,8 +370,9 @@ def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def _start_window(state: RunState, optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:
     """Gradients start from nothing at an accumulation window's first micro-step, so
-    that what another run's backward left on these parameters (a GAN's generator
-    loss flowing into the discriminator) never reaches this run's update."""
+    that what other code's backward left on these parameters never reaches this
+    run's update. (Another fnaccel run's backward writes only its own parameters:
+    `StepPlan.backward_inputs`, so nothing leaks inside a window either.)"""
     if state.micro_step % plan.micro_steps == 0:
         optimizer.zero_grad(set_to_none=True)
 

@@ -1,0 +1,105 @@
+"""Evaluation runs on each rank of a `fnaccel.testing.World` (importable by spawned workers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import fnaccel as fa
+
+SIZES = (1, 2, 7, 10, 203)
+
+
+class Rows(Dataset[dict[str, Any]]):
+    """Sample i: its index, a vector, a label string and a ragged row of i % 3 + 1 values."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"index": i, "x": torch.full((3,), float(i)), "name": f"s{i}"}
+
+
+def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"index": torch.tensor([s["index"] for s in samples]),
+            "x": torch.stack([s["x"] for s in samples]),
+            "names": [s["name"] for s in samples]}
+
+
+class Outputs:
+    """Nested per-sample outputs: tensors, a tuple, Python objects, and a ragged leaf whose
+    second dim changes from batch to batch (the same on every rank within a step, as the
+    documentation asks)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+        self.calls += 1
+        index = batch["index"]
+        return {"index": index, "pair": (model(batch["x"]), index * 2), "names": batch["names"],
+                "ragged": index[:, None].float().expand(-1, self.calls % 3 + 1)}
+
+
+def outputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    return Outputs()(model, batch)
+
+
+def model_and_state(state: fa.RunState) -> fa.RunState:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    return fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      loss_fn=lambda m, b: m(b[0]).pow(2).mean())
+
+
+def check_sizes(state: fa.RunState, batch_size: int) -> dict[int, dict[str, Any]]:
+    """For each dataset size: what came back, summarised for the test."""
+    state = model_and_state(fa.init(seed=0, cpu=True))
+    model = state.model
+    assert model is not None
+    seen = {}
+    for n in SIZES:
+        out = fa.evaluate(state, DataLoader(Rows(n), batch_size=batch_size, collate_fn=collate), Outputs())
+        with torch.no_grad():
+            expected = model.eval()(torch.arange(n, dtype=torch.float32)[:, None].expand(-1, 3))
+        model.train()
+        ragged = out["ragged"]
+        seen[n] = {
+            "index": out["index"].tolist(),
+            "doubled": out["pair"][1].tolist(),
+            "names": out["names"],
+            "outputs_match": torch.allclose(out["pair"][0], expected, atol=1e-6),
+            "ragged_rows": [int(r[0]) for r in ragged] if isinstance(ragged, list) else ragged[:, 0].int().tolist(),
+            "mode_restored": model.training,
+        }
+    fa.shutdown(state)
+    return seen
+
+
+def train_with_and_without_evaluation(state: fa.RunState) -> bool:
+    """Evaluating between steps changes nothing about the run (RNG, position, mode)."""
+    data = TensorDataset(torch.randn(24, 3, generator=torch.Generator().manual_seed(1)))
+    test = DataLoader(Rows(7), batch_size=2, collate_fn=collate)
+    runs = []
+    for evaluate in (False, True):
+        run = model_and_state(fa.init(seed=0, cpu=True))
+        run = fa.prepare(run, loader=DataLoader(data, batch_size=4, shuffle=True))
+        losses = []
+        for batch in fa.batches(run, epochs=2):
+            if evaluate:
+                before = (run.rng, run.data_position, run.micro_step)
+                fa.evaluate(run, test, outputs)
+                assert (run.rng, run.data_position, run.micro_step) == before
+                assert run.model is not None and run.model.training
+            run, metrics = fa.step(run, batch)
+            losses.append(metrics["loss"])
+        runs.append((torch.stack(losses), [p.detach().clone() for p in run.model.parameters()]))  # type: ignore[union-attr]
+        fa.shutdown(run)
+    (a, pa), (b, pb) = runs
+    return torch.equal(a, b) and all(torch.equal(p, q) for p, q in zip(pa, pb))
