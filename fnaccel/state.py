@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from typing_extensions import Self
 
 from fnaccel._errors import StaleStateError
 from fnaccel.checkpoint.queue import SaveQueue
@@ -142,7 +143,7 @@ class RunState:
     trackers: tuple[GeneralTracker, ...] = field(default=(), repr=False)
     _lease: _Lease = field(default_factory=_Lease, repr=False, compare=False)
 
-    def replace(self, **changes: Any) -> RunState:
+    def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` applied, sharing this state's lease.
 
         >>> import fnaccel as fa

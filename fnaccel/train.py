@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -226,10 +225,7 @@ def prepare(
     if state.pipeline is not None and state.model is not None and pipeline != state.pipeline:
         raise ValueError("fa.prepare: this state's model was prepared with another pipeline")
     pipeline = _complete(pipeline, state)
-    transform_states = dict(state.transform_states)
-    for t in pipeline.transforms:
-        if t.init is not None and t.name not in transform_states:
-            transform_states[t.name] = t.init(ctx)
+    transform_states = pipeline.init(ctx, state.transform_states)
 
     changes: dict[str, Any] = {"pipeline": pipeline}
     if model is not None:
@@ -257,7 +253,7 @@ def prepare(
 
         config = state.kwargs_handlers.get("DataLoaderConfiguration")
         changes["loader"] = prepare_loader(loader, ctx, seed=state.seed or 0, config=config)
-    changes["transform_states"] = MappingProxyType(transform_states)
+    changes["transform_states"] = transform_states
     plan = StepPlan.of(pipeline, transform_states)
     held = changes.get("optimizer", state.optimizer)
     if held is not None and "fsdp" not in pipeline.names:
@@ -278,7 +274,8 @@ def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
 
     cast = pipeline.get("autocast")
     dtype = dict(cast.options)["dtype"] if cast is not None else None
-    wanted = {PrecisionType.FP16: torch.float16, PrecisionType.BF16: torch.bfloat16}.get(state.mixed_precision)
+    low = state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16)
+    wanted = precision_dtype(state.mixed_precision) if low else None
     handler = state.kwargs_handlers.get("AutocastKwargs")
     if handler is not None and not handler.enabled:
         wanted = None  # the default pipeline would leave autocast out too

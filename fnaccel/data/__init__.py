@@ -1,11 +1,16 @@
 """The data path: from a user's `DataLoader` to sharded, resumable batches on the device.
 
 - `sharding`: the split of an epoch's order across ranks (`shard_batch`,
-  `eval_shards`), shared by training and evaluation.
-- `sampler`: `ShardedBatchSampler`, the seeded, resumable order of a map-style dataset.
+  `eval_shards`, `per_rank_batch_size`), shared by training and evaluation.
+- `sampler`: `ShardedBatchSampler`, the seeded order of a map-style dataset,
+  positioned in O(1).
 - `iterable`: `IterableShard`, the same split for an `IterableDataset`.
 - `config`: `DataLoaderConfiguration` (re-exported by `fnaccel.utils`).
-- `loader`: `prepare_loader`, the live `PreparedLoader`, and `batches` (`fa.batches`).
+- `loader`: `prepare_loader`, which rebuilds a user's loader as a `PreparedLoader`.
+- `prepared`: the live `PreparedLoader`, a cache behind the state's
+  `DataPosition`, and `batches` (`fa.batches`), which positions it from the state.
+- `evaluation`: `eval_batches` (`fa.eval_batches`), the ordered, padded split
+  that makes `gather_for_metrics` exact.
 
 See docs/data.md.
 """

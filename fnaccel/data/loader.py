@@ -36,6 +36,7 @@ from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.iterable import shard_iterable
 from fnaccel.data.prepared import Collated, LoaderLayout, PreparedLoader
 from fnaccel.data.sampler import ShardedBatchSampler
+from fnaccel.data.sharding import per_rank_batch_size
 from fnaccel.dist import DistContext
 
 
@@ -263,7 +264,7 @@ def prepare_loader(
                                      **snapshots)
         return prepared(built, None, plan.batch_size, False)
 
-    per_rank = _per_rank_batch_size(plan.batch_size, num_processes, config.split_batches)
+    per_rank = per_rank_batch_size(plan.batch_size, num_processes, config.split_batches)
     rank = ctx.rank if num_processes > 1 else 0
     collate = _Collate(loader.collate_fn, unbatched=plan.batch_size is None)
     even_batches = config.even_batches and num_processes > 1  # one process has nobody to be even with
@@ -282,18 +283,3 @@ def prepare_loader(
     built = _stateful_loader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader,
                              snapshot_every_n_steps=2**31 - 1)
     return prepared(built, sampler, per_rank, even_batches)
-
-
-def _per_rank_batch_size(batch_size: int | None, num_processes: int, split_batches: bool) -> int:
-    """Samples per rank per step; a loader without batching reads one item per rank per step."""
-    if not split_batches or num_processes == 1:
-        return batch_size or 1
-    if batch_size is None:
-        raise ValueError("split_batches=True needs a DataLoader with a batch_size to split, got batch_size=None")
-    if batch_size % num_processes:
-        raise ValueError(
-            f"split_batches=True splits each batch of {batch_size} samples across {num_processes} "
-            f"processes, which does not divide evenly: use a batch_size that is a multiple of "
-            f"{num_processes}, or split_batches=False"
-        )
-    return batch_size // num_processes

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from fnaccel.data.sharding import num_steps, shard_batch
+from fnaccel.data.sharding import num_steps, per_rank_batch_size, shard_batch
 from fnaccel.kwargs import is_int
 
 __all__ = ["ShardedBatchSampler", "epoch_order"]
@@ -105,14 +105,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
                            ("split_batches", split_batches)):
             if not isinstance(flag, bool):
                 raise ValueError(f"ShardedBatchSampler: {name} must be True or False, got {flag!r}")
-        if split_batches and batch_size % num_processes:
-            raise ValueError(
-                f"split_batches=True splits each batch of {batch_size} across {num_processes} "
-                f"processes, which does not divide evenly: use a batch_size that is a multiple "
-                f"of {num_processes}, or split_batches=False"
-            )
         self.num_samples = num_samples
-        self.batch_size = batch_size // num_processes if split_batches else batch_size
+        self.batch_size = per_rank_batch_size(batch_size, num_processes, split_batches)
         self.num_processes = num_processes
         self.rank = rank
         self.seed = seed

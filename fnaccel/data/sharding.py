@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EvalShard", "eval_shards", "num_steps", "shard_batch"]
+__all__ = ["EvalShard", "eval_shards", "num_steps", "per_rank_batch_size", "shard_batch"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,3 +122,24 @@ def eval_shards(
         shard_batch(order, step, batch_size, num_processes, rank, even_batches)
         for step in range(num_steps(num_samples, batch_size, num_processes))
     ]
+
+
+def per_rank_batch_size(batch_size: int | None, num_processes: int, split_batches: bool) -> int:
+    """Samples per rank per step: ``batch_size`` split across the ranks with
+    ``split_batches`` (it must divide), else ``batch_size`` itself; a loader without
+    batching reads one item per rank per step.
+
+    >>> per_rank_batch_size(8, 2, True), per_rank_batch_size(8, 2, False)
+    (4, 8)
+    """
+    if not split_batches or num_processes == 1:
+        return batch_size or 1
+    if batch_size is None:
+        raise ValueError("split_batches=True needs a DataLoader with a batch_size to split, got batch_size=None")
+    if batch_size % num_processes:
+        raise ValueError(
+            f"split_batches=True splits each batch of {batch_size} samples across {num_processes} "
+            f"processes, which does not divide evenly: use a batch_size that is a multiple of "
+            f"{num_processes}, or split_batches=False"
+        )
+    return batch_size // num_processes

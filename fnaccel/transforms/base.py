@@ -140,12 +140,13 @@ class Pipeline:
         """The transform called ``name``, or None."""
         return next((t for t in self.transforms if t.name == name), None)
 
-    def init(self, ctx: Any) -> Mapping[str, Any]:
-        """Each stateful transform's initial state, keyed by its name."""
+    def init(self, ctx: Any, existing: Mapping[str, Any] = MappingProxyType({})) -> Mapping[str, Any]:
+        """Each stateful transform's state, keyed by its name: ``existing``'s where it
+        has one (a state prepared in parts keeps its scaler), a new one otherwise."""
         dist_ctx = as_dist(ctx)
-        return MappingProxyType(
-            {t.name: t.init(dist_ctx) for t in self.transforms if t.init is not None}
-        )
+        return MappingProxyType({**existing, **{
+            t.name: t.init(dist_ctx) for t in self.transforms if t.init is not None and t.name not in existing
+        }})
 
     def __call__(self, ctx: Any, tree: Any, *, num_valid: int | None = None) -> Any:
         """Run the collective steps on ``tree``; ``ctx`` is a `RunState` or a `DistContext`.
