@@ -102,6 +102,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
         step,
     )
     from fnaccel.transforms import (
+        Collective,
         Pipeline,
         Transform,
         accumulate,
@@ -177,6 +178,7 @@ _LAZY = MappingProxyType({
     "backward": "fnaccel.train",
     "prepare": "fnaccel.train",
     "step": "fnaccel.train",
+    "Collective": "fnaccel.transforms",
     "Pipeline": "fnaccel.transforms",
     "Transform": "fnaccel.transforms",
     "accumulate": "fnaccel.transforms",
@@ -250,6 +252,7 @@ __all__ = [
     "fp32",
     # transforms and collectives
     "Transform",
+    "Collective",
     "Pipeline",
     "compose",
     "gather",

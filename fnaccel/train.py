@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fnaccel.state import RunState
-from fnaccel.transforms.base import Pipeline, compose
+from fnaccel.transforms.base import Collective, Pipeline, Transform, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.precision import autocast, grad_scaler, precision_dtype
 from fnaccel.constants import PrecisionType
@@ -101,9 +101,14 @@ def _section(config: Any, key: str) -> str:
     return f"{config.source}: {key}" if config.source else key
 
 
+def _training(pipeline: Pipeline) -> tuple[Transform, ...]:
+    """A checked training pipeline's transforms (`_complete` refused collectives)."""
+    return tuple(t for t in pipeline.transforms if isinstance(t, Transform))
+
+
 def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
     """Check a training pipeline and add what it implies (the fp16 scaler)."""
-    collectives = [t for t in pipeline.transforms if t.apply is not None]
+    collectives = [t for t in pipeline.transforms if isinstance(t, Collective)]
     if collectives:
         raise ValueError(
             f"fa.prepare: {collectives[0]!r} is a collective; keep collectives in their own "
@@ -144,7 +149,7 @@ class StepPlan:
 
     @classmethod
     def of(cls, pipeline: Pipeline, transform_states: Mapping[str, Any]) -> StepPlan:
-        ts = pipeline.transforms
+        ts = _training(pipeline)
 
         def bound(hook: str) -> tuple[tuple[Callable[..., Any], Any], ...]:
             return tuple(
@@ -234,7 +239,7 @@ def prepare(
         _refuse_meta(model, ctx)
         names = {id(p): name for name, p in model.named_parameters()}
         model = model.to(ctx.device)
-        for t in pipeline.transforms:
+        for t in _training(pipeline):
             if t.prepare_model is not None:
                 model = t.prepare_model(ctx, model, transform_states.get(t.name))
         if optimizer is not None:

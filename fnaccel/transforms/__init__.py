@@ -1,7 +1,7 @@
-"""Transforms: small named records of hooks, combined by `compose`."""
+"""Transforms and collectives: small named records of hooks, combined by `compose`."""
 
 from fnaccel.transforms.accumulate import accumulate
-from fnaccel.transforms.base import CallInfo, Pipeline, Transform, compose
+from fnaccel.transforms.base import CallInfo, Collective, Pipeline, Transform, compose
 from fnaccel.transforms.clip import clip_grad_norm, clip_grad_value
 from fnaccel.transforms.compile import compile
 from fnaccel.transforms.collectives import (
@@ -31,6 +31,7 @@ __all__ = [
     "grad_scaler",
     "profile",
     "CallInfo",
+    "Collective",
     "Pipeline",
     "Transform",
     "broadcast",

@@ -1,16 +1,18 @@
-"""The transform record and `compose`.
+"""The two transform records, `Transform` and `Collective`, and `compose`.
 
-A `Transform` is a small named record of optional hooks, built by a lowercase
-factory (``gather()``, ``pad_across_processes(dim=1)``), in the spirit of
-optax's ``GradientTransformation``. `compose` turns transforms into a
-`Pipeline`: a value that prints as the code that built it, compares equal to
-an identical pipeline, and keys each transform's state by the transform's
-name (optax's ``named_chain``), so saved states survive reordering.
+Both are small named records built by lowercase factories, in the spirit of
+optax's ``GradientTransformation``: a `Transform` (``autocast(fa.bf16)``,
+``accumulate(4)``) holds training hooks that `fa.prepare` and `fa.step` call;
+a `Collective` (``gather()``, ``pad_across_processes(dim=1)``) holds one hook,
+``apply(ctx, tree, call) -> (tree, call)``, run on a tree when the pipeline is
+called. `compose` turns either kind (never both) into a `Pipeline`: a value
+that prints as the code that built it, compares equal to an identical
+pipeline, and keys each transform's state by the transform's name (optax's
+``named_chain``), so saved states survive reordering.
 
-Hooks (every one optional):
+A `Collective`'s ``call`` is the `CallInfo` passed along the chain (what
+earlier steps learnt). A `Transform`'s hooks (every one optional):
     init(ctx) -> state: the transform's own state (None for stateless ones).
-    apply(ctx, tree, call) -> (tree, call): a collective step; ``call`` is the
-        `CallInfo` passed along the chain (what earlier steps learnt).
     Training hooks, used by `fa.prepare` / `fa.step` (see fnaccel/train.py):
     prepare_model(ctx, model, state) -> model: wrap or shard the model once.
     set_sync(model, enabled): switch gradient communication for the next
@@ -41,7 +43,7 @@ from typing import Any, Protocol
 from fnaccel.dist import DistContext, as_dist
 from fnaccel.ops._shapes import ShapeTable
 
-__all__ = ["CallInfo", "Pipeline", "Transform", "compose"]
+__all__ = ["CallInfo", "Collective", "Pipeline", "Transform", "compose"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,9 +73,39 @@ class TransformApplyFn(Protocol):
     def __call__(self, ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]: ...
 
 
+def _describe(name: str, options: tuple[tuple[str, Any], ...]) -> str:
+    return f"{name}({', '.join(f'{key}={value!r}' for key, value in options)})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Collective:
+    """A named collective step on a tree; see the module docstring.
+
+    Attributes:
+        name: a stable key (the factory's name).
+        options: the factory's non-default arguments, for printing and equality.
+        phase: its canonical position in a pipeline (padding before gathering).
+        conflicts: names of collectives it cannot be composed with.
+        apply: the step: ``apply(ctx, tree, call) -> (tree, call)``.
+    """
+
+    name: str
+    options: tuple[tuple[str, Any], ...] = ()
+    phase: int = 0
+    conflicts: frozenset[str] = frozenset()
+    apply: TransformApplyFn = field(compare=False)
+
+    def __repr__(self) -> str:
+        return _describe(self.name, self.options)
+
+    def __call__(self, ctx: Any, tree: Any, *, num_valid: int | None = None) -> Any:
+        """Apply this one collective: ``fa.gather()(state, tree)``."""
+        return compose(self)(ctx, tree, num_valid=num_valid)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Transform:
-    """A named record of hooks; see the module docstring.
+    """A named record of training hooks; see the module docstring.
 
     Attributes:
         name: a stable key (the factory's name); the transform's state is
@@ -82,7 +114,6 @@ class Transform:
         phase: its canonical position in a pipeline.
         conflicts: names of transforms it cannot be composed with.
         init: builds its state record, or None when it has none.
-        apply: its collective step, or None.
         micro_steps: batches per optimizer update (`accumulate`); 1 otherwise.
         sync_each_batch: communicate gradients on every micro-step anyway.
         sums_items: the loss is a sum over items, normalised at the update
@@ -96,7 +127,6 @@ class Transform:
     phase: int = 0
     conflicts: frozenset[str] = frozenset()
     init: TransformInitFn | None = field(default=None, compare=False)
-    apply: TransformApplyFn | None = field(default=None, compare=False)
     micro_steps: int = 1
     sync_each_batch: bool = False
     sums_items: bool = False
@@ -111,22 +141,17 @@ class Transform:
     after_step: Callable[[Any], None] | None = field(default=None, compare=False)
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{key}={value!r}" for key, value in self.options)
-        return f"{self.name}({args})"
-
-    def __call__(self, ctx: Any, tree: Any, *, num_valid: int | None = None) -> Any:
-        """Apply this one transform: ``fa.gather()(state, tree)``."""
-        return compose(self)(ctx, tree, num_valid=num_valid)
+        return _describe(self.name, self.options)
 
 
 @dataclass(frozen=True, slots=True)
 class Pipeline:
-    """Transforms in order, validated by `compose`.
+    """Transforms (or collectives) in order, validated by `compose`.
 
-    Call it on a tree to run its collective steps: ``collect(state, tree)``.
+    Call a pipeline of collectives on a tree to run them: ``collect(state, tree)``.
     """
 
-    transforms: tuple[Transform, ...] = ()
+    transforms: tuple[Transform | Collective, ...] = ()
 
     def __repr__(self) -> str:
         return f"compose({', '.join(map(repr, self.transforms))})"
@@ -136,7 +161,7 @@ class Pipeline:
         """The transforms' names, in order."""
         return tuple(t.name for t in self.transforms)
 
-    def get(self, name: str) -> Transform | None:
+    def get(self, name: str) -> Transform | Collective | None:
         """The transform called ``name``, or None."""
         return next((t for t in self.transforms if t.name == name), None)
 
@@ -145,7 +170,8 @@ class Pipeline:
         has one (a state prepared in parts keeps its scaler), a new one otherwise."""
         dist_ctx = as_dist(ctx)
         return MappingProxyType({**existing, **{
-            t.name: t.init(dist_ctx) for t in self.transforms if t.init is not None and t.name not in existing
+            t.name: t.init(dist_ctx) for t in self.transforms
+            if isinstance(t, Transform) and t.init is not None and t.name not in existing
         }})
 
     def __call__(self, ctx: Any, tree: Any, *, num_valid: int | None = None) -> Any:
@@ -155,7 +181,7 @@ class Pipeline:
             num_valid: leading real samples of this rank's batch, for
                 `gather_for_metrics`.
         """
-        steps = [t for t in self.transforms if t.apply is not None]
+        steps = [t for t in self.transforms if isinstance(t, Collective)]
         if not steps:
             raise TypeError(
                 f"{self!r} has no collective steps to apply to a tree; a training "
@@ -164,17 +190,16 @@ class Pipeline:
         dist_ctx = as_dist(ctx)
         call = CallInfo(num_valid=num_valid)
         for t in steps:
-            assert t.apply is not None
             tree, call = t.apply(dist_ctx, tree, call)
         return tree
 
 
-def _flatten(items: tuple[Transform | Pipeline, ...]) -> list[Transform]:
-    flat: list[Transform] = []
+def _flatten(items: tuple[Transform | Collective | Pipeline, ...]) -> list[Transform | Collective]:
+    flat: list[Transform | Collective] = []
     for item in items:
         if isinstance(item, Pipeline):
             flat.extend(item.transforms)
-        elif isinstance(item, Transform):
+        elif isinstance(item, (Transform, Collective)):
             flat.append(item)
         else:
             raise TypeError(
@@ -184,19 +209,29 @@ def _flatten(items: tuple[Transform | Pipeline, ...]) -> list[Transform]:
     return flat
 
 
-def compose(*transforms: Transform | Pipeline) -> Pipeline:
-    """Combine transforms into a validated `Pipeline`; nested pipelines are flattened.
+def compose(*transforms: Transform | Collective | Pipeline) -> Pipeline:
+    """Combine transforms, or collectives, into a validated `Pipeline`; nested
+    pipelines are flattened.
 
     Raises:
-        ValueError: a transform appears twice, two transforms conflict, or
-            they are out of order; the message names them and the fix.
+        ValueError: a transform appears twice, two transforms conflict, they
+            are out of order, or training transforms are mixed with
+            collectives; the message names them and the fix.
 
     >>> import fnaccel as fa
     >>> fa.compose(fa.pad_across_processes(dim=1, pad_index=-100), fa.gather())
     compose(pad_across_processes(dim=1, pad_index=-100), gather())
     """
     flat = _flatten(transforms)
-    seen: dict[str, Transform] = {}
+    training = next((t for t in flat if isinstance(t, Transform)), None)
+    collective = next((t for t in flat if isinstance(t, Collective)), None)
+    if training is not None and collective is not None:
+        raise ValueError(
+            f"compose: {training!r} is a training transform and {collective!r} a collective; compose "
+            "them separately: the training pipeline goes to fa.prepare, the collectives are called "
+            "on trees (collect = fa.compose(...); collect(state, tree))"
+        )
+    seen: dict[str, Transform | Collective] = {}
     for t in flat:
         if t.name in seen:
             raise ValueError(

@@ -1,6 +1,6 @@
 """Collectives as transforms: ``fa.compose(fa.pad_across_processes(dim=1), fa.gather())``.
 
-Each factory returns a stateless `Transform` whose ``apply`` hook calls the
+Each factory returns a stateless `Collective` whose ``apply`` hook calls the
 matching function of `fnaccel.ops`. Padding (phase 10) comes before the one
 communicating step (phase 20); two communicating steps conflict. When padding
 precedes a gather, the shapes padding exchanged are handed on, so the gather
@@ -17,7 +17,7 @@ from fnaccel.dist import DistContext
 from fnaccel.ops import collectives as ops
 from fnaccel.ops.metrics import gather_for_metrics as _gather_for_metrics
 from fnaccel.ops.tree import tree_leaves
-from fnaccel.transforms.base import CallInfo, Transform, options
+from fnaccel.transforms.base import CallInfo, Collective, options
 
 __all__ = [
     "broadcast",
@@ -35,8 +35,8 @@ _COMMUNICATING = frozenset(
 )
 
 
-def _communicating(name: str, opts: tuple[tuple[str, Any], ...], apply: Any) -> Transform:
-    return Transform(
+def _communicating(name: str, opts: tuple[tuple[str, Any], ...], apply: Any) -> Collective:
+    return Collective(
         name=name,
         options=opts,
         phase=_COMMUNICATE,
@@ -45,7 +45,7 @@ def _communicating(name: str, opts: tuple[tuple[str, Any], ...], apply: Any) -> 
     )
 
 
-def gather() -> Transform:
+def gather() -> Collective:
     """`fnaccel.ops.gather` as a transform.
 
     >>> import fnaccel as fa, torch
@@ -69,7 +69,7 @@ def gather() -> Transform:
     return _communicating("gather", (), apply)
 
 
-def reduce(reduction: ops.Reduction = "mean", scale: float = 1.0) -> Transform:
+def reduce(reduction: ops.Reduction = "mean", scale: float = 1.0) -> Collective:
     """`fnaccel.ops.reduce` as a transform: ``fa.reduce("sum")``."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduce: unknown reduction {reduction!r}; use 'mean', 'sum' or 'none'")
@@ -81,7 +81,7 @@ def reduce(reduction: ops.Reduction = "mean", scale: float = 1.0) -> Transform:
     return _communicating("reduce", opts, apply)
 
 
-def broadcast(from_process: int = 0) -> Transform:
+def broadcast(from_process: int = 0) -> Collective:
     """`fnaccel.ops.broadcast` as a transform: ``fa.broadcast(0)``."""
 
     def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
@@ -90,7 +90,7 @@ def broadcast(from_process: int = 0) -> Transform:
     return _communicating("broadcast", options(from_process=from_process), apply)
 
 
-def broadcast_object_list(from_process: int = 0) -> Transform:
+def broadcast_object_list(from_process: int = 0) -> Collective:
     """`fnaccel.ops.broadcast_object_list` as a transform."""
 
     def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
@@ -99,7 +99,7 @@ def broadcast_object_list(from_process: int = 0) -> Transform:
     return _communicating("broadcast_object_list", options(from_process=from_process), apply)
 
 
-def gather_object() -> Transform:
+def gather_object() -> Collective:
     """`fnaccel.ops.gather_object` as a transform."""
 
     def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
@@ -108,7 +108,7 @@ def gather_object() -> Transform:
     return _communicating("gather_object", (), apply)
 
 
-def gather_for_metrics(use_gather_object: bool = False) -> Transform:
+def gather_for_metrics(use_gather_object: bool = False) -> Collective:
     """`fnaccel.ops.gather_for_metrics` as a transform; ``num_valid`` is given per call:
     ``collect(state, outputs, num_valid=n)``."""
 
@@ -120,7 +120,7 @@ def gather_for_metrics(use_gather_object: bool = False) -> Transform:
     return _communicating("gather_for_metrics", opts, apply)
 
 
-def pad_across_processes(dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Transform:
+def pad_across_processes(dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Collective:
     """`fnaccel.ops.pad_across_processes` as a transform.
 
     >>> import fnaccel as fa
@@ -137,4 +137,4 @@ def pad_across_processes(dim: int = 0, pad_index: int = 0, pad_first: bool = Fal
         + (options(pad_index=pad_index) if pad_index != 0 else ())
         + (options(pad_first=True) if pad_first else ())
     )
-    return Transform(name="pad_across_processes", options=opts, phase=_PAD, apply=apply)
+    return Collective(name="pad_across_processes", options=opts, phase=_PAD, apply=apply)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fnaccel as fa
-from fnaccel.transforms import CallInfo, Pipeline, Transform
+from fnaccel.transforms import CallInfo, Collective, Pipeline, Transform
 
 
 def test_pipelines_print_as_the_code_that_built_them_and_compare_by_value() -> None:
@@ -54,7 +54,7 @@ def test_bad_factory_arguments() -> None:
 
 def test_states_are_keyed_by_name() -> None:
     counter = Transform(name="counter", phase=5, init=lambda ctx: {"count": ctx.num_processes})
-    pipeline = fa.compose(counter, fa.gather())
+    pipeline = fa.compose(counter, fa.clip_grad_norm(1.0))
     assert dict(pipeline.init(fa.init(cpu=True))) == {"counter": {"count": 1}}
 
 
@@ -71,7 +71,7 @@ def test_calls_pass_information_down_the_chain() -> None:
         seen.append(call)
         return tree, call
 
-    spy = Transform(name="spy", phase=15, apply=record)
+    spy = Collective(name="spy", phase=15, apply=record)
     out = fa.compose(fa.pad_across_processes(dim=0), spy, fa.gather_for_metrics())(
         fa.init(cpu=True), torch.arange(3), num_valid=2
     )
@@ -85,3 +85,8 @@ def test_a_single_transform_is_callable() -> None:
     assert torch.equal(fa.reduce("sum", scale=3.0)(state, torch.tensor(2.0)), torch.tensor(6.0))
     assert fa.broadcast_object_list(0)(state, ["a"]) == ["a"]
     assert fa.gather_object()(state, ["a", "b"]) == ["a", "b"]
+
+
+def test_training_transforms_and_collectives_do_not_mix() -> None:
+    with pytest.raises(ValueError, match="autocast.* is a training transform and gather\\(\\) a collective"):
+        fa.compose(fa.autocast(fa.bf16), fa.gather())
