@@ -47,13 +47,16 @@ def test_batches_and_step_equal_a_hand_loop_over_the_documented_order() -> None:
     loader = DataLoader(data, batch_size=batch_size, shuffle=True)
     state = fa.prepare(fa.init(seed=seed, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
                        loader, loss_fn=loss_fn)
-    seen, epochs_seen = [], []
+    seen, epochs_before, epochs_after = [], [], []
     for batch in fa.batches(state, epochs=epochs):
+        epochs_before.append(state.epoch)
         state, metrics = fa.step(state, batch)
         seen.append(metrics["aux"].tolist())
-        epochs_seen.append(state.epoch)
+        epochs_after.append(state.epoch)
     assert seen == ref_ids
-    assert epochs_seen == [0] * 6 + [1] * 6  # state.epoch: the epoch of the batch stepped
+    assert epochs_before == [0] * 6 + [1] * 6  # state.epoch before a step: the epoch of its batch
+    assert epochs_after == [0] * 5 + [1] * 6 + [2]  # an epoch's last step moves the state to the next
+    assert state.data_position == fa.DataPosition(epoch=2) and state.step == 12
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 
 
@@ -64,9 +67,11 @@ def train_over_epochs(state: fa.RunState, batch_size: int, epochs: int) -> dict[
                        loss_fn=loss_fn, pipeline=fa.compose(fa.ddp()))
     ids: dict[int, list[int]] = {}
     for batch in fa.batches(state, epochs=epochs):
+        epoch = state.epoch  # the epoch of the batch about to be stepped
         state, metrics = fa.step(state, batch)
-        ids.setdefault(state.epoch, []).extend(metrics["aux"].tolist())
-    return {"ids": ids, "params": [p.detach() for p in model.parameters()], "step": state.step}
+        ids.setdefault(epoch, []).extend(metrics["aux"].tolist())
+    return {"ids": ids, "params": [p.detach() for p in model.parameters()], "step": state.step,
+            "epoch": state.epoch}
 
 
 def test_ddp_sees_each_sample_once_per_epoch_and_equals_one_process(world: Any) -> None:
@@ -86,5 +91,6 @@ def test_ddp_sees_each_sample_once_per_epoch_and_equals_one_process(world: Any) 
         state, _ = fa.step(state, batch)
     for result in results:
         assert result["step"] == state.step == 4
+        assert result["epoch"] == state.epoch == 2
         for p, q in zip(result["params"], model.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)

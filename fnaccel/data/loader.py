@@ -129,6 +129,14 @@ def _plan(loader: DataLoader[Any]) -> _Plan:
     return _Plan(kind, sampler, None, batch_size, drop_last)
 
 
+def _draws_on_its_own(sampler: Any) -> bool:
+    """A sampler fnaccel keeps whose order comes from a generator it advances (torch's
+    RandomSampler with replacement, WeightedRandomSampler, ...) and that cannot say
+    where it stands: the same position read twice in one process gives other batches."""
+    random = isinstance(sampler, _RANDOM_SAMPLERS) or getattr(sampler, "generator", None) is not None
+    return random and not callable(getattr(sampler, "load_state_dict", None))
+
+
 def _resolve_shard(shard: bool | None, plan: _Plan, num_processes: int) -> bool:
     """Whether fnaccel shards the loader, or why it cannot."""
     if plan.kind == "distributed":
@@ -249,7 +257,8 @@ def prepare_loader(
             batch_size=batch_size, num_processes=world, num_workers=loader.num_workers,
             drop_last=plan.drop_last, even_batches=even_batches, split_batches=config.split_batches)
         return PreparedLoader(built, sampler=sampler, epoch_hooks=hooks, seed=seed, device=ctx.device,
-                              non_blocking=config.non_blocking, layout=layout, rank=ctx.rank, sized=sized)
+                              non_blocking=config.non_blocking, layout=layout, rank=ctx.rank, sized=sized,
+                              rewindable=not _draws_on_its_own(user_sampler))
 
     # A loader whose position fnaccel does not own is located by torchdata's snapshot
     # of the batch stepped last: one at every batch, so resuming replays nothing.

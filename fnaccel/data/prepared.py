@@ -101,6 +101,7 @@ class PreparedLoader:
         layout: LoaderLayout,
         rank: int,
         sized: bool,
+        rewindable: bool = True,
     ) -> None:
         self.dataloader = dataloader
         self.sampler = sampler
@@ -111,6 +112,8 @@ class PreparedLoader:
         self._seed = seed
         self._rank = rank
         self._num_batches = len(dataloader) if sized else None
+        self._rewindable = rewindable
+        self._read = False  # whether a batch was fetched since the loader was built
         self._iterator: Iterator[Any] | None = None
         self._iter_epoch = 0
         self._at = DataPosition()  # where the live iterator continues
@@ -133,6 +136,14 @@ class PreparedLoader:
         """Make the next fetch the batch right after ``position`` (free when the live
         iterator already stands there; otherwise the next fetch starts a new one)."""
         if self._iterator is None or position.key != self._at.key:
+            if self._read and not self._rewindable and position.key != self._at.key:
+                raise ValueError(
+                    f"fa.batches: the state is at batch {position.num_batches} of epoch {position.epoch} but "
+                    f"this loader already read up to {self._at.key}, and its sampler draws from a generator "
+                    "of its own that cannot be rewound, so re-reading would give other batches. Use "
+                    "shuffle=True (fnaccel then owns the order), a sampler with state_dict/load_state_dict, "
+                    "or fa.load the run into freshly prepared objects"
+                )
             self._iterator = None
             self._at = position
         self._start, self._last = position, None
@@ -182,6 +193,7 @@ class PreparedLoader:
         while self._at.epoch < end_epoch:
             if self._iterator is None:
                 self._iterator = self._begin()
+            self._read = True
             try:
                 item = next(self._iterator)
             except StopIteration:

@@ -1,6 +1,7 @@
 """Saves over the same checkpoint again and again until killed (see test_crash.py)."""
 
 import sys
+import time
 
 import torch
 from torch import nn
@@ -19,7 +20,9 @@ def main(path: str) -> None:
     print("first save done", flush=True)
     while True:
         state = state.replace(epoch=state.epoch + 1)  # each save is recognisable by its epoch
+        start = time.perf_counter()
         fa.save(state, path)
+        print(f"saved {state.epoch} in {time.perf_counter() - start:.6f}", flush=True)
 
 
 if __name__ == "__main__":  # a script: importing it (doctest collection) must not run it

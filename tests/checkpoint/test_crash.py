@@ -28,13 +28,20 @@ def _fresh() -> fa.RunState:
 def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     epochs_seen = set()
-    # several kill points: after the first save, at growing delays into the save loop
-    for delay in (0.0, 0.05, 0.13, 0.29, 0.41):
+    # several kill points: right after the first save, then after `saves` more, at growing
+    # fractions of a save's duration (measured by the loop: a fixed delay would land in the
+    # same save on a slow or busy machine)
+    for saves, fraction in enumerate((0.0, 0.2, 0.45, 0.7, 0.9)):
         proc = subprocess.Popen([sys.executable, str(SCRIPT), str(path)], stdout=subprocess.PIPE,
                                 text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "first save done"
-        time.sleep(delay)
+        duration = 0.0
+        for _ in range(saves):
+            line = proc.stdout.readline().split()
+            assert line[0] == "saved", line
+            duration = float(line[-1])
+        time.sleep(fraction * duration)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
 

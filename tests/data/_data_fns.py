@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import json
+
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 
+import fnaccel as fa
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.loader import prepare_loader
 from fnaccel.data.prepared import batches
@@ -98,27 +101,71 @@ def as_lists(loader_batches: Any) -> list[list[int]]:
     return [b.tolist() if isinstance(b, torch.Tensor) else list(b) for b in loader_batches]
 
 
+# ------------------------------------------------------------------ stepping a loader
+
+
+def _no_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    return model(torch.zeros(1, 1)).sum() * 0.0
+
+
+def stepping(state: Any, prepared: Any) -> Any:
+    """Consumes ``state``: it holds ``prepared`` (a `PreparedLoader`, possibly another
+    rank's) and a model that reads no batch and learns nothing, so that `fa.step`
+    consumes the loader's batches as a training loop does."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.0), pipeline=fa.compose(fa.ddp()),
+                       loss_fn=_no_loss)
+    return state.replace(loader=prepared)
+
+
+def as_list(batch: Any) -> Any:
+    return batch.tolist() if isinstance(batch, torch.Tensor) else list(batch)
+
+
+def train(state: Any, epochs: int | None = None, stop_after: int | None = None) -> tuple[Any, list[Any]]:
+    """The users' loop: `fa.batches` with `fa.step`. With ``stop_after``, the loop breaks
+    right after fetching batch ``stop_after + 1``, before stepping it (that batch is
+    not consumed). Returns the newest state and the batches stepped."""
+    stepped: list[Any] = []
+    for batch in batches(state, epochs=epochs):
+        if stop_after is not None and len(stepped) == stop_after:
+            break
+        state, _ = fa.step(state, batch)
+        stepped.append(as_list(batch))
+    return state, stepped
+
+
+def through_json(position: Any) -> Any:
+    """``position`` as a checkpoint stores it: its fields, as JSON, read back."""
+    fields = json.loads(json.dumps({"epoch": position.epoch, "num_batches": position.num_batches,
+                                    "loader_state": None if position.loader_state is None
+                                    else dict(position.loader_state)}))
+    return fa.DataPosition(**fields)
+
+
 # ------------------------------------------------------------------ worker functions
 
 
 def epoch_batches(
     state: Any, num_samples: int, batch_size: int, shuffle: bool, epochs: int, config: dict[str, Any]
-) -> list[tuple[list[int], int | None, int]]:
-    """Every batch this rank reads in ``epochs`` epochs: (indices, num_valid, epoch)."""
+) -> dict[str, Any]:
+    """Every batch this rank steps in ``epochs`` epochs, with the epoch it was stepped in,
+    and the position the run ends at."""
     loader = DataLoader(Indices(num_samples), batch_size=batch_size, shuffle=shuffle, collate_fn=collate_list,
                         generator=torch.Generator().manual_seed(100 + state.dist.rank))
-    state = state.replace(loader=prepare_loader(loader, state.dist, seed=5, config=DataLoaderConfiguration(**config)))
+    state = stepping(state, prepare_loader(loader, state.dist, seed=5, config=DataLoaderConfiguration(**config)))
     out = []
     for batch in batches(state, epochs=epochs):
-        out.append((batch, state.loader.num_valid, state.loader.epoch))
-    return out
+        out.append((batch, state.epoch))
+        state, _ = fa.step(state, batch)
+    return {"batches": out, "end": state.data_position.key}
 
 
-def iterable_batches(state: Any, num_samples: int, batch_size: int) -> list[tuple[list[int], int | None]]:
+def iterable_batches(state: Any, num_samples: int, batch_size: int) -> list[list[int]]:
     """This rank's batches of one pass over a `Stream`."""
     state = state.replace(loader=prepare_loader(DataLoader(Stream(num_samples), batch_size=batch_size),
                                                 state.dist, seed=0))
-    return [(batch.tolist(), state.loader.num_valid) for batch in batches(state)]
+    return [batch.tolist() for batch in batches(state)]
 
 
 def distributed_sampler_batches(state: Any, num_samples: int, batch_size: int) -> dict[str, Any]:
@@ -140,17 +187,17 @@ def distributed_sampler_batches(state: Any, num_samples: int, batch_size: int) -
 
 
 def resumed_batches(state: Any, num_samples: int, batch_size: int, stop_after: int) -> dict[str, Any]:
-    """Read ``stop_after`` batches, save, resume in a fresh loader: what each reads."""
+    """Step ``stop_after`` batches (and fetch one more), keep the position as a checkpoint
+    would, finish the epoch; then read from that position with a fresh loader: what each reads."""
     def prepared() -> Any:
         loader = DataLoader(Indices(num_samples), batch_size=batch_size, shuffle=True)
         return prepare_loader(loader, state.dist, seed=1)
 
-    first = prepared()
-    stream = iter(first)
-    head = [next(stream).tolist() for _ in range(stop_after)]
-    saved = first.state_dict()
-    tail = [b.tolist() for b in stream]
+    state = stepping(state, prepared())
+    state, head = train(state, epochs=1, stop_after=stop_after)
+    saved = through_json(state.data_position)
+    state, tail = train(state, epochs=1)
     fresh = prepared()
-    fresh.load_state_dict(saved)
-    resumed = [b.tolist() for b in fresh]
-    return {"head": head, "tail": tail, "resumed": resumed, "reads": fresh.dataloader.dataset.reads}
+    resumed = [b.tolist() for b in batches(state.replace(loader=fresh, data_position=saved))]
+    return {"head": head, "tail": tail, "resumed": resumed, "reads": fresh.dataloader.dataset.reads,
+            "saved": saved.key, "end": state.data_position.key}

@@ -8,7 +8,6 @@ the tests on the real 2- and 3-rank worlds check the same properties end to end.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ _TESTS = str(Path(__file__).resolve().parents[1])  # see ops/_dist_fns.py for wh
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 from data import _data_fns as fns  # noqa: E402
-from data._data_fns import Indices, Noisy, PlainStream, Stream, as_lists, collate_list  # noqa: E402
+from data._data_fns import Indices, Noisy, PlainStream, Stream, as_lists, collate_list, stepping, train  # noqa: E402
 
 
 def _ctx(num_processes: int = 1, rank: int = 0, device: str = "cpu") -> fa.DistContext:
@@ -44,6 +43,11 @@ def _prepare(loader: DataLoader[Any], num_processes: int = 1, rank: int = 0, see
 
 def _state(prepared: PreparedLoader) -> fa.RunState:
     return fa.init(cpu=True).replace(loader=prepared)
+
+
+def _stepping(prepared: PreparedLoader) -> fa.RunState:
+    """A fresh run holding ``prepared``, whose `fa.step` consumes its batches."""
+    return stepping(fa.init(seed=0, cpu=True), prepared)
 
 
 # --------------------------------------------------------------------- the order
@@ -88,47 +92,45 @@ def test_on_real_worlds_every_sample_once_and_steps_equal_one_process(world: Any
     single = fa.init(cpu=True).replace(loader=_prepare(
         DataLoader(Indices(num_samples), batch_size=batch_size * n, shuffle=True), seed=5))
     expected = [b.tolist() for b in batches(single, epochs=2)]
-    assert all(len(r) == len(expected) for r in results)
+    assert all(r["end"] == (2, 0) for r in results)
+    stepped = [r["batches"] for r in results]
+    assert all(len(r) == len(expected) for r in stepped)
     for step, global_batch in enumerate(expected):
-        assert sum((r[step][0] for r in results), []) == global_batch
+        assert sum((r[step][0] for r in stepped), []) == global_batch
     for epoch in range(2):
-        steps = [step for step, (_, _, e) in enumerate(results[0]) if e == epoch]
-        seen = sorted(i for r in results for step in steps for i in r[step][0])
+        steps = [step for step, (_, e) in enumerate(stepped[0]) if e == epoch]
+        assert len(steps) == len(expected) // 2
+        seen = sorted(i for r in stepped for step in steps for i in r[step][0])
         assert seen == list(range(num_samples))  # every sample exactly once per epoch
-    assert all(valid == batch_size for r in results for _, valid, _ in r)
+    assert all(len(batch) == batch_size for r in stepped for batch, _ in r)  # nothing padded
 
 
 def test_on_real_worlds_uneven_data_pads_and_counts_the_real_samples(world: Any) -> None:
     n = world.num_processes
     num_samples = 2 * n * 2 + 1  # one sample into a third global batch
-    results = world.run(fns.epoch_batches, num_samples, 2, False, 1, {})
+    results = [r["batches"] for r in world.run(fns.epoch_batches, num_samples, 2, False, 1, {})]
     assert {len(r) for r in results} == {3}
-    assert [r[2][1] for r in results] == [1] + [0] * (n - 1)
+    # the third step has one real sample (rank 0's first); the rest is padding from the start
     assert all(r[2][0] == ([num_samples - 1, 0] if rank == 0 else [0, 1]) for rank, r in enumerate(results))
-    real = sorted(i for r in results for batch, valid, _ in r for i in batch[:valid])
+    real = sorted([i for r in results for batch, _ in r[:2] for i in batch] + [num_samples - 1])
     assert real == list(range(num_samples))
     uneven = world.run(fns.epoch_batches, num_samples, 2, False, 1, {"even_batches": False})
-    assert [r[2][0] for r in uneven] == [[num_samples - 1]] + [[]] * (n - 1)
+    assert [r["batches"][2][0] for r in uneven] == [[num_samples - 1]] + [[]] * (n - 1)
 
 
 # --------------------------------------------------------------------- uneven ends
 
 
 def test_even_batches_drop_last_and_split_batches_on_the_loader() -> None:
-    def ranks(loader_kwargs: dict[str, Any], **config: Any) -> list[list[tuple[list[int], int | None]]]:
-        out = []
-        for rank in range(3):
-            prepared = _prepare(DataLoader(Indices(8), collate_fn=collate_list, **loader_kwargs), 3, rank, **config)
-            out.append([(b, prepared.num_valid) for b in prepared])
-        return out
+    def ranks(loader_kwargs: dict[str, Any], **config: Any) -> list[list[list[int]]]:
+        return [as_lists(_prepare(DataLoader(Indices(8), collate_fn=collate_list, **loader_kwargs), 3, rank,
+                                  **config)) for rank in range(3)]
 
-    assert ranks({"batch_size": 2}) == [
-        [([0, 1], 2), ([6, 7], 2)], [([2, 3], 2), ([0, 1], 0)], [([4, 5], 2), ([0, 1], 0)]]
-    assert ranks({"batch_size": 2}, even_batches=False) == [
-        [([0, 1], 2), ([6, 7], 2)], [([2, 3], 2), ([], 0)], [([4, 5], 2), ([], 0)]]
-    assert ranks({"batch_size": 2, "drop_last": True}) == [[([0, 1], 2)], [([2, 3], 2)], [([4, 5], 2)]]
-    assert ranks({"batch_size": 3}, split_batches=True) == [
-        [([0], 1), ([3], 1), ([6], 1)], [([1], 1), ([4], 1), ([7], 1)], [([2], 1), ([5], 1), ([0], 0)]]
+    # even_batches pads a short step by wrapping around to the dataset's start
+    assert ranks({"batch_size": 2}) == [[[0, 1], [6, 7]], [[2, 3], [0, 1]], [[4, 5], [0, 1]]]
+    assert ranks({"batch_size": 2}, even_batches=False) == [[[0, 1], [6, 7]], [[2, 3], []], [[4, 5], []]]
+    assert ranks({"batch_size": 2, "drop_last": True}) == [[[0, 1]], [[2, 3]], [[4, 5]]]
+    assert ranks({"batch_size": 3}, split_batches=True) == [[[0], [3], [6]], [[1], [4], [7]], [[2], [5], [0]]]
     with pytest.raises(ValueError, match="multiple of 3"):
         _prepare(DataLoader(Indices(8), batch_size=4), 3, 0, split_batches=True)
     with pytest.raises(ValueError, match="needs fnaccel to shard"):
@@ -145,9 +147,7 @@ def test_an_empty_batch_that_cannot_be_collated_gets_a_clear_error() -> None:
 
 def test_a_loader_without_batching_shards_whole_items() -> None:
     per_rank = [list(_prepare(DataLoader(Indices(5), batch_size=None), 2, rank)) for rank in range(2)]
-    assert per_rank == [[0, 2, 4], [1, 3, 0]]
-    prepared = _prepare(DataLoader(Indices(5), batch_size=None), 2, 1)
-    assert [(item, prepared.num_valid) for item in prepared] == [(1, None), (3, None), (0, 0)]
+    assert per_rank == [[0, 2, 4], [1, 3, 0]]  # rank 1's last item is padding from the start
 
 
 # --------------------------------------------------------------------- samplers fnaccel keeps
@@ -206,51 +206,51 @@ def test_shard_false_gives_every_rank_the_whole_dataset_in_the_seeded_order() ->
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("stop_after", [0, 1, 3])
-def test_a_mid_epoch_state_resumes_exactly_in_a_fresh_loader(num_workers: int, stop_after: int) -> None:
-    def prepared() -> PreparedLoader:
+def test_a_mid_epoch_state_resumes_exactly_in_a_fresh_loader(num_workers: int, stop_after: int,
+                                                               tmp_path: Path) -> None:
+    def fresh() -> fa.RunState:
         loader = DataLoader(Indices(23), batch_size=2, shuffle=True, num_workers=num_workers)
-        return _prepare(loader, 2, 1, seed=3)
+        return _stepping(_prepare(loader, 2, 1, seed=3))
 
-    first = prepared()
-    stream = iter(first)
-    head = [next(stream).tolist() for _ in range(stop_after)]
-    saved = first.state_dict()
-    tail = as_lists(stream)
-    assert first.epoch == 1
-    saved = json.loads(json.dumps(saved))  # plain data: it survives JSON as it is
-    fresh = prepared()
-    fresh.load_state_dict(saved)
-    assert fresh.state_dict() == saved  # not started yet: the loaded position
-    assert as_lists(fresh) == tail and fresh.epoch == 1
-    assert len(head) + len(tail) == len(first) == 6
+    reference = as_lists(fresh().loader)
+    state, head = train(fresh(), epochs=1, stop_after=stop_after)  # one more batch fetched, not stepped
+    assert state.data_position == fa.DataPosition(epoch=0, num_batches=stop_after)
+    fa.save(state, tmp_path / "ckpt")
+    state, tail = train(state, epochs=1)
+    assert state.data_position == fa.DataPosition(epoch=1)
+    resumed = fa.load(fresh(), tmp_path / "ckpt")
+    assert resumed.data_position == fa.DataPosition(epoch=0, num_batches=stop_after)  # not started yet
+    resumed, again = train(resumed, epochs=1)
+    assert again == tail and resumed.data_position == fa.DataPosition(epoch=1)
+    assert head + tail == reference and len(reference) == len(state.loader) == 6
 
 
 def test_resuming_reads_only_the_remaining_samples() -> None:
-    result = fns.resumed_batches(fa.init(cpu=True), 1000, 10, stop_after=95)
+    result = fns.resumed_batches(fa.init(seed=0, cpu=True), 1000, 10, stop_after=95)
+    assert result["saved"] == (0, 95) and result["end"] == (1, 0)
     assert result["resumed"] == result["tail"] and len(result["tail"]) == 5
     assert result["reads"] == 50  # no replay of the 950 samples before the position
 
 
 def test_resuming_on_real_worlds(world: Any) -> None:
+    steps = -(-40 // (2 * world.num_processes))  # a padded last step on 3 ranks
     for result in world.run(fns.resumed_batches, 40, 2, 3):
-        assert result["resumed"] == result["tail"]
+        assert result["saved"] == (0, 3) and result["end"] == (1, 0)
+        assert result["resumed"] == result["tail"] and len(result["head"]) + len(result["tail"]) == steps
         assert result["reads"] == 2 * len(result["tail"])
 
 
-def test_persistent_workers_cross_epochs_and_resume() -> None:
-    def prepared() -> fa.RunState:
+def test_persistent_workers_cross_epochs_and_resume(tmp_path: Path) -> None:
+    def prepared() -> PreparedLoader:
         loader = DataLoader(Indices(10), batch_size=2, shuffle=True, num_workers=2, persistent_workers=True)
-        return _state(_prepare(loader, 2, 1))
+        return _prepare(loader, 2, 1)
 
-    reference = as_lists(batches(prepared(), epochs=3))
-    state = prepared()
-    stream = batches(state, epochs=3)
-    head = [next(stream).tolist() for _ in range(4)]  # into the second epoch
-    saved = state.loader.state_dict()
-    assert saved["epoch"] == 1 and saved["batches_yielded"] == 1
-    resumed = prepared()
-    resumed.loader.load_state_dict(saved)
-    assert head + as_lists(batches(resumed, epochs=3)) == reference
+    reference = as_lists(batches(_state(prepared()), epochs=3))
+    state, head = train(_stepping(prepared()), epochs=3, stop_after=4)  # into the second epoch
+    assert state.data_position == fa.DataPosition(epoch=1, num_batches=1)
+    fa.save(state, tmp_path / "ckpt")
+    resumed, tail = train(fa.load(_stepping(prepared()), tmp_path / "ckpt"), epochs=3)
+    assert head + tail == reference and resumed.data_position == fa.DataPosition(epoch=3)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -272,30 +272,45 @@ def test_worker_seeds_are_pure_in_seed_epoch_and_rank() -> None:
     assert first[:2] != first[2:]  # and each epoch differently
 
 
-def test_a_state_at_an_epoch_boundary_resumes_the_next_epoch() -> None:
-    loader = _prepare(DataLoader(Indices(6), batch_size=2, shuffle=True))
-    as_lists(loader)
-    saved = loader.state_dict()
-    assert saved["epoch"] == 1 and saved["dataloader"] == {} and saved["batches_yielded"] == 0
-    expected = as_lists(loader)
-    fresh = _prepare(DataLoader(Indices(6), batch_size=2, shuffle=True))
-    fresh.load_state_dict(saved)
-    assert as_lists(fresh) == expected and fresh.epoch == 2
+def test_a_state_at_an_epoch_boundary_resumes_the_next_epoch(tmp_path: Path) -> None:
+    def fresh() -> fa.RunState:
+        return _stepping(_prepare(DataLoader(Indices(6), batch_size=2, shuffle=True)))
+
+    state, first = train(fresh(), epochs=1)
+    assert state.data_position == fa.DataPosition(epoch=1)  # no loader snapshot: the epoch alone
+    fa.save(state, tmp_path / "ckpt")
+    state, expected = train(state, epochs=2)
+    assert sorted(sum(expected, [])) == list(range(6)) and expected != first  # the next epoch, reshuffled
+    resumed = fa.load(fresh(), tmp_path / "ckpt")
+    assert resumed.data_position == fa.DataPosition(epoch=1)
+    resumed, again = train(resumed, epochs=2)
+    assert again == expected and resumed.epoch == 2
 
 
-def test_a_state_that_does_not_fit_is_refused() -> None:
-    prepared = _prepare(DataLoader(Indices(10), batch_size=2), 2, 0)
-    saved = prepared.state_dict()
-    with pytest.raises(CheckpointError, match="num_processes=2 but this loader has num_processes=3"):
-        _prepare(DataLoader(Indices(10), batch_size=2), 3, 0).load_state_dict(saved)
-    with pytest.raises(CheckpointError, match="num_workers"):
-        _prepare(DataLoader(Indices(10), batch_size=2, num_workers=1), 2, 0).load_state_dict(saved)
-    with pytest.raises(CheckpointError, match="lacks"):
-        prepared.load_state_dict({"epoch": 0})
-    with pytest.raises(CheckpointError, match="another dataset size"):
-        prepared.load_state_dict({**saved, "batches_yielded": 9})
-    with pytest.raises(CheckpointError, match="'epoch' must be an int"):
-        prepared.load_state_dict({**saved, "epoch": -1})
+def test_a_state_that_does_not_fit_is_refused(tmp_path: Path) -> None:
+    def fresh(num_processes: int = 2, **loader: Any) -> fa.RunState:
+        return _stepping(_prepare(DataLoader(Indices(10), batch_size=2, **loader), num_processes, 0))
+
+    state, _ = train(fresh(), epochs=1, stop_after=1)
+    fa.save(state, tmp_path / "ckpt")
+    for other, message in [
+        (fresh(3), "num_processes=2 but this run's loader has num_processes=3"),
+        (fresh(num_workers=1), "num_workers=0 but this run's loader has num_workers=1"),
+    ]:
+        with pytest.raises(CheckpointError, match=message):
+            fa.load(other, tmp_path / "ckpt")
+        assert not other.is_spent  # refused before anything was consumed
+    layout = state.loader.layout
+    with pytest.raises(CheckpointError, match="lacks 'batch_size'"):
+        layout.check_resume({"num_samples": 10}, "here")
+    with pytest.raises(CheckpointError, match="must be a mapping"):
+        layout.check_resume(None, "here")
+    fa.save(state.replace(data_position=fa.DataPosition(epoch=0, num_batches=9)), tmp_path / "past")
+    with pytest.raises(CheckpointError, match="9 batches into an epoch of 3"):
+        fa.load(fresh(), tmp_path / "past")
+    fa.save(state.replace(data_position=fa.DataPosition(epoch=-1)), tmp_path / "negative")
+    with pytest.raises(CheckpointError, match="epoch must be an int >= 0"):
+        fa.load(fresh(), tmp_path / "negative")
 
 
 # --------------------------------------------------------------------- iterable datasets
@@ -304,16 +319,15 @@ def test_a_state_that_does_not_fit_is_refused() -> None:
 @pytest.mark.parametrize("num_processes", [2, 3])
 def test_an_iterable_dataset_is_split_by_global_batch(num_processes: int) -> None:
     num_samples = 2 * num_processes * 3 + 1
-    ranks = []
-    for rank in range(num_processes):
-        prepared = _prepare(DataLoader(Stream(num_samples), batch_size=2), num_processes, rank)
-        ranks.append([(b.tolist(), prepared.num_valid) for b in prepared])
+    ranks = [as_lists(_prepare(DataLoader(Stream(num_samples), batch_size=2), num_processes, rank))
+             for rank in range(num_processes)]
     assert {len(r) for r in ranks} == {4}
     single = as_lists(_prepare(DataLoader(Stream(num_samples), batch_size=2 * num_processes)))
     for step in range(3):
-        assert sum((r[step][0] for r in ranks), []) == single[step]
+        assert sum((r[step] for r in ranks), []) == single[step]
+    assert sorted(i for r in ranks for b in r[:3] for i in b) == list(range(num_samples - 1))
     last = [r[3] for r in ranks]  # one real sample, padded by cycling the last global batch
-    assert last == [([num_samples - 1] * 2, 1)] + [([num_samples - 1] * 2, 0)] * (num_processes - 1)
+    assert last == [[num_samples - 1] * 2] * num_processes
     dropped = [as_lists(_prepare(DataLoader(Stream(num_samples), batch_size=2, drop_last=True), num_processes, r))
                for r in range(num_processes)]
     assert [len(r) for r in dropped] == [3] * num_processes
@@ -322,36 +336,36 @@ def test_an_iterable_dataset_is_split_by_global_batch(num_processes: int) -> Non
 def test_iterable_sharding_on_real_worlds(world: Any) -> None:
     n = world.num_processes
     results = world.run(fns.iterable_batches, 4 * n, 2)
-    assert sorted(i for r in results for batch, _ in r for i in batch) == list(range(4 * n))
-    assert [r[0][0] for r in results] == [[2 * rank, 2 * rank + 1] for rank in range(n)]
+    assert sorted(i for r in results for batch in r for i in batch) == list(range(4 * n))
+    assert [r[0] for r in results] == [[2 * rank, 2 * rank + 1] for rank in range(n)]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_an_iterable_dataset_resumes_through_its_own_state(num_workers: int) -> None:
-    def prepared() -> PreparedLoader:
-        return _prepare(DataLoader(Stream(40), batch_size=2, num_workers=num_workers), 2, 1)
+def test_an_iterable_dataset_resumes_through_its_own_state(num_workers: int, tmp_path: Path) -> None:
+    def fresh() -> fa.RunState:
+        return _stepping(_prepare(DataLoader(Stream(40), batch_size=2, num_workers=num_workers), 2, 1))
 
-    first = prepared()
-    stream = iter(first)
-    head = [next(stream).tolist() for _ in range(3)]
-    saved = json.loads(json.dumps(first.state_dict()))
-    tail = as_lists(stream)
-    fresh = prepared()
-    fresh.load_state_dict(saved)
-    assert as_lists(fresh) == tail and len(head) + len(tail) == 10
+    reference = as_lists(fresh().loader)
+    state, head = train(fresh(), stop_after=3)
+    assert state.data_position.key == (0, 3) and state.data_position.loader_state is not None
+    fa.save(state, tmp_path / "ckpt")  # the loader's snapshot goes through JSON
+    state, tail = train(state)
+    assert state.data_position.key == (0, 10)  # a stream's end shows only at the next fetch
+    resumed, again = train(fa.load(fresh(), tmp_path / "ckpt"))
+    assert again == tail and head + tail == reference and len(reference) == 10
     if num_workers == 0:
-        assert fresh.dataloader.dataset.dataset.reads == 4 * len(tail)  # only the rest is read
+        assert resumed.loader.dataloader.dataset.dataset.reads == 4 * len(tail)  # only the rest is read
 
 
-def test_an_iterable_dataset_without_state_resumes_by_replaying() -> None:
-    first = _prepare(DataLoader(PlainStream(12), batch_size=2), 2, 0)
-    stream = iter(first)
-    next(stream)
-    saved = first.state_dict()
-    tail = as_lists(stream)
-    fresh = _prepare(DataLoader(PlainStream(12), batch_size=2), 2, 0)
-    fresh.load_state_dict(saved)
-    assert as_lists(fresh) == tail == [[4, 5], [8, 9]]
+def test_an_iterable_dataset_without_state_resumes_by_replaying(tmp_path: Path) -> None:
+    def fresh() -> fa.RunState:
+        return _stepping(_prepare(DataLoader(PlainStream(12), batch_size=2), 2, 0))
+
+    state, head = train(fresh(), stop_after=1)
+    fa.save(state, tmp_path / "ckpt")
+    state, tail = train(state)
+    _, again = train(fa.load(fresh(), tmp_path / "ckpt"))
+    assert head == [[0, 1]] and again == tail == [[4, 5], [8, 9]]
 
 
 def test_set_epoch_reaches_the_dataset() -> None:
@@ -365,23 +379,27 @@ def test_set_epoch_reaches_the_dataset() -> None:
 
 
 def test_batches_cross_epochs_and_reshuffle() -> None:
-    state = _state(_prepare(DataLoader(Indices(8), batch_size=4, shuffle=True), seed=1))
+    state = _stepping(_prepare(DataLoader(Indices(8), batch_size=4, shuffle=True), seed=1))
     seen = []
     for batch in batches(state, epochs=2):
-        seen.append((batch.tolist(), state.loader.epoch))
-    assert [e for _, e in seen] == [0, 0, 1, 1] and state.loader.epoch == 2
+        seen.append((batch.tolist(), state.epoch))  # the epoch of the batch about to be stepped
+        state, _ = fa.step(state, batch)
+    assert [e for _, e in seen] == [0, 0, 1, 1] and state.data_position == fa.DataPosition(epoch=2)
     assert sum((b for b, _ in seen[:2]), []) == epoch_order(8, seed=1, epoch=0, shuffle=True).tolist()
     assert sum((b for b, _ in seen[2:]), []) == epoch_order(8, seed=1, epoch=1, shuffle=True).tolist()
     assert list(batches(state, epochs=2)) == []  # already through epoch 1
 
 
 def test_batches_without_epochs_yields_the_rest_of_the_current_epoch() -> None:
-    state = _state(_prepare(DataLoader(Indices(6), batch_size=2)))
+    state = _stepping(_prepare(DataLoader(Indices(6), batch_size=2)))
     stream = batches(state)
-    assert next(stream).tolist() == [0, 1]
-    assert as_lists(batches(state)) == [[2, 3], [4, 5]]  # the live loader continues
-    assert state.loader.epoch == 1
-    assert as_lists(batches(state)) == [[0, 1], [2, 3], [4, 5]]
+    state, _ = fa.step(state, next(stream))
+    assert state.data_position == fa.DataPosition(epoch=0, num_batches=1)
+    state, rest = train(state)
+    assert rest == [[2, 3], [4, 5]]  # from the state's position: the live loader continues
+    assert state.epoch == 1
+    state, rest = train(state)
+    assert rest == [[0, 1], [2, 3], [4, 5]] and state.epoch == 2
     assert len(state.loader) == 3
 
 
@@ -433,3 +451,22 @@ def test_bad_input_is_refused_with_the_fix() -> None:
         prepare_loader(DataLoader(Indices(2)), _ctx(), seed=0, config={})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="in_order=False"):
         _prepare(DataLoader(Indices(4), batch_size=2, num_workers=1, in_order=False))
+
+
+def test_a_sampler_with_its_own_generator_resumes_in_new_objects_and_refuses_a_rewind(tmp_path: Path) -> None:
+    """A kept sampler that draws from its own generator cannot re-read a position in the
+    same process (the generator moved on): that is refused, never silently other batches.
+    In freshly prepared objects, after fa.load, the position replays exactly."""
+    def fresh() -> fa.RunState:
+        data = Indices(8)
+        sampler = RandomSampler(data, replacement=True, generator=torch.Generator().manual_seed(1))
+        return stepping(fa.init(seed=0, cpu=True),
+                        prepare_loader(DataLoader(data, batch_size=2, sampler=sampler), fa.DistContext(), seed=0))
+
+    _, whole = train(fresh(), epochs=1)
+    state, head = train(fresh(), epochs=1, stop_after=1)  # fetched a second batch, never stepped it
+    fa.save(state, tmp_path / "ckpt")
+    _, rest = train(fa.load(fresh(), tmp_path / "ckpt"), epochs=1)
+    assert head + rest == whole
+    with pytest.raises(ValueError, match="cannot be rewound.*shuffle=True"):
+        train(state, epochs=1)
