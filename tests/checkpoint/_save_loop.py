@@ -20,6 +20,7 @@ def main(path: str) -> None:
     while True:
         state = state.replace(epoch=state.epoch + 1)  # each save is recognisable by its epoch
         fa.save(state, path)
+        print(f"saved {state.epoch}", flush=True)
 
 
 if __name__ == "__main__":  # a script: importing it (doctest collection) must not run it

@@ -25,19 +25,28 @@ def _fresh() -> fa.RunState:
                       loss_fn=lambda m, b: m(b).pow(2).mean())
 
 
+def manifest_epoch(path: Path) -> int:
+    return int(json.loads((path / "fnaccel.json").read_text())["epoch"])
+
+
 def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     epochs_seen = set()
-    # several kill points: after the first save, at growing delays into the save loop
-    for delay in (0.0, 0.05, 0.13, 0.29, 0.41):
+    # several kill points: after a number of saves, at growing delays into the next one
+    for saves, delay in ((0, 0.0), (1, 0.05), (2, 0.13), (1, 0.29), (3, 0.41)):
         proc = subprocess.Popen([sys.executable, str(SCRIPT), str(path)], stdout=subprocess.PIPE,
                                 text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "first save done"
+        for _ in range(saves):
+            assert proc.stdout.readline().startswith("saved")
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
+        assert manifest_epoch(path) >= saves
 
+        # the next run's first save removed what this one's killed save left: one at most
+        assert len([p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")]) <= 1
         manifest = json.loads((path / "fnaccel.json").read_text())
         epochs_seen.add(manifest["epoch"])
         state = fa.load(_fresh(), path)  # verifies every checksum
