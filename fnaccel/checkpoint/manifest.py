@@ -18,8 +18,9 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from fnaccel._errors import CheckpointError
@@ -64,7 +65,7 @@ def _files(value: Any) -> bool:
 
 
 # every key of a manifest, what it must be, and the test
-_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+_FIELDS: Mapping[str, tuple[str, Callable[[Any], bool]]] = MappingProxyType({
     "format": (repr(FORMAT), lambda v: v == FORMAT),
     "schema_version": (str(SCHEMA_VERSION), lambda v: v == SCHEMA_VERSION and not isinstance(v, bool)),
     "num_processes": ("an integer >= 1", lambda v: _count(v) and v >= 1),
@@ -77,7 +78,7 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
              lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values()))),
     "files": ('an object of relative file names to {"sha256": 64 hex digits, "size": bytes}', _files),
     "manifest_sha256": ("64 hex digits", lambda v: isinstance(v, str) and bool(_SHA256.fullmatch(v))),
-}
+})
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

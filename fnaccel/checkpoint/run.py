@@ -22,7 +22,7 @@ each rank writing the shards it holds:
 
     sharded/rank<r>.safetensors  rank r's chunks of parameters and optimizer state
     sharded/metadata.json        DCP's index: shapes, dtypes, chunks, their files (rank 0)
-    sharded/state.json           param groups, non-tensor optimizer state (rank 0)
+    sharded/state.json           optimizer class, param groups, non-tensor state (rank 0)
 
 Rank 0 writes the shared files; every rank writes its own; rank 0 then writes
 the manifest and moves the directory into place atomically (writer.py,
@@ -261,7 +261,7 @@ def load(state: RunState, path: str | Path) -> RunState:
     if weights is not None:
         assert module is not None
         module.load_state_dict(weights, strict=True)
-    if optimizer_sd is not None:
+    if optimizer_sd is not None and state.optimizer is not None:
         state.optimizer.load_state_dict(optimizer_sd)
     if scheduler_sd is not None:
         state.scheduler.load_state_dict(scheduler_sd)

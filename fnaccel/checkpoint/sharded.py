@@ -10,7 +10,8 @@ values (the optimizer's param groups, any plain numbers) go to JSON::
     sharded/rank<r>.safetensors   the chunks rank r holds, one tensor per chunk
     sharded/metadata.json         DCP's Metadata: every key's global shape, dtype
                                   and chunks; which file and key holds each chunk (rank 0)
-    sharded/state.json            param groups and other non-tensor values (rank 0)
+    sharded/state.json            the optimizer's class, param groups and other
+                                  non-tensor values (rank 0)
 
 DCP's stock `FileSystemWriter` is not used: it pickles its ``.metadata`` file
 even with ``SerializationFormat.SAFETENSORS`` and stores non-tensor values
@@ -20,6 +21,9 @@ memory-mapping the files, past the manifest's checksums. Here a small
 `StorageWriter`/`StorageReader` pair stores the same Metadata as JSON and
 moves every byte through `fnaccel.checkpoint.files` (fsynced writes,
 sha256-verified reads), so a sharded checkpoint is as safe as a plain one.
+A load checks the index first (`metadata_from`: chunks inside their tensors,
+files among the manifest's, declared sizes within theirs) and the live
+model's keys, shapes and dtypes against it before DCP writes a byte.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ on the caller's thread; an asynchronous one copies the snapshot's tensors to
 the CPU first and writes on a background thread, coordinating the ranks over
 a process group of its own so its collectives never meet training's.
 
-Every run has one `SaveQueue` (a live object in its state, like the model):
-a save waits for the one before it and re-raises its error, and
-`fa.shutdown` waits for the last one.
+A run's saves go one at a time through its `SaveQueue` (queue.py): a save
+waits for the one before it and re-raises its error, and `fa.shutdown` waits
+for the last one.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from fnaccel.checkpoint.files import (
     write_tensors,
 )
 from fnaccel.checkpoint.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, manifest_hash
-from fnaccel.checkpoint.queue import SaveHandle
 from fnaccel.checkpoint.sharded import ShardedSnapshot, is_sharded, snapshot_sharded, write_sharded
 from fnaccel.checkpoint.tied import untie
 from fnaccel.dist import DistContext

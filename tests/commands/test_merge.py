@@ -148,7 +148,7 @@ def test_remove_checkpoint_dir(saved: Path, tmp_path: Path, capsys: pytest.Captu
 def test_writing_into_the_checkpoint_itself_is_refused(
     saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fnaccel.checkpoint.run import read_manifest
+    from fnaccel.checkpoint.manifest import read_manifest
 
     source = _copy(saved / "ckpt", tmp_path / "ckpt")
     before = {p.name: p.read_bytes() for p in source.rglob("*") if p.is_file()}
