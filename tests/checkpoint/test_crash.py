@@ -58,3 +58,23 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path: Path) -> No
             if (tmp_path / leftover / "fnaccel.json").exists():
                 fa.load(_fresh(), tmp_path / leftover)
     assert len(epochs_seen) > 1  # the kills did land at different points of the loop
+
+
+def test_sigkill_during_rotation_never_shows_a_checkpoint_without_its_manifest(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    for saves, delay in ((1, 0.0), (2, 0.19), (3, 0.43)):
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "rotate"], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "first save done"
+        for _ in range(saves):
+            assert proc.stdout.readline().startswith("saved")
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        visible = [p for p in root.iterdir() if not p.name.startswith(".")]
+        assert visible and all((p / "fnaccel.json").is_file() for p in visible), sorted(os.listdir(root))
+        newest = max(visible, key=lambda p: int(p.name.removeprefix("checkpoint_")))
+        assert fa.load(_fresh(), newest).epoch == manifest_epoch(newest)
+        # the leftovers of earlier kills went with later saves: only this kill's remain
+        assert len([p for p in root.iterdir() if p.name.startswith(".")]) <= 2, sorted(os.listdir(root))
