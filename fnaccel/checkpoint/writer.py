@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,14 +132,15 @@ def take_snapshot(
 
 
 def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
-                   on_commit: Any = None) -> None:
+                   on_commit: Callable[[Path], None]) -> None:
     """Write ``snap`` into a temporary sibling of ``final`` and move it into place.
 
     Collective over ``ctx``: every rank calls it. Writers (rank 0, or each
     machine's first process with ``save_on_each_node``) first remove what
     crashed saves to ``final`` left, create the marked temporary directory,
-    write the shared files and the manifest, and commit. A writer whose save
-    fails (a full disk) removes its temporary directory before raising.
+    write the shared files and the manifest, commit, then call
+    ``on_commit(final)`` (rotation). A writer whose save fails (a full disk)
+    removes its temporary directory before raising.
 
     Raises:
         CheckpointError: naming ``final`` and the temporary directory removed.
@@ -183,6 +185,6 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
             f"{final}: the save failed ({type(exc).__name__}: {exc}); its partial directory {tmp} "
             "was removed"
         ) from exc
-    if snap.writer and on_commit is not None:
+    if snap.writer:
         on_commit(final)
     wait_for_everyone(ctx)

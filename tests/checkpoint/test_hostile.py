@@ -209,3 +209,22 @@ def test_hostile_files_are_named_at_once_without_reading_them(
     assert __import__("re").search(match, result["message"]), result["message"]
     assert result["seconds"] < 1.0, result  # the bound: named within a second
     assert result["grown_mb"] < 64, result  # nothing was read whole
+
+
+def test_a_registered_object_gets_tensors_of_its_own_shape_or_an_error(tmp_path: Path) -> None:
+    from tests.checkpoint.test_project import Ema
+
+    def run(value: float) -> fa.RunState:
+        return fa.utils.register_for_checkpointing(_fresh(), ema=Ema(value))
+
+    fa.save(run(1.0), tmp_path / "ckpt")
+    _edit_tensors(tmp_path / "ckpt", "extras.safetensors",
+                  lambda t: _set_scalar(t, "ema/shadow/w", torch.zeros(5)))
+    state = run(2.0)
+    with pytest.raises(fa.CheckpointError, match=r"extras.json: ema: key 'shadow/w' has shape \(5,\)"):
+        fa.load(state, tmp_path / "ckpt")
+    state.check_fresh("the test")
+    assert torch.equal(state.extras["ema"].shadow["w"], torch.full((3,), 2.0))  # untouched
+    _edit_json(tmp_path / "ckpt", "extras.json", lambda v: v["ema"].update(shadow={"w": {"__tensor__": "gone"}}))
+    with pytest.raises(fa.CheckpointError, match=r"extras.json: ema: placeholder 'gone' names no tensor"):
+        fa.load(run(2.0), tmp_path / "ckpt")
