@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from fnaccel._errors import CheckpointError
+from fnaccel.checkpoint.checks import check_like, kind_of
 from fnaccel.rng import RNGState
 
-__all__ = ["load_optimizer", "optimizer_payload", "rng_from", "rng_payload"]
+__all__ = ["check_kind", "optimizer_payload", "optimizer_state", "restore_groups", "rng_from", "rng_payload"]
 
 
 def _param_names(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> list[str]:
@@ -36,7 +37,7 @@ def _param_names(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> 
 def optimizer_payload(
     optimizer: torch.optim.Optimizer, names: Mapping[int, str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``(tensors, json)`` of an optimizer's state_dict, keyed by parameter name."""
+    """``(tensors, json)`` of an optimizer's state_dict, keyed by parameter name, with its class."""
     order = _param_names(optimizer, names)
     state_dict = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -52,41 +53,101 @@ def optimizer_payload(
         {**{k: v for k, v in group.items() if k != "params"}, "params": [order[i] for i in group["params"]]}
         for group in state_dict["param_groups"]
     ]
-    return tensors, {"param_groups": groups, "scalars": scalars}
+    return tensors, {"kind": kind_of(optimizer), "param_groups": groups, "scalars": scalars}
 
 
-def load_optimizer(
-    optimizer: torch.optim.Optimizer,
-    names: Mapping[int, str],
-    tensors: Mapping[str, torch.Tensor],
-    saved: Mapping[str, Any],
-    source: str,
-) -> None:
-    """Restore an optimizer from `optimizer_payload`'s output."""
-    order = _param_names(optimizer, names)
-    index = {name: i for i, name in enumerate(order)}
-    current = optimizer.state_dict()["param_groups"]
-    saved_groups = saved["param_groups"]
-    if [g["params"] for g in saved_groups] != [[order[i] for i in g["params"]] for g in current]:
+def check_kind(saved: Any, live: object, source: str) -> None:
+    """Refuse an optimizer or scheduler saved from another class (AdamW's state into SGD)."""
+    kind = saved.get("kind") if isinstance(saved, Mapping) else None
+    if kind != kind_of(live):
+        raise CheckpointError(
+            f"{source}: key 'kind': saved from {kind!r}, but this run's is {kind_of(live)!r}; "
+            "build it the same way as the run that saved the checkpoint"
+        )
+
+
+def restore_groups(saved: Any, current: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+    """The saved param groups, checked against the live optimizer's (``params`` as names in
+    both), with the live ``params`` and the live tuple types (JSON has none) put back."""
+    if not (isinstance(saved, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                            for g in saved)):
+        raise CheckpointError(f"{source}: key 'param_groups' must be a list of objects with 'params'")
+    if [g["params"] for g in saved] != [list(g["params"]) for g in current]:
         raise CheckpointError(
             f"{source}: the optimizer's parameter groups do not match the checkpoint's "
-            f"(saved {[len(g['params']) for g in saved_groups]} parameters per group); build "
-            "the optimizer the same way as the run that saved it"
+            f"(saved {[len(g['params']) for g in saved]} parameters per group); build the "
+            "optimizer the same way as the run that saved it"
         )
+    restored = []
+    for i, (group, now) in enumerate(zip(saved, current)):
+        settings = {k: v for k, v in group.items() if k != "params"}
+        # keys one side lacks are allowed (a scheduler adds initial_lr): the values both have must fit
+        check_like(settings, {k: v for k, v in now.items() if k != "params"}, f"{source}: param_groups/{i}",
+                   strict=False)
+        restored.append({**{k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in settings.items()},
+                         "params": now["params"]})
+    return restored
+
+
+def _check_state_tensor(key: str, value: torch.Tensor, param: torch.Tensor, source: str) -> None:
+    """A per-parameter optimizer state tensor: a scalar (a step count) or the parameter's
+    shape with size 1 allowed in any dimension (Adafactor's factored moments), in the
+    parameter's dtype."""
+    if value.ndim == 0:
+        if value.dtype.is_complex or value.dtype == torch.bool:
+            raise CheckpointError(f"{source}: key {key!r} has dtype {value.dtype}, not a real number")
+        return
+    fits = value.ndim == param.ndim and all(s in (1, n) for s, n in zip(value.shape, param.shape))
+    if not fits or value.dtype != param.dtype:
+        raise CheckpointError(
+            f"{source}: key {key!r} has shape {tuple(value.shape)} and dtype {value.dtype}, but its "
+            f"parameter has shape {tuple(param.shape)} and dtype {param.dtype}"
+        )
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    params: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
+    saved: Any,
+    source: str,
+) -> dict[str, Any]:
+    """The state_dict to give ``optimizer``, built from `optimizer_payload`'s output and checked
+    (class, groups, every state entry) before anything is restored. ``params``: name to parameter."""
+    if not isinstance(saved, dict) or set(saved) != {"kind", "param_groups", "scalars"}:
+        raise CheckpointError(f"{source}: must hold exactly the keys 'kind', 'param_groups', 'scalars'")
+    check_kind(saved, optimizer, source)
+    by_id = {id(p): n for n, p in params.items()}
+    order = _param_names(optimizer, by_id)
+    index = {name: i for i, name in enumerate(order)}
+    current = optimizer.state_dict()
+    named = [{**g, "params": [order[i] for i in g["params"]]} for g in current["param_groups"]]
+    groups = restore_groups(saved["param_groups"], named, source)
+    for group, now in zip(groups, current["param_groups"]):
+        group["params"] = now["params"]
+    live = {order[i]: fields for i, fields in current["state"].items()}
     state: dict[int, dict[str, Any]] = {}
+    tensor_source = source.removesuffix(".json") + ".safetensors"
     for key, value in tensors.items():
         name, _, field = key.rpartition("/")
         if name not in index:
-            raise CheckpointError(f"{source}: optimizer state for unknown parameter {name!r}")
+            raise CheckpointError(f"{tensor_source}: key {key!r}: optimizer state for unknown parameter {name!r}")
+        _check_state_tensor(key, value, params[name], tensor_source)
         state.setdefault(index[name], {})[field] = value
-    for name, fields in saved["scalars"].items():
+    scalars = saved["scalars"]
+    if not isinstance(scalars, dict):
+        raise CheckpointError(f"{source}: key 'scalars' must be an object of parameter names")
+    for name, fields in scalars.items():
+        if name not in index or not isinstance(fields, dict):
+            raise CheckpointError(f"{source}: key 'scalars/{name}': not a parameter of this optimizer")
+        for field, value in fields.items():
+            if not (value is None or isinstance(value, (bool, int, float, str))):
+                raise CheckpointError(f"{source}: key 'scalars/{name}/{field}' must be a number, string or null")
         state.setdefault(index[name], {}).update(fields)
-    groups = []
-    for group, now in zip(saved_groups, current):
-        restored = {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in group.items()}
-        restored["params"] = now["params"]
-        groups.append(restored)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    for name, fields in live.items():  # a run that already stepped: its state says what fits
+        if index[name] in state:
+            check_like(state[index[name]], fields, f"{source}: state of {name!r}", strict=False)
+    return {"state": state, "param_groups": groups}
 
 
 def rng_payload(rng: RNGState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -100,17 +161,42 @@ def rng_payload(rng: RNGState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
     return tensors, {"python": [version, list(words), gauss], "cuda": len(rng.cuda), "numpy": numpy}
 
 
-def rng_from(tensors: Mapping[str, torch.Tensor], saved: Mapping[str, Any]) -> RNGState:
+def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, source: str) -> RNGState:
+    """The generators `rng_payload` stored, checked against this process's (``live``):
+    the same generators, each state of the same size, every word in range."""
+    tensor_source = source.removesuffix(".json") + ".safetensors"
+    _, live_json = rng_payload(live)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{source}: key 'rng' must be an object")
+    check_like(saved, live_json, f"{source}: rng")
+    if saved["cuda"] != len(live.cuda) or (saved["numpy"] is None) != (live.numpy is None):
+        raise CheckpointError(
+            f"{source}: key 'rng': saved with {saved['cuda']} CUDA generator(s) and NumPy "
+            f"{'absent' if saved['numpy'] is None else 'present'}, this process has {len(live.cuda)} and "
+            f"NumPy {'absent' if live.numpy is None else 'present'}; resume on the same kind of machine"
+        )
     version, words, gauss = saved["python"]
+    if not all(isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2**32 for w in words) or not (
+        gauss is None or isinstance(gauss, (int, float))
+    ):
+        raise CheckpointError(f"{source}: key 'rng/python' is not a Python generator state")
+    for name, now in (("rng/torch", live.torch), *((f"rng/cuda/{i}", s) for i, s in enumerate(live.cuda))):
+        value = tensors.get(name)
+        if value is None:
+            raise CheckpointError(f"{tensor_source}: key {name!r} is missing")
+        check_like(value, now, tensor_source + f": {name}")
     numpy = None
-    if saved["numpy"] is not None:
+    if saved["numpy"] is not None and live.numpy is not None:
         import numpy as np
 
         kind, key, pos, has_gauss, cached = saved["numpy"]
+        if kind != live.numpy[0] or not all(isinstance(k, int) and 0 <= k < 2**32 for k in key) \
+                or not 0 <= pos <= len(key) or has_gauss not in (0, 1):
+            raise CheckpointError(f"{source}: key 'rng/numpy' is not a NumPy generator state")
         numpy = (kind, np.array(key, dtype=np.uint32), pos, has_gauss, cached)
     return RNGState(
         python=(version, tuple(words), gauss),
         torch=tensors["rng/torch"],
-        cuda=tuple(tensors[f"rng/cuda/{i}"] for i in range(saved["cuda"])),
+        cuda=tuple(tensors[f"rng/cuda/{i}"] for i in range(len(live.cuda))),
         numpy=numpy,
     )

@@ -65,12 +65,16 @@ def split(value: Any, where: str, tensors: dict[str, torch.Tensor], copy: bool) 
     )
 
 
-def join(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """The inverse of `split`."""
+def join(tree: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
+    """The inverse of `split`; a placeholder naming no stored tensor is a `CheckpointError`
+    naming ``where`` (the file and the object)."""
     if isinstance(tree, dict):
         if set(tree) == {_PLACEHOLDER}:
-            return tensors[tree[_PLACEHOLDER]]
-        return {key: join(item, tensors) for key, item in tree.items()}
+            key = tree[_PLACEHOLDER]
+            if not isinstance(key, str) or key not in tensors:
+                raise CheckpointError(f"{where}: placeholder {key!r} names no tensor in extras.safetensors")
+            return tensors[key]
+        return {key: join(item, tensors, where) for key, item in tree.items()}
     if isinstance(tree, list):
-        return [join(item, tensors) for item in tree]
+        return [join(item, tensors, where) for item in tree]
     return tree

@@ -1,13 +1,19 @@
 """Writing a checkpoint directory atomically, and reading it back verified.
 
-A checkpoint is written into a hidden sibling directory (``.<name>.tmp-<id>``),
-every file fsynced, the manifest last, the directory fsynced, and only then
-moved to its name. Over an existing checkpoint the move is an atomic
-exchange (Linux ``renameat2(RENAME_EXCHANGE)``), after which the old one is
-deleted: at every instant the name holds a complete checkpoint, old or new.
-A crash leaves at worst a hidden ``.tmp-`` directory beside it, which nothing
-mistakes for a checkpoint. Files are hashed as they are written (sha256) and
-checked as they are read, so a flipped byte names its file.
+A checkpoint is written into a hidden sibling directory (``.<name>.tmp-<id>``,
+marked by a `LEFTOVER_MARKER` file written first), every file fsynced, the
+manifest last, the directory fsynced, and only then moved to its name. Over
+an existing checkpoint the move is an atomic exchange (Linux
+``renameat2(RENAME_EXCHANGE)``), after which the old one is deleted: at every
+instant the name holds a complete checkpoint, old or new. A crash leaves at
+worst a hidden, marked directory beside it, which nothing mistakes for a
+checkpoint and the next save to that name removes (`remove_leftovers`).
+
+Reading trusts nothing: a file is opened only if it is a regular file inside
+the checkpoint directory (no symbolic link, FIFO or device, no ``..``), its
+size is compared with the manifest's before a byte is read, the read is
+bounded by that size, and its sha256 is checked, so a flipped byte names its
+file.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -30,13 +38,20 @@ from safetensors.torch import save as save_safetensors
 from fnaccel._errors import CheckpointError
 
 __all__ = [
+    "LEFTOVER_MARKER",
     "commit",
-    "replace_atomically",
-    "json_copy",
+    "discard",
     "fsync_dir",
+    "json_copy",
+    "make_temporary",
+    "read_bounded",
     "read_json",
     "read_tensors",
     "read_verified",
+    "regular_size",
+    "remove_leftovers",
+    "replace_atomically",
+    "safe_relative",
     "temporary_sibling",
     "write_bytes",
     "write_json",
@@ -45,11 +60,67 @@ __all__ = [
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+LEFTOVER_MARKER = ".fnaccel-leftover"  # inside every directory fnaccel may delete as its own leftover
+_CHUNK = 1 << 30  # reads go in pieces of at most 1 GiB (Linux returns at most ~2 GiB per read)
 
 
 def temporary_sibling(final: Path, token: str) -> Path:
     """The hidden directory a checkpoint for ``final`` is written into."""
     return final.parent / f".{final.name}.tmp-{token}"
+
+
+def _mark(directory: Path) -> None:
+    """Mark ``directory`` as fnaccel's own, to be deleted (see `remove_leftovers`)."""
+    (directory / LEFTOVER_MARKER).write_bytes(b"fnaccel: a checkpoint being written or deleted\n")
+
+
+def make_temporary(final: Path, token: str) -> Path:
+    """Create the marked temporary directory a checkpoint for ``final`` is written into."""
+    tmp = temporary_sibling(final, token)
+    tmp.mkdir()
+    _mark(tmp)
+    return tmp
+
+
+def remove_leftovers(parent: Path, names: str) -> list[Path]:
+    """Delete what fnaccel's own crashed or failed saves left in ``parent``.
+
+    Only hidden directories named ``.<name>.tmp-<32 hex>`` or ``.<name>.old-<32 hex>``,
+    ``<name>`` matching the regular expression ``names``, that hold a
+    `LEFTOVER_MARKER` regular file are removed: a directory with the right name
+    but no marker (or a symbolic link) is someone else's and is kept. Returns
+    the directories removed.
+    """
+    pattern = re.compile(r"\.(" + names + r")\.(tmp|old)-[0-9a-f]{32}")
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if not (pattern.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+            continue
+        try:
+            marked = stat.S_ISREG(os.lstat(Path(entry.path) / LEFTOVER_MARKER).st_mode)
+        except OSError:
+            marked = False
+        if marked:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+    return removed
+
+
+def safe_relative(name: object, where: str) -> str:
+    """``name`` if it is a relative path that stays inside its directory, else a `CheckpointError`."""
+    if not (
+        isinstance(name, str) and name and not name.startswith("/") and "\\" not in name and "\0" not in name
+        and all(part not in ("", ".", "..") for part in name.split("/"))
+    ):
+        raise CheckpointError(
+            f"{where}: file name {name!r} does not name a file inside the checkpoint "
+            "(absolute, empty, '.' or '..' parts); the checkpoint was edited or is hostile"
+        )
+    return name
 
 
 def fsync_dir(path: Path) -> None:
@@ -114,31 +185,102 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any
     return write_bytes(path, data)
 
 
+def _open_inside(directory: Path, name: str) -> int:
+    """A read-only descriptor of the regular file ``directory/name``, opened without
+    following a symbolic link at any step below ``directory`` and without blocking
+    on a FIFO; anything else is a `CheckpointError` naming the path."""
+    path = directory / name
+    *parents, leaf = safe_relative(name, str(directory)).split("/")
+    nofollow = os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: no such checkpoint directory") from None
+    except NotADirectoryError:
+        raise CheckpointError(f"{directory}: not a directory") from None
+    try:
+        for part in parents:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | nofollow, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        file_fd = os.open(leaf, os.O_RDONLY | os.O_NONBLOCK | nofollow, dir_fd=fd)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing from the checkpoint") from None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise CheckpointError(
+                f"{path}: a symbolic link (or a path through one); a checkpoint's files must be "
+                "regular files inside its directory"
+            ) from None
+        raise CheckpointError(f"{path}: cannot be opened ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    mode = os.fstat(file_fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(file_fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
+            else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise CheckpointError(f"{path}: {kind}; a checkpoint's files must be regular files inside its directory")
+    return file_fd
+
+
+def regular_size(directory: Path, name: str) -> int:
+    """The size of ``directory/name``, a regular file inside ``directory`` (see `_open_inside`)."""
+    fd = _open_inside(directory, name)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def read_bounded(directory: Path, name: str, *, size: int | None = None, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``directory/name`` (see `_open_inside`), read only
+    after ``fstat`` agrees: exactly ``size`` bytes, or at most ``limit``."""
+    path = directory / name
+    fd = _open_inside(directory, name)
+    try:
+        actual = os.fstat(fd).st_size
+        if size is not None and actual != size:
+            raise CheckpointError(f"{path}: truncated or extended ({actual} bytes, the manifest says {size})")
+        if limit is not None and actual > limit:
+            raise CheckpointError(f"{path}: {actual} bytes, more than the {limit} such a file may hold")
+        pieces, left = [], actual
+        while left > 0:  # one read for any file under 1 GiB: no copy beyond the bytes returned
+            piece = os.read(fd, min(left, _CHUNK))
+            if not piece:
+                raise CheckpointError(f"{path}: truncated while being read ({actual - left} of {actual} bytes)")
+            pieces.append(piece)
+            left -= len(piece)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)  # b"" for an empty file
+    finally:
+        os.close(fd)
+
+
 def read_verified(directory: Path, name: str, manifest: dict[str, Any]) -> bytes:
-    """A file's bytes, checked against the manifest's size and sha256."""
+    """A file's bytes, checked against the manifest's size (before reading) and sha256."""
     entry = manifest["files"].get(name)
     if entry is None:
         raise CheckpointError(f"{directory}: the manifest lists no file {name!r}")
-    path = directory / name
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing from the checkpoint") from None
-    if len(data) != entry["size"]:
-        raise CheckpointError(
-            f"{path}: truncated or extended ({len(data)} bytes, the manifest says {entry['size']})"
-        )
+    data = read_bounded(directory, name, size=entry["size"])
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise CheckpointError(f"{path}: corrupt (its sha256 does not match the manifest)")
+        raise CheckpointError(f"{directory / name}: corrupt (its sha256 does not match the manifest)")
     return data
 
 
 def read_json(directory: Path, name: str, manifest: dict[str, Any]) -> Any:
-    return json.loads(read_verified(directory, name, manifest))
+    try:
+        return json.loads(read_verified(directory, name, manifest))
+    except (ValueError, RecursionError):  # hashes matched: written so on purpose
+        raise CheckpointError(f"{directory / name}: not valid JSON (or nested too deeply)") from None
 
 
 def read_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return load_safetensors(read_verified(directory, name, manifest))
+    try:
+        return load_safetensors(read_verified(directory, name, manifest))
+    except Exception as exc:  # safetensors raises its own SafetensorError, not a subclass we can name
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{directory / name}: not a valid safetensors file ({exc})") from None
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -157,24 +299,37 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
-def _discard(old: Path, manifest: str) -> None:
-    """Delete a replaced checkpoint, its manifest first: a deletion cut short
-    leaves files without a manifest, which nothing takes for a checkpoint."""
+def _delete(old: Path, manifest: str) -> None:
+    """Delete a marked, hidden former checkpoint, its manifest first."""
     (old / manifest).unlink(missing_ok=True)
     fsync_dir(old)
     shutil.rmtree(old)
 
 
+def discard(checkpoint: Path, manifest: str) -> None:
+    """Delete a complete checkpoint without ever showing it half deleted: it is marked,
+    moved to a hidden ``.<name>.old-<id>`` (a crash then leaves a leftover that
+    `remove_leftovers` recognises), then deleted."""
+    _mark(checkpoint)
+    aside = checkpoint.parent / f".{checkpoint.name}.old-{uuid.uuid4().hex}"
+    os.rename(checkpoint, aside)
+    fsync_dir(checkpoint.parent)
+    _delete(aside, manifest)
+
+
 def commit(tmp: Path, final: Path, manifest: str) -> None:
     """Move the complete checkpoint ``tmp`` to ``final``, replacing an older one atomically."""
+    (tmp / LEFTOVER_MARKER).unlink()
     fsync_dir(tmp)
     if not final.exists():
         os.rename(tmp, final)
     elif _exchange(tmp, final):
-        _discard(tmp, manifest)  # tmp now holds the old checkpoint
+        _mark(tmp)  # tmp now holds the old checkpoint
+        _delete(tmp, manifest)
     else:  # no atomic exchange here: the old one moves aside first, then is deleted
         aside = final.parent / f".{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
         os.rename(final, aside)
         os.rename(tmp, final)
-        _discard(aside, manifest)
+        _mark(aside)
+        _delete(aside, manifest)
     fsync_dir(final.parent)

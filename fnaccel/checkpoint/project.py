@@ -2,15 +2,18 @@
 
 With ``automatic_checkpoint_naming=True``, ``fa.save(state)`` writes
 ``<project_dir>/checkpoints/checkpoint_<n>`` with ``n`` one past the highest
-complete checkpoint there (a pure function of the directory, no counter kept
-in memory); with ``total_limit=k`` the oldest complete checkpoints beyond the
-newest ``k`` are deleted after each save, never the one just written.
+``checkpoint_<n>`` there, complete or not (a pure function of the directory,
+no counter kept in memory); with ``total_limit=k`` the oldest complete
+checkpoints beyond the newest ``k`` are deleted after each save, never the
+one just written. A deleted checkpoint is first renamed to a hidden, marked
+leftover, so a crash never leaves a visible ``checkpoint_<n>`` without its
+manifest; the leftovers of crashed saves and deletions go with the next
+rotation.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,8 @@ from fnaccel.kwargs import KwargsHandler
 
 __all__ = ["ProjectConfiguration", "next_checkpoint", "project_of", "rotate"]
 
-_NAME = re.compile(r"checkpoint_(\d+)$")
+_NAMES = r"checkpoint_\d+"
+_NAME = re.compile(r"checkpoint_(\d+)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,29 +57,37 @@ class ProjectConfiguration(KwargsHandler):
             raise ValueError(f"ProjectConfiguration: total_limit must be None or >= 1, got {self.total_limit!r}")
 
 
-def _complete(root: Path) -> list[tuple[int, Path]]:
+def _numbered(root: Path, *, complete: bool) -> list[tuple[int, Path]]:
+    from fnaccel.checkpoint.manifest import MANIFEST  # the file machinery loads with the first save
+
     found = []
     if root.is_dir():
         for path in root.iterdir():
-            match = _NAME.match(path.name)
-            if match and (path / "fnaccel.json").is_file():
+            match = _NAME.fullmatch(path.name)
+            if match and (not complete or (path / MANIFEST).is_file()):
                 found.append((int(match.group(1)), path))
     return sorted(found)
 
 
 def next_checkpoint(project_dir: Path) -> Path:
-    """``checkpoints/checkpoint_<n>``, one past the highest complete one."""
-    existing = _complete(project_dir / "checkpoints")
+    """``checkpoints/checkpoint_<n>``, one past the highest there (a save never
+    lands on a directory it may not replace)."""
+    existing = _numbered(project_dir / "checkpoints", complete=False)
     number = existing[-1][0] + 1 if existing else 0
     return project_dir / "checkpoints" / f"checkpoint_{number}"
 
 
 def rotate(project_dir: Path, total_limit: int, newest: Path) -> None:
-    """Delete the oldest complete checkpoints beyond ``total_limit``, never ``newest``."""
-    existing = [path for _, path in _complete(project_dir / "checkpoints") if path != newest]
+    """Delete the oldest complete checkpoints beyond ``total_limit``, never ``newest``,
+    and the leftovers of crashed saves and deletions there."""
+    from fnaccel.checkpoint.files import discard, remove_leftovers
+    from fnaccel.checkpoint.manifest import MANIFEST
+
+    root = project_dir / "checkpoints"
+    existing = [path for _, path in _numbered(root, complete=True) if path != newest]
     for path in existing[: max(0, len(existing) + 1 - total_limit)]:
-        (path / "fnaccel.json").unlink()  # no longer complete the moment deletion starts
-        shutil.rmtree(path)
+        discard(path, MANIFEST)
+    remove_leftovers(root, _NAMES)
 
 
 def project_of(state: Any) -> tuple[ProjectConfiguration, Path | None]:

@@ -10,7 +10,8 @@ values (the optimizer's param groups, any plain numbers) go to JSON::
     sharded/rank<r>.safetensors   the chunks rank r holds, one tensor per chunk
     sharded/metadata.json         DCP's Metadata: every key's global shape, dtype
                                   and chunks; which file and key holds each chunk (rank 0)
-    sharded/state.json            param groups and other non-tensor values (rank 0)
+    sharded/state.json            the optimizer's class, param groups and other
+                                  non-tensor values (rank 0)
 
 DCP's stock `FileSystemWriter` is not used: it pickles its ``.metadata`` file
 even with ``SerializationFormat.SAFETENSORS`` and stores non-tensor values
@@ -20,11 +21,16 @@ memory-mapping the files, past the manifest's checksums. Here a small
 `StorageWriter`/`StorageReader` pair stores the same Metadata as JSON and
 moves every byte through `fnaccel.checkpoint.files` (fsynced writes,
 sha256-verified reads), so a sharded checkpoint is as safe as a plain one.
+A load checks the index first (`metadata_from`: chunks inside their tensors,
+files among the manifest's, declared sizes within theirs) and the live
+model's keys, shapes and dtypes against it before DCP writes a byte.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,26 +40,34 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fnaccel._errors import CheckpointError
+from fnaccel.checkpoint.checks import kind_of
+from fnaccel.checkpoint.codec import check_kind, restore_groups
 from fnaccel.checkpoint.files import (
     fsync_dir,
     json_copy,
     read_json,
     read_tensors,
+    safe_relative,
     write_json,
     write_tensors,
 )
+from fnaccel.transforms.parallel import unwrap_compiled, unwrap_model
 
-if TYPE_CHECKING:  # fnaccel.state imports the checkpoint writer, which imports this module
+if TYPE_CHECKING:
     from fnaccel.dist import DistContext
     from fnaccel.state import RunState
 
 __all__ = [
+    "METADATA",
     "SHARDED_DIR",
     "ShardedSnapshot",
+    "check_metadata",
+    "checkpoint_error",
     "is_sharded",
     "load_sharded",
-    "save_sharded",
+    "metadata_from",
     "snapshot_sharded",
+    "storage_classes",
     "write_sharded",
 ]
 
@@ -64,20 +78,17 @@ FORMAT = "fnaccel-dcp"
 FORMAT_VERSION = 1
 
 
-def _unwrap_compiled(model: Any) -> Any:
-    """The module inside a `torch.compile` wrapper (`fnaccel.transforms.parallel.unwrap_compiled`)."""
-    from fnaccel.transforms.parallel import unwrap_compiled as unwrap
-
-    return unwrap(model)
-
-
 def is_sharded(model: Any) -> bool:
-    """True for a model sharded by `fsdp()` (an FSDP2 ``FSDPModule``, compiled or not)."""
-    if model is None:
-        return False
-    from torch.distributed.fsdp import FSDPModule
+    """True for a model whose parameters are sharded over the ranks (DTensors, as `fsdp()`
+    leaves them), compiled or wrapped or not.
 
-    return isinstance(_unwrap_compiled(model), FSDPModule)
+    >>> is_sharded(torch.nn.Linear(2, 2)), is_sharded(None)
+    (False, False)
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
+    if model is None or dtensor is None:
+        return False
+    return any(isinstance(p, dtensor.DTensor) for p in unwrap_model(model).parameters())
 
 
 def _rank_file(rank: int) -> str:
@@ -137,7 +148,47 @@ def _metadata_json(metadata: Any, storage: list[dict[str, Any]]) -> dict[str, An
     }
 
 
-def _metadata_from(saved: Mapping[str, Any], source: str) -> tuple[Any, dict[Any, tuple[str, str]]]:
+def check_metadata(metadata: Any, available: int, source: str) -> None:
+    """Every tensor's chunks lie inside it and tile it, and all of them together need at
+    most ``available`` bytes (what the files holding them have): so nothing a hostile
+    index declares is allocated beyond what is on disk."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    total = 0
+    for fqn, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        size = tuple(item.size)
+        if any(not isinstance(n, int) or n < 0 for n in size):
+            raise CheckpointError(f"{source}: key {fqn!r}: size {list(size)} is not a list of counts")
+        covered = 0
+        for chunk in item.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                not (isinstance(o, int) and isinstance(n, int) and 0 <= o and 0 <= n and o + n <= d)
+                for o, n, d in zip(offsets, sizes, size)
+            ):
+                raise CheckpointError(
+                    f"{source}: key {fqn!r}: chunk at {list(offsets)} of size {list(sizes)} does not lie "
+                    f"inside the tensor's size {list(size)}"
+                )
+            covered += math.prod(sizes)
+        if covered != math.prod(size):
+            raise CheckpointError(
+                f"{source}: key {fqn!r}: its chunks cover {covered} elements of {math.prod(size)}"
+            )
+        total += covered * item.properties.dtype.itemsize
+    if total > available:
+        raise CheckpointError(
+            f"{source}: declares {total} bytes of tensors, but the files holding them have {available}; "
+            "the index was edited or is hostile"
+        )
+
+
+def metadata_from(saved: Any, files: Mapping[str, Any], source: str) -> tuple[Any, dict[Any, tuple[str, str]]]:
+    """DCP's Metadata and ``{chunk index: (file, key)}`` from ``sharded/metadata.json``,
+    checked: known dtypes and layouts, chunks inside their tensors, files among the
+    manifest's ``files`` (under ``sharded/``) and declared sizes within theirs."""
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
         Metadata,
@@ -146,21 +197,23 @@ def _metadata_from(saved: Mapping[str, Any], source: str) -> tuple[Any, dict[Any
         TensorStorageMetadata,
     )
 
-    if saved.get("format") != FORMAT or saved.get("format_version") != FORMAT_VERSION:
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT or saved.get("format_version") != FORMAT_VERSION:
+        found = saved if not isinstance(saved, dict) else (saved.get("format"), saved.get("format_version"))
         raise CheckpointError(
-            f"{source}: not a sharded-checkpoint index this fnaccel reads "
-            f"(format {saved.get('format')!r} version {saved.get('format_version')!r})"
+            f"{source}: not a sharded-checkpoint index this fnaccel reads (format and version {found!r})"
         )
+    key = "keys"
     try:
         state_dict_metadata: dict[str, Any] = {}
         for fqn, item in saved["keys"].items():
+            key = f"keys/{fqn}"
             state_dict_metadata[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(
                     dtype=_dtype(item["dtype"], source),
                     layout=_LAYOUTS[item["layout"]],
-                    requires_grad=item["requires_grad"],
+                    requires_grad=bool(item["requires_grad"]),
                     memory_format=_MEMORY_FORMATS[item["memory_format"]],
-                    pin_memory=item["pin_memory"],
+                    pin_memory=bool(item["pin_memory"]),
                 ),
                 size=torch.Size(item["size"]),
                 chunks=[
@@ -168,25 +221,36 @@ def _metadata_from(saved: Mapping[str, Any], source: str) -> tuple[Any, dict[Any
                     for c in item["chunks"]
                 ],
             )
-        storage = {
-            MetadataIndex(s["fqn"], s["offset"]): (s["file"], s["key"]) for s in saved["storage"]
-        }
+        key = "storage"
+        storage: dict[Any, tuple[str, str]] = {}
+        for s in saved["storage"]:
+            key = f"storage/{s.get('fqn')!r}"
+            name = safe_relative(s["file"], source)
+            if not name.startswith(f"{SHARDED_DIR}/") or name not in files:
+                raise CheckpointError(f"{source}: key {key!r}: file {name!r} is not one of the checkpoint's "
+                                      f"{SHARDED_DIR}/ files")
+            if s["fqn"] not in state_dict_metadata or not isinstance(s["key"], str):
+                raise CheckpointError(f"{source}: key {key!r}: names no tensor of the index")
+            storage[MetadataIndex(s["fqn"], s["offset"])] = (name, s["key"])
+        key = "planner_data"
         planner_data = {k: tuple(v) for k, v in saved["planner_data"].items()}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{source}: malformed ({type(exc).__name__}: {exc})") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{source}: key {key!r} is malformed ({type(exc).__name__}: {exc})") from None
     metadata = Metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data=planner_data,
         storage_data=storage,
-        version=saved.get("dcp_version"),
+        version=saved.get("dcp_version") if isinstance(saved.get("dcp_version"), str) else None,
     )
+    available = sum(files[name]["size"] for name in {name for name, _ in storage.values()})
+    check_metadata(metadata, available, source)
     return metadata, storage
 
 
 # -- the storage layer DCP writes through and reads from ------------------------------
 
 
-def _storage_classes() -> tuple[type, type]:
+def storage_classes() -> tuple[type, type]:
     """`_Writer` and `_Reader`, defined on first use (torch.distributed imports lazily)."""
     from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -353,7 +417,7 @@ def _state_dicts(state: RunState, *, for_load: bool) -> tuple[dict[str, Any], li
     (DTensor shards), the live tensors themselves: a load writes into them."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    module = _unwrap_compiled(state.model)
+    module = unwrap_compiled(state.model)
     tree: dict[str, Any] = {"model": get_model_state_dict(module)}
     groups: list[dict[str, Any]] = []
     optimizer = state.optimizer
@@ -380,7 +444,7 @@ def _refuse_mid_accumulation(state: RunState, action: str) -> None:
         )
 
 
-def _checkpoint_error(exc: BaseException, action: str) -> CheckpointError:
+def checkpoint_error(exc: BaseException, action: str) -> CheckpointError:
     """The first rank's own error inside DCP's CheckpointException, as our error."""
     failures = getattr(exc, "failures", {}) or {}
     for rank in sorted(failures):
@@ -400,6 +464,7 @@ class ShardedSnapshot:
     tensors: dict[str, Any]  # {"model": {...}, "optimizer": {"state": {...}}}: DTensor shards
     values: dict[str, Any]  # the same nesting, non-tensor values (JSON)
     param_groups: list[dict[str, Any]]
+    kind: str | None  # the optimizer's class (`kind_of`), None without one
 
 
 def _copied(tree: Mapping[str, Any]) -> dict[str, Any]:
@@ -410,7 +475,7 @@ def _copied(tree: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def snapshot_sharded(state: RunState, *, copy: bool = False, per_node: bool = False) -> ShardedSnapshot:
+def snapshot_sharded(state: RunState, *, copy: bool, per_node: bool) -> ShardedSnapshot:
     """Capture the model's and optimizer's shards now, for `write_sharded`.
 
     ``copy``: shards cloned to the CPU (an asynchronous save writes them while
@@ -437,6 +502,7 @@ def snapshot_sharded(state: RunState, *, copy: bool = False, per_node: bool = Fa
         tensors=_copied(tensors) if copy else tensors,
         values=payload["values"],
         param_groups=payload["param_groups"],
+        kind=None if state.optimizer is None else kind_of(state.optimizer),
     )
 
 
@@ -453,33 +519,19 @@ def write_sharded(snap: ShardedSnapshot, ctx: DistContext, directory: Path) -> d
 
     root = Path(directory)
     (root / SHARDED_DIR).mkdir(exist_ok=True)
-    writer_cls, _ = _storage_classes()
+    writer_cls, _ = storage_classes()
     writer = writer_cls(root, ctx.rank)
     try:
         dcp.save(snap.tensors, storage_writer=writer, planner=DefaultSavePlanner(),
                  process_group=ctx.process_group)
     except CheckpointException as exc:
-        raise _checkpoint_error(exc, "fa.save") from None
+        raise checkpoint_error(exc, "fa.save") from None
     entries: dict[str, dict[str, Any]] = dict(writer.entries)
     if ctx.is_main_process:
-        entries[VALUES] = write_json(root / VALUES, {"values": snap.values, "param_groups": snap.param_groups})
+        entries[VALUES] = write_json(root / VALUES, {"kind": snap.kind, "values": snap.values,
+                                                     "param_groups": snap.param_groups})
         fsync_dir(root / SHARDED_DIR)
     return entries
-
-
-def save_sharded(state: RunState, directory: Path) -> dict[str, dict[str, Any]]:
-    """Write the model's and optimizer's shards under ``directory / "sharded"``.
-
-    Collective: every rank calls it. Returns the manifest entries
-    (``{relative name: {"sha256", "size"}}``) of the files this rank wrote.
-    (`snapshot_sharded` then `write_sharded`: the two halves, for a save
-    that writes later or on another thread.)
-
-    Raises:
-        CheckpointError: between accumulation micro-steps, or a value that
-            cannot be stored without pickle.
-    """
-    return write_sharded(snapshot_sharded(state), state.dist, directory)
 
 
 def _targets(tensors: Mapping[str, Any], metadata: Any, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -504,7 +556,10 @@ def _targets(tensors: Mapping[str, Any], metadata: Any, source: str) -> tuple[di
         )
     mismatched = [
         f"{key!r} has shape {tuple(saved[key].size)} in the checkpoint but {tuple(value.shape)} here"
-        for key, value in wanted.items() if tuple(saved[key].size) != tuple(value.shape)
+        if tuple(saved[key].size) != tuple(value.shape) else
+        f"{key!r} has dtype {saved[key].properties.dtype} in the checkpoint but {value.dtype} here"
+        for key, value in wanted.items()
+        if tuple(saved[key].size) != tuple(value.shape) or saved[key].properties.dtype != value.dtype
     ]
     if mismatched:
         raise CheckpointError(f"{source}: {'; '.join(mismatched[:5])}")
@@ -522,29 +577,18 @@ def _nest(flat: Mapping[str, Any], paths: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _restore_groups(saved: list[dict[str, Any]], current: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
-    if [g["params"] for g in saved] != [list(g["params"]) for g in current]:
-        raise CheckpointError(
-            f"{source}: the optimizer's parameter groups do not match the checkpoint's "
-            f"(saved {[len(g['params']) for g in saved]} parameters per group); build the "
-            "optimizer the same way as the run that saved it"
-        )
-    # JSON has no tuples: give back the type the live optimizer uses (e.g. betas)
-    return [
-        {k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in group.items()}
-        for group, now in zip(saved, current)
-    ]
-
-
 def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> None:
-    """Read the shards `save_sharded` wrote back into ``state.model`` and ``state.optimizer``, in place.
+    """Read the shards `write_sharded` wrote back into ``state.model`` and ``state.optimizer``, in place.
 
     Collective: every rank calls it. Every file is checked against the
-    manifest's size and sha256 before it is used; nothing is unpickled.
+    manifest's size and sha256 before it is used, and the index and the
+    plain values against the live model and optimizer before DCP writes into
+    them; nothing is unpickled.
 
     Raises:
-        CheckpointError: a missing or corrupt file (named), missing or
-            unexpected keys, mismatched shapes or parameter groups.
+        CheckpointError: a missing or corrupt file (named), a malformed index,
+            missing or unexpected keys, mismatched shapes, dtypes or parameter
+            groups, an optimizer of another class.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -552,24 +596,29 @@ def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> 
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     root = Path(directory)
-    metadata, storage = _metadata_from(read_json(root, METADATA, manifest), str(root / METADATA))
+    metadata, storage = metadata_from(read_json(root, METADATA, manifest), manifest["files"], str(root / METADATA))
     saved = read_json(root, VALUES, manifest)
+    source = str(root / VALUES)
+    if not isinstance(saved, dict) or set(saved) != {"kind", "values", "param_groups"} \
+            or not isinstance(saved["values"], dict):
+        raise CheckpointError(f"{source}: must hold exactly the keys 'kind', 'values' (an object), 'param_groups'")
     tree, groups = _state_dicts(state, for_load=True)
     tensors, _ = _split(tree)
     flat, paths = _targets(tensors, metadata, str(root / METADATA))
-    _, reader_cls = _storage_classes()
+    param_groups = None
+    if state.optimizer is not None:
+        check_kind(saved, state.optimizer, source)
+        param_groups = restore_groups(saved["param_groups"], groups, source)
+    _, reader_cls = storage_classes()
     reader = reader_cls(root, manifest, metadata, storage)
     try:
         dcp.load(flat, storage_reader=reader, planner=DefaultLoadPlanner(),
                  process_group=state.dist.process_group)
     except CheckpointException as exc:
-        raise _checkpoint_error(exc, "fa.load") from None
+        raise checkpoint_error(exc, "fa.load") from None
     restored = _merge(_nest(flat, paths), saved["values"])
-    module = _unwrap_compiled(state.model)
+    module = unwrap_compiled(state.model)
     set_model_state_dict(module, restored.get("model", {}))
     if state.optimizer is not None:
-        optim_sd = {
-            "state": restored.get("optimizer", {}).get("state", {}),
-            "param_groups": _restore_groups(saved["param_groups"], groups, str(root / VALUES)),
-        }
+        optim_sd = {"state": restored.get("optimizer", {}).get("state", {}), "param_groups": param_groups}
         set_optimizer_state_dict(module, state.optimizer, optim_sd)

@@ -43,6 +43,7 @@ from torch import nn
 
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.files import fsync_dir, write_bytes
+from fnaccel.checkpoint.sharded import is_sharded
 from fnaccel.checkpoint.tied import retie, untie
 from fnaccel.ops.collectives import broadcast_object_list
 from fnaccel.transforms.parallel import unwrap_model
@@ -55,6 +56,7 @@ __all__ = [
     "consolidated_state_dict",
     "save_model",
     "shard_checkpoint",
+    "write_weights",
 ]
 
 _PRIVATE = ".fnaccel-"  # staging and parked folders inside a save directory
@@ -68,12 +70,6 @@ def __getattr__(name: str) -> Any:
 
         return getattr(loading, name)
     raise AttributeError(f"module 'fnaccel.checkpoint.weights' has no attribute {name!r}")
-
-
-def _is_sharded(module: nn.Module) -> bool:
-    from fnaccel.modeling.loading import is_sharded
-
-    return is_sharded(module)
 
 
 def _read_index(index: Path) -> dict[str, Any]:
@@ -98,7 +94,7 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ['bias', 'weight']
     """
     module = unwrap_model(model)
-    if _is_sharded(module):
+    if is_sharded(module):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = cast(dict[str, torch.Tensor], get_model_state_dict(
@@ -214,12 +210,12 @@ def save_model(
         raise ValueError("fa.save_model: this state has no model; fa.prepare(state, model) first")
     limit = _size_in_bytes(max_shard_size)  # on every rank, before the gather
     ctx = state.dist
-    gather = ctx.is_main_process or _is_sharded(unwrap_model(state.model))
+    gather = ctx.is_main_process or is_sharded(unwrap_model(state.model))
     weights = consolidated_state_dict(state.model) if gather else {}
     error: Exception | None = None
     if ctx.is_main_process:
         try:
-            _write_weights(weights, Path(path), limit)
+            write_weights(weights, Path(path), limit)
         except Exception as exc:  # re-raised below, after the other ranks heard of it
             error = exc
     if ctx.num_processes > 1:
@@ -268,7 +264,9 @@ def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def _write_weights(weights: Mapping[str, torch.Tensor], path: Path, limit: int) -> None:
+def write_weights(weights: Mapping[str, torch.Tensor], path: Path, limit: int) -> None:
+    """Write ``weights`` into the directory ``path`` as `save_model` does (shards past
+    ``limit`` bytes, tied tensors once), replacing an older save file by file."""
     if path.exists() and not path.is_dir():
         raise ValueError(f"fa.save_model writes into a directory, but {path} is a file; pass a directory")
     kept, aliases = untie(weights)

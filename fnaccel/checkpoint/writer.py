@@ -8,14 +8,16 @@ on the caller's thread; an asynchronous one copies the snapshot's tensors to
 the CPU first and writes on a background thread, coordinating the ranks over
 a process group of its own so its collectives never meet training's.
 
-Every run has one `SaveQueue` (a live object in its state, like the model):
-a save waits for the one before it and re-raises its error, and
-`fa.shutdown` waits for the last one.
+A run's saves go one at a time through its `SaveQueue` (queue.py): a save
+waits for the one before it and re-raises its error, and `fa.shutdown` waits
+for the last one.
 """
 
 from __future__ import annotations
 
-import json
+import re
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,27 +25,27 @@ from typing import Any
 import torch
 
 from fnaccel import ops
+from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint import extras as extras_codec
+from fnaccel.checkpoint.checks import kind_of
 from fnaccel.checkpoint.codec import optimizer_payload, rng_payload
-from fnaccel.checkpoint.queue import SaveHandle, SaveQueue
 from fnaccel.checkpoint.files import (
     commit,
     json_copy,
+    make_temporary,
+    remove_leftovers,
     temporary_sibling,
     write_bytes,
     write_json,
     write_tensors,
 )
+from fnaccel.checkpoint.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, manifest_hash
 from fnaccel.checkpoint.sharded import ShardedSnapshot, is_sharded, snapshot_sharded, write_sharded
 from fnaccel.checkpoint.tied import untie
 from fnaccel.dist import DistContext
 from fnaccel.process import wait_for_everyone
 
-__all__ = ["SaveHandle", "SaveQueue", "Snapshot", "take_snapshot", "write_snapshot"]
-
-MANIFEST = "fnaccel.json"
-SCHEMA_VERSION = 2  # 2: the data position is the state's (rank<r>.json "data")
-FORMAT = "fnaccel-checkpoint"
+__all__ = ["Snapshot", "take_snapshot", "write_snapshot"]
 
 
 @dataclass(kw_only=True)
@@ -113,7 +115,9 @@ def take_snapshot(
             snap.tensors["optimizer.safetensors"] = {k: own(v) for k, v in opt_tensors.items()}
             snap.json_files["optimizer.json"] = json_copy(opt_json, "optimizer.json")
         if state.scheduler is not None:
-            snap.json_files["scheduler.json"] = json_copy(state.scheduler.state_dict(), "scheduler.json")
+            snap.json_files["scheduler.json"] = json_copy(
+                {"kind": kind_of(state.scheduler), "state_dict": state.scheduler.state_dict()}, "scheduler.json"
+            )
         if state.extras:
             extra_tensors: dict[str, torch.Tensor] = {}
             trees = {
@@ -137,52 +141,60 @@ def take_snapshot(
     return snap
 
 
-def manifest_hash(manifest: dict[str, Any]) -> str:
-    """The manifest's sha256 over its own content (so a flipped digit in a counter shows)."""
-    import hashlib
-
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
 def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
-                   on_commit: Any = None) -> None:
+                   on_commit: Callable[[Path], None]) -> None:
     """Write ``snap`` into a temporary sibling of ``final`` and move it into place.
 
     Collective over ``ctx``: every rank calls it. Writers (rank 0, or each
-    machine's first process with ``save_on_each_node``) create the directory,
-    write the shared files and the manifest, and commit.
+    machine's first process with ``save_on_each_node``) first remove what
+    crashed saves to ``final`` left, create the marked temporary directory,
+    write the shared files and the manifest, commit, then call
+    ``on_commit(final)`` (rotation). A writer whose save fails (a full disk)
+    removes its temporary directory before raising.
+
+    Raises:
+        CheckpointError: naming ``final`` and the temporary directory removed.
     """
     tmp = temporary_sibling(final, token)
+    try:
+        if snap.writer:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(final.parent, re.escape(final.name))
+            make_temporary(final, token)
+        wait_for_everyone(ctx)
+        files: dict[str, Any] = {}
+        if snap.sharded is not None:  # collective: every rank, over ctx's group
+            files.update(write_sharded(snap.sharded, ctx, tmp))
+        for name, tensors in snap.tensors.items():
+            if name.startswith("rank") or snap.writer:
+                files[name] = write_tensors(tmp / name, tensors)
+        for name, value in snap.json_files.items():
+            files[name] = write_json(tmp / name, value)
+        for name, data in snap.raw_files.items():
+            files[name] = write_bytes(tmp / name, data)
+        everyone = ops.gather_object(ctx, [(snap.node_rank, files)])
+        if snap.writer:
+            manifest = dict(snap.manifest)
+            # per node, a machine's directory holds its own ranks' files (and the shared ones)
+            manifest["files"] = {
+                name: entry
+                for node, part in everyone
+                if not snap.per_node or node == snap.node_rank
+                for name, entry in part.items()
+            }
+            manifest["manifest_sha256"] = manifest_hash(manifest)
+            # whole or absent, even if killed while writing it
+            write_json(tmp / f"{MANIFEST}.partial", manifest)
+            (tmp / f"{MANIFEST}.partial").rename(tmp / MANIFEST)
+            commit(tmp, final, MANIFEST)
+    except Exception as exc:
+        if not snap.writer:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"{final}: the save failed ({type(exc).__name__}: {exc}); its partial directory {tmp} "
+            "was removed"
+        ) from exc
     if snap.writer:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir(exist_ok=True)
-    wait_for_everyone(ctx)
-    files: dict[str, Any] = {}
-    if snap.sharded is not None:  # collective: every rank, over ctx's group
-        files.update(write_sharded(snap.sharded, ctx, tmp))
-    for name, tensors in snap.tensors.items():
-        if name.startswith("rank") or snap.writer:
-            files[name] = write_tensors(tmp / name, tensors)
-    for name, value in snap.json_files.items():
-        files[name] = write_json(tmp / name, value)
-    for name, data in snap.raw_files.items():
-        files[name] = write_bytes(tmp / name, data)
-    everyone = ops.gather_object(ctx, [(snap.node_rank, files)])
-    if snap.writer:
-        manifest = dict(snap.manifest)
-        # per node, a machine's directory holds its own ranks' files (and the shared ones)
-        manifest["files"] = {
-            name: entry
-            for node, part in everyone
-            if not snap.per_node or node == snap.node_rank
-            for name, entry in part.items()
-        }
-        manifest["manifest_sha256"] = manifest_hash(manifest)
-        # whole or absent, even if killed while writing it
-        write_json(tmp / f"{MANIFEST}.partial", manifest)
-        (tmp / f"{MANIFEST}.partial").rename(tmp / MANIFEST)
-        commit(tmp, final, MANIFEST)
-        if on_commit is not None:
-            on_commit(final)
+        on_commit(final)
     wait_for_everyone(ctx)

@@ -12,6 +12,13 @@ Reads either
   metadata classes only (anything else is refused, so a planted pickle cannot
   run code), and the tensors through torch's ``weights_only`` loader.
 
+Both are read as hostile: the index (``sharded/metadata.json`` or
+``.metadata``) may name only regular files inside the checkpoint (no
+absolute or ``..`` path, no symbolic link, FIFO or device), every stored
+piece must lie inside its file, every chunk inside its tensor, and the
+tensors it declares must fit in the bytes the files hold, so a hostile index
+cannot make this command allocate more than the checkpoint's size.
+
 and writes ``model.safetensors`` into ``output_path`` (past 10GB, shards and
 ``model.safetensors.index.json``), as `fa.save_model` does, atomically. From a
 checkpoint holding ``{"model": ..., "optimizer": ...}`` only the model is kept.
@@ -21,6 +28,7 @@ Accelerate's ``--unsafe_serialization`` (write a pickled ``.bin``) is refused.
 from __future__ import annotations
 
 import argparse
+import io
 import pickle
 import shutil
 import warnings
@@ -31,11 +39,16 @@ from typing import IO, Any
 import torch
 
 from fnaccel._errors import CheckpointError
+from fnaccel.checkpoint.files import read_bounded, read_json, read_tensors, regular_size, safe_relative
+from fnaccel.checkpoint.manifest import MANIFEST, read_manifest
+from fnaccel.checkpoint.sharded import METADATA, check_metadata, checkpoint_error, metadata_from, storage_classes
+from fnaccel.checkpoint.tied import retie
 from fnaccel.commands.main import CommandError
 
 __all__ = ["merge_fsdp_weights", "register", "run"]
 
 DCP_METADATA = ".metadata"
+MAX_DCP_METADATA_BYTES = 2**30  # DCP's index of a large model is megabytes; a gigabyte is hostile
 MAX_SHARD_SIZE = 10 * 10**9  # fa.save_model's default "10GB"
 
 _DCP_METADATA_CLASSES = frozenset(
@@ -102,13 +115,15 @@ def _dcp_reader(source: Path) -> Any:
             if self.metadata is not None:
                 return self.metadata
             path = source / DCP_METADATA
+            data = read_bounded(source, DCP_METADATA, limit=MAX_DCP_METADATA_BYTES)
             try:
-                with open(path, "rb") as handle:
-                    metadata = _MetadataUnpickler(handle, path).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
+                metadata = _MetadataUnpickler(io.BytesIO(data), path).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError,
+                    KeyError, RecursionError) as exc:
                 raise CheckpointError(f"{path}: corrupt ({type(exc).__name__}: {exc})") from None
             if not isinstance(metadata, Metadata):
                 raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP's Metadata")
+            _check_dcp_storage(metadata, source)
             if metadata.storage_meta is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -116,6 +131,27 @@ def _dcp_reader(source: Path) -> Any:
             return metadata
 
     return _Reader(source)
+
+
+def _check_dcp_storage(metadata: Any, source: Path) -> None:
+    """DCP's ``.metadata`` names only regular files inside ``source``, each stored piece lies
+    inside its file, and the tensors it declares fit in those files (`check_metadata`)."""
+    where = str(source / DCP_METADATA)
+    if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{where}: malformed (no state_dict_metadata or storage_data)")
+    sizes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        name = safe_relative(getattr(info, "relative_path", None), where)
+        if name not in sizes:
+            sizes[name] = regular_size(source, name)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+                and offset + length <= sizes[name]):
+            raise CheckpointError(
+                f"{where}: key {getattr(index, 'fqn', index)!r} is stored at bytes {offset!r}..+{length!r} "
+                f"of {name}, which holds {sizes[name]} bytes"
+            )
+    check_metadata(metadata, sum(sizes.values()), where)
 
 
 def _model_names(metadata: Any) -> dict[str, str]:
@@ -148,8 +184,6 @@ def _load_model_tensors(metadata: Any, reader: Any) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from fnaccel.checkpoint.sharded import _checkpoint_error
-
     names = _model_names(metadata)
     full = {
         key: torch.empty(
@@ -163,21 +197,16 @@ def _load_model_tensors(metadata: Any, reader: Any) -> dict[str, torch.Tensor]:
             if full:
                 dcp.load(full, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
     except CheckpointException as exc:  # DCP wraps what the reader raised
-        raise _checkpoint_error(exc, "merge-weights") from None
+        raise checkpoint_error(exc, "merge-weights") from None
     return {names[key]: tensor for key, tensor in full.items()}
 
 
 def _read_fnaccel(source: Path) -> dict[str, torch.Tensor]:
-    from fnaccel.checkpoint.files import read_json, read_tensors
-    from fnaccel.checkpoint.sharded import METADATA, _metadata_from, _storage_classes
-    from fnaccel.checkpoint.tied import retie
-
-    from fnaccel.checkpoint.run import read_manifest
-
     manifest = read_manifest(source)
     if METADATA in manifest["files"]:  # an fsdp() run: DCP's chunks in pickle-free files
-        metadata, storage = _metadata_from(read_json(source, METADATA, manifest), str(source / METADATA))
-        _, reader_cls = _storage_classes()
+        metadata, storage = metadata_from(read_json(source, METADATA, manifest), manifest["files"],
+                                          str(source / METADATA))
+        _, reader_cls = storage_classes()
         return _load_model_tensors(metadata, reader_cls(source, manifest, metadata, storage))
     if "model.safetensors" in manifest["files"]:  # already whole: ties restored, as fa.load does
         return retie(read_tensors(source, "model.safetensors", manifest), manifest["tied"])
@@ -185,8 +214,6 @@ def _read_fnaccel(source: Path) -> dict[str, torch.Tensor]:
 
 
 def _not_a_checkpoint(source: Path) -> CheckpointError:
-    from fnaccel.checkpoint.writer import MANIFEST
-
     hint = ""
     if (source.parent / MANIFEST).is_file():
         hint = f"; pass {source.parent}, the checkpoint directory holding {MANIFEST}"
@@ -205,8 +232,7 @@ def _not_a_checkpoint(source: Path) -> CheckpointError:
 
 
 def _merge(checkpoint_dir: str | Path, output_path: str | Path, remove_checkpoint_dir: bool) -> _Merged:
-    from fnaccel.checkpoint.weights import _write_weights
-    from fnaccel.checkpoint.writer import MANIFEST
+    from fnaccel.checkpoint.weights import write_weights
     from fnaccel.constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
     # resolved: '..' and symlinks must not hide that the output lies inside the source
@@ -241,7 +267,7 @@ def _merge(checkpoint_dir: str | Path, output_path: str | Path, remove_checkpoin
         raise _not_a_checkpoint(source)
     if not weights:
         raise CheckpointError(f"{source}: the checkpoint holds no tensors to merge")
-    _write_weights(weights, output, MAX_SHARD_SIZE)
+    write_weights(weights, output, MAX_SHARD_SIZE)
     if remove_checkpoint_dir:
         (source / marker).unlink()  # first: a removal cut short leaves no checkpoint-looking directory
         shutil.rmtree(source)

@@ -258,7 +258,7 @@ def prepare_loader(
             drop_last=plan.drop_last, even_batches=even_batches, split_batches=config.split_batches)
         return PreparedLoader(built, sampler=sampler, epoch_hooks=hooks, seed=seed, device=ctx.device,
                               non_blocking=config.non_blocking, layout=layout, rank=ctx.rank, sized=sized,
-                              rewindable=not _draws_on_its_own(user_sampler))
+                              rewindable=ours or not _draws_on_its_own(user_sampler))
 
     # A loader whose position fnaccel does not own is located by torchdata's snapshot
     # of the batch stepped last: one at every batch, so resuming replays nothing.

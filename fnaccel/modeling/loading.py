@@ -18,7 +18,6 @@ size, never twice it, whether or not the checkpoint is sharded. Tensors that
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from fnaccel._errors import CheckpointError
+from fnaccel.checkpoint.sharded import is_sharded
 from fnaccel.checkpoint.tied import retie
 from fnaccel.modeling.checkpoint_files import (
     PICKLE_SUFFIXES,
@@ -302,12 +302,6 @@ def _file_tensors(file: Path, names: Sequence[str], aliases: Mapping[str, str]) 
         raise unreadable(file, exc) from None
     finally:
         stack.close()
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether FSDP2 has sharded ``module``'s parameters (DTensors)."""
-    dtensor = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
-    return dtensor is not None and any(isinstance(p, dtensor.DTensor) for p in module.parameters())
 
 
 def _in_modules(name: str, modules: Sequence[list[str]]) -> bool:

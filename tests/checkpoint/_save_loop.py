@@ -1,7 +1,10 @@
-"""Saves over the same checkpoint again and again until killed (see test_crash.py)."""
+"""Saves again and again until killed (see test_crash.py).
+
+    python _save_loop.py PATH            # over the same checkpoint PATH
+    python _save_loop.py PATH rotate     # automatic checkpoints in project PATH, total_limit=1
+"""
 
 import sys
-import time
 
 import torch
 from torch import nn
@@ -9,21 +12,22 @@ from torch import nn
 import fnaccel as fa
 
 
-def main(path: str) -> None:
+def main(path: str, rotate: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(20)])  # ~21 MB of weights
     optimizer = torch.optim.AdamW(model.parameters())
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, optimizer,
+    project = fa.ProjectConfiguration(project_dir=path, automatic_checkpoint_naming=True, total_limit=1)
+    state = fa.prepare(fa.init(seed=0, cpu=True, kwargs_handlers=[project] if rotate else ()), model, optimizer,
                        loss_fn=lambda m, b: m(b).pow(2).mean())
     state, _ = fa.step(state, torch.ones(2, 512))  # optimizer state exists
-    fa.save(state, path)
+    target = None if rotate else path
+    fa.save(state, target)
     print("first save done", flush=True)
     while True:
         state = state.replace(epoch=state.epoch + 1)  # each save is recognisable by its epoch
-        start = time.perf_counter()
-        fa.save(state, path)
-        print(f"saved {state.epoch} in {time.perf_counter() - start:.6f}", flush=True)
+        fa.save(state, target)
+        print(f"saved {state.epoch}", flush=True)
 
 
 if __name__ == "__main__":  # a script: importing it (doctest collection) must not run it
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] == ["rotate"])

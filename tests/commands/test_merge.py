@@ -148,7 +148,7 @@ def test_remove_checkpoint_dir(saved: Path, tmp_path: Path, capsys: pytest.Captu
 def test_writing_into_the_checkpoint_itself_is_refused(
     saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fnaccel.checkpoint.run import read_manifest
+    from fnaccel.checkpoint.manifest import read_manifest
 
     source = _copy(saved / "ckpt", tmp_path / "ckpt")
     before = {p.name: p.read_bytes() for p in source.rglob("*") if p.is_file()}
@@ -236,3 +236,105 @@ def test_the_flags_parse_as_accelerate_spells_them(capsys: pytest.CaptureFixture
         main(["merge-weights", "--help"])
     assert exit_info.value.code == 0
     assert "--remove_checkpoint_dir" in capsys.readouterr().out
+
+
+def _edit_dcp_metadata(source: Path, edit: Any) -> None:
+    """Rewrite DCP's pickled ``.metadata`` (written by this test's own run, so safe to unpickle)."""
+    path = source / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    edit(metadata)
+    path.write_bytes(pickle.dumps(metadata))
+
+
+def _first_model_entry(metadata: Any) -> Any:
+    return next(index for index in metadata.storage_data if index.fqn.startswith("model."))
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("parent", "'../outside.distcp' does not name a file inside the checkpoint"),
+    ("absolute", "does not name a file inside the checkpoint"),
+    ("past the file", "which holds"),
+    ("declared size", "declares"),
+    ("chunk outside", "does not lie inside the tensor's size"),
+])
+def test_a_hostile_dcp_metadata_is_refused_before_anything_is_read_or_allocated(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, expected: str
+) -> None:
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    source = _copy(saved / "dcp", tmp_path / "dcp")
+    victim = next(source.glob("*.distcp"))
+    outside = tmp_path / "outside.distcp"
+    outside.write_bytes(victim.read_bytes())  # a regression would read this happily
+
+    def edit(metadata: Any) -> None:
+        index = _first_model_entry(metadata)
+        info = metadata.storage_data[index]
+        if case == "parent":
+            metadata.storage_data[index] = dataclasses.replace(info, relative_path="../outside.distcp")
+        elif case == "absolute":
+            metadata.storage_data[index] = dataclasses.replace(info, relative_path=str(outside))
+        elif case == "past the file":
+            metadata.storage_data[index] = dataclasses.replace(info, length=10**12)
+        else:
+            item = metadata.state_dict_metadata[index.fqn]
+            huge = torch.Size([2**20, 2**20])  # 4 TiB of float32
+            chunk = huge if case == "declared size" else torch.Size([2**20 + 1, 2**20])
+            item.size = huge
+            item.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=chunk)]
+
+    _edit_dcp_metadata(source, edit)
+    assert main(["merge-weights", str(source), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{source / '.metadata'}:" in err and expected in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_dcp_data_files_must_be_regular_files_inside(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _copy(saved / "dcp", tmp_path / "dcp")
+    victim = next(source.glob("*.distcp"))
+    victim.unlink()
+    victim.symlink_to("/dev/zero")
+    assert main(["merge-weights", str(source), str(tmp_path / "out")]) == 2
+    assert f"{victim}: a symbolic link" in capsys.readouterr().err
+    victim.unlink()
+    os.mkfifo(victim)
+    assert main(["merge-weights", str(source), str(tmp_path / "out")]) == 2
+    assert f"{victim}: a FIFO" in capsys.readouterr().err
+    (source / ".metadata").rename(tmp_path / "metadata")
+    (source / ".metadata").symlink_to(tmp_path / "metadata")
+    assert main(["merge-weights", str(source), str(tmp_path / "out")]) == 2
+    assert ".metadata: a symbolic link" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("parent", "file name '../fnaccel.json' does not name a file inside the checkpoint"),
+    ("outside sharded", "file 'fnaccel.json' is not one of the checkpoint's sharded/ files"),
+    ("declared size", "declares"),
+])
+def test_a_hostile_fnaccel_sharded_index_is_refused(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, expected: str
+) -> None:
+    from tests.checkpoint.test_hostile import _rehash
+
+    source = _copy(saved / "ckpt", tmp_path / "ckpt")
+    index = source / "sharded/metadata.json"
+    content = json.loads(index.read_text())
+    entry = next(s for s in content["storage"] if s["fqn"].startswith("model."))
+    if case == "parent":
+        entry["file"] = "../fnaccel.json"
+    elif case == "outside sharded":
+        entry["file"] = "fnaccel.json"
+    else:
+        item = content["keys"][entry["fqn"]]
+        item["size"] = [2**20] * len(item["size"])
+        item["chunks"] = [{"offsets": [0] * len(item["size"]), "sizes": item["size"]}]
+    index.write_text(json.dumps(content))
+    _rehash(source)
+    assert main(["merge-weights", str(source), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "sharded/metadata.json" in err and expected in err, err

@@ -309,7 +309,7 @@ def test_a_state_that_does_not_fit_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="9 batches into an epoch of 3"):
         fa.load(fresh(), tmp_path / "past")
     fa.save(state.replace(data_position=fa.DataPosition(epoch=-1)), tmp_path / "negative")
-    with pytest.raises(CheckpointError, match="epoch must be an int >= 0"):
+    with pytest.raises(CheckpointError, match="'epoch' must be an integer >= 0"):
         fa.load(fresh(), tmp_path / "negative")
 
 

@@ -1,0 +1,168 @@
+"""A checkpoint's manifest, ``fnaccel.json``: its hash, its schema, and what a save may replace.
+
+The manifest is the one file a load trusts first, so it is read bounded
+(`MAX_MANIFEST_BYTES`), checked against its own sha256, and then every field
+against `_FIELDS` (types and ranges; file names that stay inside the
+checkpoint; sha256 digests and sizes) before anything it says is used. Each
+failure is a `CheckpointError` naming the file and the key.
+
+`target_problem` says whether a save may replace what is at its path: nothing,
+an empty directory, or an fnaccel checkpoint holding only the files its
+manifest lists. Anything else (a user's directory, a regular file) is refused:
+a save never deletes a file that fnaccel did not write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from fnaccel._errors import CheckpointError
+from fnaccel.checkpoint.files import read_bounded, safe_relative
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "MAX_MANIFEST_BYTES",
+    "SCHEMA_VERSION",
+    "manifest_hash",
+    "read_manifest",
+    "target_problem",
+]
+
+MANIFEST = "fnaccel.json"
+SCHEMA_VERSION = 2  # 2: the data position is the state's (rank<r>.json "data"); classes recorded
+FORMAT = "fnaccel-checkpoint"
+MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest lists files: even 10,000 ranks stay far below this
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def manifest_hash(manifest: dict[str, Any]) -> str:
+    """The manifest's sha256 over its own content (so a flipped digit in a counter shows)."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _files(value: Any) -> bool:
+    if not isinstance(value, dict):
+        return False
+    for name, entry in value.items():
+        safe_relative(name, f"{MANIFEST}: key 'files'")
+        if not (isinstance(entry, dict) and set(entry) == {"sha256", "size"} and _count(entry["size"])
+                and isinstance(entry["sha256"], str) and _SHA256.fullmatch(entry["sha256"])):
+            return False
+    return True
+
+
+# every key of a manifest, what it must be, and the test
+_FIELDS: Mapping[str, tuple[str, Callable[[Any], bool]]] = MappingProxyType({
+    "format": (repr(FORMAT), lambda v: v == FORMAT),
+    "schema_version": (str(SCHEMA_VERSION), lambda v: v == SCHEMA_VERSION and not isinstance(v, bool)),
+    "num_processes": ("an integer >= 1", lambda v: _count(v) and v >= 1),
+    "step": ("an integer >= 0", _count),
+    "micro_step": ("an integer >= 0", _count),
+    "epoch": ("an integer >= 0", _count),
+    "seed": ("an integer or null", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool))),
+    "pipeline": ("a string", lambda v: isinstance(v, str)),
+    "tied": ("an object of parameter names to parameter names",
+             lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values()))),
+    "files": ('an object of relative file names to {"sha256": 64 hex digits, "size": bytes}', _files),
+    "manifest_sha256": ("64 hex digits", lambda v: isinstance(v, str) and bool(_SHA256.fullmatch(v))),
+})
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """A checkpoint's ``fnaccel.json``, checked: a regular file of bounded size, JSON,
+    fnaccel's format, a known schema version, its own sha256, then every field.
+
+    Raises:
+        CheckpointError: naming the file (and the key) and what is wrong with it.
+    """
+    path = directory / MANIFEST
+    if not os.path.lexists(path):
+        hint = " (it is not a directory)" if directory.exists() and not directory.is_dir() else ""
+        raise CheckpointError(f"{directory}: not a complete fnaccel checkpoint: {MANIFEST} is missing{hint}")
+    data = read_bounded(directory, MANIFEST, limit=MAX_MANIFEST_BYTES)
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError):
+        raise CheckpointError(f"{path}: corrupt (not valid JSON)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an fnaccel checkpoint manifest")
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise CheckpointError(
+            f"{path}: schema version {manifest.get('schema_version')!r} is unknown to this "
+            f"fnaccel (it reads version {SCHEMA_VERSION}); load it with the fnaccel that wrote it"
+        )
+    if manifest.get("manifest_sha256") != manifest_hash(manifest):
+        raise CheckpointError(f"{path}: corrupt (its content does not match its own sha256)")
+    unknown = sorted(set(manifest) - set(_FIELDS))
+    if unknown:
+        raise CheckpointError(f"{path}: key {unknown[0]!r} is not part of schema version {SCHEMA_VERSION}")
+    for key, (what, ok) in _FIELDS.items():
+        if key not in manifest:
+            raise CheckpointError(f"{path}: key {key!r} is missing")
+        if not ok(manifest[key]):
+            raise CheckpointError(f"{path}: key {key!r} must be {what}, not {_short(manifest[key])}")
+    return manifest
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _foreign(directory: Path, listed: set[str]) -> list[str]:
+    """What is inside ``directory`` that its manifest does not list (relative names)."""
+    known = listed | {MANIFEST}
+    folders = {"/".join(name.split("/")[:i]) for name in known for i in range(1, name.count("/") + 1)}
+    out: list[str] = []
+    for root, dirs, files in os.walk(directory):
+        base = Path(root).relative_to(directory)
+        for name in list(dirs):
+            relative = (base / name).as_posix()
+            if relative not in folders or os.path.islink(Path(root) / name):
+                out.append(relative + "/")
+                dirs.remove(name)
+        out.extend(relative for name in files if (relative := (base / name).as_posix()) not in known)
+    return sorted(out)
+
+
+def target_problem(final: Path) -> str | None:
+    """Why a save may not replace what is at ``final``, or None when it may.
+
+    A save may create ``final``, fill an empty directory, or replace an fnaccel
+    checkpoint that holds only the files its manifest lists.
+    """
+    if not os.path.lexists(final):
+        return None
+    if not final.is_dir():
+        return (f"{final} is a file, not a checkpoint directory; fa.save writes a directory there and "
+                "never deletes a file it did not write: choose another path")
+    entries = sorted(os.listdir(final))
+    if not entries:
+        return None
+    refuse = (f"{final} is a directory that is not an fnaccel checkpoint; a save replaces the whole "
+              "directory and never deletes files it did not write: save to a new or empty directory "
+              f"(e.g. a subdirectory such as {final / 'checkpoint'})")
+    if MANIFEST not in entries:
+        return f"{refuse} (it holds {entries[:5]})"
+    try:
+        listed = set(read_manifest(final)["files"])
+    except CheckpointError as exc:
+        return f"{refuse} ({exc})"
+    foreign = _foreign(final, listed)
+    if foreign:
+        return (f"{final} is an fnaccel checkpoint that also holds files it did not write ({foreign[:5]}); "
+                "a save would replace the directory and lose them: move them out, or save elsewhere")
+    return None
