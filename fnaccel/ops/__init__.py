@@ -6,6 +6,7 @@
 """
 
 from fnaccel.ops.collectives import (
+    CannotPadNestedTensorWarning,
     broadcast,
     broadcast_object_list,
     gather,
@@ -25,6 +26,7 @@ from fnaccel.ops.tree import (
 )
 
 __all__ = [
+    "CannotPadNestedTensorWarning",
     "broadcast",
     "broadcast_object_list",
     "concatenate",

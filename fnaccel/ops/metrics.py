@@ -19,7 +19,7 @@ import torch
 
 from fnaccel._errors import CollectiveMismatchError
 from fnaccel.dist import DistContext, as_dist
-from fnaccel.ops._shapes import all_gather_rows, exchange_shapes
+from fnaccel.ops._shapes import Signature, all_gather_rows, exchange_shapes
 from fnaccel.ops.collectives import gather_object
 from fnaccel.ops.tree import is_torch_tensor, recursively_apply, tree_leaves, tree_unflatten
 
@@ -109,7 +109,8 @@ def gather_for_metrics(
         return recursively_apply(lambda t: t[:valid], input_data)
 
     # A rank with bad input still takes part in the exchange: every rank then raises.
-    table = exchange_shapes(ctx, "gather_for_metrics", leaves, extras=[valid], problem=problem)
+    signature = Signature.of("gather_for_metrics", input_data, leaves)
+    table = exchange_shapes(ctx, signature, extras=[valid], problem=problem)
     rows = [shapes[0][0] for shapes in table.shapes]
     valids = [extras[0] for extras in table.extras]
     for i, t in enumerate(leaves):

@@ -24,6 +24,7 @@ __all__ = [
     "send_to_device",
     "slice_tensors",
     "tree_leaves",
+    "tree_paths",
     "tree_unflatten",
 ]
 
@@ -96,6 +97,35 @@ def tree_leaves(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) -
     leaves: list[Any] = []
     recursively_apply(leaves.append, data, test_type=test_type)
     return leaves
+
+
+def tree_paths(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) -> list[str]:
+    """The path of each leaf `tree_leaves` returns, in the same order.
+
+    >>> tree_paths({"x": [torch.ones(1), "s"], "y": torch.ones(1)})
+    ["['x'][0]", "['y']"]
+    """
+    paths: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        if test_type(node):
+            paths.append(path)
+        elif _is_namedtuple(node):
+            for name, value in zip(node._fields, node):
+                walk(value, f"{path}.{name}")
+        elif isinstance(node, (list, tuple)):
+            for i, value in enumerate(node):
+                walk(value, f"{path}[{i}]")
+        elif isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, f"{path}[{key!r}]")
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                if f.init:
+                    walk(getattr(node, f.name), f"{path}.{f.name}")
+
+    walk(data, "")
+    return paths
 
 
 def tree_unflatten(
