@@ -463,3 +463,22 @@ def pad_nested(state: Any) -> tuple[bool, torch.Tensor, list[str]]:
         out = fa.ops.pad_across_processes(state, tree)
     names = [type(w.message).__name__ for w in caught]
     return out["nested"] is nested, out["plain"], names
+
+
+def refused_on_last_rank(state: Any, op: str) -> tuple[str, str]:
+    """The last rank's tree holds a string (gather, broadcast) or a bool (reduce): it
+    raises its TypeError, every other rank a CollectiveMismatchError, none waits."""
+    ctx = state.dist
+    tree: Any = {"x": torch.ones(2)}
+    if ctx.is_last_process:
+        tree = {"x": torch.ones(2, dtype=torch.bool)} if op == "reduce" else {"x": "a string"}
+    try:
+        if op == "gather":
+            fa.ops.gather(ctx, tree)
+        elif op == "reduce":
+            fa.ops.reduce(ctx, tree, "sum")
+        else:
+            fa.ops.broadcast(ctx, tree)
+    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+        return type(exc).__name__, str(exc)
+    return "none", ""

@@ -500,3 +500,15 @@ def test_pad_nested_tensor_over_processes_warns_and_keeps_it(world2: Any) -> Non
         assert same, f"rank {rank}: the nested tensor was replaced"
         assert warned == ["CannotPadNestedTensorWarning"], warned
         assert_tree_equal(plain, torch.cat([torch.ones(rank + 1), torch.zeros(1 - rank)]))
+
+
+@pytest.mark.parametrize("op", ["gather", "reduce", "broadcast"])
+def test_one_rank_refusing_its_input_raises_on_every_rank(world: Any, op: str) -> None:
+    n = world.num_processes
+    for rank, (raised, message) in enumerate(world.run(fns.refused_on_last_rank, op)):
+        if rank == n - 1:
+            assert raised == "TypeError" and message.startswith(f"{op}: "), message
+        else:
+            assert raised == "CollectiveMismatchError", (rank, raised, message)
+            assert message.startswith(f"{op}: rank {n - 1} rejected its input"), message
+    assert_tree_equal(world.run(fns.gather_rank)[0], torch.arange(n))
