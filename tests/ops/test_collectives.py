@@ -512,3 +512,10 @@ def test_one_rank_refusing_its_input_raises_on_every_rank(world: Any, op: str) -
             assert raised == "CollectiveMismatchError", (rank, raised, message)
             assert message.startswith(f"{op}: rank {n - 1} rejected its input"), message
     assert_tree_equal(world.run(fns.gather_rank)[0], torch.arange(n))
+
+
+@pytest.mark.parametrize("op", ["gather", "reduce", "broadcast"])
+def test_a_nested_tensor_is_refused_with_the_fix(state: fa.RunState, op: str) -> None:
+    nested = torch.nested.nested_tensor([torch.ones(1, 2), torch.zeros(2, 2)])
+    with pytest.raises(TypeError, match=rf"^{op}: nested .*unbind"):
+        getattr(fa.ops, op)(state, {"n": nested})
