@@ -8,6 +8,7 @@ Every function here rebuilds the containers with their own types.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -118,7 +119,7 @@ def tree_paths(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) ->
                 walk(value, f"{path}[{i}]")
         elif isinstance(node, Mapping):
             for key, value in node.items():
-                walk(value, f"{path}[{key!r}]")
+                walk(value, f"{path}[{_key_text(key)}]")
         elif dataclasses.is_dataclass(node) and not isinstance(node, type):
             for f in dataclasses.fields(node):
                 if f.init:
@@ -126,6 +127,14 @@ def tree_paths(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) ->
 
     walk(data, "")
     return paths
+
+
+def _key_text(key: Any) -> str:
+    """A mapping key as every process writes it: the repr of a plain value, the type
+    of anything else (whose repr may hold a memory address)."""
+    if isinstance(key, (str, int, float, bool, enum.Enum)) or key is None:
+        return repr(key)
+    return f"<{type(key).__qualname__}>"
 
 
 def tree_unflatten(

@@ -351,3 +351,14 @@ def test_tree_ops_are_the_same_functions_in_fnaccel_utils() -> None:
     for name in ("concatenate", "convert_outputs_to_fp32", "convert_to_fp32", "listify",
                  "recursively_apply", "send_to_device", "slice_tensors"):
         assert getattr(utils, name) is getattr(fa.ops, name), name
+
+
+def test_tree_paths_name_each_tensor_leaf_the_same_way_in_every_process() -> None:
+    from fnaccel.ops.tree import tree_paths
+
+    class Key:  # its repr holds a memory address, which differs between processes
+        pass
+
+    tree = {"a": [torch.ones(1), "s"], 3: Pair(x=torch.ones(1), y=None), Key(): torch.ones(1)}
+    assert tree_paths(tree) == ["['a'][0]", "[3].x", "[<Key>]"]
+    assert tree_paths(Box(value=(torch.ones(1),))) == [".value[0]"]
