@@ -134,7 +134,7 @@ def _key_text(key: Any) -> str:
     of anything else (whose repr may hold a memory address)."""
     if isinstance(key, (str, int, float, bool, enum.Enum)) or key is None:
         return repr(key)
-    return f"<{type(key).__qualname__}>"
+    return f"<{type(key).__name__}>"
 
 
 def tree_unflatten(
