@@ -6,8 +6,10 @@ elements):
 
 ``gather``
     baseline: ``out = torch.empty(2 * n); all_gather_single(out, t, group=pg)``
-    (``all_gather_into_tensor`` on torch releases without ``all_gather_single``);
-    fnaccel:  ``fa.ops.gather(state, t)``.
+    (``all_gather_into_tensor`` on torch releases without ``all_gather_single``),
+    which checks nothing;
+    fnaccel:  ``fa.ops.gather(state, t)``, which first agrees on every rank's
+    tree (paths, dtypes, shapes) in one small collective, in every mode.
 
 ``pad+gather``
     A 2-D tensor of shape ``(rows_r, 256)`` whose row count differs by one
@@ -19,7 +21,8 @@ elements):
     with ``new_full(..., pad_index)`` and copy the rows in (skipped on the rank
     that already has the max, as Accelerate does), all-gather that;
     fnaccel:  ``fa.compose(fa.pad_across_processes(dim=0), fa.gather())(state, t)``
-    with the pipeline built once, outside the timed loop.
+    with the pipeline built once, outside the timed loop; padding's exchange
+    carries the whole check, so both sides make two collectives.
 
 How: each (case, size) runs in one worker function on both ranks. It checks
 that the two paths return identical tensors (which also warms them up), times

@@ -6,14 +6,14 @@
 """
 
 from fnaccel.ops.collectives import (
+    CannotPadNestedTensorWarning,
     broadcast,
-    broadcast_object_list,
     gather,
-    gather_object,
     pad_across_processes,
     reduce,
 )
 from fnaccel.ops.metrics import gather_for_metrics
+from fnaccel.ops.objects import broadcast_object_list, gather_object
 from fnaccel.ops.tree import (
     concatenate,
     convert_outputs_to_fp32,
@@ -25,6 +25,7 @@ from fnaccel.ops.tree import (
 )
 
 __all__ = [
+    "CannotPadNestedTensorWarning",
     "broadcast",
     "broadcast_object_list",
     "concatenate",

@@ -1,13 +1,13 @@
-"""Every rank's tensor shapes in one small collective, and mismatch reports.
+"""Every rank's tree signature in one small collective, and mismatch reports.
 
 gloo aborts the whole process (it does not raise) when ranks enter a
-collective with different sizes, and nccl may hang, so a mismatch has to be
-found *before* the data moves. `exchange_shapes` sends a fixed-size int64
-header (64 slots) holding a fingerprint of the tree (leaf count, dtypes,
-ranks) and, when they fit, every leaf's shape: one tiny collective gives each
-rank the whole table. Operations that need sizes anyway (padding, gathering
-for metrics) get the full check for free; plain gather, reduce and broadcast
-pay for it only under ``FNACCEL_DEBUG_MODE=1``.
+collective with different sizes, hangs one rank, or (broadcast) returns a
+partly filled buffer, so a mismatch has to be found *before* the data moves.
+`exchange_shapes` sends a fixed-size int64 header (64 slots) holding a
+fingerprint of the call (operation, its arguments, the tree's paths, dtypes
+and ranks), a hash of every leaf's shape and, when they fit, the shapes
+themselves: one tiny collective gives each rank the whole table, and every
+rank decides from the same rows, so either all ranks go on or all raise.
 """
 
 from __future__ import annotations
@@ -16,17 +16,19 @@ import zlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fnaccel._errors import CollectiveMismatchError
 from fnaccel.dist import DistContext
+from fnaccel.ops.tree import tree_paths
 
-__all__ = ["ShapeTable", "all_gather_rows", "exchange_shapes", "require_same_shapes"]
+__all__ = ["ShapeTable", "Signature", "all_gather_rows", "exchange_shapes", "require_same_shapes"]
 
 _SLOTS = 64
-_FIXED = 4  # leaf count, total rank (ndim), fingerprint, extras count
+_FIXED = 5  # leaf count, total rank (ndim), fingerprint, shape hash, extras count
 
 
 # torch 2.13 renamed all_gather_into_tensor; older releases only have the old name.
@@ -81,23 +83,78 @@ class ShapeTable:
     extras: tuple[tuple[int, ...], ...]  # [rank] -> extras
 
 
-def _fingerprint(leaves: Sequence[torch.Tensor]) -> int:
-    text = ";".join(f"{t.dtype}/{t.ndim}" for t in leaves)
-    return zlib.crc32(text.encode())
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """What every rank must agree on before a collective: the call and its tree.
+
+    Attributes:
+        op: the operation, named in messages (``"gather"``).
+        key: the call's arguments that must match too (``"reduction=sum"``).
+        paths: each tensor leaf's path in the tree (``"['x'][0]"``), which
+            carries the dict keys, list lengths and field names.
+        leaves: the tensor leaves, in the same order.
+    """
+
+    op: str
+    key: str
+    paths: tuple[str, ...]
+    leaves: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, op: str, tree: Any, leaves: Sequence[torch.Tensor], key: str = "") -> Signature:
+        """The signature of ``tree`` whose tensor leaves are ``leaves``."""
+        paths = ("",) if isinstance(tree, torch.Tensor) else tuple(tree_paths(tree))
+        return cls(op=op, key=key, paths=paths, leaves=tuple(leaves))
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        """Leaf ``i``'s shape; a nested tensor (ragged, no single shape) counts as ()."""
+        t = self.leaves[i]
+        return () if t.is_nested else tuple(t.shape)
+
+    def fingerprint(self) -> int:
+        """A hash of everything but the sizes: operation, arguments, paths, dtypes, ranks."""
+        parts = [f"{p}:{t.dtype}/{'nested' if t.is_nested else t.ndim}"
+                 for p, t in zip(self.paths, self.leaves)]
+        return zlib.crc32(f"{self.op}|{self.key}|{';'.join(parts)}".encode())
+
+    def describe(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """``(path, shape, dtype)`` of each leaf, for the error message."""
+        return [(p, self.shape(i), str(t.dtype).replace("torch.", "") + (" nested" if t.is_nested else ""))
+                for i, (p, t) in enumerate(zip(self.paths, self.leaves))]
 
 
-def _describe(signature: Sequence[tuple[tuple[int, ...], str]]) -> str:
-    return "[" + ", ".join(f"{tuple(s)} {d.replace('torch.', '')}" for s, d in signature) + "]"
+def _describe(op_key: str, leaves: Sequence[tuple[str, tuple[int, ...], str]]) -> str:
+    body = ", ".join(f"{p + ': ' if p else ''}{tuple(s)} {d}" for p, s, d in leaves)
+    return f"{op_key}[{body}]"
 
 
-def _raise_mismatch(ctx: DistContext, op: str, leaves: Sequence[torch.Tensor], hint: str) -> None:
+def _differences(everyone: Sequence[tuple[str, list[tuple[str, tuple[int, ...], str]]]]) -> list[str]:
+    """What differs between the ranks' signatures, in the words of the guarantee."""
+    found = []
+    calls = {call for call, _ in everyone}
+    if len(calls) > 1:
+        found.append("the operation or its arguments")
+    sigs = [sig for _, sig in everyone]
+    if len({tuple(p for p, _, _ in sig) for sig in sigs}) > 1:
+        found.append("tree structure (keys, lengths or fields)")
+    for what, pick in (("dtype", lambda e: e[2]), ("ndim", lambda e: len(e[1])),
+                       ("shape", lambda e: e[1])):
+        if len({tuple(pick(e) for e in sig) for sig in sigs}) > 1:
+            found.append(what)
+    return found or ["nothing visible (a hash collision?)"]
+
+
+def _raise_mismatch(ctx: DistContext, signature: Signature, hint: str) -> None:
     """Collect every rank's signature (all ranks are here together) and raise."""
-    signature = [(tuple(t.shape), str(t.dtype)) for t in leaves]
-    everyone: list[object] = [None] * ctx.num_processes
-    dist.all_gather_object(everyone, signature, group=ctx.process_group)
-    lines = [f"rank {rank}: {_describe(sig)}" for rank, sig in enumerate(everyone)]  # type: ignore[arg-type]
+    mine = (f"{signature.op}({signature.key}) ", signature.describe())
+    everyone: list[Any] = [None] * ctx.num_processes
+    dist.all_gather_object(everyone, mine, group=ctx.process_group)
+    same_call = len({call for call, _ in everyone}) == 1
+    lines = [f"rank {rank}: {_describe('' if same_call else call, sig)}"
+             for rank, (call, sig) in enumerate(everyone)]
     raise CollectiveMismatchError(
-        f"{op}: the ranks passed different tensors ({'; '.join(lines)}). {hint}"
+        f"{signature.op}: the ranks passed different tensors; they differ in "
+        f"{', '.join(_differences(everyone))} ({'; '.join(lines)}). {hint}"
     )
 
 
@@ -112,40 +169,51 @@ def _raise_problem(ctx: DistContext, op: str, problem: BaseException | None) -> 
     raise CollectiveMismatchError(f"{op}: rank {rank} rejected its input: {message}")
 
 
+def _header(signature: Signature, extras: Sequence[int], problem: BaseException | None
+            ) -> tuple[list[int], list[int]]:
+    """This rank's header (slot 0: its input is bad; then the fixed part, the extras)
+    and the flat list of its dims."""
+    dims = [d for i in range(len(signature.leaves)) for d in signature.shape(i)]
+    shape_hash = zlib.crc32(array("q", dims).tobytes()) if dims else 0
+    header = [int(problem is not None), len(signature.leaves), len(dims),
+              signature.fingerprint(), shape_hash, len(extras), *extras]
+    if len(header) > _SLOTS:
+        raise ValueError(f"{signature.op}: at most {_SLOTS - _FIXED - 1} extra integers fit the header")
+    return header, dims
+
+
 def exchange_shapes(
     ctx: DistContext,
-    op: str,
-    leaves: Sequence[torch.Tensor],
+    signature: Signature,
     extras: Sequence[int] = (),
     hint: str = "Every rank must pass the same structure and dtypes.",
     problem: BaseException | None = None,
 ) -> ShapeTable:
-    """All ranks' shapes of ``leaves`` (plus a few integers each) in one collective.
+    """All ranks' shapes of the signature's leaves (plus a few integers each) in one collective.
 
     Args:
+        signature: this rank's call and tree.
+        extras: integers to hand to every rank beside the shapes.
+        hint: the fix, appended to a mismatch message.
         problem: the error this rank found in its own input, if any. It is
             raised after the exchange, and every other rank raises too, so
             no rank is left waiting in a collective.
 
     Raises:
-        CollectiveMismatchError: the ranks' trees differ in leaf count, dtype
-            or number of dimensions (the message names each rank's shapes),
-            or another rank rejected its input.
+        CollectiveMismatchError: the ranks' calls differ in operation,
+            arguments, tree structure, dtype or number of dimensions (the
+            message names each rank's tree), or another rank rejected its input.
     """
-    dims = [d for t in leaves for d in t.shape]
-    # slot 0: this rank's input is bad; then the fixed part, the extras, the dims
-    header = [int(problem is not None), len(leaves), len(dims), _fingerprint(leaves), len(extras), *extras]
-    fixed = slice(1, 1 + _FIXED)
+    header, dims = _header(signature, extras, problem)
     inline = len(header) + len(dims) <= _SLOTS
-    if len(header) > _SLOTS:
-        raise ValueError(f"{op}: at most {_SLOTS - _FIXED - 1} extra integers fit the header")
     row = header + (dims if inline else [])
     row += [0] * (_SLOTS - len(row))
     rows = _all_gather_ints(ctx, row)
     if any(r[0] for r in rows):
-        _raise_problem(ctx, op, problem)
-    if any(r[fixed] != rows[0][fixed] for r in rows):
-        _raise_mismatch(ctx, op, leaves, hint)
+        _raise_problem(ctx, signature.op, problem)
+    # everything but the shape hash (slot 4) must agree: the sizes may differ here
+    if any(r[1:4] + r[5:6] != rows[0][1:4] + rows[0][5:6] for r in rows):
+        _raise_mismatch(ctx, signature, hint)
     start = len(header)
     if inline:  # the same on every rank: the fixed header part agreed
         per_rank_dims = [r[start : start + len(dims)] for r in rows]
@@ -154,16 +222,22 @@ def exchange_shapes(
     shapes = []
     for flat in per_rank_dims:
         it = iter(flat)
-        shapes.append(tuple(tuple(next(it) for _ in range(t.ndim)) for t in leaves))
+        shapes.append(tuple(tuple(next(it) for _ in signature.shape(i))
+                            for i in range(len(signature.leaves))))
     return ShapeTable(
         shapes=tuple(shapes), extras=tuple(tuple(r[1 + _FIXED : start]) for r in rows)
     )
 
 
 def require_same_shapes(
-    ctx: DistContext, op: str, leaves: Sequence[torch.Tensor], hint: str
+    ctx: DistContext, signature: Signature, hint: str, problem: BaseException | None = None
 ) -> None:
-    """The full check: every rank passes exactly the same shapes and dtypes."""
-    table = exchange_shapes(ctx, op, leaves, hint=hint)
-    if any(shapes != table.shapes[0] for shapes in table.shapes):
-        _raise_mismatch(ctx, op, leaves, hint)
+    """The full check, in one small collective whatever the tree's size: every rank
+    makes the same call with the same tree paths, dtypes and shapes, and none
+    rejected its own input; otherwise every rank raises."""
+    header, _ = _header(signature, (), problem)
+    rows = _all_gather_ints(ctx, header + [0] * (_SLOTS - len(header)))
+    if any(r[0] for r in rows):
+        _raise_problem(ctx, signature.op, problem)
+    if any(r[1:] != rows[0][1:] for r in rows):
+        _raise_mismatch(ctx, signature, hint)

@@ -7,26 +7,33 @@ return for N = 1. Inputs are never modified in place.
 
 from __future__ import annotations
 
+import warnings
+from types import MappingProxyType
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 
-from fnaccel._errors import CollectiveMismatchError
 from fnaccel.dist import DistContext, as_dist
 from fnaccel.ops._shapes import (
     ShapeTable,
+    Signature,
     all_gather_rows,
     as_wire,
     exchange_shapes,
     require_same_shapes,
 )
+# re-exported: seeding, checkpoint.weights and the transforms import them from here
+from fnaccel.ops.objects import broadcast_object_list, gather_object
 from fnaccel.ops.tree import recursively_apply, tree_leaves, tree_unflatten
 
 __all__ = [
+    "REDUCTIONS",
+    "CannotPadNestedTensorWarning",
     "broadcast",
     "broadcast_object_list",
+    "check_reduction",
     "gather",
     "gather_object",
     "pad_across_processes",
@@ -36,24 +43,52 @@ __all__ = [
 _PAD_HINT = "pad them first with fa.ops.pad_across_processes, or use gather_for_metrics"
 
 
-def _tensor_leaves(op: str, tree: Any) -> list[torch.Tensor]:
+class CannotPadNestedTensorWarning(UserWarning):
+    """`pad_across_processes` met a nested (ragged) tensor: it is returned unpadded."""
+
+
+def _tensor_leaves(
+    op: str, tree: Any, nested_ok: bool = False
+) -> tuple[list[torch.Tensor], TypeError | None]:
+    """The tensor leaves of ``tree``, and the reason it is no tree this op takes (or None)."""
     if isinstance(tree, torch.Tensor):  # the common case, without walking a tree
-        return [tree]
-    # error_on_other_type: a collective over a tree with a string leaf is a mistake
-    try:
-        recursively_apply(lambda t: t, tree, error_on_other_type=True)
-    except TypeError as exc:
-        raise TypeError(f"{op}: {exc}") from None
-    return tree_leaves(tree)
+        leaves = [tree]
+    else:
+        # error_on_other_type: a collective over a tree with a string leaf is a mistake
+        try:
+            recursively_apply(lambda t: t, tree, error_on_other_type=True)
+        except TypeError as exc:
+            return [], TypeError(f"{op}: {exc}")
+        leaves = tree_leaves(tree)
+    if not nested_ok and any(t.is_nested for t in leaves):
+        return [], TypeError(
+            f"{op}: nested (ragged) tensors have no single shape to exchange; "
+            "unbind them into a list of tensors first (tensor.unbind())"
+        )
+    return leaves, None
+
+
+def _agree(ctx: DistContext, signature: Signature, hint: str, problem: BaseException | None) -> None:
+    """Raise on every rank unless all ranks make this call with the same tree.
+
+    In a world of one only this rank's own problem counts. Otherwise one small
+    collective (`require_same_shapes`) runs before the data moves, in every
+    mode: gloo would abort, hang or return a partly written buffer instead.
+    """
+    if ctx.num_processes == 1:
+        if problem is not None:
+            raise problem
+        return
+    require_same_shapes(ctx, signature, hint, problem)
 
 
 def gather(ctx: DistContext | Any, tree: Any) -> Any:
     """Gather every tensor of ``tree`` from all processes, concatenated along dim 0.
 
-    Each rank must pass tensors of the same shape (pad with
+    Each rank must pass the same tree (keys, dtypes, shapes: pad with
     `pad_across_processes` first when a dimension differs); 0-d tensors are
-    gathered into 1-d ones of length ``num_processes``. The shapes are checked
-    on every rank before any data moves when ``FNACCEL_DEBUG_MODE=1``.
+    gathered into 1-d ones of length ``num_processes``. Every rank's tree is
+    checked before any data moves: a difference raises on every rank.
 
     Args:
         ctx: a `RunState` or its `DistContext`.
@@ -63,7 +98,9 @@ def gather(ctx: DistContext | Any, tree: Any) -> Any:
         The same structure, each tensor ``num_processes`` times longer in dim 0.
 
     Raises:
-        CollectiveMismatchError: (debug mode) the ranks' shapes differ.
+        CollectiveMismatchError: the ranks' trees differ (keys, dtype, ndim or
+            shape), or another rank's input was not a tree of tensors.
+        TypeError: this rank's tree holds a leaf that is not a tensor.
 
     >>> import fnaccel as fa
     >>> state = fa.init(cpu=True)
@@ -71,9 +108,8 @@ def gather(ctx: DistContext | Any, tree: Any) -> Any:
     {'x': tensor([3.])}
     """
     ctx = as_dist(ctx)
-    leaves = _tensor_leaves("gather", tree)
-    if ctx.debug and ctx.num_processes > 1:
-        require_same_shapes(ctx, "gather", leaves, f"gather needs equal shapes: {_PAD_HINT}")
+    leaves, problem = _tensor_leaves("gather", tree)
+    _agree(ctx, Signature.of("gather", tree, leaves), f"gather needs equal trees: {_PAD_HINT}", problem)
     return _gather_leaves(ctx, tree, leaves)
 
 
@@ -88,7 +124,36 @@ def _gather_leaves(ctx: DistContext, tree: Any, leaves: Sequence[torch.Tensor]) 
     return tree_unflatten(tree, [all_gather_rows(ctx, t) for t in leaves])
 
 
-Reduction = Literal["mean", "sum", "none"]
+Reduction = Literal["mean", "sum", "none", "max", "min"]
+REDUCTIONS: tuple[str, ...] = get_args(Reduction)
+_REDUCE_OPS = MappingProxyType({"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
+                                "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN})
+
+
+def check_reduction(reduction: str) -> None:
+    """Raise `ValueError` unless ``reduction`` is one `reduce` knows."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(
+            f"reduce: unknown reduction {reduction!r}; use one of {', '.join(map(repr, REDUCTIONS))}"
+        )
+
+
+def _reduce_problem(t: torch.Tensor, reduction: str, scale: float) -> TypeError | None:
+    exact = not t.is_floating_point() and not t.is_complex()
+    if t.dtype == torch.bool or (reduction == "mean" and exact) or (
+        reduction in ("max", "min") and t.is_complex()
+    ):
+        fix = "(or use reduction='sum' for integers)" if reduction == "mean" and exact else ""
+        return TypeError(
+            f"reduce: cannot take the {reduction} of a {t.dtype} tensor; "
+            f"convert it to a {'real ' if t.is_complex() else ''}floating dtype first {fix}".rstrip()
+        )
+    if scale != 1.0 and exact:
+        return TypeError(
+            f"reduce: cannot scale a {t.dtype} tensor by {scale}; convert it to a "
+            "floating dtype first (or leave scale=1.0 for integers)"
+        )
+    return None
 
 
 def reduce(
@@ -96,41 +161,46 @@ def reduce(
 ) -> Any:
     """Reduce every tensor of ``tree`` across processes; the inputs are left untouched.
 
+    Every rank's tree (keys, dtypes, shapes) is checked before any data moves:
+    a difference raises on every rank.
+
     Args:
         ctx: a `RunState` or its `DistContext`.
         tree: a tensor or a nested container of tensors.
-        reduction: ``"sum"``, ``"mean"`` (sum divided by ``num_processes``), or
-            ``"none"`` (no communication: each rank keeps its own values).
+        reduction: ``"sum"``, ``"mean"`` (sum divided by ``num_processes``),
+            ``"max"``, ``"min"`` (elementwise), or ``"none"`` (no
+            communication: each rank keeps its own values).
         scale: multiplies the result.
+
+    Raises:
+        CollectiveMismatchError: the ranks' trees or reductions differ, or
+            another rank's input was refused.
+        TypeError: a leaf this reduction cannot take (bool; integers for
+            ``"mean"`` or a scale; complex for ``"max"``/``"min"``).
 
     >>> import fnaccel as fa
     >>> fa.ops.reduce(fa.init(cpu=True), torch.tensor([2.0, 4.0]), "sum", scale=0.5)
     tensor([1., 2.])
+    >>> fa.ops.reduce(fa.init(cpu=True), torch.tensor([2, 4]), "max")
+    tensor([2, 4])
     """
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduce: unknown reduction {reduction!r}; use 'mean', 'sum' or 'none'")
+    check_reduction(reduction)
     ctx = as_dist(ctx)
-    leaves = _tensor_leaves("reduce", tree)
-    for t in leaves:
-        if t.dtype == torch.bool or (reduction == "mean" and not t.is_floating_point()
-                                     and not t.is_complex()):
-            raise TypeError(
-                f"reduce: cannot take the {reduction} of a {t.dtype} tensor; "
-                "convert it to a floating dtype first (or use reduction='sum' for integers)"
-            )
-        if scale != 1.0 and not t.is_floating_point() and not t.is_complex():
-            raise TypeError(
-                f"reduce: cannot scale a {t.dtype} tensor by {scale}; convert it to a "
-                "floating dtype first (or leave scale=1.0 for integers)"
-            )
+    leaves, problem = _tensor_leaves("reduce", tree)
+    problem = problem or next(
+        (p for t in leaves if (p := _reduce_problem(t, reduction, scale)) is not None), None
+    )
     communicate = ctx.num_processes > 1 and reduction != "none"
-    if communicate and ctx.debug:
-        require_same_shapes(ctx, "reduce", leaves, "reduce needs the same shapes on every rank.")
+    if communicate:
+        signature = Signature.of("reduce", tree, leaves, key=f"reduction={reduction!r}")
+        _agree(ctx, signature, "reduce needs the same tree on every rank.", problem)
+    elif problem is not None:
+        raise problem
     out = []
     for t in leaves:
         value = t.clone()
         if communicate:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=ctx.process_group)
+            dist.all_reduce(value, op=_REDUCE_OPS[reduction], group=ctx.process_group)
         if reduction == "mean":
             value /= ctx.num_processes
         if scale != 1.0:
@@ -140,8 +210,9 @@ def reduce(
 
 
 def broadcast(ctx: DistContext | Any, tree: Any, from_process: int = 0) -> Any:
-    """Every rank receives ``from_process``'s tensors; each rank passes tensors of
-    the same shapes and dtypes (their values only matter on ``from_process``).
+    """Every rank receives ``from_process``'s tensors; each rank passes the same
+    tree (keys, dtypes, shapes; the values only matter on ``from_process``),
+    checked before any data moves: a difference raises on every rank.
 
     >>> import fnaccel as fa
     >>> fa.ops.broadcast(fa.init(cpu=True), [torch.ones(2)])
@@ -153,11 +224,11 @@ def broadcast(ctx: DistContext | Any, tree: Any, from_process: int = 0) -> Any:
             f"broadcast: from_process={from_process} is not a rank of this "
             f"{ctx.num_processes}-process run"
         )
-    leaves = _tensor_leaves("broadcast", tree)
+    leaves, problem = _tensor_leaves("broadcast", tree)
+    signature = Signature.of("broadcast", tree, leaves, key=f"from_process={from_process}")
+    _agree(ctx, signature, "broadcast needs the same tree on every rank.", problem)
     if ctx.num_processes == 1:
         return tree
-    if ctx.debug:
-        require_same_shapes(ctx, "broadcast", leaves, "broadcast needs the same shapes on every rank.")
     out = []
     for t in leaves:
         # a contiguous buffer: as_wire would copy a strided one, and receive into the copy
@@ -166,53 +237,6 @@ def broadcast(ctx: DistContext | Any, tree: Any, from_process: int = 0) -> Any:
         dist.broadcast(wire, src=from_process, group=ctx.process_group)
         out.append(received)
     return tree_unflatten(tree, out)
-
-
-def broadcast_object_list(
-    ctx: DistContext | Any, object_list: Sequence[Any], from_process: int = 0
-) -> list[Any]:
-    """``from_process``'s list of picklable objects, on every rank.
-
-    Unlike `torch.distributed.broadcast_object_list` the argument is not
-    modified; a new list is returned. Each rank passes a list of the same
-    length. Objects travel pickled between the run's own processes.
-    """
-    ctx = as_dist(ctx)
-    if not isinstance(object_list, (list, tuple)):
-        raise TypeError(
-            f"broadcast_object_list takes a list, got {type(object_list).__name__}; "
-            "wrap a single object: broadcast_object_list(state, [obj])"
-        )
-    received = list(object_list)
-    if ctx.num_processes > 1:
-        if ctx.debug:
-            lengths = gather_object(ctx, [len(received)])
-            if len(set(lengths)) > 1:
-                raise CollectiveMismatchError(
-                    f"broadcast_object_list: list lengths differ by rank: {lengths}"
-                )
-        dist.broadcast_object_list(received, src=from_process, group=ctx.process_group)
-    return received
-
-
-def gather_object(ctx: DistContext | Any, object: Sequence[Any]) -> list[Any]:
-    """Gather a list of picklable objects from every rank into one list, in rank order.
-
-    >>> import fnaccel as fa
-    >>> fa.ops.gather_object(fa.init(cpu=True), ["a", "b"])
-    ['a', 'b']
-    """
-    ctx = as_dist(ctx)
-    if not isinstance(object, (list, tuple)):
-        raise TypeError(
-            f"gather_object takes a list of objects, got {type(object).__name__}; "
-            "wrap a single object: gather_object(state, [obj])"
-        )
-    if ctx.num_processes == 1:
-        return list(object)
-    everyone: list[Any] = [None] * ctx.num_processes
-    dist.all_gather_object(everyone, list(object), group=ctx.process_group)
-    return [item for part in everyone for item in part]
 
 
 def pad_across_processes(
@@ -246,14 +270,25 @@ def pad_with_table(
 ) -> tuple[Any, ShapeTable | None]:
     """`pad_across_processes`, also returning the shape table it exchanged
     (the shapes after padding), so a following gather needs no check of its own."""
-    leaves = _tensor_leaves("pad_across_processes", tree)
+    op = "pad_across_processes"
+    leaves, problem = _tensor_leaves(op, tree, nested_ok=True)
+    if any(t.is_nested for t in leaves):
+        warnings.warn(
+            f"{op}: a nested tensor has no single size along dim {dim} to pad; "
+            "it is returned unchanged",
+            CannotPadNestedTensorWarning,
+            stacklevel=3,
+        )
     if ctx.num_processes == 1:
+        if problem is not None:
+            raise problem
         return tree, None
-    table = exchange_shapes(ctx, "pad_across_processes", leaves, hint="Pad the same tree on every rank.")
+    signature = Signature.of(op, tree, leaves, key=f"dim={dim}")
+    table = exchange_shapes(ctx, signature, hint="Pad the same tree on every rank.", problem=problem)
     out = []
     padded_shapes: list[list[tuple[int, ...]]] = [list(s) for s in table.shapes]
     for i, t in enumerate(leaves):
-        if not -t.ndim <= dim < t.ndim:  # no such dim (a 0-d leaf, ids beside labels)
+        if t.is_nested or not -t.ndim <= dim < t.ndim:  # nothing to pad (a 0-d leaf, ids)
             out.append(t)
             continue
         axis = dim % t.ndim

@@ -16,11 +16,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from einops import rearrange
 
 from fnaccel._errors import CollectiveMismatchError
 from fnaccel.dist import DistContext, as_dist
-from fnaccel.ops._shapes import all_gather_rows, exchange_shapes
-from fnaccel.ops.collectives import gather_object
+from fnaccel.ops._shapes import Signature, all_gather_rows, exchange_shapes
+from fnaccel.ops.objects import gather_object
 from fnaccel.ops.tree import is_torch_tensor, recursively_apply, tree_leaves, tree_unflatten
 
 __all__ = ["gather_for_metrics"]
@@ -109,7 +110,8 @@ def gather_for_metrics(
         return recursively_apply(lambda t: t[:valid], input_data)
 
     # A rank with bad input still takes part in the exchange: every rank then raises.
-    table = exchange_shapes(ctx, "gather_for_metrics", leaves, extras=[valid], problem=problem)
+    signature = Signature.of("gather_for_metrics", input_data, leaves)
+    table = exchange_shapes(ctx, signature, extras=[valid], problem=problem)
     rows = [shapes[0][0] for shapes in table.shapes]
     valids = [extras[0] for extras in table.extras]
     for i, t in enumerate(leaves):
@@ -129,9 +131,10 @@ def gather_for_metrics(
             padded = t.new_zeros((most, *t.shape[1:]))
             padded[: t.shape[0]] = t
             t = padded
-        everyone = all_gather_rows(ctx, t).view(ctx.num_processes, most, *t.shape[1:])
+        rows_in_rank_order = all_gather_rows(ctx, t)
         if all(v == most for v in valids):
-            out.append(everyone.reshape(ctx.num_processes * most, *t.shape[1:]))
+            out.append(rows_in_rank_order)
         else:
-            out.append(torch.cat([everyone[r, :v] for r, v in enumerate(valids)]))
+            by_rank = rearrange(rows_in_rank_order, "(rank row) ... -> rank row ...", rank=ctx.num_processes)
+            out.append(torch.cat([by_rank[r, :v] for r, v in enumerate(valids)]))
     return tree_unflatten(input_data, out, test_type=is_torch_tensor)

@@ -8,6 +8,7 @@ Every function here rebuilds the containers with their own types.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ __all__ = [
     "send_to_device",
     "slice_tensors",
     "tree_leaves",
+    "tree_paths",
     "tree_unflatten",
 ]
 
@@ -96,6 +98,43 @@ def tree_leaves(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) -
     leaves: list[Any] = []
     recursively_apply(leaves.append, data, test_type=test_type)
     return leaves
+
+
+def tree_paths(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) -> list[str]:
+    """The path of each leaf `tree_leaves` returns, in the same order.
+
+    >>> tree_paths({"x": [torch.ones(1), "s"], "y": torch.ones(1)})
+    ["['x'][0]", "['y']"]
+    """
+    paths: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        if test_type(node):
+            paths.append(path)
+        elif _is_namedtuple(node):
+            for name, value in zip(node._fields, node):
+                walk(value, f"{path}.{name}")
+        elif isinstance(node, (list, tuple)):
+            for i, value in enumerate(node):
+                walk(value, f"{path}[{i}]")
+        elif isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, f"{path}[{_key_text(key)}]")
+        elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+            for f in dataclasses.fields(node):
+                if f.init:
+                    walk(getattr(node, f.name), f"{path}.{f.name}")
+
+    walk(data, "")
+    return paths
+
+
+def _key_text(key: Any) -> str:
+    """A mapping key as every process writes it: the repr of a plain value, the type
+    of anything else (whose repr may hold a memory address)."""
+    if isinstance(key, (str, int, float, bool, enum.Enum)) or key is None:
+        return repr(key)
+    return f"<{type(key).__name__}>"
 
 
 def tree_unflatten(
@@ -223,8 +262,14 @@ def _structure(node: Any) -> Any:
 def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
     """Concatenate a list of trees of the same shape, leaf by leaf, along ``dim``.
 
-    >>> concatenate([{"x": torch.ones(1)}, {"x": torch.zeros(2)}])
-    {'x': tensor([1., 0., 0.])}
+    Tensor leaves are concatenated; a non-tensor leaf must be equal in every
+    tree and is kept once (a `TypeError` otherwise, as Accelerate's "Can only
+    concatenate tensors"). A list of one tree returns a tree equal to it.
+
+    >>> concatenate([{"x": torch.ones(1), "tag": "a"}, {"x": torch.zeros(2), "tag": "a"}])
+    {'x': tensor([1., 0., 0.]), 'tag': 'a'}
+    >>> concatenate(["s"])
+    's'
     """
     if not data:
         raise ValueError("concatenate needs at least one tree")
@@ -235,8 +280,30 @@ def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
                 f"concatenate: tree {i} is not shaped like tree 0 (different containers, keys "
                 "or number of tensors); every tree must have the same structure"
             )
+    others = [tree_leaves(tree, test_type=_is_other_leaf) for tree in data]
+    paths = tree_paths(data[0], test_type=_is_other_leaf)
+    for i, leaves in enumerate(others[1:], start=1):
+        for path, mine, theirs in zip(paths, others[0], leaves):
+            if not _same_value(mine, theirs):
+                raise TypeError(
+                    f"concatenate: Can only concatenate tensors, but the leaf {path or 'itself'} "
+                    f"is a {type(theirs).__name__} that differs between tree 0 ({mine!r}) and "
+                    f"tree {i} ({theirs!r}); make it a tensor or equal in every tree"
+                )
     columns = [tree_leaves(tree) for tree in data]
-    width = len(columns[0])
-    if width == 0 and not isinstance(data[0], torch.Tensor):
-        raise TypeError("concatenate: the trees hold no tensors")
     return tree_unflatten(data[0], [torch.cat(list(parts), dim=dim) for parts in zip(*columns)])
+
+
+def _is_other_leaf(node: Any) -> bool:
+    """A leaf that is not a tensor (nor a container `recursively_apply` walks into)."""
+    return not (
+        isinstance(node, (torch.Tensor, list, tuple, Mapping))
+        or (dataclasses.is_dataclass(node) and not isinstance(node, type))
+    )
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - a value without a plain == (an array) is not "equal"
+        return False

@@ -377,3 +377,108 @@ def metrics_one_rank_rejects(state: Any, kind: str) -> tuple[str, str, float]:
     except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
         return type(exc).__name__, str(exc), time.monotonic() - started
     return "none", "", time.monotonic() - started
+
+
+# --------------------------------------------------------------------- mismatches in every mode
+
+
+def mismatched_input(rank: int, kind: str) -> Any:
+    """Rank 0's and the other ranks' trees differ in exactly one way."""
+    first = rank == 0
+    if kind == "dtype":  # same bytes: gloo would move them and reinterpret the bits
+        return {"x": torch.arange(4, dtype=torch.float32 if first else torch.int32)}
+    if kind == "keys":
+        return {"a" if first else "b": torch.arange(4.0)}
+    if kind == "ndim":  # same element count
+        return {"x": torch.arange(4.0) if first else torch.arange(4.0).reshape(2, 2)}
+    if kind == "length":
+        return {"x": torch.arange(3.0 if first else 4.0)}
+    raise ValueError(kind)
+
+
+def mismatch_everywhere(state: Any, op: str, kind: str, debug: bool) -> tuple[str, str, Any]:
+    """``op`` on a tree that differs by rank: what this rank raised, and a gather of
+    the ranks afterwards (the group still works)."""
+    ctx = dataclasses.replace(state.dist, debug=debug)
+    tree = mismatched_input(ctx.rank, kind)
+    try:
+        if op == "gather":
+            out = fa.ops.gather(ctx, tree)
+        elif op == "reduce":
+            out = fa.ops.reduce(ctx, tree, "sum")
+        elif op == "reduce_max":
+            out = fa.ops.reduce(ctx, tree, "max")
+        elif op == "broadcast":
+            out = fa.ops.broadcast(ctx, tree)
+        elif op == "pad_across_processes":
+            out = fa.ops.pad_across_processes(ctx, tree)
+        else:
+            raise ValueError(op)
+    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+        return type(exc).__name__, str(exc), fa.ops.gather(ctx, torch.tensor([ctx.rank]))
+    return "none", repr(out), fa.ops.gather(ctx, torch.tensor([ctx.rank]))
+
+
+def object_problem_everywhere(state: Any, op: str, kind: str, debug: bool) -> tuple[str, str, Any]:
+    """An object collective where the last rank's input is refused or its list is longer."""
+    ctx = dataclasses.replace(state.dist, debug=debug)
+    objects: Any = ["a", 1]
+    if ctx.is_last_process:
+        if kind == "not-a-list":
+            objects = torch.arange(2)
+        elif kind == "unpicklable":
+            objects = ["a", lambda: None]
+        else:  # length
+            objects = ["a", 1, 2]
+    try:
+        if op == "gather_object":
+            out = fa.ops.gather_object(ctx, objects)
+        else:
+            out = fa.ops.broadcast_object_list(ctx, objects, from_process=ctx.num_processes - 1)
+    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+        return type(exc).__name__, str(exc), fa.ops.gather(ctx, torch.tensor([ctx.rank]))
+    return "none", repr(out), fa.ops.gather(ctx, torch.tensor([ctx.rank]))
+
+
+def reduce_extremes(state: Any, reduction: str) -> Any:
+    """max / min over ranks of values that rise with the rank in one leaf and fall in another."""
+    rank, n = state.dist.rank, state.dist.num_processes
+    tree = {
+        "up": leaf(rank, (2, 3), torch.float32),
+        "down": Pair(x=leaf(n - 1 - rank, (2,), torch.int64) * -1, y=[leaf(rank, (), torch.bfloat16)]),
+    }
+    return fa.ops.reduce(state, tree, reduction), tree  # type: ignore[arg-type]
+
+
+def pad_nested(state: Any) -> tuple[bool, torch.Tensor, list[str]]:
+    """A nested tensor beside a plain one: the plain one is padded, the nested one
+    comes back unchanged with a CannotPadNestedTensorWarning."""
+    import warnings
+
+    rank = state.dist.rank
+    nested = torch.nested.nested_tensor([torch.ones(rank + 1, 2), torch.zeros(2, 2)])
+    tree = {"nested": nested, "plain": torch.ones(rank + 1)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fa.ops.pad_across_processes(state, tree)
+    names = [type(w.message).__name__ for w in caught]
+    return out["nested"] is nested, out["plain"], names
+
+
+def refused_on_last_rank(state: Any, op: str) -> tuple[str, str]:
+    """The last rank's tree holds a string (gather, broadcast) or a bool (reduce): it
+    raises its TypeError, every other rank a CollectiveMismatchError, none waits."""
+    ctx = state.dist
+    tree: Any = {"x": torch.ones(2)}
+    if ctx.is_last_process:
+        tree = {"x": torch.ones(2, dtype=torch.bool)} if op == "reduce" else {"x": "a string"}
+    try:
+        if op == "gather":
+            fa.ops.gather(ctx, tree)
+        elif op == "reduce":
+            fa.ops.reduce(ctx, tree, "sum")
+        else:
+            fa.ops.broadcast(ctx, tree)
+    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+        return type(exc).__name__, str(exc)
+    return "none", ""

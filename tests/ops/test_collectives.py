@@ -94,10 +94,31 @@ def test_reduce_integers(state: fa.RunState) -> None:
 
 
 def test_reduce_rejects_an_unknown_reduction(state: fa.RunState) -> None:
-    with pytest.raises(ValueError, match="'max'"):
-        fa.ops.reduce(state, torch.ones(1), "max")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="'max'"):
-        fa.reduce("max")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'median'.*'max', 'min'"):
+        fa.ops.reduce(state, torch.ones(1), "median")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'median'"):
+        fa.reduce("median")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("reduction", ["max", "min"])
+def test_reduce_max_min_single_process(state: fa.RunState, reduction: str) -> None:
+    tree = {"f": torch.tensor([1.0, -2.0]), "i": [torch.tensor([3, 4])]}
+    out = fa.ops.reduce(state, tree, reduction)  # type: ignore[arg-type]
+    assert_tree_equal(out, tree)
+    assert out["f"] is not tree["f"]
+    with pytest.raises(TypeError, match=f"{reduction} of a torch.complex64"):
+        fa.ops.reduce(state, torch.ones(1, dtype=torch.complex64), reduction)  # type: ignore[arg-type]
+    assert_tree_equal(
+        fa.ops.reduce(state, torch.tensor([1.0]), reduction, scale=2.0),  # type: ignore[arg-type]
+        torch.tensor([2.0]),
+    )
+
+
+def test_pad_nested_tensor_single_process_warns_and_keeps_it(state: fa.RunState) -> None:
+    nested = torch.nested.nested_tensor([torch.ones(1, 2), torch.zeros(2, 2)])
+    with pytest.warns(fa.ops.CannotPadNestedTensorWarning, match="nested tensor"):
+        out = fa.ops.pad_across_processes(state, {"n": nested})
+    assert out["n"] is nested
 
 
 def test_broadcast_single_process(state: fa.RunState) -> None:
@@ -371,7 +392,7 @@ def test_debug_mode_detects_mismatched_shapes(world2: Any, op: str, same_ndim: b
     for rank, (message, elapsed, after) in enumerate(world2.run(fns.debug_mismatch, op, same_ndim)):
         assert message.startswith(f"{op}:"), message
         for r, shape in shapes.items():
-            assert re.search(rf"rank {r}: \[{re.escape(shape)} float32\]", message), message
+            assert re.search(rf"rank {r}: \[\['x'\]: {re.escape(shape)} float32\]", message), message
         # found by the check, not by the process group's 1800 s timeout
         assert elapsed < 30, f"rank {rank} took {elapsed:.1f}s to fail"
         assert_tree_equal(after, torch.tensor([0, 1]))
@@ -391,3 +412,110 @@ def test_string_leaf_in_distributed_gather(world2: Any) -> None:
     with pytest.raises(TypeError, match=r"^gather: .*str"):
         world2.run(fns.gather_with_str_leaf)
     assert_tree_equal(world2.run(fns.gather_rank)[0], torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("reduction", ["max", "min"])
+def test_reduce_max_min(world: Any, reduction: str) -> None:
+    n = world.num_processes
+    pick = torch.maximum if reduction == "max" else torch.minimum
+
+    def over_ranks(make: Any) -> torch.Tensor:
+        values = [make(r) for r in range(n)]
+        out = values[0]
+        for v in values[1:]:
+            out = pick(out, v)
+        return out
+
+    expected = {
+        "up": over_ranks(lambda r: leaf(r, (2, 3), torch.float32)),
+        "down": Pair(
+            x=over_ranks(lambda r: leaf(n - 1 - r, (2,), torch.int64) * -1),
+            y=[over_ranks(lambda r: leaf(r, (), torch.bfloat16))],
+        ),
+    }
+    for rank, (out, tree) in enumerate(world.run(fns.reduce_extremes, reduction)):
+        assert_tree_equal(out, expected, f"rank {rank}")
+        assert_tree_equal(tree["up"], leaf(rank, (2, 3), torch.float32))
+
+
+_WHAT_DIFFERED = {
+    "dtype": "dtype",
+    "keys": "tree structure",
+    "ndim": "ndim",
+    "length": "shape",
+}
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+@pytest.mark.parametrize("kind", list(_WHAT_DIFFERED))
+@pytest.mark.parametrize("op", ["gather", "reduce", "reduce_max", "broadcast"])
+def test_mismatch_raises_on_every_rank_in_every_mode(
+    world2: Any, op: str, kind: str, debug: bool
+) -> None:
+    """float32 vs int32, other keys, another ndim, another length: never a result."""
+    name = "reduce" if op == "reduce_max" else op
+    for rank, (kind_raised, message, after) in enumerate(
+        world2.run(fns.mismatch_everywhere, op, kind, debug)
+    ):
+        assert kind_raised == "CollectiveMismatchError", (rank, kind_raised, message)
+        assert message.startswith(f"{name}: "), message
+        assert _WHAT_DIFFERED[kind] in message.split("(")[0], message
+        assert "rank 0: " in message and "rank 1: " in message, message
+        assert_tree_equal(after, torch.tensor([0, 1]))
+
+
+def test_mismatch_message_names_each_rank_tree(world: Any) -> None:
+    for kind_raised, message, _ in world.run(fns.mismatch_everywhere, "gather", "dtype", False):
+        assert kind_raised == "CollectiveMismatchError"
+        assert "rank 0: [['x']: (4,) float32]" in message, message
+        assert "rank 1: [['x']: (4,) int32]" in message, message
+    for _, message, _ in world.run(fns.mismatch_everywhere, "broadcast", "keys", False):
+        assert "rank 0: [['a']: (4,) float32]" in message and "rank 1: [['b']: (4,) float32]" in message
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
+@pytest.mark.parametrize("kind", ["not-a-list", "unpicklable", "length"])
+@pytest.mark.parametrize("op", ["gather_object", "broadcast_object_list"])
+def test_object_collectives_raise_on_every_rank(world: Any, op: str, kind: str, debug: bool) -> None:
+    """One rank's refused input, or (broadcast_object_list) a list of another length:
+    every rank raises, none waits; gather_object takes lists of any lengths."""
+    n = world.num_processes
+    results = world.run(fns.object_problem_everywhere, op, kind, debug)
+    if op == "gather_object" and kind == "length":
+        for raised, out, _ in results:
+            assert raised == "none" and out == repr(["a", 1] * (n - 1) + ["a", 1, 2])
+        return
+    for rank, (raised, message, after) in enumerate(results):
+        if rank == n - 1 and kind != "length":
+            assert raised == "TypeError", (rank, raised, message)
+        else:
+            assert raised == "CollectiveMismatchError", (rank, raised, message)
+            assert f"rank {n - 1}" in message, message
+        assert message.startswith(f"{op}"), message
+        assert_tree_equal(after, torch.arange(n))
+
+
+def test_pad_nested_tensor_over_processes_warns_and_keeps_it(world2: Any) -> None:
+    for rank, (same, plain, warned) in enumerate(world2.run(fns.pad_nested)):
+        assert same, f"rank {rank}: the nested tensor was replaced"
+        assert warned == ["CannotPadNestedTensorWarning"], warned
+        assert_tree_equal(plain, torch.cat([torch.ones(rank + 1), torch.zeros(1 - rank)]))
+
+
+@pytest.mark.parametrize("op", ["gather", "reduce", "broadcast"])
+def test_one_rank_refusing_its_input_raises_on_every_rank(world: Any, op: str) -> None:
+    n = world.num_processes
+    for rank, (raised, message) in enumerate(world.run(fns.refused_on_last_rank, op)):
+        if rank == n - 1:
+            assert raised == "TypeError" and message.startswith(f"{op}: "), message
+        else:
+            assert raised == "CollectiveMismatchError", (rank, raised, message)
+            assert message.startswith(f"{op}: rank {n - 1} rejected its input"), message
+    assert_tree_equal(world.run(fns.gather_rank)[0], torch.arange(n))
+
+
+@pytest.mark.parametrize("op", ["gather", "reduce", "broadcast"])
+def test_a_nested_tensor_is_refused_with_the_fix(state: fa.RunState, op: str) -> None:
+    nested = torch.nested.nested_tensor([torch.ones(1, 2), torch.zeros(2, 2)])
+    with pytest.raises(TypeError, match=rf"^{op}: nested .*unbind"):
+        getattr(fa.ops, op)(state, {"n": nested})

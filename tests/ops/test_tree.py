@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
 from collections import OrderedDict, defaultdict
 from typing import Any
 
@@ -306,11 +307,42 @@ def test_concatenate_rejects_a_structure_mismatch(trees: list[Any]) -> None:
         concatenate(trees)
 
 
-def test_concatenate_needs_trees_with_tensors() -> None:
+def test_concatenate_needs_at_least_one_tree() -> None:
     with pytest.raises(ValueError, match="at least one tree"):
         concatenate([])
-    with pytest.raises(TypeError, match="no tensors"):
-        concatenate([{"a": "x"}, {"a": "y"}])
+
+
+@pytest.mark.parametrize(
+    ("trees", "where"),
+    [
+        ([{"a": "x"}, {"a": "y"}], "['a']"),
+        ([(torch.ones(1), 1), (torch.ones(1), 2)], "[1]"),
+        ([{"t": torch.ones(1), "n": Pair(x=1, y="s")}, {"t": torch.ones(1), "n": Pair(x=1, y="u")}], "['n'].y"),
+        ([[torch.ones(1), 1], [torch.ones(1), 1.0]], "[1]"),  # 1 == 1.0, but not the same leaf
+    ],
+    ids=["strings", "ints", "nested", "int-vs-float"],
+)
+def test_concatenate_refuses_non_tensor_leaves_that_differ(trees: list[Any], where: str) -> None:
+    """Accelerate raises TypeError ("Can only concatenate tensors"); the first tree's
+    leaf was silently kept before."""
+    with pytest.raises(TypeError, match=rf"Can only concatenate tensors.*{re.escape(where)}"):
+        concatenate(trees)
+
+
+def test_concatenate_keeps_equal_non_tensor_leaves() -> None:
+    out = concatenate([{"t": torch.ones(1), "tag": ("a", 1)}, {"t": torch.zeros(1), "tag": ("a", 1)}])
+    assert_tree_equal(out, {"t": torch.tensor([1.0, 0.0]), "tag": ("a", 1)})
+    assert concatenate([{"a": "x"}, {"a": "x"}]) == {"a": "x"}
+
+
+def test_concatenate_of_one_tree_returns_it() -> None:
+    """As Accelerate: a list of one non-tensor is returned as it is (it raised before)."""
+    assert concatenate(["s"]) == "s"
+    tree = {"t": torch.ones(2), "n": None}
+    out = concatenate([tree])
+    assert_tree_equal(out, tree)
+    out["t"].add_(1)  # a new tensor, as torch.cat makes
+    assert_tree_equal(tree, {"t": torch.ones(2), "n": None})
 
 
 def test_tree_ops_are_the_same_functions_in_fnaccel_utils() -> None:
@@ -319,3 +351,14 @@ def test_tree_ops_are_the_same_functions_in_fnaccel_utils() -> None:
     for name in ("concatenate", "convert_outputs_to_fp32", "convert_to_fp32", "listify",
                  "recursively_apply", "send_to_device", "slice_tensors"):
         assert getattr(utils, name) is getattr(fa.ops, name), name
+
+
+def test_tree_paths_name_each_tensor_leaf_the_same_way_in_every_process() -> None:
+    from fnaccel.ops.tree import tree_paths
+
+    class Key:  # its repr holds a memory address, which differs between processes
+        pass
+
+    tree = {"a": [torch.ones(1), "s"], 3: Pair(x=torch.ones(1), y=None), Key(): torch.ones(1)}
+    assert tree_paths(tree) == ["['a'][0]", "[3].x", "[<Key>]"]
+    assert tree_paths(Box(value=(torch.ones(1),))) == [".value[0]"]
