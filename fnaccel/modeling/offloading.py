@@ -241,7 +241,8 @@ def align_module_device(module: nn.Module, execution_device: DeviceLike | None =
     """Inside the block, ``module``'s own weights are real tensors on ``execution_device``.
 
     An offloaded module's weights are loaded as for a forward and released
-    at the end; another module's own parameters are moved there and back.
+    at the end; another module's own parameters are moved there, and its
+    original parameters are put back at the end.
     Without ``execution_device``, an offloaded module loads onto its hook's
     execution device and any other module is left alone.
 
@@ -269,18 +270,14 @@ def align_module_device(module: nn.Module, execution_device: DeviceLike | None =
         yield
         return
     device = as_device(execution_device)
-    original_devices = {name: param.device for name, param in module.named_parameters(recurse=False)}
+    originals = dict(module.named_parameters(recurse=False))
     try:
-        for name in original_devices:
-            _move_own(module, name, device)
+        for name in originals:
+            set_module_tensor_to_device(module, name, device)
         yield
     finally:
-        for name, original_device in original_devices.items():
-            _move_own(module, name, original_device)
-
-
-def _move_own(module: nn.Module, name: str, device: torch.device) -> None:
-    set_module_tensor_to_device(module, name, device)
+        for name, param in originals.items():  # the very objects: optimizers still hold them
+            module.register_parameter(name, param)
 
 
 def _flat(hook: ModelHook | None) -> list[ModelHook]:
