@@ -57,10 +57,23 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class KwargsHandler:
-    """Base of the kwargs handlers: `to_kwargs()` returns the fields changed from their defaults."""
+    """Mixin for dataclasses: `to_kwargs()` returns the fields changed from their defaults.
 
+    Not a dataclass itself, so that any dataclass can inherit it, frozen or
+    not, as Accelerate documents for its own ``KwargsHandler``; fnaccel's
+    handlers are frozen, slotted, keyword-only dataclasses. Bool fields are
+    checked when built.
+
+    >>> @dataclass
+    ... class MyKwargs(KwargsHandler):
+    ...     something: int = 1
+    ...     enabled: bool = True
+    >>> MyKwargs(something=3).to_kwargs()
+    {'something': 3}
+    """
+
+    __slots__ = ()
     # Fields that configure fnaccel itself rather than the torch call `to_kwargs` feeds.
     _not_kwargs: ClassVar[frozenset[str]] = frozenset()
 
@@ -82,6 +95,9 @@ class KwargsHandler:
 
     def to_kwargs(self) -> dict[str, Any]:
         """Returns the fields whose value differs from the field's default, as a new dict."""
+        if not dataclasses.is_dataclass(self):
+            raise TypeError(f"{type(self).__name__} inherits KwargsHandler but is not a dataclass: decorate it "
+                            "with @dataclasses.dataclass")
         changed: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
