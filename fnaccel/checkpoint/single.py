@@ -132,9 +132,10 @@ def load(f: str | os.PathLike[str], map_location: str | torch.device | None = No
     path = Path(f)
     if not path.is_file():
         raise FileNotFoundError(f"load: there is no file {path}")
-    device = "cpu" if map_location is None else str(torch.device(map_location))
+    device = torch.device("cpu" if map_location is None else map_location)
     try:
-        return load_file(path, device=device)
+        tensors = load_file(path, device="cpu")
     except SafetensorError as exc:
         raise ValueError(f"load: {path} is not a safetensors file ({exc}); fnaccel reads no pickles: convert a "
                          "torch.save file with safetensors.torch.save_file in a process you trust") from None
+    return tensors if device.type == "cpu" else {name: t.to(device) for name, t in tensors.items()}
