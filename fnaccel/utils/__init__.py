@@ -136,6 +136,9 @@ _LAZY = MappingProxyType({
     "extract_model_from_parallel": "fnaccel.modeling.unwrap",
     **dict.fromkeys(("BnbQuantizationConfig", "load_and_quantize_model"), "fnaccel.modeling.quantization"),
     "merge_fsdp_weights": "fnaccel.commands.merge",
+    **dict.fromkeys(("get_grad_scaler", "get_mixed_precision_context_manager"), "fnaccel.utils.precision"),
+    **dict.fromkeys(("override_numa_affinity", "set_numa_affinity"), "fnaccel.utils.numa"),
+    **dict.fromkeys(("purge_accelerate_environment", "purge_fnaccel_environment"), "fnaccel.utils.purge"),
 })
 
 
