@@ -141,7 +141,12 @@ def attach_align_device_hook_on_blocks(
             add_hook_to_module(module, AlignDevicesHook(execution_device, io_same_device=True, skip_keys=skip_keys,
                                                         place_submodules=True))
         return
-    devices = execution_device if isinstance(execution_device, Mapping) else dict.fromkeys(offload, execution_device)
+    devices: Mapping[str, DeviceLike | None]
+    if isinstance(execution_device, Mapping):
+        devices = execution_device
+    else:
+        assert isinstance(offload, Mapping)  # one of the two is a map, or we returned above
+        devices = dict.fromkeys(offload, execution_device)
     flags = offload if isinstance(offload, Mapping) else dict.fromkeys(devices, offload)
     if set(devices) != set(flags):
         raise ValueError(f"attach_align_device_hook_on_blocks: execution_device names {sorted(devices)} but offload "

@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -78,7 +78,7 @@ class KwargsHandler:
     _not_kwargs: ClassVar[frozenset[str]] = frozenset()
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
+        for f in dataclasses.fields(cast(Any, self)):
             # Annotations are strings under `from __future__ import annotations`, types otherwise.
             if f.type in ("bool", "bool | None", bool, bool | None):
                 value, optional = getattr(self, f.name), f.type not in ("bool", bool)
@@ -88,7 +88,8 @@ class KwargsHandler:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rebuild through __init__: the read-only mapping proxies cannot be pickled or deep-copied.
-        return (_rebuild, (type(self), {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}))
+        fields = dataclasses.fields(cast(Any, self))
+        return (_rebuild, (type(self), {f.name: _plain(getattr(self, f.name)) for f in fields}))
 
     def _validate(self) -> None:
         """Checks and normalises the non-bool fields; handlers override it."""

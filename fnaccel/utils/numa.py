@@ -59,7 +59,8 @@ def numa_node_cpus(local_process_index: int, sysfs: Path = SYSFS) -> set[int] | 
     node = nodes[local_process_index % len(nodes)]
     if torch.cuda.is_available() and local_process_index < torch.cuda.device_count():
         props = torch.cuda.get_device_properties(local_process_index)
-        bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        pci = (props.pci_domain_id, props.pci_bus_id, props.pci_device_id)  # type: ignore[attr-defined]
+        bus_id = "{:04x}:{:02x}:{:02x}.0".format(*pci)
         node_file = sysfs / "bus" / "pci" / "devices" / bus_id / "numa_node"
         if node_file.is_file():
             gpu_node = int(node_file.read_text().strip())
