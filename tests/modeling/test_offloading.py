@@ -185,3 +185,27 @@ def test_layerwise_casting_refuses_non_float_dtypes() -> None:
         attach_layerwise_casting_hooks(_net(), torch.int8, torch.float32)
     with pytest.raises(TypeError, match="floating-point"):
         LayerwiseCastingHook(torch.float16, "float32")  # type: ignore[arg-type]
+
+
+def test_dispatch_model_runs_on_the_public_hooks(tmp_path: Path) -> None:
+    from fnaccel.modeling.dispatch import dispatch_model
+    from fnaccel.modeling.hooks import AlignDevicesHook, ModelHook, add_hook_to_module
+
+    class Count(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            Count.calls += 1
+            return args, kwargs
+
+    model, reference = _net(), _net()
+    dispatch_model(model, {"0": "cpu", "1": "cpu", "2": "cpu", "3": "disk"}, offload_dir=tmp_path)
+    assert isinstance(model[3]._hf_hook, AlignDevicesHook) and has_offloaded_params(model[3])
+    assert not has_offloaded_params(model[0])
+    with align_module_device(model[3]):
+        torch.testing.assert_close(model[3].weight, reference[3].weight, rtol=0, atol=0)
+    assert model[3].weight.is_meta
+    add_hook_to_module(model[3], Count(), append=True)  # a user's hook after fnaccel's
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+    assert Count.calls == 1 and model[3].weight.is_meta
