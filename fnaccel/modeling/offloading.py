@@ -255,7 +255,7 @@ def align_module_device(module: nn.Module, execution_device: DeviceLike | None =
     """
     offloading = [h for h in _flat(getattr(module, "_hf_hook", None)) if isinstance(h, AlignDevicesHook) and h.offload]
     if offloading:
-        (align,) = offloading[:1]
+        align = offloading[0]
         original = align.execution_device
         if execution_device is not None:
             align.execution_device = as_device(execution_device)
