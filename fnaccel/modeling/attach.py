@@ -4,7 +4,7 @@
 puts a hook on every module that owns tensors (offloading them when asked);
 `attach_align_device_hook_on_blocks` does either per block, from maps of
 module names to execution devices and to whether the block is offloaded.
-`cpu_offload` and `disk_offload` (in `fnaccel.modeling.offloading`) and
+`cpu_offload` and `disk_offload` (in `fnaccel.modeling.big_modeling`) and
 `dispatch_model` are built on these.
 """
 

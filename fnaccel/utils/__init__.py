@@ -127,7 +127,7 @@ _LAZY = MappingProxyType({
                      "attach_execution_device_hook"), "fnaccel.modeling.attach"),
     **dict.fromkeys((
         "CpuOffload", "UserCpuOffloadHook", "align_module_device", "cpu_offload", "cpu_offload_with_hook",
-        "disk_offload", "has_offloaded_params"), "fnaccel.modeling.offloading"),
+        "disk_offload", "has_offloaded_params"), "fnaccel.modeling.big_modeling"),
     **dict.fromkeys(("LayerwiseCastingHook", "attach_layerwise_casting_hooks"),
                     "fnaccel.modeling.layerwise_casting"),
     **dict.fromkeys((

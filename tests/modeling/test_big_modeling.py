@@ -14,7 +14,7 @@ from torch import nn
 from fnaccel.modeling.hooks import remove_hook_from_module
 from fnaccel.modeling.layerwise_casting import LayerwiseCastingHook, attach_layerwise_casting_hooks
 from fnaccel.modeling.offload import read_offload_index
-from fnaccel.modeling.offloading import (
+from fnaccel.modeling.big_modeling import (
     CpuOffload,
     UserCpuOffloadHook,
     align_module_device,
