@@ -27,5 +27,12 @@ class CollectiveMismatchError(FnaccelError):
     """Ranks entered a collective with different shapes, dtypes or structures."""
 
 
-class CheckpointError(FnaccelError):
-    """A checkpoint is missing, corrupt, truncated or does not fit the run."""
+class CheckpointError(FnaccelError, ValueError, RuntimeError):
+    """A checkpoint is missing, corrupt, truncated or does not fit the run.
+
+    Also a ``ValueError`` and a ``RuntimeError``: Accelerate's
+    ``load_checkpoint_in_model`` raises one or the other for the same mistakes
+    (``ValueError`` for a bad path, index or shape under a device map,
+    ``torch``'s ``RuntimeError`` from ``load_state_dict(strict=True)``), so
+    ``except`` clauses written for it catch fnaccel's too.
+    """

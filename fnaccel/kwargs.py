@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -57,15 +57,28 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
 class KwargsHandler:
-    """Base of the kwargs handlers: `to_kwargs()` returns the fields changed from their defaults."""
+    """Mixin for dataclasses: `to_kwargs()` returns the fields changed from their defaults.
 
+    Not a dataclass itself, so that any dataclass can inherit it, frozen or
+    not, as Accelerate documents for its own ``KwargsHandler``; fnaccel's
+    handlers are frozen, slotted, keyword-only dataclasses. Bool fields are
+    checked when built.
+
+    >>> @dataclass
+    ... class MyKwargs(KwargsHandler):
+    ...     something: int = 1
+    ...     enabled: bool = True
+    >>> MyKwargs(something=3).to_kwargs()
+    {'something': 3}
+    """
+
+    __slots__ = ()
     # Fields that configure fnaccel itself rather than the torch call `to_kwargs` feeds.
     _not_kwargs: ClassVar[frozenset[str]] = frozenset()
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
+        for f in dataclasses.fields(cast(Any, self)):
             # Annotations are strings under `from __future__ import annotations`, types otherwise.
             if f.type in ("bool", "bool | None", bool, bool | None):
                 value, optional = getattr(self, f.name), f.type not in ("bool", bool)
@@ -75,13 +88,17 @@ class KwargsHandler:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rebuild through __init__: the read-only mapping proxies cannot be pickled or deep-copied.
-        return (_rebuild, (type(self), {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}))
+        fields = dataclasses.fields(cast(Any, self))
+        return (_rebuild, (type(self), {f.name: _plain(getattr(self, f.name)) for f in fields}))
 
     def _validate(self) -> None:
         """Checks and normalises the non-bool fields; handlers override it."""
 
     def to_kwargs(self) -> dict[str, Any]:
         """Returns the fields whose value differs from the field's default, as a new dict."""
+        if not dataclasses.is_dataclass(self):
+            raise TypeError(f"{type(self).__name__} inherits KwargsHandler but is not a dataclass: decorate it "
+                            "with @dataclasses.dataclass")
         changed: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

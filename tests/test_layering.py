@@ -23,9 +23,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fnaccel"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("leaves", ("fnaccel._errors", "fnaccel._lazy", "fnaccel.dist", "fnaccel.rng", "fnaccel.constants",
                 "fnaccel.kwargs", "fnaccel.launch_env", "fnaccel.config", "fnaccel.protocols",
-                "fnaccel.resources", "fnaccel.files", "fnaccel.environment")),
+                "fnaccel.resources", "fnaccel.files", "fnaccel.environment", "fnaccel.numa", "fnaccel.purge")),
     ("state", ("fnaccel.state",)),
-    ("parts", ("fnaccel.transforms", "fnaccel.ops", "fnaccel.seeding", "fnaccel.process", "fnaccel.plugins")),
+    ("parts", ("fnaccel.transforms", "fnaccel.ops", "fnaccel.seeding", "fnaccel.process", "fnaccel.plugins",
+               "fnaccel.mixed_precision")),
     ("loop", ("fnaccel.train", "fnaccel.data", "fnaccel.runtime", "fnaccel.evaluation", "fnaccel.testing")),
     ("services", ("fnaccel.checkpoint", "fnaccel.tracking", "fnaccel.modeling",
                   "fnaccel.notebook", "fnaccel.helpers", "fnaccel.engines")),

@@ -1,7 +1,8 @@
-"""`save`: Accelerate's ``accelerate.utils.save``, one file from one process, pickle-free."""
+"""`save` and `load`: Accelerate's ``accelerate.utils.save`` / ``load``, one file from one process, pickle-free."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,7 +12,34 @@ import torch
 
 from fnaccel.dist import DistContext, as_dist
 
-__all__ = ["save"]
+__all__ = ["drop_shared_tensors", "load", "save"]
+
+_LOG = logging.getLogger(__name__)
+
+
+def drop_shared_tensors(obj: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``obj`` without the names whose tensor is the very same view as an earlier name's (tied
+    weights), logging which were dropped (Accelerate's behaviour). Distinct views of one storage
+    (slices, transposes) are kept: each is stored as its own copy.
+
+    >>> w = torch.ones(2)
+    >>> sorted(drop_shared_tensors({"a": w, "b": w, "c": w[:1]}))
+    ['a', 'c']
+    """
+    kept: dict[str, torch.Tensor] = {}
+    first_of: dict[tuple[Any, ...], str] = {}
+    dropped: list[str] = []
+    for name, tensor in obj.items():
+        key = (tensor.device, tensor.dtype, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if tensor.numel() and key in first_of:
+            dropped.append(name)
+            continue
+        first_of[key] = name
+        kept[name] = tensor
+    if dropped:
+        _LOG.warning("Removed shared tensor %s while saving (each is the same tensor as one kept); tie them "
+                     "again after loading (fnaccel.utils.retie_parameters)", sorted(dropped))
+    return kept
 
 
 def save(
@@ -28,7 +56,9 @@ def save(
 
     The file is written beside its name and renamed into place, so ``f`` holds
     the old file or the whole new one, never a part. Tied tensors (two names,
-    one storage) are stored as copies.
+    one tensor) are stored once: the later names are dropped and logged
+    (a warning on ``fnaccel.checkpoint.single``), as Accelerate does;
+    other views of one storage are stored as copies.
 
     Args:
         state: the run (only its ranks are read).
@@ -68,6 +98,44 @@ def save(
 
     from fnaccel.checkpoint.files import replace_atomically
 
-    # safetensors refuses shared storage: each name gets its own contiguous copy
-    data = to_bytes({name: t.detach().cpu().contiguous().clone() for name, t in obj.items()})
+    # safetensors refuses shared storage: each name kept gets its own contiguous copy
+    data = to_bytes({name: t.detach().cpu().contiguous().clone() for name, t in drop_shared_tensors(obj).items()})
     replace_atomically(Path(f), lambda file: file.write(data))
+
+
+def load(f: str | os.PathLike[str], map_location: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Read a safetensors file written by `save` (or anyone): Accelerate's ``accelerate.utils.load``.
+
+    Pickles (``.bin``, ``.pt``: what ``torch.load`` reads) are refused, since
+    loading one runs code.
+
+    Args:
+        f: the ``.safetensors`` file.
+        map_location: the device to put the tensors on (default: the CPU).
+
+    Returns:
+        The tensors by name.
+
+    Raises:
+        ValueError: ``f`` is not a safetensors file (a pickle, or damaged).
+        FileNotFoundError: there is no ``f``.
+
+    >>> import fnaccel as fa, tempfile, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "weights.safetensors"
+    >>> save(fa.init(cpu=True), {"w": torch.ones(2)}, path)
+    >>> load(path)
+    {'w': tensor([1., 1.])}
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(f)
+    if not path.is_file():
+        raise FileNotFoundError(f"load: there is no file {path}")
+    device = torch.device("cpu" if map_location is None else map_location)
+    try:
+        tensors = load_file(path, device="cpu")
+    except SafetensorError as exc:
+        raise ValueError(f"load: {path} is not a safetensors file ({exc}); fnaccel reads no pickles: convert a "
+                         "torch.save file with safetensors.torch.save_file in a process you trust") from None
+    return tensors if device.type == "cpu" else {name: t.to(device) for name, t in tensors.items()}

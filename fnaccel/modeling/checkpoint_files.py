@@ -101,14 +101,18 @@ def checkpoint_files(path: Path) -> list[tuple[Path, frozenset[str] | None]]:
 
 
 def read_index(index: Path) -> dict[str, Any]:
-    """A sharded checkpoint's index, checked to map tensor names to file names."""
+    """A sharded checkpoint's index (``{"weight_map": {name: file}}``, or the flat
+    ``{name: file}``), checked to map tensor names to file names."""
     try:
         data = json.loads(index.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{index} is not a readable JSON index: {exc}") from None
+    if isinstance(data, dict) and "weight_map" not in data:
+        data = {"weight_map": data}  # a flat {tensor name: file} index, as Accelerate also reads
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise CheckpointError(f"{index} has no 'weight_map' from tensor names to file names")
+        raise CheckpointError(f"{index} maps no tensor names to file names: an index is "
+                              '{"weight_map": {name: file}} or a flat {name: file}')
     return data
 
 

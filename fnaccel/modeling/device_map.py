@@ -164,6 +164,7 @@ def infer_auto_device_map(
     verbose: bool = False,
     clean_result: bool = True,
     offload_buffers: bool = False,
+    fallback_allocation: bool = False,
 ) -> dict[str, Device]:
     """A device map for ``model``: the GPUs filled in order, then the CPU, then the disk.
 
@@ -196,6 +197,11 @@ def infer_auto_device_map(
         offload_buffers: the buffers of offloaded modules are offloaded with
             them; otherwise they will sit on the main device, and a warning
             says when they do not fit on any GPU.
+        fallback_allocation: when the next module cannot be placed on a
+            device that holds nothing yet, search the modules after it
+            (breadth first, into their children) for one that fits beside
+            the room kept for it, and put that one there first, rather than
+            leave the device empty.
 
     Returns:
         ``{module or tensor name: device}``, in the model's order.
@@ -242,7 +248,16 @@ def infer_auto_device_map(
             # Too big alone: only splitting it helps. Too big with its ties: split one of those.
             candidates = [(name, module)] if sizes[name] > space else tied
             to_split = next((e for e in candidates if _splittable(e[1], no_split)), None)
-            if to_split is None:
+            fallback = None
+            if to_split is None and fallback_allocation and used == 0:
+                # room is kept for this module too: it must still be loadable once offloaded
+                room = memory[device] - max(reserve_size, needed)
+                fallback = _fallback_entry(to_treat, sizes, room, no_split, tied_groups)
+            if fallback is not None:
+                say(f"Fallback allocation: {fallback} fits on {device}; {name} waits.")
+                to_treat = _bring_forward(fallback, to_treat)
+                to_treat.insert(1, (name, module))
+            elif to_split is None:
                 say("It cannot be split, going to the next device.")
                 peak[device] = used + reserve
                 index, used = index + 1, 0
@@ -277,6 +292,32 @@ def infer_auto_device_map(
                 stacklevel=2,
             )
     return clean_device_map(device_map) if clean_result else device_map
+
+
+def _fallback_entry(
+    entries: Sequence[Entry], sizes: Mapping[str, int], space: int, no_split: Sequence[str],
+    tied_groups: Sequence[Sequence[str]],
+) -> str | None:
+    """The first module or tensor, breadth first through ``entries`` and their children, that fits in ``space``
+    together with what is tied to it."""
+    queue = list(entries)
+    while queue:
+        name, module = queue.pop(0)
+        others = [e for e in entries if not _within(e[0], name) and not _within(name, e[0])]
+        if sizes[name] + sum(sizes[n] for n, _ in _tied_entries(name, others, tied_groups)) <= space:
+            return name
+        if _splittable(module, no_split):
+            queue.extend(_parts(name, module))
+    return None
+
+
+def _bring_forward(target: str, entries: list[Entry]) -> list[Entry]:
+    """``entries`` with the ancestors of ``target`` split until it is an entry of its own, moved to the front."""
+    while not any(name == target for name, _ in entries):
+        at = next(i for i, (name, _) in enumerate(entries) if _within(target, name))
+        entries[at : at + 1] = _parts(*entries[at])
+    at = next(i for i, (name, _) in enumerate(entries) if name == target)
+    return [entries[at], *entries[:at], *entries[at + 1:]]
 
 
 def resolve_device_map(

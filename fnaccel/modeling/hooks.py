@@ -1,36 +1,221 @@
-"""Hooks that run a module with its weights and inputs where they must be.
+"""Hooks around a module's forward: Accelerate's `accelerate.hooks` API.
 
-`AlignDevicesHook` is Accelerate's hook of that name: before the forward it
-moves the inputs to the module's execution device and, for an offloaded
-module, brings the module's weights in from a (lazy) weights map; after the
-forward it puts the weights back on ``meta``, releasing them, and can move the
-output back to where the input came from.
+A `ModelHook` has four methods: `init_hook` when it is attached,
+`pre_forward` (may change the arguments) and `post_forward` (may change the
+output) around every call, `detach_hook` when it is removed. Users subclass it;
+`SequentialHook` runs several in order. `add_hook_to_module` attaches one
+(``append=True`` composes it after the hook already there);
+`remove_hook_from_module` undoes it.
 
-It is attached with PyTorch's own forward hooks, not by replacing
-``forward``: a pre-hook, and a post-hook registered with ``always_call=True``
-so that the weights are released even when the forward raises. What was
-attached is recorded on the module itself (no registry anywhere), and
-`remove_hook_from_module` / `remove_hook_from_submodules` undo it.
+The hook attached to a module is ``module._hf_hook``, Accelerate's attribute,
+so code that looks for it (``hasattr(module, "_hf_hook")``) finds it. It runs
+through PyTorch's own forward hooks, not by replacing ``forward``: a pre-hook,
+and a post-hook registered with ``always_call=True`` so that offloaded weights
+are released even when the forward raises.
+
+`AlignDevicesHook` moves the inputs to the module's execution device and, for
+an offloaded module, loads its weights from a (lazy) weights map just before
+the forward and puts them back on ``meta`` just after. `dispatch_model`,
+`cpu_offload` and `disk_offload` are built on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from fnaccel.modeling.sizes import named_module_tensors
 from fnaccel.modeling.tensors import DeviceLike, as_device, set_module_tensor_to_device
 from fnaccel.ops.tree import send_to_device, tree_leaves
 
-__all__ = ["AlignDevicesHook", "add_hook_to_module", "remove_hook_from_module", "remove_hook_from_submodules"]
+__all__ = [
+    "AlignDevicesHook",
+    "ModelHook",
+    "SequentialHook",
+    "add_hook_to_module",
+    "remove_hook_from_module",
+    "remove_hook_from_submodules",
+]
 
-_ATTRIBUTE = "_fnaccel_hooks"  # where a module keeps what add_hook_to_module attached
+_HANDLES = "_fnaccel_hook_handles"  # the torch handles that run module._hf_hook
+
+
+class ModelHook:
+    """A hook run around a module's forward; subclass it and override what you need.
+
+    ``no_grad = True`` runs the forward (between `pre_forward` and
+    `post_forward`) without autograd.
+
+    >>> class Double(ModelHook):
+    ...     def post_forward(self, module, output):
+    ...         return output * 2
+    >>> layer = add_hook_to_module(torch.nn.Identity(), Double())
+    >>> layer(torch.ones(2))
+    tensor([2., 2.])
+    """
+
+    no_grad = False
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        """Called when the hook is attached; returns the module."""
+        return module
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Called before the forward with its arguments; returns the ``(args, kwargs)`` to run it with."""
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        """Called after the forward with its output; returns the output the caller gets."""
+        return output
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        """Called when the hook is removed; returns the module."""
+        return module
+
+
+class SequentialHook(ModelHook):
+    """Several hooks as one: each `pre_forward` in order, each `post_forward` in order.
+
+    >>> class Add(ModelHook):
+    ...     def __init__(self, n): self.n = n
+    ...     def post_forward(self, module, output): return output + self.n
+    >>> class Times(ModelHook):
+    ...     def post_forward(self, module, output): return output * 10
+    >>> layer = add_hook_to_module(torch.nn.Identity(), SequentialHook(Add(1), Times()))
+    >>> layer(torch.zeros(1))
+    tensor([10.])
+    """
+
+    def __init__(self, *hooks: ModelHook) -> None:
+        for hook in hooks:
+            if not isinstance(hook, ModelHook):
+                raise TypeError(f"SequentialHook takes ModelHook instances, got {type(hook).__name__}: "
+                                "subclass fnaccel.utils.ModelHook")
+        self.hooks = hooks
+
+    def __repr__(self) -> str:
+        return f"SequentialHook({', '.join(map(repr, self.hooks))})"
+
+    @property
+    def no_grad(self) -> bool:  # type: ignore[override]
+        return any(hook.no_grad for hook in self.hooks)
+
+    def init_hook(self, module: nn.Module) -> nn.Module:
+        for hook in self.hooks:
+            module = hook.init_hook(module)
+        return module
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        for hook in self.hooks:
+            args, kwargs = hook.pre_forward(module, *args, **kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        for hook in self.hooks:
+            output = hook.post_forward(module, output)
+        return output
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        for hook in reversed(self.hooks):
+            module = hook.detach_hook(module)
+        return module
+
+
+def _run_pre(hook: ModelHook, grad_modes: list[bool], module: nn.Module, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    args, kwargs = hook.pre_forward(module, *args, **kwargs)
+    if hook.no_grad:
+        grad_modes.append(torch.is_grad_enabled())
+        torch.set_grad_enabled(False)
+    return tuple(args), dict(kwargs)
+
+
+def _run_post(hook: ModelHook, grad_modes: list[bool], module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+    if hook.no_grad and grad_modes:
+        torch.set_grad_enabled(grad_modes.pop())
+    return hook.post_forward(module, output)
+
+
+def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False) -> nn.Module:
+    """Attach ``hook`` to ``module``: its `init_hook` runs now, its pre/post-forward around every call.
+
+    Args:
+        module: the module, changed in place.
+        hook: a `ModelHook` (a subclass of yours, or one of fnaccel's).
+        append: keep the hook already attached and run ``hook`` after it
+            (the two become a `SequentialHook`); otherwise the old hook is
+            removed first (its `detach_hook` runs).
+
+    Returns:
+        ``module``; ``module._hf_hook`` is the hook that runs.
+
+    Raises:
+        TypeError: ``hook`` is not a `ModelHook`.
+    """
+    if not isinstance(hook, ModelHook):
+        raise TypeError(f"add_hook_to_module takes a ModelHook, got {type(hook).__name__}: subclass "
+                        "fnaccel.utils.ModelHook and override pre_forward/post_forward")
+    old = getattr(module, "_hf_hook", None)
+    if append and old is not None:
+        module = hook.init_hook(module)
+        _detach_handles(module)
+        hook = SequentialHook(old, hook)
+    else:
+        remove_hook_from_module(module)
+        module = hook.init_hook(module)
+    grad_modes: list[bool] = []  # a stack: a module may run inside itself
+    handles = (
+        module.register_forward_pre_hook(partial(_run_pre, hook, grad_modes), with_kwargs=True),
+        module.register_forward_hook(partial(_run_post, hook, grad_modes), always_call=True),
+    )
+    module.__dict__["_hf_hook"] = hook
+    module.__dict__[_HANDLES] = handles
+    return module
+
+
+def _detach_handles(module: nn.Module) -> None:
+    for handle in module.__dict__.pop(_HANDLES, ()):
+        handle.remove()
+
+
+def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Module:
+    """Detach the hook `add_hook_to_module` attached (and, with ``recurse``, those of all submodules).
+
+    The hook's `detach_hook` runs: offloaded weights whose module held them in
+    memory before are read back; those that were on ``meta`` stay there.
+
+    Returns:
+        ``module``, changed in place.
+
+    >>> layer = add_hook_to_module(torch.nn.Linear(2, 2), ModelHook())
+    >>> remove_hook_from_module(layer) is layer, hasattr(layer, "_hf_hook")
+    (True, False)
+    """
+    hook = module.__dict__.pop("_hf_hook", None)
+    _detach_handles(module)
+    if hook is not None:
+        hook.detach_hook(module)
+    if recurse:
+        for child in module.children():
+            remove_hook_from_module(child, recurse=True)
+    return module
+
+
+def remove_hook_from_submodules(module: nn.Module) -> None:
+    """Detach every hook from ``module`` and all its submodules: undo `dispatch_model`.
+
+    >>> from fnaccel.modeling.dispatch import dispatch_model
+    >>> model = dispatch_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"0": "cpu"}, force_hooks=True)
+    >>> remove_hook_from_submodules(model)
+    >>> model._forward_pre_hooks
+    OrderedDict()
+    """
+    remove_hook_from_module(module, recurse=True)
+    module.__dict__.pop("hf_device_map", None)
 
 
 def _module_tensors(module: nn.Module, include_buffers: bool, recurse: bool) -> list[tuple[str, torch.Tensor]]:
@@ -38,7 +223,7 @@ def _module_tensors(module: nn.Module, include_buffers: bool, recurse: bool) -> 
                                      remove_non_persistent=True))
 
 
-class AlignDevicesHook:
+class AlignDevicesHook(ModelHook):
     """Keep a module's inputs and weights on its execution device for each forward.
 
     Args:
@@ -111,7 +296,7 @@ class AlignDevicesHook:
                 set_module_tensor_to_device(module, name, self.execution_device)
         return module
 
-    def pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Load the offloaded weights and move the inputs to the execution device."""
         if self.io_same_device:
             leaves = tree_leaves([args, kwargs])
@@ -145,74 +330,3 @@ class AlignDevicesHook:
                 set_module_tensor_to_device(module, name, device, value=self.weights_map[name].to(device, copy=True))
         self.offloaded = ()
         return module
-
-
-@dataclass(frozen=True, slots=True)
-class _Attached:
-    """One hook on one module, with the two torch handles that run it."""
-
-    hook: AlignDevicesHook
-    pre: RemovableHandle
-    post: RemovableHandle
-
-
-def _pre(hook: AlignDevicesHook, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return hook.pre_forward(module, args, kwargs)
-
-
-def _post(hook: AlignDevicesHook, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-    return hook.post_forward(module, output)
-
-
-def add_hook_to_module(module: nn.Module, hook: AlignDevicesHook, append: bool = False) -> nn.Module:
-    """Attach ``hook`` to ``module`` (replacing its hooks, unless ``append``).
-
-    The hook's `init_hook` runs now (an offloading hook moves the weights to
-    ``meta``); its pre- and post-forward then run around every call.
-
-    Returns:
-        ``module``, changed in place.
-    """
-    if not append:
-        remove_hook_from_module(module)
-    hook.init_hook(module)
-    attached = _Attached(
-        hook,
-        module.register_forward_pre_hook(partial(_pre, hook), with_kwargs=True),
-        module.register_forward_hook(partial(_post, hook), always_call=True),
-    )
-    setattr(module, _ATTRIBUTE, (*getattr(module, _ATTRIBUTE, ()), attached))
-    return module
-
-
-def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Module:
-    """Detach the hooks `add_hook_to_module` attached to ``module`` (and its submodules with ``recurse``).
-
-    Offloaded weights whose module held them in memory before are read back
-    into memory; those that were on ``meta`` stay there.
-
-    Returns:
-        ``module``, changed in place.
-    """
-    for attached in reversed(getattr(module, _ATTRIBUTE, ())):
-        attached.pre.remove()
-        attached.post.remove()
-        attached.hook.detach_hook(module)
-    module.__dict__.pop(_ATTRIBUTE, None)
-    if recurse:
-        for child in module.children():
-            remove_hook_from_module(child, recurse=True)
-    return module
-
-
-def remove_hook_from_submodules(module: nn.Module) -> None:
-    """Detach every hook from ``module`` and all its submodules: undo `dispatch_model`.
-
-    >>> from fnaccel.modeling.dispatch import dispatch_model
-    >>> model = dispatch_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"0": "cpu"}, force_hooks=True)
-    >>> remove_hook_from_submodules(model)
-    >>> model._forward_pre_hooks
-    OrderedDict()
-    """
-    remove_hook_from_module(module, recurse=True)
-    module.__dict__.pop("hf_device_map", None)

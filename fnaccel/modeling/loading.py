@@ -17,9 +17,9 @@ size, never twice it, whether or not the checkpoint is sharded. Tensors that
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -45,6 +45,8 @@ from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.modeling.tensors import DeviceMap, device_for, parse_device_map, set_module_tensor_to_device
 from fnaccel.modeling.tied import find_tied_parameters, retie_parameters
 from fnaccel.transforms.parallel import unwrap_model
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = ["IncompatibleKeys", "load_checkpoint_in_model", "load_state_dict"]
 
@@ -150,7 +152,8 @@ def load_checkpoint_in_model(
             at any depth) whose weights load in float32 instead.
         offload_8bit_bnb: offload bitsandbytes 8-bit modules; not supported.
         strict: raise when the checkpoint and the model name different
-            tensors; otherwise warn and return them.
+            tensors; otherwise log a warning (logger
+            ``fnaccel.modeling.loading``, as Accelerate logs it) and return them.
 
     Returns:
         The model tensors the checkpoint did not fill and the checkpoint
@@ -273,7 +276,7 @@ def _check_fit(
         )
         if strict:
             raise CheckpointError(message)
-        warnings.warn(message + " (strict=True raises)", stacklevel=3)
+        _LOG.warning("%s (strict=True raises)", message)
     return files, IncompatibleKeys(missing, unexpected)
 
 

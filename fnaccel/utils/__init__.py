@@ -101,7 +101,7 @@ _LAZY = MappingProxyType({
     **dict.fromkeys(("FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "TorchDynamoPlugin"),
                     "fnaccel.plugins"),
     **dict.fromkeys(("DeepSpeedPlugin", "MegatronLMPlugin"), "fnaccel.engines"),
-    "save": "fnaccel.checkpoint.single",
+    **dict.fromkeys(("load", "save"), "fnaccel.checkpoint.single"),
     "register_for_checkpointing": "fnaccel.checkpoint.extras",
     **dict.fromkeys(("save_model", "shard_checkpoint"), "fnaccel.checkpoint.weights"),
     **dict.fromkeys((
@@ -121,14 +121,24 @@ _LAZY = MappingProxyType({
     **dict.fromkeys(("load_state_dict", "load_checkpoint_in_model"), "fnaccel.modeling.loading"),
     **dict.fromkeys(("dispatch_model", "load_checkpoint_and_dispatch"), "fnaccel.modeling.dispatch"),
     **dict.fromkeys((
-        "AlignDevicesHook", "add_hook_to_module", "remove_hook_from_module",
+        "AlignDevicesHook", "ModelHook", "SequentialHook", "add_hook_to_module", "remove_hook_from_module",
         "remove_hook_from_submodules"), "fnaccel.modeling.hooks"),
+    **dict.fromkeys(("attach_align_device_hook", "attach_align_device_hook_on_blocks",
+                     "attach_execution_device_hook"), "fnaccel.modeling.attach"),
+    **dict.fromkeys((
+        "CpuOffload", "UserCpuOffloadHook", "align_module_device", "cpu_offload", "cpu_offload_with_hook",
+        "disk_offload", "has_offloaded_params"), "fnaccel.modeling.big_modeling"),
+    **dict.fromkeys(("LayerwiseCastingHook", "attach_layerwise_casting_hooks"),
+                    "fnaccel.modeling.layerwise_casting"),
     **dict.fromkeys((
         "clear_device_cache", "find_executable_batch_size", "release_memory",
         "should_reduce_batch_size"), "fnaccel.modeling.memory"),
     "extract_model_from_parallel": "fnaccel.modeling.unwrap",
     **dict.fromkeys(("BnbQuantizationConfig", "load_and_quantize_model"), "fnaccel.modeling.quantization"),
     "merge_fsdp_weights": "fnaccel.commands.merge",
+    **dict.fromkeys(("get_grad_scaler", "get_mixed_precision_context_manager"), "fnaccel.mixed_precision"),
+    **dict.fromkeys(("override_numa_affinity", "set_numa_affinity"), "fnaccel.numa"),
+    **dict.fromkeys(("purge_accelerate_environment", "purge_fnaccel_environment"), "fnaccel.purge"),
 })
 
 

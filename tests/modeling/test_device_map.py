@@ -345,3 +345,25 @@ def test_invariants_hold_for_random_budgets(seed: int) -> None:
             budget["cpu"] = rng.randrange(0, 6000)
         no_split = rng.choice([[], ["Block"], ["MLP", "Attention"], ["Block", "MLP"], ["Ends"], ["Ends", "Block"]])
         _check_invariants(model, budget, no_split, rng.choice([None, "float16"]))
+
+
+def test_fallback_allocation_puts_a_later_module_that_fits_on_a_device_left_empty() -> None:
+    # 0 (30400 B) does not fit beside the room kept for 1 (40400 B): without the fallback, GPU 0 stays empty
+    model = nn.Sequential(nn.Linear(75, 100), nn.Linear(100, 100), nn.Linear(10, 10))
+    budget = {0: 60000, "cpu": 10**6}
+    assert infer_auto_device_map(model, budget) == {"": "cpu"}
+    placed = infer_auto_device_map(model, budget, fallback_allocation=True)
+    assert placed == {"2": 0, "0": "cpu", "1": "cpu"}
+
+
+def test_fallback_allocation_searches_inside_modules_breadth_first() -> None:
+    model = nn.Sequential(nn.Linear(75, 100), nn.Linear(100, 100), nn.Sequential(nn.Linear(100, 50), nn.Linear(10, 10)))
+    placed = infer_auto_device_map(model, {0: 60000, "cpu": 10**6}, no_split_module_classes=["Linear"],
+                                   fallback_allocation=True, clean_result=False)
+    assert placed["2.1"] == 0 and placed["2.0"] == "cpu" and placed["0"] == "cpu"
+
+
+def test_fallback_allocation_changes_nothing_when_regular_allocation_succeeds() -> None:
+    model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(4)])
+    budget = {0: 1000, "cpu": 1000}
+    assert infer_auto_device_map(model, budget, fallback_allocation=True) == infer_auto_device_map(model, budget)

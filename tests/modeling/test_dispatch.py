@@ -210,7 +210,7 @@ def test_an_offloading_hook_alone_keeps_a_cpu_copy_and_gives_it_back() -> None:
     layer = nn.Linear(3, 2)
     weight = layer.weight.detach().clone()
     add_hook_to_module(layer, AlignDevicesHook(execution_device="cpu", offload=True))
-    assert layer.weight.is_meta and "offload=True" in repr(getattr(layer, "_fnaccel_hooks")[0].hook)
+    assert layer.weight.is_meta and "offload=True" in repr(layer._hf_hook)
     layer(torch.ones(1, 3))
     remove_hook_from_submodules(layer)
     assert torch.equal(layer.weight, weight) and isinstance(layer.weight, nn.Parameter)
@@ -227,7 +227,7 @@ def test_under_another_main_device_cpu_layers_are_offloaded_too(tmp_path: Path) 
     model[1].register_forward_pre_hook(lambda module, args: seen.append((module.weight.device.type,
                                                                           args[0].device.type)))
     assert model[1](torch.ones(2, 4)).is_meta and seen == [("meta", "meta")]  # weights and input on the main device
-    hook = getattr(model[1], "_fnaccel_hooks")[0].hook
+    hook = model[1]._hf_hook
     assert hook.offload and torch.equal(hook.weights_map["weight"], weight)  # kept in CPU memory between forwards
     assert not (tmp_path / "1.weight.dat").exists() and (tmp_path / "2.weight.dat").exists()
 

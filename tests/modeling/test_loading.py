@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -129,12 +133,16 @@ def test_dtype_casts_floats_except_modules_kept_in_fp32(tmp_path: Path) -> None:
     torch.testing.assert_close(model.embed.weight, make_lm(0).embed.weight.half())
 
 
-def test_a_partial_checkpoint_leaves_the_rest_on_meta_and_reports_it(tmp_path: Path) -> None:
+def test_a_partial_checkpoint_leaves_the_rest_on_meta_and_logs_it(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     tensors = {k: v for k, v in make_lm(0).state_dict().items() if not k.startswith(("block.2", "head"))}
     safetensors.torch.save_file(tensors, tmp_path / "model.safetensors")
     model = empty_lm()
-    with pytest.warns(UserWarning, match=r"missing from the checkpoint: \['block.2.weight', 'block.2.bias'\]"):
-        result = load_checkpoint_in_model(model, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported through the logger (as Accelerate does), not warnings
+        with caplog.at_level(logging.WARNING, logger="fnaccel.modeling.loading"):
+            result = load_checkpoint_in_model(model, tmp_path)
+    assert re.search(r"missing from the checkpoint: \['block.2.weight', 'block.2.bias'\]", caplog.text)
     assert result == IncompatibleKeys(["block.2.weight", "block.2.bias"], [])
     assert model.block[2].weight.is_meta and not model.block[0].weight.is_meta
 
@@ -219,3 +227,31 @@ def test_weights_load_straight_onto_the_gpu(tmp_path: Path) -> None:
     load_checkpoint_in_model(model, tmp_path, device_map={"": 0, "norm": "cpu"}, strict=True)
     assert model.embed.weight.is_cuda and model.head.weight is model.embed.weight
     assert not model.norm.weight.is_cuda
+
+
+def test_a_flat_index_of_tensor_to_file_is_read_as_accelerate_reads_it(tmp_path: Path) -> None:
+    # failed before: "has no 'weight_map' from tensor names to file names"
+    source = make_lm(0)
+    state = source.state_dict()
+    names = list(state)
+    safetensors.torch.save_file({k: state[k].contiguous() for k in names[:3]}, tmp_path / "a.safetensors")
+    safetensors.torch.save_file({k: state[k].contiguous() for k in names[3:] if k != "head.weight"},
+                                tmp_path / "b.safetensors")
+    flat = {k: ("a.safetensors" if i < 3 else "b.safetensors") for i, k in enumerate(names) if k != "head.weight"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(flat))
+    model = empty_lm()
+    load_checkpoint_in_model(model, tmp_path / "model.safetensors.index.json", strict=True)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=0)
+
+
+def test_strict_mismatches_are_caught_by_accelerates_except_clauses(tmp_path: Path) -> None:
+    # Accelerate raises ValueError (device map path) or torch's RuntimeError (load_state_dict path)
+    tensors = {k: v for k, v in make_lm(0).state_dict().items() if not k.startswith(("block.2", "head"))}
+    safetensors.torch.save_file(tensors, tmp_path / "model.safetensors")
+    for caught in (ValueError, RuntimeError, fa.CheckpointError):
+        with pytest.raises(caught, match="missing from the checkpoint"):
+            load_checkpoint_in_model(empty_lm(), tmp_path, strict=True)
+    with pytest.raises(ValueError, match="maps no tensor names"):
+        (tmp_path / "bad.index.json").write_text(json.dumps({"hidden_size": 4}))
+        load_checkpoint_in_model(empty_lm(), tmp_path / "bad.index.json")

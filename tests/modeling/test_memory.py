@@ -35,20 +35,20 @@ def _simulated(limit: int, tried: list[int]) -> Any:
 def test_settles_on_the_largest_batch_under_a_simulated_limit() -> None:
     tried: list[int] = []
     train = find_executable_batch_size(_simulated(40, tried), starting_batch_size=128)
-    assert train(0.5) == 16.0
-    assert tried == [128, 64, 32]
+    assert train(0.5) == 18.0
+    assert tried == [128, 115, 103, 92, 82, 73, 65, 58, 52, 46, 41, 36]  # 90% each time, rounded down
     tried.clear()
     odd = find_executable_batch_size(starting_batch_size=100)(_simulated(30, tried))
-    assert odd(scale=1.0) == 25.0
-    assert tried == [100, 50, 25]
+    assert odd(scale=1.0) == 28.0
+    assert tried == [100, 90, 81, 72, 64, 57, 51, 45, 40, 36, 32, 28]
 
 
 def test_the_default_start_is_128_and_a_later_call_starts_from_what_fitted() -> None:
     tried: list[int] = []
     train = find_executable_batch_size(_simulated(100, tried))  # bare, as @find_executable_batch_size
-    assert train(1.0) == 64.0
-    assert train(1.0) == 64.0
-    assert tried == [128, 64, 64]
+    assert train(1.0) == 92.0
+    assert train(1.0) == 92.0
+    assert tried == [128, 115, 103, 92, 92]
 
 
 def test_settles_on_the_largest_batch_under_a_real_allocation_failure() -> None:
@@ -62,12 +62,12 @@ def test_settles_on_the_largest_batch_under_a_real_allocation_failure() -> None:
     @find_executable_batch_size(starting_batch_size=128)
     def allocate(batch_size: int) -> int:
         tried.append(batch_size)
-        # 1 MiB at 32, 4 PiB (refused) from 64 up: a real allocation, only its growth is steep
-        buffer = torch.empty(2 ** min(batch_size - 12, 62), dtype=torch.uint8)
+        # 1 MiB up to 36, 4 PiB (refused) above: a real allocation, only its growth is steep
+        buffer = torch.empty(2**20 if batch_size <= 36 else REFUSED_BYTES, dtype=torch.uint8)
         return buffer.numel()
 
     assert allocate() == 2**20
-    assert tried == [128, 64, 32]
+    assert tried == [128, 115, 103, 92, 82, 73, 65, 58, 52, 46, 41, 36]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -102,7 +102,7 @@ def test_a_failed_try_is_freed_before_the_next_one() -> None:
         return batch_size
 
     assert step() == 1
-    assert alive == [False, False, False]
+    assert alive == [False] * 6  # tries 3, 2 and 1 each saw every earlier try freed
 
 
 def test_other_errors_propagate_unchanged_on_the_first_try() -> None:
@@ -141,10 +141,18 @@ def test_reaching_zero_is_a_clear_error() -> None:
     )
     with pytest.raises(RuntimeError, match=final):
         never_fits()
-    assert tried == [8, 4, 2, 1]
+    assert tried == [8, 7, 6, 5, 4, 3, 2, 1]
     with pytest.raises(RuntimeError, match="reached zero"):  # and stays so, without another try
         never_fits()
-    assert tried == [8, 4, 2, 1]
+    assert tried == [8, 7, 6, 5, 4, 3, 2, 1]
+
+
+def test_a_start_of_zero_fails_at_the_call_as_in_accelerate() -> None:
+    calls: list[int] = []
+    train = find_executable_batch_size(calls.append, starting_batch_size=0)  # decorating is fine
+    with pytest.raises(RuntimeError, match="No executable batch size found, reached zero"):
+        train()
+    assert calls == []
 
 
 def test_passing_the_batch_size_is_a_type_error() -> None:
@@ -165,8 +173,8 @@ def test_passing_the_batch_size_is_a_type_error() -> None:
     assert anything(1, 2) == (8, 1, 2)
     with pytest.raises(TypeError, match="must take the batch size as its first parameter"):
         find_executable_batch_size(lambda: None)
-    for bad in (0, -4, 2.0, True):
-        with pytest.raises(ValueError, match="starting_batch_size must be a positive int"):
+    for bad in (-4, 2.0, True):
+        with pytest.raises(ValueError, match="starting_batch_size must be a non-negative int"):
             find_executable_batch_size(starting_batch_size=bad)  # type: ignore[arg-type]
 
 
