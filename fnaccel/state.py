@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fnaccel._errors import StaleStateError
-from fnaccel.checkpoint.queue import SaveQueue
 from fnaccel.config import LaunchConfig
 from fnaccel.rng import STEP_KINDS, RNGState
 from fnaccel.dist import DistContext
+from fnaccel.resources import Resources
 from fnaccel.utils.constants import PrecisionType
 
 if TYPE_CHECKING:
@@ -72,14 +72,12 @@ class RunState:
             `fa.prepare` (so a step does not search the pipeline).
         extras: objects saved and loaded with the run
             (`fnaccel.utils.register_for_checkpointing`).
-        saves: the run's checkpoint saves in flight (a live object, shared by
-            the run's successive states).
         transform_states: each transform's state record, keyed by its name.
         config: the launch configuration the run resolved.
         kwargs_handlers: the handlers passed to `fa.init`, keyed by class name.
         project_dir: where checkpoints and logs go by default.
-        trackers: the experiment trackers `fnaccel.tracking.init_trackers`
-            opened (live objects, on the main process only; empty elsewhere).
+        resources: the run's live resources (process group, saves in flight,
+            trackers), shared by its successive states; `fa.shutdown` closes them.
     """
 
     dist: DistContext
@@ -98,7 +96,6 @@ class RunState:
     loss_fn: Callable[[Any, Any], Any] | None = field(default=None, repr=False)
     plan: StepPlan | None = field(default=None, repr=False)
     extras: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
-    saves: SaveQueue = field(default_factory=SaveQueue, repr=False, compare=False)
     transform_states: Mapping[str, Any] = field(
         default_factory=lambda: MappingProxyType({}), repr=False
     )
@@ -107,7 +104,7 @@ class RunState:
         default_factory=lambda: MappingProxyType({}), repr=False
     )
     project_dir: str | None = None
-    trackers: tuple[GeneralTracker, ...] = field(default=(), repr=False)
+    resources: Resources = field(default_factory=Resources, repr=False, compare=False)
     _lease: _Lease = field(default_factory=_Lease, repr=False, compare=False)
 
     def replace(self, **changes: Any) -> RunState:
@@ -121,6 +118,11 @@ class RunState:
         if "_lease" in changes:
             raise TypeError("the lease is not a field a caller may replace")
         return dataclasses.replace(self, **changes)
+
+    @property
+    def trackers(self) -> tuple[GeneralTracker, ...]:
+        """The experiment trackers `fnaccel.tracking.init_trackers` opened (main process only)."""
+        return self.resources.get("trackers", ())
 
     @property
     def is_spent(self) -> bool:

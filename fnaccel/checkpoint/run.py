@@ -51,6 +51,7 @@ from fnaccel.checkpoint.writer import (
     MANIFEST,
     SCHEMA_VERSION,
     SaveHandle,
+    SaveQueue,
     manifest_hash,
     take_snapshot,
     write_snapshot,
@@ -92,7 +93,8 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
         CheckpointError: a value cannot be stored without pickle.
     """
     state.check_fresh("fa.save")
-    state.saves.wait()
+    saves = state.resources.setdefault("saves", SaveQueue)
+    saves.wait()
     project, project_dir = project_of(state)
     if path is None:
         if not (project.automatic_checkpoint_naming and project_dir is not None):
@@ -117,8 +119,8 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
     if blocking:
         write_snapshot(snap, ctx, final, token, on_commit)
         return SaveHandle(final)
-    background = state.saves.background_ctx(ctx)
-    return state.saves.start(final, lambda: write_snapshot(snap, background, final, token, on_commit))
+    background = saves.background_ctx(ctx)
+    return saves.start(final, lambda: write_snapshot(snap, background, final, token, on_commit))
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 from fnaccel._errors import ConfigError
 from fnaccel.commands.launch_flags import DYNAMO_FLAGS, FSDP_FLAGS, add_launch_arguments, refused_flags
 from fnaccel.commands.main import CommandError
+from fnaccel.resources import FAILED_AT_KEY
 from fnaccel.config import CONFIG_FILE_ENV, LaunchConfig, default_config_file, load_config
 from fnaccel.utils.environment import patch_environment as _patched_environment
 
@@ -219,12 +220,32 @@ def run(args: argparse.Namespace) -> int:
         except ChildFailedError as exc:
             if args.debug:
                 raise
-            rank, first = exc.get_first_failure()
+            rank, first = first_failure(exc)
             print(f"fnaccel launch: {exc.name} failed: rank {rank} exited with code "
                   f"{first.exitcode} (its traceback is above; --debug shows the launcher's)",
                   file=sys.stderr)
             return first.exitcode if first.exitcode > 0 else 1
     return 0
+
+
+def first_failure(exc: Any) -> tuple[int, Any]:
+    """The rank of a failed launch that failed first, and its failure.
+
+    torchrun orders failures by whole seconds, so a rank whose collective broke
+    because the first one exited often ties with it and is blamed instead.
+    fnaccel's workers record when they failed to the nanosecond (see
+    `fnaccel.resources`); torchrun's order decides only where none did.
+    """
+    timed = {}
+    for rank, failure in exc.failures.items():
+        message = failure.error_file_data.get("message")
+        extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+        if str(extra.get(FAILED_AT_KEY, "")).isdigit():
+            timed[rank] = int(extra[FAILED_AT_KEY])
+    if not timed:
+        return exc.get_first_failure()
+    rank = min(timed, key=timed.__getitem__)
+    return rank, exc.failures[rank]
 
 
 def run_launch(argv: Sequence[str]) -> int:
