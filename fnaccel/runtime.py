@@ -8,6 +8,7 @@ state's `DistContext`; nothing is stored at module level.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
@@ -24,7 +25,6 @@ from fnaccel.resources import GroupOwner, Resources
 from fnaccel.rng import RNGState
 from fnaccel.state import RunState
 from fnaccel.utils.constants import DistributedType, PrecisionType
-from fnaccel.utils.environment import parse_flag_from_env
 from fnaccel.utils.kwargs import InitProcessGroupKwargs, KwargsHandler
 
 __all__ = ["COLLECTIVE_TIMEOUT", "init", "shutdown"]
@@ -159,12 +159,20 @@ def _handlers_by_name(kwargs_handlers: Iterable[KwargsHandler]) -> dict[str, Kwa
 
 
 def _resolve_precision(argument: str | PrecisionType | None, config: LaunchConfig) -> PrecisionType:
-    raw = argument or os.environ.get("FNACCEL_MIXED_PRECISION") or config.mixed_precision
+    raw = argument or config.mixed_precision
     try:
         return PrecisionType(str(raw).lower())
     except ValueError:
         choices = ", ".join(p.value for p in PrecisionType)
         raise ConfigError(f"unknown mixed_precision {raw!r}; use one of {choices}") from None
+
+
+def _quiet_repeated_warnings() -> None:
+    """On ranks other than 0, fnaccel's own warnings (messages starting ``fa.`` or
+    ``fnaccel``) are not shown: every rank would print the same one, and rank 0 does."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"(fa\.|fnaccel)", category=UserWarning)
 
 
 def init(
@@ -210,9 +218,9 @@ def init(
     pg_handler = handlers.get("InitProcessGroupKwargs", InitProcessGroupKwargs())
     assert isinstance(pg_handler, InitProcessGroupKwargs)
     env = _read_launch_env(launch_config, pg_handler.init_method or "env://")
-    if parse_flag_from_env("FNACCEL_CPU_AFFINITY"):
+    if launch_config.enable_cpu_affinity:
         _pin_to_cpus(env["local_rank"], env["num_local_processes"])
-    use_cpu = cpu or parse_flag_from_env("FNACCEL_USE_CPU") or launch_config.use_cpu
+    use_cpu = cpu or launch_config.use_cpu
     if not use_cpu and torch.cuda.is_available():
         device = torch.device("cuda", env["local_rank"])
         torch.cuda.set_device(device)
@@ -242,15 +250,20 @@ def init(
         device=device,
         backend=backend,
         distributed_type=distributed_type,
-        debug=parse_flag_from_env("FNACCEL_DEBUG_MODE") or launch_config.debug,
+        debug=launch_config.debug,
         _owner=owner,
     )
+    precision = _resolve_precision(mixed_precision, launch_config)
+    if env["rank"] != 0 and env["num_processes"] > 1:
+        _quiet_repeated_warnings()
     return RunState(
         dist=ctx,
         rng=RNGState.capture() if seed is None else RNGState.seeded(seed),
         seed=seed,
-        mixed_precision=_resolve_precision(mixed_precision, launch_config),
-        config=launch_config,
+        mixed_precision=precision,
+        # what the run uses, arguments included: this is what a checkpoint's config.yaml records
+        config=dataclasses.replace(launch_config, mixed_precision=precision.value, use_cpu=use_cpu,
+                                   debug=ctx.debug),
         kwargs_handlers=MappingProxyType(handlers),
         project_dir=None if project_dir is None else os.fspath(project_dir),
         resources=resources,
