@@ -235,7 +235,7 @@ def load_config(path: str | os.PathLike[str]) -> LaunchConfig:
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply to be a launch config") from None
     except ValueError as exc:  # e.g. an integer of more digits than Python converts
-        raise ConfigError(f"{source}: a value cannot be read ({exc})") from None
+        raise ConfigError(f"{source}: a value cannot be read ({str(exc).split(';')[0]})") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -233,3 +233,29 @@ def test_init_method_and_timeout_are_honoured(tmp_path: Path) -> None:
     for rank, timeout, total, second, still_initialized in collected:
         assert (timeout, total, still_initialized) == (33.0, 3.0, False)
         assert "init_method" in second and "cannot apply" in second
+
+
+def test_state_config_is_what_the_run_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file says fp16, the launch says bf16: the state (and a checkpoint) records bf16."""
+    path = _write(tmp_path / "config.yaml", "mixed_precision: fp16\n")
+    monkeypatch.setenv("FNACCEL_CONFIG_FILE", str(path))
+    monkeypatch.setenv("FNACCEL_MIXED_PRECISION", "bf16")
+    state = fa.init()
+    assert state.mixed_precision == fa.PrecisionType.BF16 and state.config.mixed_precision == "bf16"
+    state = fa.init(mixed_precision="no", cpu=True)  # arguments win, and are recorded too
+    assert (state.config.mixed_precision, state.config.use_cpu) == ("no", True)
+
+
+def test_the_default_collective_timeout() -> None:
+    from fnaccel.runtime import COLLECTIVE_TIMEOUT
+
+    assert COLLECTIVE_TIMEOUT == timedelta(minutes=10)
+
+
+def _group_timeout(state: Any) -> float:
+    group = state.dist.process_group
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def test_a_world_runs_under_the_default_collective_timeout(world2: Any) -> None:
+    assert world2.run(_group_timeout) == [600.0, 600.0]
