@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable, Mapping
-from types import MappingProxyType
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any
 
 import torch
