@@ -2,7 +2,8 @@
 
     _crashing.py PID_DIR (init|step) (plain|finally)
 
-Every process first leaves an empty file named after its pid in PID_DIR.
+Every process first leaves an empty file named after its pid in PID_DIR;
+rank 1 writes the time it raises to PID_DIR/failed_at.
 ``init``: rank 1 raises right after `fa.init` while rank 0 enters a
 collective. ``step``: rank 1 raises in its loss function at step 3 under
 ``ddp()``, while rank 0 waits in the gradients' all-reduce. ``finally``:
@@ -11,6 +12,7 @@ the run is wrapped in ``try: ... finally: fa.shutdown(state)``.
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,14 +27,18 @@ def main(where: str, ending: str) -> None:
     rank = state.dist.rank
     steps = [0]
 
+    def fail(message: str) -> None:
+        Path(sys.argv[1], "failed_at").write_text(repr(time.time()))
+        raise RuntimeError(message)
+
     def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         if where == "step" and rank == 1 and steps[0] == 3:
-            raise RuntimeError("rank 1 fails mid-step")
+            fail("rank 1 fails mid-step")
         return nn.functional.mse_loss(model(batch[0]), batch[1])
 
     def run(state: fa.RunState) -> fa.RunState:
         if where == "init" and rank == 1:
-            raise RuntimeError("rank 1 fails after fa.init")
+            fail("rank 1 fails after fa.init")
         fa.ops.reduce(state, torch.tensor(1.0), "sum")
         model = nn.Linear(8, 2)
         data = TensorDataset(torch.randn(64, 8), torch.randn(64, 2))

@@ -13,7 +13,9 @@ import pytest
 
 CRASHING = Path(__file__).with_name("_crashing.py")
 
-# docs/cli.md ("When a rank fails") gives this bound and the times measured.
+# From rank 1's exception to the launcher's exit; docs/cli.md ("When a rank fails")
+# gives the times measured. The whole launch also counts importing torch in every
+# process, which on a loaded machine alone can take longer.
 FAIL_FAST_BOUND_S = 30.0
 
 
@@ -30,14 +32,13 @@ def _alive(pid: int) -> bool:
 def test_a_raising_rank_ends_the_launch_within_seconds(tmp_path: Path, where: str, ending: str) -> None:
     """Rank 1 raises (after fa.init, or mid-step under ddp()) while rank 0 waits in a
     collective: before, the job hung for the 30-minute process-group timeout."""
-    started = time.monotonic()
     try:
         result = subprocess.run(
             [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", "2",
              str(CRASHING), str(tmp_path), where, ending],
             capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
-        elapsed = time.monotonic() - started
+        elapsed = time.time() - float((tmp_path / "failed_at").read_text())
         pids = [int(path.name.split(".")[1]) for path in tmp_path.glob("pid.*")]
         assert len(pids) == 2, result.stderr
         assert [pid for pid in pids if _alive(pid)] == []
