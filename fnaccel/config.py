@@ -26,6 +26,8 @@ CONFIG_FILE_ENV = "FNACCEL_CONFIG_FILE"
 
 _PRECISIONS = ("no", "fp16", "bf16", "fp8")
 
+MAX_CONFIG_BYTES = 1 << 20  # a launch config is a page of YAML; anything larger is refused unread
+
 
 def default_config_file() -> Path:
     """Where `fnaccel config` writes and `fa.init` looks when nothing says otherwise.
@@ -140,11 +142,29 @@ def _check_value(key: str, value: Any, source: str) -> Any:
         raise ConfigError(
             f"{source}: key '{key}' must be one of {', '.join(_CHOICES[key])}, got {value!r}"
         )
-    if key in ("num_processes", "num_machines") and value < 1:
-        raise ConfigError(f"{source}: key '{key}' must be at least 1, got {value}")
-    if key == "machine_rank" and value < 0:
-        raise ConfigError(f"{source}: key 'machine_rank' must be >= 0, got {value}")
+    if key in _INT_RANGES:
+        low, high = _INT_RANGES[key]
+        if not low <= value <= high:
+            shown = value if abs(value) < 10**18 else f"a {len(str(abs(value)))}-digit number"
+            raise ConfigError(f"{source}: key '{key}' must be from {low} to {high}, got {shown}")
+    if isinstance(value, dict):
+        bad = next((k for k in value if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ConfigError(f"{source}: key '{key}' holds the key {bad!r}, which is not a string")
     return value
+
+
+# Whole-number keys and their ranges (a process count's upper bound is the launcher's:
+# it depends on the machine, see fnaccel.commands.launch).
+_INT_RANGES: Mapping[str, tuple[int, int]] = MappingProxyType({
+    "num_processes": (1, 2**31 - 1),
+    "num_machines": (1, 2**31 - 1),
+    "machine_rank": (0, 2**31 - 1),
+    "main_process_port": (1, 65535),
+})
+
+# Keys the oldest Accelerate files hold in another spelling (Accelerate converts them the same way).
+_FP16_KEY = "fp16"
 
 
 def config_from_mapping(data: Mapping[str, Any], source: str = "<config>") -> LaunchConfig:
@@ -154,7 +174,11 @@ def config_from_mapping(data: Mapping[str, Any], source: str = "<config>") -> La
         ConfigError: an unknown key or a wrongly typed value; the message
             names the key and ``source``.
     """
-    data = _upgrade(data)
+    bad = next((key for key in data if not isinstance(key, str)), None)
+    if bad is not None:
+        raise ConfigError(f"{source}: the key {bad!r} is not a string; keys are names like num_processes")
+    # Accelerate writes null for "not set" (`commands: null`, `gpu_ids: null`): the default holds
+    data = _upgrade({key: value for key, value in data.items() if value is not None})
     unknown = sorted(set(data) - set(_TYPES))
     if unknown:
         raise ConfigError(
@@ -166,8 +190,14 @@ def config_from_mapping(data: Mapping[str, Any], source: str = "<config>") -> La
 
 
 def _upgrade(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Older Accelerate files spell the compile backend as a top-level ``dynamo_backend``."""
+    """Older Accelerate files spell the compile backend as a top-level ``dynamo_backend``
+    and, before ``mixed_precision`` existed, fp16 training as ``fp16: true``."""
     data = dict(data)
+    if _FP16_KEY in data:
+        fp16 = data.pop(_FP16_KEY)
+        if not isinstance(fp16, bool):
+            raise ConfigError(f"key 'fp16' (older Accelerate files) must be true or false, got {fp16!r}")
+        data.setdefault("mixed_precision", "fp16" if fp16 else "no")
     if "dynamo_backend" in data:
         backend = data.pop("dynamo_backend")
         if "dynamo_config" not in data and str(backend).upper() != "NO":
@@ -186,15 +216,26 @@ def load_config(path: str | os.PathLike[str]) -> LaunchConfig:
 
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read the config file ({exc.strerror})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: a config file is at most {MAX_CONFIG_BYTES} bytes; this is larger")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{source}: malformed YAML{where}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be a launch config") from None
+    except ValueError as exc:  # e.g. an integer of more digits than Python converts
+        raise ConfigError(f"{source}: a value cannot be read ({str(exc).split(';')[0]})") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -202,23 +243,80 @@ def load_config(path: str | os.PathLike[str]) -> LaunchConfig:
     return config_from_mapping(data, source)
 
 
+# The launch environment: each LaunchConfig field that `fnaccel launch` hands to its
+# processes, and the variable that carries it. `launch_env` encodes, `with_launch_env`
+# decodes; no other module names these variables.
+LAUNCH_VARIABLES: Mapping[str, str] = MappingProxyType({
+    "mixed_precision": "FNACCEL_MIXED_PRECISION",
+    "distributed_type": "FNACCEL_DISTRIBUTED_TYPE",
+    "use_cpu": "FNACCEL_USE_CPU",
+    "debug": "FNACCEL_DEBUG_MODE",
+    "enable_cpu_affinity": "FNACCEL_CPU_AFFINITY",
+})
+# Sections travel key by key: fsdp_offload_params as FNACCEL_FSDP_OFFLOAD_PARAMS, and so on.
+_SECTIONS = (("fsdp_config", "FNACCEL_FSDP_"), ("dynamo_config", "FNACCEL_DYNAMO_"))
+_USE_FSDP = "FNACCEL_USE_FSDP"  # Accelerate's ACCELERATE_USE_FSDP; read when no distributed type is
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def launch_env(config: LaunchConfig) -> dict[str, str]:
+    """The variables that carry ``config`` (fully resolved by `fnaccel launch`) to
+    every process; `with_launch_env` reads them back.
+
+    >>> env = launch_env(LaunchConfig(mixed_precision="bf16", use_cpu=True))
+    >>> env["FNACCEL_MIXED_PRECISION"], env["FNACCEL_USE_CPU"]
+    ('bf16', 'true')
+    >>> with_launch_env(LaunchConfig(), env).mixed_precision
+    'bf16'
+    """
+    env = {name: _text(getattr(config, key)) for key, name in LAUNCH_VARIABLES.items()}
+    env[_USE_FSDP] = _text(config.distributed_type == "FSDP")
+    if config.source is not None:
+        env[CONFIG_FILE_ENV] = str(Path(config.source).resolve())
+    for key, prefix in _SECTIONS:
+        if key == "fsdp_config" and config.distributed_type != "FSDP":
+            continue
+        for name, value in getattr(config, key).items():
+            if value is not None:
+                env[f"FNACCEL_{name.upper()}"] = _text(value)
+    return env
+
+
+def _flag(name: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "y", "on"):
+        return True
+    if lowered in ("0", "false", "no", "n", "off", ""):
+        return False
+    raise ConfigError(f"environment variable {name}={text!r} must be true or false")
+
+
 def with_launch_env(config: LaunchConfig, environ: Mapping[str, str]) -> LaunchConfig:
-    """``config`` with what `fnaccel launch` put in the environment laid over it:
-    ``FNACCEL_DISTRIBUTED_TYPE`` (the launch's resolved kind, so that a flag can
-    also switch a file's FSDP off), ``FNACCEL_USE_FSDP``, and the
-    ``FNACCEL_FSDP_*`` / ``FNACCEL_DYNAMO_*`` keys."""
+    """``config`` with the launch environment (`launch_env`) laid over it: each
+    variable of `LAUNCH_VARIABLES` that is set, then the ``FNACCEL_FSDP_*`` /
+    ``FNACCEL_DYNAMO_*`` keys over the file's sections; each value is checked as
+    a config file's would be, the variable named in the error."""
     from dataclasses import replace
 
-    from fnaccel.environment import str_to_bool
-    from fnaccel.plugins import section_from_env
-
     changes: dict[str, Any] = {}
-    if kind := environ.get("FNACCEL_DISTRIBUTED_TYPE"):
-        changes["distributed_type"] = _check_value("distributed_type", kind, "FNACCEL_DISTRIBUTED_TYPE")
-    elif str_to_bool(environ.get("FNACCEL_USE_FSDP", "") or "false", to_bool=True):
+    for key, name in LAUNCH_VARIABLES.items():
+        text = environ.get(name)
+        if text is None or (text == "" and key == "distributed_type"):
+            continue
+        value: Any = _flag(name, text) if _TYPES[key] == (bool,) else text
+        changes[key] = _check_value(key, value, name)
+    if "distributed_type" not in changes and _flag(_USE_FSDP, environ.get(_USE_FSDP, "")):
         changes["distributed_type"] = "FSDP"
-    for prefix, key in (("fsdp_", "fsdp_config"), ("dynamo_", "dynamo_config")):
-        overlay = section_from_env(prefix, environ)
+    for key, prefix in _SECTIONS:
+        overlay = {name[len("FNACCEL_"):].lower(): value for name, value in environ.items()
+                   if name.startswith(prefix)}
         if overlay:
             changes[key] = {**getattr(config, key), **overlay}
     return replace(config, **changes) if changes else config
@@ -246,11 +344,15 @@ def write_config(config: LaunchConfig, path: str | os.PathLike[str]) -> Path:
     into place), creating its directory. Returns the path written."""
     import yaml
 
-    from fnaccel.checkpoint.files import replace_atomically
+    from fnaccel.atomic import replace_atomically
 
     target = Path(path)
     text = yaml.safe_dump(config.to_dict(), sort_keys=True, default_flow_style=False)
-    replace_atomically(target, lambda file: file.write(text.encode("utf-8")))
+    try:
+        replace_atomically(target, lambda file: file.write(text.encode("utf-8")))
+    except OSError as exc:
+        raise ConfigError(f"{target}: cannot write the config file ({exc.strerror or exc}); "
+                          "choose a writable --config_file") from None
     return target
 
 

@@ -8,9 +8,10 @@ state's `DistContext`; nothing is stored at module level.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import weakref
 from collections.abc import Iterable, Mapping
+from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
 
@@ -20,13 +21,17 @@ import torch.distributed as dist
 from fnaccel._errors import ConfigError
 from fnaccel.config import LaunchConfig, resolve_config
 from fnaccel.dist import DistContext
+from fnaccel.resources import GroupOwner, Resources
 from fnaccel.rng import RNGState
 from fnaccel.state import RunState
 from fnaccel.constants import DistributedType, PrecisionType
-from fnaccel.environment import parse_flag_from_env
 from fnaccel.kwargs import InitProcessGroupKwargs, KwargsHandler
 
-__all__ = ["init", "shutdown"]
+__all__ = ["COLLECTIVE_TIMEOUT", "init", "shutdown"]
+
+# How long a collective waits for a rank that never arrives, unless
+# InitProcessGroupKwargs(timeout=...) says otherwise (torch's own default is 30 min).
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -83,91 +88,11 @@ def _pin_to_cpus(local_rank: int, num_local: int) -> None:
     os.sched_setaffinity(0, mine)
 
 
-def _destroy_group(holder: list[Any], is_default: bool) -> None:
-    """Destroy the group and drop fnaccel's last reference to it.
-
-    Order matters: the C++ process group (and gloo's worker threads, which may
-    still hold finished work and its tensors) must be destroyed while the
-    interpreter is fully alive. Left to interpreter finalization, releasing
-    those tensors takes the GIL of a dying interpreter and the process aborts
-    with "terminate called without an active exception".
-    """
-    group = holder.pop() if holder else None
-    if group is not None and dist.is_initialized():
-        _settle(group)
-        dist.destroy_process_group(None if is_default else group)
-    del group
-
-
-_SETTLE_SECONDS = 60.0
-
-
-def _settle(group: Any) -> None:
-    """Wait, boundedly, until every rank is here before the group is torn down.
-
-    A rank that destroys its group while another still exchanges data with it
-    (FSDP2's last reduce-scatter completes lazily) leaves a gloo thread blocked
-    in a receive that cannot be interrupted, and joining it aborts the process
-    ("terminate called without an active exception": 8 exits in 50 of fsdp
-    runs that ended without fa.shutdown, 0 in 35 with it). gloo's
-    monitored_barrier gives up after a timeout, so a dead peer cannot make
-    exit hang; the error is reported and teardown goes on.
-    """
-    import sys
-    from datetime import timedelta
-
-    try:
-        if dist.get_backend(group) == "gloo":
-            dist.monitored_barrier(group=group, timeout=timedelta(seconds=_SETTLE_SECONDS))
-        else:
-            dist.barrier(group=group)
-    except Exception as exc:  # a peer is gone: tear down anyway, and say so
-        print(f"fnaccel: not every rank reached the end of the run ({exc}); tearing down",
-              file=sys.stderr)
-
-
-def _collect_cycles_at_exit() -> None:
-    """At interpreter exit, while it is still fully alive: free the objects kept only
-    by reference cycles. An fsdp() model is one (its hooks refer back to it) and its
-    device mesh holds the process group, so without this the group's C++ object is
-    freed during finalization, where a gloo thread releasing a tensor needs the
-    GIL and the process aborts ("terminate called without an active exception":
-    4 runs in 12 with each process pinned to one core, 0 in 12 with this)."""
-    import gc
-
-    gc.collect()
-
-
-class _GroupOwner:
-    """Owns a process group fnaccel started and is the only holder of it in fnaccel:
-    `close` (from `fa.shutdown`, or at interpreter exit) destroys and releases it."""
-
-    __slots__ = ("_holder", "_finalizer", "__weakref__")
-
-    def __init__(self, group: Any, is_default: bool) -> None:
-        import atexit
-
-        self._holder = [group]
-        self._finalizer = weakref.finalize(self, _destroy_group, self._holder, is_default)
-        # once per process, however many groups: unregister first; atexit runs it before
-        # the finalizer above (handlers run last-registered first)
-        atexit.unregister(_collect_cycles_at_exit)
-        atexit.register(_collect_cycles_at_exit)
-
-    @property
-    def group(self) -> Any:
-        """The group, or None once closed."""
-        return self._holder[0] if self._holder else None
-
-    def close(self) -> None:
-        self._finalizer()
-
-
 def _start_process_group(
     handler: InitProcessGroupKwargs, backend: str, device: torch.device, env: Mapping[str, int]
-) -> tuple[Any, _GroupOwner]:
+) -> tuple[Any, GroupOwner]:
     options = handler.to_kwargs()
-    timeout = options.get("timeout")
+    timeout = options.get("timeout") or COLLECTIVE_TIMEOUT
     if dist.is_initialized():
         # The process already has a default group (the user's, or another run's):
         # this run gets its own communicator over the same ranks.
@@ -183,15 +108,14 @@ def _start_process_group(
                 f"but the launch environment says WORLD_SIZE={env['num_processes']}"
             )
         group = dist.new_group(backend=backend, timeout=timeout)
-        return group, _GroupOwner(group, is_default=False)
+        return group, GroupOwner(group, is_default=False)
     kwargs: dict[str, Any] = {
         "backend": backend,
         "init_method": options.get("init_method", "env://"),
         "rank": env["rank"],
         "world_size": env["num_processes"],
+        "timeout": timeout,
     }
-    if timeout is not None:
-        kwargs["timeout"] = timeout
     if device.type == "cuda":
         kwargs["device_id"] = device
     if "init_method" not in options and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -199,10 +123,10 @@ def _start_process_group(
         kwargs["store"] = _attempt_store(env["num_processes"], timeout)
     dist.init_process_group(**kwargs)
     group = dist.group.WORLD
-    return group, _GroupOwner(group, is_default=True)
+    return group, GroupOwner(group, is_default=True)
 
 
-def _attempt_store(num_processes: int, timeout: Any) -> Any:
+def _attempt_store(num_processes: int, timeout: timedelta) -> Any:
     """The elastic agent's store, seen through a prefix private to this attempt.
 
     torchrun's agent keeps one store for the whole job and its workers form
@@ -211,12 +135,10 @@ def _attempt_store(num_processes: int, timeout: Any) -> Any:
     hang or fail to connect (pytorch issue 135712). Keys under the restart
     count keep each attempt to itself.
     """
-    from datetime import timedelta
-
     store = dist.TCPStore(
         host_name=os.environ["MASTER_ADDR"], port=_env_int("MASTER_PORT", 29500),
         world_size=num_processes, is_master=False,
-        timeout=timeout if timeout is not None else timedelta(minutes=30),
+        timeout=timeout,
     )
     return dist.PrefixStore(f"fnaccel/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
@@ -237,12 +159,20 @@ def _handlers_by_name(kwargs_handlers: Iterable[KwargsHandler]) -> dict[str, Kwa
 
 
 def _resolve_precision(argument: str | PrecisionType | None, config: LaunchConfig) -> PrecisionType:
-    raw = argument or os.environ.get("FNACCEL_MIXED_PRECISION") or config.mixed_precision
+    raw = argument or config.mixed_precision
     try:
         return PrecisionType(str(raw).lower())
     except ValueError:
         choices = ", ".join(p.value for p in PrecisionType)
         raise ConfigError(f"unknown mixed_precision {raw!r}; use one of {choices}") from None
+
+
+def _quiet_repeated_warnings() -> None:
+    """On ranks other than 0, fnaccel's own warnings (messages starting ``fa.`` or
+    ``fnaccel``) are not shown: every rank would print the same one, and rank 0 does."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"(fa\.|fnaccel)", category=UserWarning)
 
 
 def init(
@@ -288,9 +218,9 @@ def init(
     pg_handler = handlers.get("InitProcessGroupKwargs", InitProcessGroupKwargs())
     assert isinstance(pg_handler, InitProcessGroupKwargs)
     env = _read_launch_env(launch_config, pg_handler.init_method or "env://")
-    if parse_flag_from_env("FNACCEL_CPU_AFFINITY"):
+    if launch_config.enable_cpu_affinity:
         _pin_to_cpus(env["local_rank"], env["num_local_processes"])
-    use_cpu = cpu or parse_flag_from_env("FNACCEL_USE_CPU") or launch_config.use_cpu
+    use_cpu = cpu or launch_config.use_cpu
     if not use_cpu and torch.cuda.is_available():
         device = torch.device("cuda", env["local_rank"])
         torch.cuda.set_device(device)
@@ -298,7 +228,7 @@ def init(
         device = torch.device("cpu")
 
     group: Any = None
-    owner: _GroupOwner | None = None
+    owner: GroupOwner | None = None
     backend: str | None = None
     distributed_type = DistributedType.NO
     if env["num_processes"] > 1:
@@ -311,45 +241,53 @@ def init(
             else DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU
         )
 
-    del group  # the owner is its only holder: see _destroy_group
+    del group  # the owner is its only holder: see fnaccel.resources
+    resources = Resources()
+    if owner is not None:
+        resources.register("process_group", owner)
     ctx = DistContext(
         **env,
         device=device,
         backend=backend,
         distributed_type=distributed_type,
-        debug=parse_flag_from_env("FNACCEL_DEBUG_MODE") or launch_config.debug,
+        debug=launch_config.debug,
         _owner=owner,
     )
+    precision = _resolve_precision(mixed_precision, launch_config)
+    if env["rank"] != 0 and env["num_processes"] > 1:
+        _quiet_repeated_warnings()
     return RunState(
         dist=ctx,
         rng=RNGState.capture() if seed is None else RNGState.seeded(seed),
         seed=seed,
-        mixed_precision=_resolve_precision(mixed_precision, launch_config),
-        config=launch_config,
+        mixed_precision=precision,
+        # what the run uses, arguments included: this is what a checkpoint's config.yaml records
+        config=dataclasses.replace(launch_config, mixed_precision=precision.value, use_cpu=use_cpu,
+                                   debug=ctx.debug),
         kwargs_handlers=MappingProxyType(handlers),
         project_dir=None if project_dir is None else os.fspath(project_dir),
+        resources=resources,
     )
 
 
 def shutdown(state: RunState) -> None:
-    """End the run: wait for an asynchronous save in flight (raising its error),
-    close the run's trackers and the transforms' states that hold resources
-    (a `profile()` profiler writes its trace), then end the process group cleanly. Consumes nothing
-    and may be called twice.
+    """End the run: close the transforms' states that hold resources (a `profile()`
+    profiler writes its trace), then the run's live resources in reverse order of
+    registration: the trackers (flushed), the last asynchronous save (waited for,
+    raising its error), the process group. Consumes nothing and may be called twice.
 
-    Waits for every rank (a barrier), then destroys the group this run
-    started. Call it at the end of a distributed script; a group left open is
-    destroyed at interpreter exit instead.
+    On a clean end the process group waits, boundedly, for every rank before it
+    is destroyed. Called while an exception propagates (from a ``finally``), it
+    waits for no other rank: the group is left to the process's exit, and the
+    launcher ends the other ranks (see docs/cli.md, "When a rank fails").
+    A group left open is ended at interpreter exit in the same way.
+
+    >>> import fnaccel as fa
+    >>> state = fa.init(cpu=True)
+    >>> fa.shutdown(state); fa.shutdown(state)
     """
-    state.saves.close()  # the last asynchronous save lands (or raises) before anything ends
-    if state.trackers:
-        from fnaccel.tracking import end_training
-
-        end_training(state)  # flush and close the run's trackers (harmless twice)
     for value in state.transform_states.values():
         close = getattr(value, "close", None)
         if callable(close):
             close()  # e.g. profile(): stops the profiler, which writes its trace
-    owner = state.dist._owner
-    if owner is not None and owner.group is not None:
-        owner.close()  # waits for every rank (_settle), then destroys and releases
+    state.resources.close()

@@ -16,21 +16,18 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from typing_extensions import Self
 
 from fnaccel._errors import StaleStateError
-from fnaccel.checkpoint.queue import SaveQueue
 from fnaccel.config import LaunchConfig
 from fnaccel.rng import STEP_KINDS, RNGState
 from fnaccel.dist import DistContext
-from fnaccel.protocols import PipelineLike, StepPlanLike
 from fnaccel.constants import PrecisionType
-
-if TYPE_CHECKING:
-    from fnaccel.tracking.trackers import GeneralTracker
+from fnaccel.protocols import PipelineLike, StepPlanLike
+from fnaccel.resources import Resources
 
 __all__ = ["DataPosition", "RunState"]
 
@@ -105,14 +102,12 @@ class RunState:
             `fa.prepare` (so a step does not search the pipeline).
         extras: objects saved and loaded with the run
             (`fnaccel.utils.register_for_checkpointing`).
-        saves: the run's checkpoint saves in flight (a live object, shared by
-            the run's successive states).
         transform_states: each transform's state record, keyed by its name.
         config: the launch configuration the run resolved.
         kwargs_handlers: the handlers passed to `fa.init`, keyed by class name.
         project_dir: where checkpoints and logs go by default.
-        trackers: the experiment trackers `fnaccel.tracking.init_trackers`
-            opened (live objects, on the main process only; empty elsewhere).
+        resources: the run's live resources (process group, saves in flight,
+            trackers), shared by its successive states; `fa.shutdown` closes them.
     """
 
     dist: DistContext
@@ -131,7 +126,6 @@ class RunState:
     loss_fn: Callable[[Any, Any], Any] | None = field(default=None, repr=False)
     plan: StepPlanLike | None = field(default=None, repr=False)
     extras: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
-    saves: SaveQueue = field(default_factory=SaveQueue, repr=False, compare=False)
     transform_states: Mapping[str, Any] = field(
         default_factory=lambda: MappingProxyType({}), repr=False
     )
@@ -140,7 +134,7 @@ class RunState:
         default_factory=lambda: MappingProxyType({}), repr=False
     )
     project_dir: str | None = None
-    trackers: tuple[GeneralTracker, ...] = field(default=(), repr=False)
+    resources: Resources = field(default_factory=Resources, repr=False, compare=False)
     _lease: _Lease = field(default_factory=_Lease, repr=False, compare=False)
 
     def replace(self, **changes: Any) -> Self:
@@ -161,6 +155,11 @@ class RunState:
     def epoch(self) -> int:
         """The epoch in progress: ``data_position.epoch``."""
         return self.data_position.epoch
+
+    @property
+    def trackers(self) -> tuple[Any, ...]:
+        """The experiment trackers `fnaccel.tracking.init_trackers` opened (main process only)."""
+        return self.resources.get("trackers", ())
 
     @property
     def is_spent(self) -> bool:

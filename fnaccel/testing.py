@@ -78,6 +78,7 @@ def _worker(
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
     from fnaccel.rng import RNGState
+    from fnaccel.resources import Resources
     from fnaccel.runtime import init, shutdown
     from fnaccel.state import _Lease
 
@@ -93,7 +94,8 @@ def _worker(
             break
         function, args, kwargs = message
         borrowed = dataclasses.replace(base.dist, _owner=_BorrowedGroup(base.dist._owner))
-        state = dataclasses.replace(base, dist=borrowed, rng=RNGState.seeded(0), _lease=_Lease())
+        state = dataclasses.replace(base, dist=borrowed, rng=RNGState.seeded(0), _lease=_Lease(),
+                                    resources=Resources())
         try:
             conn.send(("ok", function(state, *args, **kwargs)))
         except BaseException as exc:

@@ -233,3 +233,65 @@ def test_init_method_and_timeout_are_honoured(tmp_path: Path) -> None:
     for rank, timeout, total, second, still_initialized in collected:
         assert (timeout, total, still_initialized) == (33.0, 3.0, False)
         assert "init_method" in second and "cannot apply" in second
+
+
+def test_state_config_is_what_the_run_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file says fp16, the launch says bf16: the state (and a checkpoint) records bf16."""
+    path = _write(tmp_path / "config.yaml", "mixed_precision: fp16\n")
+    monkeypatch.setenv("FNACCEL_CONFIG_FILE", str(path))
+    monkeypatch.setenv("FNACCEL_MIXED_PRECISION", "bf16")
+    state = fa.init()
+    assert state.mixed_precision == fa.PrecisionType.BF16 and state.config.mixed_precision == "bf16"
+    state = fa.init(mixed_precision="no", cpu=True)  # arguments win, and are recorded too
+    assert (state.config.mixed_precision, state.config.use_cpu) == ("no", True)
+
+
+def test_the_default_collective_timeout() -> None:
+    from fnaccel.runtime import COLLECTIVE_TIMEOUT
+
+    assert COLLECTIVE_TIMEOUT == timedelta(minutes=10)
+
+
+def _group_timeout(state: Any) -> float:
+    group = state.dist.process_group
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def test_a_world_runs_under_the_default_collective_timeout(world2: Any) -> None:
+    assert world2.run(_group_timeout) == [600.0, 600.0]
+
+
+_FSDP_SCRIPT = """\
+import sys, torch, fnaccel as fa
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+state = fa.init(seed=0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+data = TensorDataset(torch.randn(32, 8), torch.randn(32, 2))
+state = fa.prepare(state, model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                   DataLoader(data, batch_size=4), pipeline=fa.compose(fa.fsdp()),
+                   loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+for batch in fa.batches(state, epochs=1):
+    state, _ = fa.step(state, batch)
+fa.save(state, sys.argv[1])
+print(f"rank {state.dist.rank} saved at step {state.step}", flush=True)
+if sys.argv[2] == "shutdown":
+    fa.shutdown(state)
+"""
+
+
+@pytest.mark.parametrize("ending", ["shutdown", "exit"])
+def test_an_fsdp_run_with_a_save_ends_without_abort(tmp_path: Path, ending: str) -> None:
+    """The clean end still settles before the group goes (the loop of 60 such launches
+    in the fail-fast work aborted 0 times; one of each ending here)."""
+    script = tmp_path / "job.py"
+    script.write_text(_FSDP_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", "2",
+         str(script), str(tmp_path / "ckpt"), ending],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "terminate called" not in output and "not every rank reached" not in output
+    assert "rank 0 saved at step 4" in result.stdout and "rank 1 saved at step 4" in result.stdout

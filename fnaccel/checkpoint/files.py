@@ -27,21 +27,20 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from fnaccel._errors import CheckpointError
+from fnaccel.atomic import fsync_dir
 
 __all__ = [
     "LEFTOVER_MARKER",
     "commit",
     "discard",
-    "fsync_dir",
     "json_copy",
     "make_temporary",
     "read_bounded",
@@ -50,7 +49,6 @@ __all__ = [
     "read_verified",
     "regular_size",
     "remove_leftovers",
-    "replace_atomically",
     "safe_relative",
     "temporary_sibling",
     "write_bytes",
@@ -123,14 +121,6 @@ def safe_relative(name: object, where: str) -> str:
     return name
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _dumps(value: Any, where: str, **options: Any) -> str:
     """JSON text of ``value``; what only pickle could store is refused, naming ``where``."""
     try:
@@ -145,26 +135,6 @@ def _dumps(value: Any, where: str, **options: Any) -> str:
 def json_copy(value: Any, where: str) -> Any:
     """A deep copy of ``value`` through the JSON encoder (see `_dumps`)."""
     return json.loads(_dumps(value, where))
-
-
-def replace_atomically(target: Path, write: Callable[[BinaryIO], object], *, durable: bool = True) -> None:
-    """Write one file by ``write(file)`` into a hidden sibling, then rename it onto
-    ``target``: the name holds the old file or the whole new one, never a part.
-    ``durable`` fsyncs the file and its directory (not for scratch files such as
-    offloaded weights); a failed write removes the sibling and raises."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
-    try:
-        with open(partial, "wb") as handle:
-            write(handle)
-            if durable:
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
-    if durable:
-        fsync_dir(target.parent)
 
 
 def write_bytes(path: Path, data: bytes) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The run's asynchronous saves: `SaveQueue` (carried by every `RunState`) and `SaveHandle`.
+"""The run's asynchronous saves: `SaveQueue` (registered with the run's resources at
+its first save, as ``"saves"``) and `SaveHandle`.
 
 Kept apart from the writer so that building a `RunState` imports no
 checkpoint machinery: the writer loads with the first save.
@@ -61,10 +62,10 @@ class SaveQueue:
 
             import torch.distributed as dist
 
-            from fnaccel.runtime import _GroupOwner
+            from fnaccel.resources import GroupOwner
 
             group = dist.new_group(backend="gloo")  # file writing is CPU work
-            self._owner = _GroupOwner(group, is_default=False)
+            self._owner = GroupOwner(group, is_default=False)
             self._ctx = dataclasses.replace(ctx, _owner=self._owner)
         return self._ctx
 

@@ -49,7 +49,7 @@ from fnaccel.checkpoint.codec import check_kind, optimizer_state, rng_from
 from fnaccel.checkpoint.files import read_json, read_tensors, read_verified
 from fnaccel.checkpoint.manifest import read_manifest, target_problem
 from fnaccel.checkpoint.project import next_checkpoint, project_of, rotate
-from fnaccel.checkpoint.queue import SaveHandle
+from fnaccel.checkpoint.queue import SaveHandle, SaveQueue
 from fnaccel.checkpoint.sharded import is_sharded, load_sharded
 from fnaccel.checkpoint.tied import retie
 from fnaccel.checkpoint.writer import take_snapshot, write_snapshot
@@ -111,7 +111,8 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
     'ckpt'
     """
     state.check_fresh("fa.save")
-    state.saves.wait()
+    saves = state.resources.setdefault("saves", SaveQueue)
+    saves.wait()
     project, project_dir = project_of(state)
     if path is None:
         if not (project.automatic_checkpoint_naming and project_dir is not None):
@@ -142,8 +143,8 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
     if blocking:
         write_snapshot(snap, ctx, final, token, on_commit)
         return SaveHandle(final)
-    background = state.saves.background_ctx(ctx)
-    return state.saves.start(final, lambda: write_snapshot(snap, background, final, token, on_commit))
+    background = saves.background_ctx(ctx)
+    return saves.start(final, lambda: write_snapshot(snap, background, final, token, on_commit))
 
 
 def _manifest(directory: Path, state: RunState) -> dict[str, Any]:

@@ -96,7 +96,7 @@ def save(
         return
     from safetensors.torch import save as to_bytes
 
-    from fnaccel.checkpoint.files import replace_atomically
+    from fnaccel.atomic import replace_atomically
 
     # safetensors refuses shared storage: each name kept gets its own contiguous copy
     data = to_bytes({name: t.detach().cpu().contiguous().clone() for name, t in drop_shared_tensors(obj).items()})

@@ -42,7 +42,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import fsync_dir, write_bytes
+from fnaccel.atomic import fsync_dir
+from fnaccel.checkpoint.files import write_bytes
 from fnaccel.checkpoint.sharded import is_sharded
 from fnaccel.checkpoint.tied import retie, untie
 from fnaccel.ops.collectives import broadcast_object_list

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fnaccel
+from fnaccel.commands.launch import check_launchable
 from fnaccel.config import CONFIG_FILE_ENV, default_config_file, load_config
 
 __all__ = ["environment_report", "register", "run"]
@@ -96,6 +97,7 @@ def _config_section(config_file: str | None) -> list[str]:
         if not path.is_file():
             return [f"- `fnaccel` config file ({origin}): {path}", "\tnot found"]
     config = load_config(path)  # raises ConfigError naming the file and the key
+    check_launchable(config)  # what launch refuses is no valid config here either
     lines = [f"- `fnaccel` config file ({origin}): {path}"]
     lines += [f"\t- {key}: {value}" for key, value in config.to_dict().items()]
     return lines

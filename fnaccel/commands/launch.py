@@ -22,10 +22,12 @@ from typing import Any
 from fnaccel._errors import ConfigError
 from fnaccel.commands.launch_flags import DYNAMO_FLAGS, FSDP_FLAGS, add_launch_arguments, refused_flags
 from fnaccel.commands.main import CommandError
-from fnaccel.config import CONFIG_FILE_ENV, LaunchConfig, default_config_file, load_config
+from fnaccel.resources import FAILED_AT_KEY
+from fnaccel.config import LaunchConfig, default_config_file, launch_env, load_config
 from fnaccel.environment import patch_environment as _patched_environment
 
-__all__ = ["launch_environment", "register", "run", "run_launch", "torchrun_arguments"]
+__all__ = ["check_launchable", "first_failure", "launch_environment", "max_local_processes",
+           "refused_keys", "register", "resolve", "run", "run_launch", "torchrun_arguments"]
 
 _REFUSED_TYPES = MappingProxyType({
     "DEEPSPEED": "this build has no DeepSpeed engine; use distributed_type FSDP (FSDP2)",
@@ -61,9 +63,6 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
         config = load_config(default_config_file())
     else:
         config = LaunchConfig()
-    if config.compute_environment != "LOCAL_MACHINE":
-        raise CommandError(f"{config.source}: compute_environment {config.compute_environment}: "
-                           "this build launches on local machines only (LOCAL_MACHINE)")
     changes: dict[str, Any] = {}
     for name in ("mixed_precision", "num_processes", "num_machines", "machine_rank", "main_process_ip",
                  "main_process_port", "rdzv_backend", "gpu_ids", "same_network", "enable_cpu_affinity",
@@ -87,20 +86,73 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
     if dynamo:
         changes["dynamo_config"] = {**config.dynamo_config, **dynamo}
     config = dataclasses.replace(config, **changes)
-    if config.distributed_type in _REFUSED_TYPES:
-        raise CommandError(f"distributed_type {config.distributed_type}: "
-                           f"{_REFUSED_TYPES[config.distributed_type]}")
-    if config.mixed_precision == "fp8":
-        raise CommandError("mixed_precision fp8: this build has no FP8 engine "
-                           "(TransformerEngine, MS-AMP or torchao); use bf16 or fp16")
-    _check_plugins(config)
+    check_launchable(config, force=args.force_num_processes)
     return config
 
 
-def _check_plugins(config: LaunchConfig) -> None:
+# Keys Accelerate writes for TPU launches only (their defaults are what it writes otherwise).
+_TPU_KEYS = ("tpu_name", "tpu_zone", "tpu_vm", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
+             "command_file", "commands", "downcast_bf16", "main_training_function")
+
+# Sections of engines this build does not ship: any value in them is refused, with the reason.
+_REFUSED_SECTIONS = MappingProxyType({
+    "deepspeed_config": "this build has no DeepSpeed engine; remove the section "
+                        "(distributed_type FSDP runs FSDP2)",
+    "megatron_lm_config": "this build has no Megatron-LM engine; remove the section",
+    "fp8_config": "this build has no FP8 engine (TransformerEngine, MS-AMP or torchao); remove the section",
+    "parallelism_config": "this build runs data parallelism only (ddp, fsdp); remove the section",
+    "mpirun_config": "fnaccel launches with torchrun, not mpirun; for several machines give "
+                     "num_machines, machine_rank, main_process_ip and main_process_port",
+})
+
+
+def refused_keys(config: LaunchConfig) -> list[tuple[str, str]]:
+    """``(key, why)`` for each key of an Accelerate config that asks for what this
+    build cannot do; an empty or default value asks for nothing."""
+    defaults = LaunchConfig()
+    refused = [(key, "it configures TPU launches and this build has no TPU (torch_xla) engine")
+               for key in _TPU_KEYS if getattr(config, key) != getattr(defaults, key)]
+    refused += [(key, why) for key, why in _REFUSED_SECTIONS.items()
+                if any(value not in (None, {}, [], "") for value in getattr(config, key).values())]
+    ipex = {key: value for key, value in config.ipex_config.items() if value not in (None, False)}
+    if ipex:
+        refused.append(("ipex_config", f"{sorted(ipex)[0]}: this build has no Intel Extension for "
+                                       "PyTorch (IPEX) or XPU support; remove the section"))
+    return refused
+
+
+def max_local_processes() -> int:
+    """The most processes `fnaccel launch` starts on one machine without
+    ``--force_num_processes``: 4 per CPU this process may use, and at least 8."""
+    return max(8, 4 * _usable_cpus())
+
+
+def check_launchable(config: LaunchConfig, *, force: bool = False) -> None:
+    """Raise `CommandError` naming the key when ``config`` asks for what this build
+    cannot launch: what `fnaccel launch` refuses, `fnaccel env` refuses too."""
+    where = config.source or "the command line"
+    if config.compute_environment != "LOCAL_MACHINE":
+        raise CommandError(f"{where}: compute_environment {config.compute_environment}: "
+                           "this build launches on local machines only (LOCAL_MACHINE)")
+    if config.distributed_type in _REFUSED_TYPES:
+        raise CommandError(f"{where}: distributed_type {config.distributed_type}: "
+                           f"{_REFUSED_TYPES[config.distributed_type]}")
+    if config.mixed_precision == "fp8":
+        raise CommandError(f"{where}: mixed_precision fp8: this build has no FP8 engine "
+                           "(TransformerEngine, MS-AMP or torchao); use bf16 or fp16")
+    for key, why in refused_keys(config):
+        raise CommandError(f"{where}: key '{key}': {why}")
+    if not 0 <= config.machine_rank < config.num_machines:
+        raise CommandError(f"{where}: machine_rank {config.machine_rank} is outside "
+                           f"0..{config.num_machines - 1} for num_machines {config.num_machines}")
+    local = -(-config.num_processes // config.num_machines)
+    if local > max_local_processes() and not force:
+        raise CommandError(
+            f"{where}: num_processes {config.num_processes} is {local} processes on this machine, "
+            f"more than the {max_local_processes()} it can run (4 per usable CPU); pass "
+            "--force_num_processes to start them anyway")
     from fnaccel.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
-    where = config.source or "the command line"
     if config.distributed_type == "FSDP":
         FullyShardedDataParallelPlugin.from_config(config.fsdp_config, f"{where}: fsdp_config")
     TorchDynamoPlugin.from_config(config.dynamo_config, f"{where}: dynamo_config")
@@ -129,9 +181,6 @@ def torchrun_arguments(args: argparse.Namespace, config: LaunchConfig) -> list[s
         if config.main_process_ip is None or config.main_process_port is None:
             raise CommandError(f"--num_machines {num_machines} needs --main_process_ip and "
                                "--main_process_port (the machine of rank 0)")
-        if not 0 <= config.machine_rank < num_machines:
-            raise CommandError(f"--machine_rank {config.machine_rank} is outside "
-                               f"0..{num_machines - 1} for --num_machines {num_machines}")
         argv += ["--nnodes", str(num_machines)]
         if config.rdzv_backend == "static":
             argv += ["--node_rank", str(config.machine_rank), "--master_addr", config.main_process_ip,
@@ -157,23 +206,9 @@ def torchrun_arguments(args: argparse.Namespace, config: LaunchConfig) -> list[s
 
 
 def launch_environment(args: argparse.Namespace, config: LaunchConfig) -> dict[str, str]:
-    """The variables every process gets: what `fa.init` reads, plus thread and GPU settings."""
-    from fnaccel.plugins import plugin_env
-
-    env = {"FNACCEL_MIXED_PRECISION": config.mixed_precision,
-           "FNACCEL_DISTRIBUTED_TYPE": config.distributed_type,
-           "FNACCEL_USE_FSDP": "true" if config.distributed_type == "FSDP" else "false"}
-    if config.source is not None:
-        env[CONFIG_FILE_ENV] = str(Path(config.source).resolve())
-    if config.use_cpu:
-        env["FNACCEL_USE_CPU"] = "true"
-    if config.debug:
-        env["FNACCEL_DEBUG_MODE"] = "true"
-    if config.enable_cpu_affinity:
-        env["FNACCEL_CPU_AFFINITY"] = "true"
-    if config.distributed_type == "FSDP":
-        env.update(plugin_env(config.fsdp_config))
-    env.update(plugin_env(config.dynamo_config))
+    """The variables every process gets: the resolved config (`fnaccel.config.launch_env`),
+    plus thread and GPU settings."""
+    env = launch_env(config)
     if config.gpu_ids not in ("all", ""):
         env["CUDA_VISIBLE_DEVICES"] = config.gpu_ids
     threads = args.num_cpu_threads_per_process
@@ -181,8 +216,6 @@ def launch_environment(args: argparse.Namespace, config: LaunchConfig) -> dict[s
         local = max(1, _num_processes(args, config) // config.num_machines)
         threads = max(1, _usable_cpus() // local)
     if threads is not None:
-        if threads < 1:
-            raise CommandError(f"--num_cpu_threads_per_process must be at least 1, got {threads}")
         env["OMP_NUM_THREADS"] = str(threads)
     return env
 
@@ -219,12 +252,32 @@ def run(args: argparse.Namespace) -> int:
         except ChildFailedError as exc:
             if args.debug:
                 raise
-            rank, first = exc.get_first_failure()
+            rank, first = first_failure(exc)
             print(f"fnaccel launch: {exc.name} failed: rank {rank} exited with code "
                   f"{first.exitcode} (its traceback is above; --debug shows the launcher's)",
                   file=sys.stderr)
             return first.exitcode if first.exitcode > 0 else 1
     return 0
+
+
+def first_failure(exc: Any) -> tuple[int, Any]:
+    """The rank of a failed launch that failed first, and its failure.
+
+    torchrun orders failures by whole seconds, so a rank whose collective broke
+    because the first one exited often ties with it and is blamed instead.
+    fnaccel's workers record when they failed to the nanosecond (see
+    `fnaccel.resources`); torchrun's order decides only where none did.
+    """
+    timed = {}
+    for rank, failure in exc.failures.items():
+        message = failure.error_file_data.get("message")
+        extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+        if str(extra.get(FAILED_AT_KEY, "")).isdigit():
+            timed[rank] = int(extra[FAILED_AT_KEY])
+    if not timed:
+        return exc.get_first_failure()
+    rank = min(timed, key=timed.__getitem__)
+    return rank, exc.failures[rank]
 
 
 def run_launch(argv: Sequence[str]) -> int:

@@ -9,18 +9,61 @@ engines this build does not ship are parsed like the others, then refused by
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
 from types import MappingProxyType
 
 __all__ = ["add_launch_arguments", "refused_flags", "FSDP_FLAGS", "DYNAMO_FLAGS"]
 
-Flag = tuple[str, "type | None", str]  # (flag, value type or None for a switch, help)
+Flag = tuple[str, "Callable[[str], Any] | None", str]  # (flag, value type or None for a switch, help)
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number no smaller than ``minimum`` (no 5000-digit ones).
+
+    >>> at_least(1)("4")
+    4
+    """
+    def convert(text: str) -> int:
+        if not re.fullmatch(r"[+-]?\d{1,18}", text.strip()):
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text[:40]!r}")
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    convert.__name__ = "int"
+    return convert
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535.
+
+    >>> port("29500")
+    29500
+    """
+    value = at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text[:40]!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text[:40]!r}")
+    return value
 
 # (flag, type, help): the FSDP section, stored under its config key (the flag's name)
 FSDP_FLAGS: tuple[Flag, ...] = (
-    ("--fsdp_version", int, "FSDP version (fnaccel runs FSDP2 for both 1 and 2)."),
+    ("--fsdp_version", at_least(1), "FSDP version (fnaccel runs FSDP2 for both 1 and 2)."),
     ("--fsdp_offload_params", str, "(true|false) offload parameters and gradients to the CPU."),
-    ("--fsdp_min_num_params", int, "Parameters a submodule needs to be sharded on its own (SIZE_BASED_WRAP)."),
+    ("--fsdp_min_num_params", at_least(0), "Parameters a submodule needs to be sharded on its own (SIZE_BASED_WRAP)."),
     ("--fsdp_sharding_strategy", str, "FULL_SHARD (1) or SHARD_GRAD_OP (2)."),
     ("--fsdp_reshard_after_forward", str, "(true|false) free gathered parameters after forward."),
     ("--fsdp_auto_wrap_policy", str, "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP."),
@@ -104,7 +147,7 @@ _REFUSED: tuple[tuple[str, str, tuple[Flag, ...]], ...] = (
 )
 
 
-def _add(group: argparse._ArgumentGroup, flag: str, kind: type | None, text: str) -> None:
+def _add(group: Any, flag: str, kind: Callable[[str], Any] | None, text: str) -> None:
     if kind is None:
         group.add_argument(flag, action="store_true", default=None, help=text)
     else:
@@ -132,9 +175,12 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     resources = parser.add_argument_group("Resource selection arguments")
     resources.add_argument("--mixed_precision", choices=("no", "fp16", "bf16", "fp8"), default=None,
                            help="Mixed precision: no, fp16 or bf16 (fp8 is refused: no FP8 engine).")
-    _add(resources, "--num_processes", int, "Total number of processes, over all machines.")
-    _add(resources, "--num_machines", int, "Number of machines.")
-    _add(resources, "--num_cpu_threads_per_process", int,
+    _add(resources, "--num_processes", at_least(1), "Total number of processes, over all machines.")
+    resources.add_argument("--force_num_processes", action="store_true",
+                           help="Start more processes per machine than the bound docs/cli.md gives "
+                                "(4 per CPU this process may use, at least 8).")
+    _add(resources, "--num_machines", at_least(1), "Number of machines.")
+    _add(resources, "--num_cpu_threads_per_process", at_least(1),
          "OMP_NUM_THREADS for each process (default: this machine's cores over its processes).")
     _add(resources, "--enable_cpu_affinity", None, "Pin each local process to its own share of the CPUs.")
 
@@ -145,9 +191,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     _add(cluster, "--gpu_ids", str, "Comma-separated GPU ids this machine uses (CUDA_VISIBLE_DEVICES).")
     _add(cluster, "--same_network", None, "All machines are on one local network (torchrun needs no "
                                           "setting for it; accepted for config compatibility).")
-    _add(cluster, "--machine_rank", int, "The rank of this machine.")
+    _add(cluster, "--machine_rank", at_least(0), "The rank of this machine.")
     _add(cluster, "--main_process_ip", str, "The IP address of the machine of rank 0.")
-    _add(cluster, "--main_process_port", int, "The port of the machine of rank 0.")
+    _add(cluster, "--main_process_port", port, "The port of the machine of rank 0.")
     cluster.add_argument("-t", "--tee", default=None,
                          help="Tee the processes' std streams into the log files as well as the "
                               "console (torchrun's --tee: 0 none, 1 stdout, 2 stderr, 3 both).")
@@ -156,8 +202,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--rdzv_backend", default=None,
                          help="Rendezvous: static (default) or c10d (or etcd).")
     _add(cluster, "--rdzv_conf", str, "Extra rendezvous configuration (<key1>=<value1>,...).")
-    _add(cluster, "--max_restarts", int, "Restarts of the worker group before the launch fails.")
-    _add(cluster, "--monitor_interval", float, "Seconds between checks of the workers' state.")
+    _add(cluster, "--max_restarts", at_least(0), "Restarts of the worker group before the launch fails.")
+    _add(cluster, "--monitor_interval", seconds, "Seconds between checks of the workers' state.")
 
     fsdp = parser.add_argument_group("FSDP arguments (with --use_fsdp or a config's fsdp_config)")
     for flag, kind, text in FSDP_FLAGS:

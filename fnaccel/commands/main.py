@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, NoReturn
 
 from fnaccel._errors import FnaccelError
 
@@ -21,9 +24,40 @@ class CommandError(FnaccelError):
     """A command cannot do what was asked; the message says why and what to do."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def closest(word: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the candidate closest to a mistyped ``word``, else "".
+
+    >>> closest("--num_procesess", ["--num_processes", "--num_machines"])
+    ' (did you mean --num_processes?)'
+    """
+    found = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {found[0]}?)" if found else ""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line (with a suggestion for a
+    mistyped command), exit status 2, and no usage dump; ``--help`` is unchanged."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_defaults(parser=self)  # the innermost parser that parsed wins
+
+    def error(self, message: str) -> NoReturn:
+        if choice := re.match(r"argument .*: invalid choice: '([^']*)' \(choose from (.*)\)", message):
+            options = re.findall(r"'([^']*)'", choice.group(2)) or choice.group(2).split(", ")
+            message += closest(choice.group(1), options)
+        elif "required: training_script" in message:
+            message = f"no training script given: {self.prog} [flags] SCRIPT.py [script arguments]"
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+    def option_strings(self) -> list[str]:
+        """Every flag this parser takes, for suggestions."""
+        return [flag for action in self._actions for flag in action.option_strings]
+
+
+def build_parser() -> OneLineParser:
     """The ``fnaccel`` parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fnaccel",
         usage="fnaccel <command> [<args>]",
         description="Launch and manage fnaccel training runs (the `accelerate` commands, same flags).",
@@ -37,14 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``fnaccel`` command and return its exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = getattr(args, "command_name", None)
+        sub = getattr(args, "parser", parser)
+        flag = unknown[0].split("=", 1)[0]
+        print(f"{sub.prog}: error: unrecognized argument {unknown[0]}"
+              f"{closest(flag, sub.option_strings()) if flag.startswith('-') else ''}"
+              + (f"; {command} takes no such argument" if command and not flag.startswith("-") else ""),
+              file=sys.stderr)
+        return USAGE_ERROR
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
         return 1
     try:
         return int(handler(args))
-    except (CommandError, FnaccelError) as exc:
+    except FnaccelError as exc:
         command = getattr(args, "command_name", "")
         print(f"fnaccel {command}: error: {exc}".replace("  ", " "), file=sys.stderr)
         return USAGE_ERROR

@@ -41,7 +41,7 @@ from safetensors import safe_open
 from torch import nn
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import replace_atomically
+from fnaccel.atomic import replace_atomically
 from fnaccel.checkpoint.tied import untie
 from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.modeling.tensors import DeviceLike, as_device, owner_of, set_module_tensor_to_device

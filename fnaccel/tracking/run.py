@@ -84,8 +84,7 @@ def init_trackers(
         )
     root = _logging_root(state, logging_dir) if names else None
     if not state.dist.is_main_process:
-        return state.replace(trackers=())
-    end_training(state)  # a second init_trackers replaces the trackers: close the old ones
+        return state
     opened: list[GeneralTracker] = []
     try:
         for item in chosen:
@@ -99,7 +98,18 @@ def init_trackers(
         for tracker in opened:
             tracker.finish()
         raise
-    return state.replace(trackers=tuple(opened))
+    state.resources.register("trackers", OpenTrackers(opened))  # closes the old ones
+    return state
+
+
+class OpenTrackers(tuple[GeneralTracker, ...]):
+    """The run's open trackers, registered with its resources; `fa.shutdown` closes them."""
+
+    __slots__ = ()
+
+    def close(self) -> None:
+        for tracker in self:
+            tracker.finish()
 
 
 def _logging_root(state: RunState, logging_dir: str | os.PathLike[str] | None) -> Path:

@@ -203,7 +203,7 @@ def test_torchrun_arguments() -> None:
      "must divide evenly"),
     (["--num_processes", "2", "--num_machines", "2"], "needs --main_process_ip and --main_process_port"),
     (["--num_processes", "2", "--num_machines", "2", "--machine_rank", "2", "--main_process_ip", "h",
-      "--main_process_port", "1"], "--machine_rank 2 is outside 0..1"),
+      "--main_process_port", "1"], "machine_rank 2 is outside 0..1"),
 ])
 def test_inconsistent_machine_flags(argv: list[str], message: str) -> None:
     from fnaccel.commands.main import CommandError

@@ -1,0 +1,55 @@
+"""`fnaccel launch` when a rank fails: every rank ends within seconds, the first failure is named."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CRASHING = Path(__file__).with_name("_crashing.py")
+
+# From rank 1's exception to the launcher's exit; docs/cli.md ("When a rank fails")
+# gives the times measured. The whole launch also counts importing torch in every
+# process, which on a loaded machine alone can take longer.
+FAIL_FAST_BOUND_S = 30.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("ending", ["plain", "finally"])
+@pytest.mark.parametrize("where", ["init", "step"])
+def test_a_raising_rank_ends_the_launch_within_seconds(tmp_path: Path, where: str, ending: str) -> None:
+    """Rank 1 raises (after fa.init, or mid-step under ddp()) while rank 0 waits in a
+    collective: before, the job hung for the 30-minute process-group timeout."""
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", "2",
+             str(CRASHING), str(tmp_path), where, ending],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        elapsed = time.time() - float((tmp_path / "failed_at").read_text())
+        pids = [int(path.name.split(".")[1]) for path in tmp_path.glob("pid.*")]
+        assert len(pids) == 2, result.stderr
+        assert [pid for pid in pids if _alive(pid)] == []
+    finally:  # nothing left behind, even when an assertion failed
+        for path in tmp_path.glob("pid.*"):
+            pid = int(path.name.split(".")[1])
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert result.returncode == 1, result.stderr
+    assert elapsed < FAIL_FAST_BOUND_S, elapsed
+    message = "rank 1 fails after fa.init" if where == "init" else "rank 1 fails mid-step"
+    assert message in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "failed: rank 1 exited with code 1" in last, result.stderr
