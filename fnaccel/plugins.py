@@ -23,7 +23,6 @@ from fnaccel.environment import str_to_bool
 
 __all__ = [
     "FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "TorchDynamoPlugin",
-    "plugin_env", "section_from_env",
 ]
 
 T = TypeVar("T")
@@ -363,36 +362,3 @@ class GradientAccumulationPlugin:
 
         assert self.num_steps is not None
         return accumulate(self.num_steps, sync_each_batch=self.sync_each_batch)
-
-
-def plugin_env(section: Mapping[str, Any]) -> dict[str, str]:
-    """A config section as the environment variables `fnaccel launch` sets:
-    ``fsdp_offload_params`` becomes ``FNACCEL_FSDP_OFFLOAD_PARAMS``, and so on.
-
-    >>> plugin_env({"dynamo_backend": "INDUCTOR", "dynamo_use_fullgraph": True})
-    {'FNACCEL_DYNAMO_BACKEND': 'INDUCTOR', 'FNACCEL_DYNAMO_USE_FULLGRAPH': 'true'}
-    """
-    env = {}
-    for key, value in section.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, (list, tuple)):
-            text = ",".join(str(v) for v in value)
-        else:
-            text = str(value)
-        env[f"FNACCEL_{key.upper()}"] = text
-    return env
-
-
-def section_from_env(prefix: str, environ: Mapping[str, str]) -> dict[str, str]:
-    """The inverse of `plugin_env` for the keys starting with ``prefix`` (``fsdp_``,
-    ``dynamo_``): string values, which the plugins' ``from_config`` read.
-
-    >>> section_from_env("dynamo_", {"FNACCEL_DYNAMO_BACKEND": "EAGER", "PATH": "/bin"})
-    {'dynamo_backend': 'EAGER'}
-    """
-    head = f"FNACCEL_{prefix.upper()}"
-    return {name[len("FNACCEL_"):].lower(): value for name, value in environ.items()
-            if name.startswith(head)}

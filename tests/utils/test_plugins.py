@@ -10,7 +10,6 @@ import pytest
 import fnaccel as fa
 from fnaccel.config import load_config, with_launch_env
 from fnaccel.utils import FullyShardedDataParallelPlugin, TorchDynamoPlugin
-from fnaccel.plugins import plugin_env, section_from_env
 
 # what `accelerate config` writes for FSDP (accelerate 1.x)
 ACCELERATE_FSDP_FILE = """\
@@ -106,14 +105,8 @@ def test_dynamo_plugin() -> None:
 
 
 def test_sections_round_trip_through_the_environment(tmp_path: Path) -> None:
-    section = {"fsdp_offload_params": False, "fsdp_transformer_layer_cls_to_wrap": ["A", "B"],
-               "fsdp_min_num_params": 10, "fsdp_mode": None}
-    env = plugin_env(section)
-    assert env == {"FNACCEL_FSDP_OFFLOAD_PARAMS": "false", "FNACCEL_FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP": "A,B",
-                   "FNACCEL_FSDP_MIN_NUM_PARAMS": "10"}
-    back = section_from_env("fsdp_", env)
-    plugin = FullyShardedDataParallelPlugin.from_config(back)
-    assert plugin.transformer_cls_names_to_wrap == ("A", "B") and plugin.min_num_params == 10
+    env = {"FNACCEL_FSDP_OFFLOAD_PARAMS": "false", "FNACCEL_FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP": "A,B",
+           "FNACCEL_FSDP_MIN_NUM_PARAMS": "10"}
     path = tmp_path / "c.yaml"
     path.write_text(textwrap.dedent("""\
         fsdp_config: {fsdp_offload_params: true, fsdp_version: 2}
@@ -122,6 +115,8 @@ def test_sections_round_trip_through_the_environment(tmp_path: Path) -> None:
     assert config.distributed_type == "FSDP"
     assert config.fsdp_config == {"fsdp_offload_params": "false", "fsdp_version": 2,
                                   "fsdp_transformer_layer_cls_to_wrap": "A,B", "fsdp_min_num_params": "10"}
+    plugin = FullyShardedDataParallelPlugin.from_config(config.fsdp_config)
+    assert plugin.transformer_cls_names_to_wrap == ("A", "B") and plugin.min_num_params == 10
 
 
 def test_plugins_built_directly_check_their_yes_no_fields() -> None:
