@@ -33,7 +33,7 @@ class DistContext:
         device: the device this process computes on.
         backend: the `torch.distributed` backend, or None in a world of one.
         distributed_type: Accelerate's name for the kind of run.
-        debug: ``FNACCEL_DEBUG_MODE``: collectives check every rank's shapes first.
+        debug: ``FNACCEL_DEBUG_MODE``: the launcher shows full tracebacks (collectives check every rank's tree in every mode).
     """
 
     num_processes: int = 1

@@ -110,10 +110,10 @@ def gather(ctx: DistContext | Any, tree: Any) -> Any:
     ctx = as_dist(ctx)
     leaves, problem = _tensor_leaves("gather", tree)
     _agree(ctx, Signature.of("gather", tree, leaves), f"gather needs equal trees: {_PAD_HINT}", problem)
-    return _gather_leaves(ctx, tree, leaves)
+    return gather_leaves(ctx, tree, leaves)
 
 
-def _gather_leaves(ctx: DistContext, tree: Any, leaves: Sequence[torch.Tensor]) -> Any:
+def gather_leaves(ctx: DistContext, tree: Any, leaves: Sequence[torch.Tensor]) -> Any:
     # Python run right after a collective competes with gloo's threads finishing it
     # (measured: 1.6 us of tree rebuilding cost 40 us there), so a bare tensor
     # comes back as it is.

@@ -64,15 +64,14 @@ def gather() -> Collective:
                     f"gather: after padding, rank {rank} has shapes {list(shapes)} but rank 0 "
                     f"has {list(first)}; pad the other differing dimensions too"
                 )
-        return ops._gather_leaves(ctx, tree, leaves), call
+        return ops.gather_leaves(ctx, tree, leaves), call
 
     return _communicating("gather", (), apply)
 
 
 def reduce(reduction: ops.Reduction = "mean", scale: float = 1.0) -> Collective:
     """`fnaccel.ops.reduce` as a transform: ``fa.reduce("sum")``."""
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduce: unknown reduction {reduction!r}; use 'mean', 'sum' or 'none'")
+    ops.check_reduction(reduction)
 
     def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
         return ops.reduce(ctx, tree, reduction, scale), call

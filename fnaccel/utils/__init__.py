@@ -65,6 +65,7 @@ from fnaccel.kwargs import (
 # isort: split
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.ops import (
+    CannotPadNestedTensorWarning,
     broadcast,
     broadcast_object_list,
     concatenate,
@@ -164,7 +165,7 @@ __all__ = [
     # data loading
     "DataLoaderConfiguration",
     # data operations
-    "broadcast", "broadcast_object_list", "concatenate", "convert_outputs_to_fp32",
+    "CannotPadNestedTensorWarning", "broadcast", "broadcast_object_list", "concatenate", "convert_outputs_to_fp32",
     "convert_to_fp32", "gather", "gather_for_metrics", "gather_object", "listify",
     "pad_across_processes", "recursively_apply", "reduce", "send_to_device", "slice_tensors",
     # processes and random
