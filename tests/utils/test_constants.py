@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from fnaccel.utils import constants as c
+from fnaccel import constants as c
 from fnaccel.constants import (
     ComputeEnvironment,
     DDPCommunicationHookType,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fnaccel.utils import environment as env
+from fnaccel import environment as env
 from fnaccel.environment import (
     clear_environment,
     is_bf16_available,
