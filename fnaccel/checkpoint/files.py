@@ -238,8 +238,9 @@ def read_verified(directory: Path, name: str, manifest: dict[str, Any]) -> bytes
 
 
 def read_json(directory: Path, name: str, manifest: dict[str, Any]) -> Any:
+    data = read_verified(directory, name, manifest)  # its CheckpointError is also a ValueError
     try:
-        return json.loads(read_verified(directory, name, manifest))
+        return json.loads(data)
     except (ValueError, RecursionError):  # hashes matched: written so on purpose
         raise CheckpointError(f"{directory / name}: not valid JSON (or nested too deeply)") from None
 
