@@ -80,6 +80,7 @@ class RunState:
         project_dir: where checkpoints and logs go by default.
         trackers: the experiment trackers `fnaccel.tracking.init_trackers`
             opened (live objects, on the main process only; empty elsewhere).
+        trigger: this rank asked the run to stop (`fnaccel.trigger.set_trigger`).
     """
 
     dist: DistContext
@@ -108,6 +109,7 @@ class RunState:
     )
     project_dir: str | None = None
     trackers: tuple[GeneralTracker, ...] = field(default=(), repr=False)
+    trigger: bool = False
     _lease: _Lease = field(default_factory=_Lease, repr=False, compare=False)
 
     def replace(self, **changes: Any) -> RunState:

@@ -42,6 +42,7 @@ from fnaccel import ops
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.codec import load_optimizer, rng_from
+from fnaccel.checkpoint.hooks import check_unsharded, loaded_weights
 from fnaccel.checkpoint.files import read_json, read_tensors, read_verified
 from fnaccel.checkpoint.project import next_checkpoint, project_of, rotate
 from fnaccel.checkpoint.sharded import is_sharded, load_sharded
@@ -161,8 +162,9 @@ def _manifest(directory: Path, state: RunState) -> dict[str, Any]:
     return manifest
 
 
-def _load_model(module: torch.nn.Module, directory: Path, manifest: dict[str, Any]) -> None:
-    weights = retie(read_tensors(directory, "model.safetensors", manifest), manifest["tied"])
+def _load_model(state: RunState, module: torch.nn.Module, directory: Path, manifest: dict[str, Any]) -> None:
+    weights = loaded_weights(state, module, retie(read_tensors(directory, "model.safetensors", manifest),
+                                                  manifest["tied"]))
     expected = module.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -201,9 +203,10 @@ def load(state: RunState, path: str | Path) -> RunState:
     rank = state.dist.rank
     sharded = is_sharded(state.model)
     if sharded:  # model and optimizer from sharded/ (torch.distributed.checkpoint)
+        check_unsharded(state)
         load_sharded(state, directory, manifest)
     elif module is not None:
-        _load_model(module, directory, manifest)
+        _load_model(state, module, directory, manifest)
     if state.optimizer is not None and not sharded:
         assert module is not None, "an optimizer without a model"
         names = {id(p): n for n, p in module.named_parameters()}
