@@ -75,7 +75,7 @@ class CometMLTracker:
     def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
         comet_ml = require(self.name)
         config = kwargs.pop("experiment_config", None) or comet_ml.ExperimentConfig()
-        if getattr(config, "offline_directory", None) is None:
+        if config.has_default_offline_directory():
             config.offline_directory = str(Path(logging_dir) / run_name)
         self.experiment = comet_ml.start(project_name=run_name, experiment_config=config, **kwargs)
 
