@@ -10,7 +10,7 @@ transform's when it has one, else the run's ``mixed_precision``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
@@ -22,7 +22,9 @@ from fnaccel.utils.kwargs import AutocastKwargs
 __all__ = ["autocast_context"]
 
 
-def autocast_context(state: RunState, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
+def autocast_context(
+    state: RunState, autocast_handler: AutocastKwargs | None = None
+) -> AbstractContextManager[None]:
     """A context running its body under the run's autocast; consumes nothing.
 
     Args:

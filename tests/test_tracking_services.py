@@ -6,7 +6,6 @@ installs the `test` extra only; see docs/tracking.md for which are in it).
 
 from __future__ import annotations
 
-import json
 import zipfile
 from pathlib import Path
 from typing import Any

@@ -42,7 +42,7 @@ class _SkipFirstLoader(DataLoader):
 
     num_skipped: int
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # an iterator, not torch's own class
         return itertools.islice(super().__iter__(), self.num_skipped, None)
 
     def __len__(self) -> int:

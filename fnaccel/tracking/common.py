@@ -7,12 +7,13 @@ import importlib.util
 import sys
 from collections.abc import Mapping
 from numbers import Real
+from types import MappingProxyType
 from typing import Any
 
 __all__ = ["PACKAGES", "flatten", "is_installed", "numbers_and_text", "require"]
 
-# tracker name -> (the module to import, the pip package, the fnaccel extra)
-PACKAGES: Mapping[str, tuple[str, str]] = {
+# tracker name -> (the module to import, the pip package); the extra is the name without "_"
+PACKAGES: Mapping[str, tuple[str, str]] = MappingProxyType({
     "wandb": ("wandb", "wandb"),
     "mlflow": ("mlflow", "mlflow-skinny"),
     "comet_ml": ("comet_ml", "comet_ml"),
@@ -21,7 +22,7 @@ PACKAGES: Mapping[str, tuple[str, str]] = {
     "dvclive": ("dvclive", "dvclive"),
     "swanlab": ("swanlab", "swanlab"),
     "trackio": ("trackio", "trackio"),
-}
+})
 
 
 def require(name: str) -> Any:

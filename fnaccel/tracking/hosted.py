@@ -136,8 +136,8 @@ class ClearMLTracker:
         for key, value in numbers.items():
             title, _, series = key.rpartition("/")
             logger.report_scalar(title=title or series, series=series, value=value, iteration=step)
-        for key, value in text.items():
-            logger.report_text(f"{key}: {value}", print_console=False)
+        for key, line in text.items():
+            logger.report_text(f"{key}: {line}", print_console=False)
 
     def log_images(self, values: Mapping[str, Any], step: int, **kwargs: Any) -> None:
         logger = self.task.get_logger()

@@ -108,8 +108,8 @@ class AimTracker:
         numbers, text = numbers_and_text(values)
         for key, value in numbers.items():
             self.run.track(value, name=key, step=step)
-        for key, value in text.items():
-            self.run.track(self._aim.Text(value), name=key, step=step)
+        for key, line in text.items():
+            self.run.track(self._aim.Text(line), name=key, step=step)
 
     def log_images(self, values: Mapping[str, Any], step: int, **kwargs: Any) -> None:
         for key, value in values.items():

@@ -107,9 +107,10 @@ def local_sgd(local_sgd_steps: int) -> Transform:
         if sgd.steps_since_average < sgd.local_sgd_steps:
             return
         sgd.steps_since_average = 0
-        if sgd.ctx.num_processes > 1:
+        group = sgd.ctx.process_group
+        if sgd.ctx.num_processes > 1 and group is not None:
             with torch.no_grad():
-                average_parameters(iter(sgd.parameters), sgd.ctx.process_group)
+                average_parameters(iter(sgd.parameters), group)
 
     return Transform(
         name="local_sgd",
