@@ -63,6 +63,7 @@ def test_mlflow_local_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "acc/train")] == [(2, 0.75)]
     artifacts = [a.path for a in client.list_artifacts(tracker.run_id, "images")]
     assert artifacts and all("sample" in a for a in artifacts)
+    assert any((tmp_path / "mlartifacts").rglob("*.png"))  # under logging_dir, not the working directory
 
 
 def test_comet_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,6 +136,7 @@ def test_dvclive_local_files(tmp_path: Path) -> None:
     assert rows == ["step", "loss", "1", "0.5", "2", "0.25"]
     assert (out / "plots" / "metrics" / "acc" / "train.tsv").is_file()
     assert (out / "plots" / "images" / "sample.png").is_file()
+    assert "plots/metrics" in (out / "dvc.yaml").read_text()  # beside the run, not at the repository's root
 
 
 def test_swanlab_offline(tmp_path: Path) -> None:

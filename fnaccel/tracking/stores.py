@@ -3,11 +3,12 @@
 - MLflow goes through an ``MlflowClient`` of its own (not ``mlflow``'s
   process-wide active run), so two runs in one process log apart. Its store is
   ``tracking_uri=...`` from ``init_kwargs``, else ``MLFLOW_TRACKING_URI``, else
-  ``sqlite:///<logging_dir>/mlflow.db`` (MLflow 3 keeps its plain-file store in
-  maintenance and refuses new ones).
+  ``sqlite:///<logging_dir>/mlflow.db`` with artifacts in ``<logging_dir>/mlartifacts``
+  (MLflow 3 keeps its plain-file store in maintenance and refuses new ones).
 - Aim writes its repository in ``logging_dir`` (``aim up`` there shows it).
-- DVCLive writes ``<logging_dir>/<project_name>``: ``params.yaml``, ``metrics.json``
-  and one TSV per metric under ``plots/metrics``.
+- DVCLive writes ``<logging_dir>/<project_name>``: ``params.yaml``, ``metrics.json``,
+  ``dvc.yaml`` and one TSV per metric under ``plots/metrics`` (DVCLive's own
+  default puts ``dvc.yaml`` at the root of the enclosing git repository).
 """
 
 from __future__ import annotations
@@ -40,14 +41,17 @@ class MLflowTracker:
         mlflow = require(self.name)
         if tracking_uri is None:
             tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if tracking_uri is None:
+        artifacts = None
+        if tracking_uri is None:  # the store and the artifacts (images) both under logging_dir
             Path(logging_dir).mkdir(parents=True, exist_ok=True)
             tracking_uri = f"sqlite:///{Path(logging_dir).absolute() / 'mlflow.db'}"
+            artifacts = (Path(logging_dir).absolute() / "mlartifacts").as_uri()
         self.client = mlflow.MlflowClient(tracking_uri)
         self._entities = mlflow.entities
         if run_id is None:
             found = self.client.get_experiment_by_name(run_name)
-            experiment_id = found.experiment_id if found else self.client.create_experiment(run_name)
+            experiment_id = (found.experiment_id if found
+                             else self.client.create_experiment(run_name, artifact_location=artifacts))
             all_tags = dict(tags or {})
             if description is not None:
                 all_tags["mlflow.note.content"] = description
@@ -128,6 +132,7 @@ class DVCLiveTracker:
     def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
         dvclive = require(self.name)
         kwargs.setdefault("save_dvc_exp", False)
+        kwargs.setdefault("dvcyaml", str(Path(logging_dir) / run_name / "dvc.yaml"))
         kwargs.setdefault("resume", (Path(logging_dir) / run_name / "metrics.json").exists())
         self.live = dvclive.Live(dir=str(Path(logging_dir) / run_name), **kwargs)
 
