@@ -120,3 +120,17 @@ def _with_comm_hook(state: fa.RunState) -> str:
 
 def test_a_ddp_comm_hook_is_refused(world2: Any) -> None:
     assert all("drop comm_hook" in message for message in world2.run(_with_comm_hook))
+
+
+def test_the_count_since_the_last_average_is_saved_with_the_run(tmp_path: Any) -> None:
+    def prepared() -> fa.RunState:
+        model = make_model(dropout=0.0)
+        return fa.prepare(fa.init(cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss_fn=loss_fn, pipeline=fa.compose(local_sgd(5)))
+
+    state = prepared()
+    for batch in _my_batches(0)[:3]:
+        state, _ = fa.step(state, batch)
+    fa.save(state, tmp_path / "ckpt")
+    resumed = fa.load(prepared(), tmp_path / "ckpt")
+    assert resumed.transform_states["local_sgd"].state_dict() == {"steps_since_average": 3}
