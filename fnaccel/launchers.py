@@ -142,8 +142,6 @@ def notebook_launcher(
         monitor_interval=monitor_interval, start_method="fork",
         log_line_prefix_template=log_line_prefix_template,
     )
-    if "OMP_NUM_THREADS" not in os.environ:  # as fnaccel launch: the cores shared, not oversubscribed
-        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // num_processes))
     gc.collect()  # the launcher's own garbage (an earlier launch's store) is not forked into the workers
     with tempfile.TemporaryDirectory(prefix="fnaccel-launch-") as errors:
         return _launch(elastic_launch(config, _fail_fast(function, Path(errors))), args, env, Path(errors))
@@ -177,6 +175,9 @@ def _fail_fast(function: Callable[..., Any], errors: Path) -> Callable[..., Any]
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # OpenMP's thread pool does not survive a fork: once the launching process has run a
+        # parallel operation, a worker entering one hangs. One intra-op thread never enters one.
+        torch.set_num_threads(1)
         # The objects this worker inherited belong to the launching process: collecting them
         # here would run destructors of C++ objects (a TCP store, its thread) that do not
         # exist in the fork, which crashes it.

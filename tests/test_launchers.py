@@ -29,8 +29,15 @@ def train(num_steps: int) -> list[torch.Tensor]:
 
 
 def test_two_processes_train_as_one_process_on_the_whole_batch() -> None:
-    results = notebook_launcher(train, (NUM_STEPS,), num_processes=2, **FREE_PORT)
-    expected = single_process_reference(NUM_STEPS)
+    # this process runs OpenMP's thread pool first, as a notebook kernel has: the forked workers still compute
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert (torch.ones(512, 512) @ torch.ones(512, 512)).sum() > 0
+        expected = single_process_reference(NUM_STEPS)
+        results = notebook_launcher(train, (NUM_STEPS,), num_processes=2, **FREE_PORT)
+    finally:
+        torch.set_num_threads(threads)
     assert len(results) == 2
     for params in results:
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(params, expected))
