@@ -108,6 +108,7 @@ class RunState:
         project_dir: where checkpoints and logs go by default.
         resources: the run's live resources (process group, saves in flight,
             trackers), shared by its successive states; `fa.shutdown` closes them.
+        trigger: this rank asked the run to stop (`fnaccel.trigger.set_trigger`).
     """
 
     dist: DistContext
@@ -135,6 +136,7 @@ class RunState:
     )
     project_dir: str | None = None
     resources: Resources = field(default_factory=Resources, repr=False, compare=False)
+    trigger: bool = False
     _lease: _Lease = field(default_factory=_Lease, repr=False, compare=False)
 
     def replace(self, **changes: Any) -> Self:

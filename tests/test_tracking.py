@@ -160,7 +160,12 @@ def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
     assert [(e.step, e.value) for e in test_acc.Scalars("acc")] == [(1, 0.25), (2, 0.5)]
 
 
+_SERVICES = ("wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
+
+
 def test_all_means_every_installed_tracker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in _SERVICES:  # as if not installed: "all" would open them too (online, for most)
+        monkeypatch.setitem(sys.modules, module, None)
     state = init_trackers(fa.init(cpu=True), "exp", log_with="all", logging_dir=tmp_path)
     assert [t.name for t in state.trackers] == ["jsonl", "tensorboard"]
     end_training(state)
@@ -175,8 +180,7 @@ def test_all_means_every_installed_tracker(tmp_path: Path, monkeypatch: pytest.M
 @pytest.mark.parametrize(
     ("log_with", "error", "match"),
     [
-        ("wandb", ValueError, "no built-in 'wandb' tracker.*GeneralTracker"),
-        ("jsnol", ValueError, "'jsnol' is not a tracker; use 'jsonl', 'tensorboard', 'all'"),
+        ("jsnol", ValueError, "'jsnol' is not a tracker; use one of 'jsonl', 'tensorboard', 'wandb'.*'all'"),
         (["jsonl", "JSONL"], ValueError, "'jsonl' twice"),
         ([], ValueError, "log_with is empty"),
         ([3], TypeError, "tracker names or GeneralTracker objects, got int"),
@@ -282,3 +286,56 @@ def test_trackers_travel_with_the_run(tmp_path: Path) -> None:
     log(successor, {"x": 1.0})
     end_training(successor)
     assert _lines(tmp_path / "exp" / "metrics.jsonl")[0]["step"] == 1
+
+
+def test_a_resumed_run_adds_to_its_config_and_metrics(tmp_path: Path) -> None:
+    first = init_trackers(fa.init(cpu=True), "exp", {"lr": 0.1, "epochs": 3}, logging_dir=tmp_path)
+    log(first, {"loss": 1.0}, step=1)
+    end_training(first)
+    # the resumed run: a new process, the same project; it changes one value and adds one
+    resumed = init_trackers(fa.init(cpu=True), "exp", {"lr": 0.05, "resumed_from": "ckpt"}, logging_dir=tmp_path)
+    log(resumed, {"loss": 0.5}, step=2)
+    end_training(resumed)
+    config = json.loads((tmp_path / "exp" / "config.json").read_text())
+    assert config == {"lr": 0.05, "epochs": 3, "resumed_from": "ckpt"}
+    assert [(line["step"], line["loss"]) for line in _lines(tmp_path / "exp" / "metrics.jsonl")] == [(1, 1.0), (2, 0.5)]
+    (tmp_path / "exp" / "config.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match="config.json is not valid JSON.*repair or remove it"):
+        init_trackers(fa.init(cpu=True), "exp", {"lr": 0.1}, logging_dir=tmp_path)
+
+
+class DirectoryTracker(ListTracker):
+    """A user's tracker class, made per run by init_trackers from the registered name."""
+
+    name = "mine"
+
+    def __init__(self, run_name: str, logging_dir: str, *, label: str = "") -> None:
+        super().__init__()
+        self.where = (run_name, Path(logging_dir), label)
+
+
+def test_a_registered_class_is_named_like_a_built_in_tracker(tmp_path: Path) -> None:
+    from fnaccel.tracking import register_tracker
+
+    base = fa.init(cpu=True)
+    state = register_tracker(base, "mine", DirectoryTracker)
+    state = init_trackers(state, "exp", {"lr": 0.1}, log_with=["mine", "jsonl"], logging_dir=tmp_path,
+                          init_kwargs={"mine": {"label": "a"}})
+    log(state, {"loss": torch.tensor(0.5)}, step=4)
+    mine = get_tracker(state, "mine")
+    assert isinstance(mine, DirectoryTracker) and mine.where == ("exp", tmp_path, "a")
+    assert mine.config == {"lr": 0.1} and mine.logged == [(4, {"loss": 0.5})]
+    end_training(state)
+    with pytest.raises(ValueError, match="'mine' is not a tracker"):  # the state from before has no such name
+        init_trackers(base, "exp", log_with="mine", logging_dir=tmp_path)
+    with pytest.raises(ValueError, match="'wandb' is a built-in tracker's name"):
+        register_tracker(base, "wandb", DirectoryTracker)
+    with pytest.raises(TypeError, match="takes a class.*pass an object in log_with"):
+        register_tracker(base, "mine", DirectoryTracker("x", "y"))  # type: ignore[arg-type]
+
+
+def test_a_tracker_without_its_package_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "swanlab", None)
+    for rank in (0, 1):  # every rank, before any opens a file
+        with pytest.raises(ImportError, match="pip install swanlab \\(or fnaccel\\[swanlab\\]\\)"):
+            init_trackers(_as_rank(fa.init(cpu=True), rank), "exp", log_with="swanlab", logging_dir=tmp_path)

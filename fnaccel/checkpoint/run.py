@@ -47,6 +47,7 @@ from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.checks import check_like, check_tensors
 from fnaccel.checkpoint.codec import check_kind, optimizer_state, rng_from
 from fnaccel.checkpoint.files import read_json, read_tensors, read_verified
+from fnaccel.checkpoint.hooks import check_unsharded, loaded_weights
 from fnaccel.checkpoint.manifest import read_manifest, target_problem
 from fnaccel.checkpoint.project import next_checkpoint, project_of, rotate
 from fnaccel.checkpoint.queue import SaveHandle, SaveQueue
@@ -158,15 +159,17 @@ def _manifest(directory: Path, state: RunState) -> dict[str, Any]:
     return manifest
 
 
-def _model_weights(module: torch.nn.Module, directory: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """``model.safetensors`` re-tied, checked against the model's keys, shapes and dtypes."""
+def _model_weights(state: RunState, module: torch.nn.Module, directory: Path,
+                   manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``model.safetensors`` re-tied and passed through the run's load hooks, checked
+    against the model's keys, shapes and dtypes."""
     source = str(directory / "model.safetensors")
     weights = read_tensors(directory, "model.safetensors", manifest)
     for alias, name in manifest["tied"].items():
         if name not in weights or alias in weights:
             raise CheckpointError(f"{directory / 'fnaccel.json'}: key 'tied/{alias}' names {name!r}, "
                                   f"which is not a stored weight of {source} (or {alias!r} is stored too)")
-    weights = retie(weights, manifest["tied"])
+    weights = loaded_weights(state, module, retie(weights, manifest["tied"]))
     check_tensors(weights, module.state_dict(), source)
     return weights
 
@@ -251,8 +254,10 @@ def load(state: RunState, path: str | Path) -> RunState:
     manifest = _manifest(directory, state)
     module = _module(state)
     sharded = is_sharded(state.model)
+    if sharded:
+        check_unsharded(state)  # save/load hooks never see sharded weights: refused, not skipped
     # read and check everything first: nothing below changes until all of it fits
-    weights = _model_weights(module, directory, manifest) if module is not None and not sharded else None
+    weights = _model_weights(state, module, directory, manifest) if module is not None and not sharded else None
     optimizer_sd = None
     if state.optimizer is not None and not sharded:
         assert module is not None, "an optimizer without a model"

@@ -29,6 +29,7 @@ from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.checks import kind_of
 from fnaccel.checkpoint.codec import optimizer_payload, rng_payload
+from fnaccel.checkpoint.hooks import check_unsharded, saved_weights
 from fnaccel.checkpoint.files import (
     commit,
     json_copy,
@@ -86,6 +87,7 @@ def take_snapshot(
     ctx: DistContext = state.dist
     snap = Snapshot(rank=ctx.rank, node_rank=ctx.node_rank, writer=writer, per_node=per_node)
     if is_sharded(state.model):  # every rank writes its own shards in write_sharded
+        check_unsharded(state)
         snap.sharded = snapshot_sharded(state, copy=copy, per_node=per_node)
         module = None
     rank_tensors, rng_json = rng_payload(state.rng)
@@ -106,7 +108,7 @@ def take_snapshot(
     tied: dict[str, str] = {}
     if writer:
         if module is not None:
-            weights, tied = untie(module.state_dict())
+            weights, tied = untie(saved_weights(state, module))
             snap.tensors["model.safetensors"] = {k: own(v) for k, v in weights.items()}
         if state.optimizer is not None and snap.sharded is None:
             assert module is not None, "an optimizer without a model"

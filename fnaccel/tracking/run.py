@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from fnaccel.checkpoint.project import project_of
+from fnaccel.tracking.registry import registered_trackers
 from fnaccel.tracking.trackers import BUILT_IN, GeneralTracker, resolve_trackers
 from fnaccel.tracking.values import read_values
 
@@ -39,10 +40,13 @@ def init_trackers(
         project_name: the run's directory under the logging directory.
         config: hyperparameters each tracker records once (JSONL writes
             ``config.json``; TensorBoard adds hparams).
-        log_with: ``"jsonl"``, ``"tensorboard"``, ``"all"`` (every installed
-            built-in tracker), a `GeneralTracker` object, or a list of these.
-        init_kwargs: keyword arguments for a built-in tracker, keyed by its
-            name: ``{"tensorboard": {"flush_secs": 30}}``, ``{"jsonl": {"filename": ...}}``.
+        log_with: a tracker's name (``"jsonl"``, ``"tensorboard"``, ``"wandb"``,
+            ``"mlflow"``, ``"comet_ml"``, ``"aim"``, ``"clearml"``, ``"dvclive"``,
+            ``"swanlab"``, ``"trackio"``, or one given to `register_tracker`),
+            ``"all"`` (every installed built-in tracker), a `GeneralTracker`
+            object, or a list of these.
+        init_kwargs: keyword arguments for a named tracker, keyed by its
+            name: ``{"tensorboard": {"flush_secs": 30}}``, ``{"wandb": {"mode": "offline"}}``.
         logging_dir: where the trackers write; default
             ``ProjectConfiguration.logging_dir``, else the project directory.
             A relative path is taken under the project directory when there is one.
@@ -53,7 +57,8 @@ def init_trackers(
     Raises:
         ValueError: an unknown tracker name, an empty or repeated ``log_with``,
             ``init_kwargs`` for a tracker not chosen, or no directory to log to.
-        ImportError: ``"tensorboard"`` without the tensorboard package.
+        ImportError: a tracker named whose package is not installed (the
+            message names the pip package and the fnaccel extra).
 
     >>> import json, tempfile, fnaccel as fa
     >>> from fnaccel.tracking import end_training, init_trackers, log
@@ -73,7 +78,8 @@ def init_trackers(
             f"init_trackers: config must be a dict, got {type(config).__name__} "
             "(for argparse arguments pass vars(args))"
         )
-    chosen = resolve_trackers(log_with)
+    registered = registered_trackers(state)
+    chosen = resolve_trackers(log_with, registered)
     names = [c for c in chosen if isinstance(c, str)]
     kwargs = dict(init_kwargs or {})
     unused = sorted(set(kwargs) - set(names))
@@ -90,7 +96,8 @@ def init_trackers(
         for item in chosen:
             if isinstance(item, str):
                 assert root is not None
-                item = BUILT_IN[item](project_name, root, **kwargs.get(item, {}))
+                made = registered.get(item) or BUILT_IN[item]
+                item = made(project_name, root, **kwargs.get(item, {}))
             opened.append(item)
             if config is not None:
                 item.store_init_configuration(config)

@@ -1,5 +1,5 @@
 """The trackers: the `GeneralTracker` protocol, the built-in JSONL and TensorBoard ones,
-and how ``log_with`` names them."""
+and how ``log_with`` names them (the services' trackers are in hosted.py and stores.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 import torch
 
+from fnaccel.tracking.common import is_installed, require
+from fnaccel.tracking.hosted import ClearMLTracker, CometMLTracker, SwanLabTracker, TrackioTracker, WandBTracker
+from fnaccel.tracking.stores import AimTracker, DVCLiveTracker, MLflowTracker
 from fnaccel.constants import LoggerType
 
 __all__ = ["GeneralTracker", "JSONLTracker", "TensorBoardTracker", "resolve_trackers"]
@@ -54,7 +57,9 @@ class JSONLTracker:
     Each line is ``{"step": ..., "time": ..., **values}`` (``time`` in seconds
     since the epoch), flushed at once, so the file can be followed while the
     run goes on. The file is appended to: a resumed run continues it. The
-    configuration goes to ``config.json`` next to it.
+    configuration goes to ``config.json`` next to it; a resumed run's
+    configuration is merged into the one there (its values win), so keys only
+    the first start knew are kept.
 
     Args:
         run_name: the project's name: the files' directory under ``logging_dir``.
@@ -79,9 +84,23 @@ class JSONLTracker:
         return self._file
 
     def store_init_configuration(self, values: Mapping[str, Any]) -> None:
-        """Write ``config.json``; a value JSON cannot hold is written as its ``str()``."""
-        text = json.dumps(dict(values), indent=2, default=str)
-        (self.directory / "config.json").write_text(text + "\n", encoding="utf-8")
+        """Write ``config.json``, merged into an existing one; a value JSON cannot hold is written as its ``str()``."""
+        path = self.directory / "config.json"
+        merged: dict[str, Any] = {}
+        if path.is_file():
+            try:
+                merged = json.loads(path.read_text(encoding="utf-8"))
+            except ValueError:
+                raise ValueError(
+                    f"{path} is not valid JSON, so a resumed run cannot add to it; repair or remove it"
+                ) from None
+            if not isinstance(merged, dict):
+                raise ValueError(f"{path} does not hold a JSON object; repair or remove it")
+        merged.update(json.loads(json.dumps(dict(values), default=str)))
+        text = json.dumps(merged, indent=2)
+        partial = path.with_name("config.json.partial")
+        partial.write_text(text + "\n", encoding="utf-8")
+        partial.replace(path)  # whole or absent, the old one kept until the new one is written
 
     def log(self, values: Mapping[str, Any], step: int) -> None:
         """Append one line; non-finite floats are written as Python's json writes them (NaN)."""
@@ -172,9 +191,26 @@ def _summary_writer_class() -> Any:
 
 
 # The trackers fnaccel builds itself, each made as cls(project_name, logging_dir, **init_kwargs).
-BUILT_IN: Mapping[str, type] = MappingProxyType(
-    {LoggerType.JSONL.value: JSONLTracker, LoggerType.TENSORBOARD.value: TensorBoardTracker}
-)
+BUILT_IN: Mapping[str, type] = MappingProxyType({
+    LoggerType.JSONL.value: JSONLTracker,
+    LoggerType.TENSORBOARD.value: TensorBoardTracker,
+    LoggerType.WANDB.value: WandBTracker,
+    LoggerType.MLFLOW.value: MLflowTracker,
+    LoggerType.COMETML.value: CometMLTracker,
+    LoggerType.AIM.value: AimTracker,
+    LoggerType.CLEARML.value: ClearMLTracker,
+    LoggerType.DVCLIVE.value: DVCLiveTracker,
+    LoggerType.SWANLAB.value: SwanLabTracker,
+    LoggerType.TRACKIO.value: TrackioTracker,
+})
+
+
+def _installed(name: str) -> bool:
+    if name == LoggerType.JSONL.value:
+        return True
+    if name == LoggerType.TENSORBOARD.value:
+        return _tensorboard_installed()
+    return is_installed(name)
 
 
 def _tensorboard_installed() -> bool:
@@ -185,14 +221,16 @@ def _tensorboard_installed() -> bool:
     return True
 
 
-def resolve_trackers(log_with: Any) -> list[str | GeneralTracker]:
-    """Built-in tracker names and tracker objects, checked on every rank alike."""
+def resolve_trackers(log_with: Any, registered: Mapping[str, type] = MappingProxyType({})
+                     ) -> list[str | GeneralTracker]:
+    """Tracker names (built in, or ``registered`` with `register_tracker`) and tracker
+    objects, checked on every rank alike."""
     single = isinstance(log_with, (str, GeneralTracker)) or not isinstance(log_with, Iterable)
     chosen: list[str | GeneralTracker] = []
     for item in [log_with] if single else log_with:
         found: list[str | GeneralTracker]
         if isinstance(item, str):
-            found = list(_built_in_names(item))
+            found = [item] if item in registered else list(_built_in_names(item))
         elif isinstance(item, GeneralTracker):
             found = [item]
         else:
@@ -218,20 +256,14 @@ def _built_in_names(item: str) -> tuple[str, ...]:
         kind = LoggerType(item.lower())
     except ValueError:
         raise ValueError(
-            f"log_with: {item!r} is not a tracker; use 'jsonl', 'tensorboard', 'all' "
-            "(every installed one), or an object following fnaccel.tracking.GeneralTracker"
+            f"log_with: {item!r} is not a tracker; use one of "
+            f"{', '.join(repr(n) for n in BUILT_IN)}, 'all' (every installed one), a name given "
+            "to register_tracker, or an object following fnaccel.tracking.GeneralTracker"
         ) from None
     if kind is LoggerType.ALL:
-        return (LoggerType.JSONL.value,) + (
-            (LoggerType.TENSORBOARD.value,) if _tensorboard_installed() else ()
-        )
-    if kind.value not in BUILT_IN:
-        raise ValueError(
-            f"log_with: fnaccel has no built-in {kind.value!r} tracker (built in: jsonl, "
-            f"tensorboard); wrap {kind.value} in an object with name, tracker, "
-            "store_init_configuration, log and finish (fnaccel.tracking.GeneralTracker) "
-            "and pass that object in log_with"
-        )
+        return tuple(name for name in BUILT_IN if _installed(name))
     if kind is LoggerType.TENSORBOARD:
         _summary_writer_class()  # every rank names the missing package now, not the main one later
+    elif kind is not LoggerType.JSONL:
+        require(kind.value)
     return (kind.value,)

@@ -140,6 +140,20 @@ _LAZY = MappingProxyType({
     **dict.fromkeys(("get_grad_scaler", "get_mixed_precision_context_manager"), "fnaccel.mixed_precision"),
     **dict.fromkeys(("override_numa_affinity", "set_numa_affinity"), "fnaccel.numa"),
     **dict.fromkeys(("purge_accelerate_environment", "purge_fnaccel_environment"), "fnaccel.purge"),
+    # launching from a notebook, and the small helpers of a training loop
+    **dict.fromkeys(("ProcessFailedError", "debug_launcher", "notebook_launcher"), "fnaccel.launchers"),
+    **dict.fromkeys(("check_trigger", "set_trigger"), "fnaccel.trigger"),
+    "autocast_context": "fnaccel.autocast_context",
+    **dict.fromkeys(("CheckpointHooks", "register_load_state_pre_hook", "register_save_state_pre_hook"),
+                    "fnaccel.checkpoint.hooks"),
+    "skip_first_batches": "fnaccel.data.skip",
+    **dict.fromkeys(("LocalSGDState", "local_sgd"), "fnaccel.transforms.local_sgd"),
+    # trackers
+    **dict.fromkeys(("TrackerClasses", "register_tracker"), "fnaccel.tracking.registry"),
+    **dict.fromkeys(("GeneralTracker", "JSONLTracker", "TensorBoardTracker"), "fnaccel.tracking.trackers"),
+    **dict.fromkeys(("ClearMLTracker", "CometMLTracker", "SwanLabTracker", "TrackioTracker", "WandBTracker"),
+                    "fnaccel.tracking.hosted"),
+    **dict.fromkeys(("AimTracker", "DVCLiveTracker", "MLflowTracker"), "fnaccel.tracking.stores"),
 })
 
 
