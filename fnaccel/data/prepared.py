@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -24,7 +24,17 @@ from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.ops.tree import send_to_device
 from fnaccel.state import DataPosition
 
-__all__ = ["LoaderLayout", "PreparedLoader", "batches"]
+__all__ = ["BatchFetch", "LoaderLayout", "PreparedLoader", "batches"]
+
+
+class BatchFetch(Protocol):
+    """Reads one rank's batch from its sample indices, in this process, exactly as
+    the loader's DataLoader would (`fnaccel.data.loader` builds one for a loader
+    without workers). ``placed``: the batch comes back on the device already."""
+
+    placed: bool
+
+    def __call__(self, indices: list[int]) -> Any: ...
 
 
 class Collated(NamedTuple):
@@ -81,7 +91,10 @@ class PreparedLoader:
     after the batch it fetched last, for `consumed`.
 
     Attributes:
-        dataloader: the torchdata `StatefulDataLoader` that reads the data.
+        dataloader: the torchdata `StatefulDataLoader` that reads the data; a
+            loader with a sampler and no workers is read by a `BatchFetch` from
+            the sampler's indices instead (the same batches, without the
+            iterator's cost per batch).
         sampler: the `ShardedBatchSampler` ordering a map-style dataset, or None
             (then the loader's own snapshots locate a position).
         layout: what a position of this loader means (`LoaderLayout`).
@@ -102,6 +115,7 @@ class PreparedLoader:
         rank: int,
         sized: bool,
         rewindable: bool = True,
+        fetch: BatchFetch | None = None,
     ) -> None:
         self.dataloader = dataloader
         self.sampler = sampler
@@ -113,6 +127,9 @@ class PreparedLoader:
         self._rank = rank
         self._num_batches = len(dataloader) if sized else None
         self._rewindable = rewindable
+        # With a sampler, batches may be read without the DataLoader's iterator.
+        self._fetch = fetch if sampler is not None else None
+        self._placed = self._fetch is not None and self._fetch.placed
         self._read = False  # whether a batch was fetched since the loader was built
         self._iterator: Iterator[Any] | None = None
         self._iter_epoch = 0
@@ -178,6 +195,8 @@ class PreparedLoader:
             self.sampler.load_state_dict({"epoch": at.epoch, "batches_yielded": at.num_batches})
         elif at.loader_state is not None:
             self.dataloader.load_state_dict(copy.deepcopy(dict(at.loader_state)))
+        if self._fetch is not None and self.sampler is not None:
+            return map(self._fetch, iter(self.sampler))
         return iter(self.dataloader)
 
     def _after(self, before: DataPosition) -> DataPosition:
@@ -204,6 +223,9 @@ class PreparedLoader:
             before = self._at
             self._at = after = self._after(before)
             self._last = (before, after)
+            if self._placed:
+                yield item
+                continue
             batch = item.batch if isinstance(item, Collated) else item
             yield send_to_device(batch, self.device, non_blocking=self.non_blocking)
 
