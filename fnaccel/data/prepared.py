@@ -100,6 +100,8 @@ class PreparedLoader:
         layout: what a position of this loader means (`LoaderLayout`).
         device: where batches are placed.
         non_blocking: whether the copies to ``device`` are non-blocking.
+        fetch: the `BatchFetch` reading batches from the sampler's indices, or
+            None (the DataLoader's iterator reads them).
     """
 
     def __init__(
@@ -128,8 +130,8 @@ class PreparedLoader:
         self._num_batches = len(dataloader) if sized else None
         self._rewindable = rewindable
         # With a sampler, batches may be read without the DataLoader's iterator.
-        self._fetch = fetch if sampler is not None else None
-        self._placed = self._fetch is not None and self._fetch.placed
+        self.fetch = fetch if sampler is not None else None
+        self._placed = self.fetch is not None and self.fetch.placed
         self._read = False  # whether a batch was fetched since the loader was built
         self._iterator: Iterator[Any] | None = None
         self._iter_epoch = 0
@@ -195,8 +197,8 @@ class PreparedLoader:
             self.sampler.load_state_dict({"epoch": at.epoch, "batches_yielded": at.num_batches})
         elif at.loader_state is not None:
             self.dataloader.load_state_dict(copy.deepcopy(dict(at.loader_state)))
-        if self._fetch is not None and self.sampler is not None:
-            return map(self._fetch, iter(self.sampler))
+        if self.fetch is not None and self.sampler is not None:
+            return map(self.fetch, iter(self.sampler))
         return iter(self.dataloader)
 
     def _after(self, before: DataPosition) -> DataPosition:
