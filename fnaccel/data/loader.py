@@ -101,11 +101,12 @@ class _Fetch:
         getitems = getattr(dataset, "__getitems__", None)
         self._getitems = getitems if getitems else None  # torch's rule: present and truthy
 
-    def __call__(self, indices: list[int]) -> Any:
+    def __call__(self, indices: torch.Tensor) -> Any:
+        batch = indices.tolist()  # what torch's fetcher gets from a batch sampler: a list of ints
         if self._getitems is not None:
-            return self.collate(self._getitems(indices))
+            return self.collate(self._getitems(batch))
         dataset = self.dataset
-        return self.collate([dataset[i] for i in indices])
+        return self.collate([dataset[i] for i in batch])
 
 
 class _IndexFetch:
@@ -127,18 +128,17 @@ class _IndexFetch:
         # Tensors already on the device are indexed there: no copy beyond the batch's own.
         self._move = any(t.device != device for t in tensors)
 
-    def __call__(self, indices: list[int]) -> Any:
-        if not indices:
+    def __call__(self, indices: torch.Tensor) -> Any:
+        if not len(indices):
             return send_to_device(self.fallback(indices), self._device, non_blocking=self._non_blocking)
         out = self.index(indices)
         if self._move:
             out = [self._to_device(t) for t in out]
         return out[0] if self.single else out
 
-    def index(self, indices: list[int]) -> list[torch.Tensor]:
+    def index(self, indices: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's rows ``indices``, where the tensor is."""
-        index = torch.tensor(indices)
-        return [t[index] for t in self.tensors]
+        return [t[indices] for t in self.tensors]
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._pin and tensor.device.type == "cpu":
@@ -192,7 +192,7 @@ def _batch_fetch(loader: DataLoader[Any], collate: _Collate, device: torch.devic
         fast = _IndexFetch(tensors, single=single, device=torch.device(device), non_blocking=non_blocking,
                            pin=pins, fallback=generic)
         probe = [len(tensors[0]) - 1, 0]
-        indexed = fast.index(probe)
+        indexed = fast.index(torch.tensor(probe))
         if _same(default_collate([loader.dataset[i] for i in probe]), indexed[0] if single else indexed):
             return fast
     return None if pins else generic

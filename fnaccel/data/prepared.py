@@ -28,13 +28,14 @@ __all__ = ["BatchFetch", "LoaderLayout", "PreparedLoader", "batches"]
 
 
 class BatchFetch(Protocol):
-    """Reads one rank's batch from its sample indices, in this process, exactly as
+    """Reads one rank's batch from its sample indices (an int64 tensor,
+    `ShardedBatchSampler.index_batches`), in this process, exactly as
     the loader's DataLoader would (`fnaccel.data.loader` builds one for a loader
     without workers). ``placed``: the batch comes back on the device already."""
 
     placed: bool
 
-    def __call__(self, indices: list[int]) -> Any: ...
+    def __call__(self, indices: torch.Tensor) -> Any: ...
 
 
 class Collated(NamedTuple):
@@ -198,7 +199,7 @@ class PreparedLoader:
         elif at.loader_state is not None:
             self.dataloader.load_state_dict(copy.deepcopy(dict(at.loader_state)))
         if self.fetch is not None and self.sampler is not None:
-            return map(self.fetch, iter(self.sampler))
+            return map(self.fetch, self.sampler.index_batches())
         return iter(self.dataloader)
 
     def _after(self, before: DataPosition) -> DataPosition:
