@@ -28,19 +28,17 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     SequentialSampler,
-    TensorDataset,
-    default_collate,
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader import sampler as stateful_sampler
 
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.iterable import shard_iterable
-from fnaccel.data.prepared import BatchFetch, Collated, LoaderLayout, PreparedLoader
+from fnaccel.data.fetch import BatchFetch, batch_fetch
+from fnaccel.data.prepared import Collated, LoaderLayout, PreparedLoader
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.data.sharding import per_rank_batch_size
 from fnaccel.dist import DistContext
-from fnaccel.ops.tree import send_to_device
 
 
 def _stateful_loader(*args: Any, **kwargs: Any) -> StatefulDataLoader:
@@ -85,117 +83,6 @@ class _Collate:
             return self.collate_fn(samples)
         except Exception as exc:
             raise error from exc
-
-
-class _Fetch:
-    """One rank's batch of a step, read in this process as torch's map-style
-    fetcher reads it (the dataset's ``__getitems__`` when it has one, else one
-    ``__getitem__`` per index; then the collate_fn), without the DataLoader
-    iterator around it. Used when the loader has no workers."""
-
-    placed = False  # the reader places the batch on the device
-
-    def __init__(self, dataset: Any, collate: _Collate) -> None:
-        self.dataset = dataset
-        self.collate = collate
-        getitems = getattr(dataset, "__getitems__", None)
-        self._getitems = getitems if getitems else None  # torch's rule: present and truthy
-
-    def __call__(self, indices: torch.Tensor) -> Any:
-        batch = indices.tolist()  # what torch's fetcher gets from a batch sampler: a list of ints
-        if self._getitems is not None:
-            return self.collate(self._getitems(batch))
-        dataset = self.dataset
-        return self.collate([dataset[i] for i in batch])
-
-
-class _IndexFetch:
-    """``default_collate`` of a `TensorDataset`'s (or a tensor's) samples, as one
-    indexing operation per tensor, placed on the device: ``[t[indices] for t in
-    tensors]`` is what stacking ``dataset[i]`` for each index gives (a list, as
-    default_collate makes of tuples), element for element."""
-
-    placed = True
-
-    def __init__(self, tensors: tuple[torch.Tensor, ...], *, single: bool, device: torch.device,
-                 non_blocking: bool, pin: bool, fallback: _Fetch) -> None:
-        self.tensors = tensors
-        self.single = single
-        self.fallback = fallback  # an empty batch: the collate_fn's own answer (or error)
-        self._device = device
-        self._non_blocking = non_blocking
-        self._pin = pin
-        # Tensors already on the device are indexed there: no copy beyond the batch's own.
-        self._move = any(t.device != device for t in tensors)
-
-    def __call__(self, indices: torch.Tensor) -> Any:
-        if not len(indices):
-            return send_to_device(self.fallback(indices), self._device, non_blocking=self._non_blocking)
-        out = self.index(indices)
-        if self._move:
-            out = [self._to_device(t) for t in out]
-        return out[0] if self.single else out
-
-    def index(self, indices: torch.Tensor) -> list[torch.Tensor]:
-        """Each tensor's rows ``indices``, where the tensor is."""
-        return [t[indices] for t in self.tensors]
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._pin and tensor.device.type == "cpu":
-            tensor = tensor.pin_memory()
-        return tensor.to(self._device, non_blocking=self._non_blocking)
-
-
-def _indexable(dataset: Any) -> tuple[tuple[torch.Tensor, ...], bool] | None:
-    """The tensors of a dataset whose samples default_collate stacks exactly as
-    indexing them would: a `TensorDataset` or a tensor, of plain dense tensors
-    (no subclass, view bits, autograd history or sparse/nested/quantized layout)."""
-    if type(dataset) is TensorDataset:
-        tensors, single = tuple(dataset.tensors), False
-    elif type(dataset) is torch.Tensor:
-        tensors, single = (dataset,), True
-    else:
-        return None
-    for t in tensors:
-        if (type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_quantized
-                or t.requires_grad or t.is_conj() or t.is_neg() or t.dim() == 0 or not t.is_contiguous()):
-            return None
-    return tensors, single
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return (type(b) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape
-                and a.stride() == b.stride() and a.device == b.device and torch.equal(a, b))
-    if type(a) is not type(b) or not isinstance(a, list) or len(a) != len(b):
-        return False
-    return all(_same(x, y) for x, y in zip(a, b))
-
-
-def _batch_fetch(loader: DataLoader[Any], collate: _Collate, device: torch.device,
-                 non_blocking: bool) -> BatchFetch | None:
-    """How `PreparedLoader` reads a batch itself, or None to read through the DataLoader.
-
-    Only without workers (workers fetch in their own processes), and without
-    pinning for the generic fetch (the DataLoader pins what it collates). The
-    one-indexing fetch needs the loader's collate_fn to be ``default_collate``
-    and a probe batch to come out identical to it (a changed
-    ``default_collate_fn_map`` falls back to the generic fetch)."""
-    if loader.num_workers > 0:
-        return None
-    generic = _Fetch(loader.dataset, collate)
-    pins = loader.pin_memory and torch.cuda.is_available()
-    source = _indexable(loader.dataset) if collate.collate_fn is default_collate and not collate.unbatched \
-        else None
-    if source is not None:
-        tensors, single = source
-        fast = _IndexFetch(tensors, single=single, device=torch.device(device), non_blocking=non_blocking,
-                           pin=pins, fallback=generic)
-        probe = [len(tensors[0]) - 1, 0]
-        indexed = fast.index(torch.tensor(probe))
-        if _same(default_collate([loader.dataset[i] for i in probe]), indexed[0] if single else indexed):
-            return fast
-    return None if pins else generic
 
 
 class _CollateSteps:
@@ -407,5 +294,5 @@ def prepare_loader(
     # Its position is (epoch, batches stepped): no snapshots needed, none taken.
     built = _stateful_loader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader,
                              snapshot_every_n_steps=2**31 - 1)
-    fetch = _batch_fetch(loader, collate, ctx.device, config.non_blocking)
+    fetch = batch_fetch(loader, collate, ctx.device, non_blocking=config.non_blocking)
     return prepared(built, sampler, per_rank, even_batches, fetch)

@@ -14,28 +14,18 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from fnaccel._errors import CheckpointError
+from fnaccel.data.fetch import BatchFetch
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.ops.tree import send_to_device
 from fnaccel.state import DataPosition
 
-__all__ = ["BatchFetch", "LoaderLayout", "PreparedLoader", "batches"]
-
-
-class BatchFetch(Protocol):
-    """Reads one rank's batch from its sample indices (an int64 tensor,
-    `ShardedBatchSampler.index_batches`), in this process, exactly as
-    the loader's DataLoader would (`fnaccel.data.loader` builds one for a loader
-    without workers). ``placed``: the batch comes back on the device already."""
-
-    placed: bool
-
-    def __call__(self, indices: torch.Tensor) -> Any: ...
+__all__ = ["LoaderLayout", "PreparedLoader", "batches"]
 
 
 class Collated(NamedTuple):

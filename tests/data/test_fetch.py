@@ -83,7 +83,7 @@ def test_one_indexing_equals_the_plain_loader(kind: str, shuffle: bool, num_proc
     if "even_batches" in cut:
         rank = 0  # the others' last batch is short or empty (see test_an_empty_batch_keeps_the_clear_error)
     prepared = _prepare(loader, num_processes, rank, even_batches=cut.get("even_batches", True))
-    assert type(prepared.fetch).__name__ == "_IndexFetch"
+    assert type(prepared.fetch).__name__ == "IndexFetch"
     got = _epochs(prepared, 2)
     expected = fns.plain_reference(dataset, prepared, 2)
     assert len(got) == len(expected) == 2 * len(prepared) and identical(got, expected)
@@ -121,7 +121,7 @@ def test_what_indexing_may_not_equal_is_read_as_the_loader_reads_it(case: str) -
         dataset = TensorDataset(data.tensors[0].transpose(1, 2))
     loader = DataLoader(dataset, **kwargs)
     prepared = _prepare(loader)
-    assert type(prepared.fetch).__name__ == "_Fetch"
+    assert type(prepared.fetch).__name__ == "ItemFetch"
     got = _epochs(prepared, 2)
     if case == "unbatched":  # a sample at a time, through default_convert
         expected = [next(iter(DataLoader(dataset, batch_size=None, sampler=[i])))
@@ -140,7 +140,7 @@ def test_a_changed_default_collate_for_tensors_is_noticed(monkeypatch: pytest.Mo
     monkeypatch.setitem(collate.default_collate_fn_map, torch.Tensor, as_double)
     dataset = fns.tensor_data(6)
     prepared = _prepare(DataLoader(dataset, batch_size=4))
-    assert type(prepared.fetch).__name__ == "_Fetch"
+    assert type(prepared.fetch).__name__ == "ItemFetch"
     got = _epochs(prepared, 1)
     assert got[0][0].dtype == torch.float64 and identical(got, fns.plain_reference(dataset, prepared, 1))
 
@@ -163,7 +163,7 @@ def test_sharded_over_real_worlds_and_resumed_through_save_and_load(world: Any, 
     steps = -(-num_samples // (batch_size * n))
     for rank in range(n):
         run = saved[rank]
-        assert run["fetch"] == "_IndexFetch" and len(run["reference"]) == 2 * steps
+        assert run["fetch"] == "IndexFetch" and len(run["reference"]) == 2 * steps
         assert identical(run["head"] + run["tail"], run["reference"])
         assert identical(resumed[rank], run["tail"]) and len(run["head"]) == stop_after
     # the ranks' batches of a step cover distinct samples (a shuffled, sharded epoch)
