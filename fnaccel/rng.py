@@ -93,30 +93,38 @@ class RNGState:
         )
 
     def recapture(self, kinds: Collection[str]) -> RNGState:
-        """These states with ``kinds`` replaced by the process generators' current ones."""
+        """These states with ``kinds`` replaced by the process generators' current ones.
+
+        Every training step calls this: the new value is written slot by slot
+        (the frozen ``__init__`` costs as much as reading torch's state), and
+        torch's CPU state is read from the generator itself.
+        """
+        new = object.__new__(RNGState)
+        _set(new, "python", random.getstate() if "python" in kinds else self.python)
+        _set(new, "torch", torch.default_generator.get_state() if "torch" in kinds else self.torch)
+        _set(new, "cuda", tuple(torch.cuda.get_rng_state_all()) if "cuda" in kinds and self.cuda else self.cuda)
         numpy = self.numpy
         if "numpy" in kinds and numpy is not None:
             np = _numpy()
             numpy = np.random.get_state() if np else None
-        return RNGState(
-            python=random.getstate() if "python" in kinds else self.python,
-            torch=torch.get_rng_state() if "torch" in kinds else self.torch,
-            cuda=tuple(torch.cuda.get_rng_state_all()) if "cuda" in kinds and self.cuda else self.cuda,
-            numpy=numpy,
-        )
+        _set(new, "numpy", numpy)
+        return new
 
     def install(self, kinds: Collection[str] = ALL_KINDS) -> None:
         """Put these states (those of ``kinds``) into the process's generators."""
-        if "python" in kinds:
-            random.setstate(self.python)
         if "torch" in kinds:
-            torch.set_rng_state(self.torch)
+            torch.default_generator.set_state(self.torch)
         if "cuda" in kinds and self.cuda:
             torch.cuda.set_rng_state_all(list(self.cuda))
+        if "python" in kinds:
+            random.setstate(self.python)
         if "numpy" in kinds and self.numpy is not None:
             np = _numpy()
             if np is not None:
                 np.random.set_state(self.numpy)
+
+
+_set = object.__setattr__  # writes a frozen slot (RNGState.recapture)
 
 
 class _Captured:

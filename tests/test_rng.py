@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import fnaccel as fa
-from fnaccel.rng import RNGState, installed
+from fnaccel.rng import ALL_KINDS, RNGState, installed
 
 
 def _draw() -> tuple[Any, ...]:
@@ -130,3 +132,22 @@ def test_synchronize_rejects_unknown_types() -> None:
         fa.synchronize_rng_states(fa.init(cpu=True), rng_types=["xla"])
     with pytest.raises(ValueError, match="no generator given"):
         fa.synchronize_rng_states(fa.init(cpu=True), rng_types=["generator"])
+
+
+def test_recapture_replaces_only_the_named_generators() -> None:
+    base = RNGState.seeded(5)
+    base.install()
+    torch.rand(4), random.random()
+    torch_only = base.recapture(("torch", "cuda"))
+    everything = base.recapture(ALL_KINDS)
+    now = RNGState.capture()
+    assert torch.equal(torch_only.torch, now.torch) and not torch.equal(torch_only.torch, base.torch)
+    assert torch_only.python == base.python and everything.python == now.python != base.python
+    assert torch_only.numpy is base.numpy
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        torch_only.torch = base.torch  # type: ignore[misc]
+    # the value installs as any other: the same draws follow
+    torch_only.install()
+    first = torch.rand(3)
+    now.install()
+    assert torch.equal(first, torch.rand(3))

@@ -368,3 +368,34 @@ def test_an_optimizer_prepared_later_may_hold_parameters_of_its_own() -> None:
     temperature = nn.Parameter(torch.ones(()))
     state = fa.prepare(state, optimizer=torch.optim.SGD([*model.parameters(), temperature], lr=0.1))
     assert state.optimizer is not None  # no fsdp(): nothing replaced the model's parameters
+
+
+class _CountingSGD(torch.optim.SGD):
+    """An optimizer with a zero_grad of its own (counted), which fa.step must call."""
+
+    calls = 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        type(self).calls += 1
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def test_a_window_starts_with_every_gradient_cleared_as_zero_grad_does() -> None:
+    model, extra = make_model(), torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.add_param_group({"params": [extra]})  # a group added after the optimizer was built
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, optimizer, loss_fn=loss_fn)
+    stale = [torch.full_like(p, 7.0) for p in (*model.parameters(), extra)]
+    for p, g in zip((*model.parameters(), extra), stale):
+        p.grad = g  # what other code left on the parameters
+    state, _ = fa.step(state, make_batches(1)[0])
+    assert extra.grad is None  # cleared, and this loss does not reach it
+    assert all(p.grad is not None and not torch.equal(p.grad, g) for p, g in zip(model.parameters(), stale))
+
+    _CountingSGD.calls = 0
+    counted = make_model()
+    state = fa.prepare(fa.init(seed=0, cpu=True), counted, _CountingSGD(counted.parameters(), lr=0.1),
+                       loss_fn=loss_fn, pipeline=fa.compose(fa.accumulate(2)))
+    for batch in make_batches(4):
+        state, _ = fa.step(state, batch)
+    assert _CountingSGD.calls == 2  # once per accumulation window, its own zero_grad

@@ -34,6 +34,7 @@ from torchdata.stateful_dataloader import sampler as stateful_sampler
 
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.iterable import shard_iterable
+from fnaccel.data.fetch import BatchFetch, batch_fetch
 from fnaccel.data.prepared import Collated, LoaderLayout, PreparedLoader
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.data.sharding import per_rank_batch_size
@@ -250,7 +251,7 @@ def prepare_loader(
     hooks = tuple(h for h in (user_sampler, loader.dataset) if hasattr(h, "set_epoch"))
 
     def prepared(built: StatefulDataLoader, sampler: ShardedBatchSampler | None, batch_size: int | None,
-                 even_batches: bool) -> PreparedLoader:
+                 even_batches: bool, fetch: BatchFetch | None = None) -> PreparedLoader:
         sized = plan.kind != "iterable"
         layout = LoaderLayout(
             num_samples=len(loader.dataset) if sized else None,  # type: ignore[arg-type]
@@ -258,7 +259,9 @@ def prepare_loader(
             drop_last=plan.drop_last, even_batches=even_batches, split_batches=config.split_batches)
         return PreparedLoader(built, sampler=sampler, epoch_hooks=hooks, seed=seed, device=ctx.device,
                               non_blocking=config.non_blocking, layout=layout, rank=ctx.rank, sized=sized,
-                              rewindable=ours or not _draws_on_its_own(user_sampler))
+                              # fnaccel owns the order of a replaced sampler and of a sharded stream
+                              rewindable=ours or not _draws_on_its_own(user_sampler),
+                              fetch=fetch)
 
     # A loader whose position fnaccel does not own is located by torchdata's snapshot
     # of the batch stepped last: one at every batch, so resuming replays nothing.
@@ -291,4 +294,5 @@ def prepare_loader(
     # Its position is (epoch, batches stepped): no snapshots needed, none taken.
     built = _stateful_loader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader,
                              snapshot_every_n_steps=2**31 - 1)
-    return prepared(built, sampler, per_rank, even_batches)
+    fetch = batch_fetch(loader, collate, ctx.device, non_blocking=config.non_blocking)
+    return prepared(built, sampler, per_rank, even_batches, fetch)

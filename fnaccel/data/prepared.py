@@ -20,6 +20,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from fnaccel._errors import CheckpointError
+from fnaccel.data.fetch import BatchFetch
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.ops.tree import send_to_device
 from fnaccel.state import DataPosition
@@ -81,12 +82,17 @@ class PreparedLoader:
     after the batch it fetched last, for `consumed`.
 
     Attributes:
-        dataloader: the torchdata `StatefulDataLoader` that reads the data.
+        dataloader: the torchdata `StatefulDataLoader` that reads the data; a
+            loader with a sampler and no workers is read by a `BatchFetch` from
+            the sampler's indices instead (the same batches, without the
+            iterator's cost per batch).
         sampler: the `ShardedBatchSampler` ordering a map-style dataset, or None
             (then the loader's own snapshots locate a position).
         layout: what a position of this loader means (`LoaderLayout`).
         device: where batches are placed.
         non_blocking: whether the copies to ``device`` are non-blocking.
+        fetch: the `BatchFetch` reading batches from the sampler's indices, or
+            None (the DataLoader's iterator reads them).
     """
 
     def __init__(
@@ -102,6 +108,7 @@ class PreparedLoader:
         rank: int,
         sized: bool,
         rewindable: bool = True,
+        fetch: BatchFetch | None = None,
     ) -> None:
         self.dataloader = dataloader
         self.sampler = sampler
@@ -113,6 +120,9 @@ class PreparedLoader:
         self._rank = rank
         self._num_batches = len(dataloader) if sized else None
         self._rewindable = rewindable
+        # With a sampler, batches may be read without the DataLoader's iterator.
+        self.fetch = fetch if sampler is not None else None
+        self._placed = self.fetch is not None and self.fetch.placed
         self._read = False  # whether a batch was fetched since the loader was built
         self._iterator: Iterator[Any] | None = None
         self._iter_epoch = 0
@@ -178,6 +188,8 @@ class PreparedLoader:
             self.sampler.load_state_dict({"epoch": at.epoch, "batches_yielded": at.num_batches})
         elif at.loader_state is not None:
             self.dataloader.load_state_dict(copy.deepcopy(dict(at.loader_state)))
+        if self.fetch is not None and self.sampler is not None:
+            return map(self.fetch, self.sampler.index_batches())
         return iter(self.dataloader)
 
     def _after(self, before: DataPosition) -> DataPosition:
@@ -204,6 +216,9 @@ class PreparedLoader:
             before = self._at
             self._at = after = self._after(before)
             self._last = (before, after)
+            if self._placed:
+                yield item
+                continue
             batch = item.batch if isinstance(item, Collated) else item
             yield send_to_device(batch, self.device, non_blocking=self.non_blocking)
 

@@ -139,15 +139,42 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return max(0, min(self.batch_size, self.num_samples - start))
 
     def __iter__(self) -> Iterator[list[int]]:
+        return self._batches(tensors=False)
+
+    def index_batches(self) -> Iterator[torch.Tensor]:
+        """The batches `__iter__` yields, from the same position, as int64 tensors
+        (views of the epoch's order where no padding is needed): what a loader
+        that indexes its tensors in one operation reads.
+
+        >>> s = ShardedBatchSampler(5, 2, num_processes=2, rank=1)
+        >>> [b.tolist() for b in s.index_batches()]
+        [[2, 3], [0, 1]]
+        """
+        return self._batches(tensors=True)
+
+    def _batches(self, *, tensors: bool) -> Iterator[Any]:
         order = self.order()
         while self._position < self._num_batches:
             step = self._position
             # Count the batch as handed out before the consumer sees it, so that a
             # state_dict taken while it holds the batch resumes after it.
             self._position += 1
-            shard = shard_batch(order, step, self.batch_size, self.num_processes, self.rank, self.even_batches)
-            yield list(shard.indices)
+            if tensors:
+                yield self._index_tensor(order, step)
+            else:
+                shard = shard_batch(order, step, self.batch_size, self.num_processes, self.rank, self.even_batches)
+                yield list(shard.indices)
         self._position = 0
+
+    def _index_tensor(self, order: torch.Tensor, step: int) -> torch.Tensor:
+        """`shard_batch`'s indices as a tensor (the same wrap-around padding)."""
+        size, total = self.batch_size, self.num_samples
+        start = min(step * size * self.num_processes + self.rank * size, total)
+        real = order[start : min(start + size, total)]
+        if not self.even_batches or len(real) == size:
+            return real
+        missing = size - len(real)
+        return torch.cat([real, *[order] * (missing // total), order[: missing % total]])
 
     def state_dict(self) -> dict[str, int]:
         """The position: ``{"epoch": ..., "batches_yielded": ...}`` (plain ints)."""

@@ -19,6 +19,7 @@ import fnaccel as fa
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.loader import prepare_loader
 from fnaccel.data.prepared import batches
+from fnaccel.data.sampler import ShardedBatchSampler
 
 
 class Indices(Dataset[int]):
@@ -201,3 +202,68 @@ def resumed_batches(state: Any, num_samples: int, batch_size: int, stop_after: i
     resumed = [b.tolist() for b in batches(state.replace(loader=fresh, data_position=saved))]
     return {"head": head, "tail": tail, "resumed": resumed, "reads": fresh.dataloader.dataset.reads,
             "saved": saved.key, "end": state.data_position.key}
+
+
+# ------------------------------------------------------------------ the one-indexing fetch
+
+
+def tensor_data(num_samples: int) -> torch.utils.data.TensorDataset:
+    """Floats, int64 labels and a bool mask per sample: the dtypes a fetch must keep."""
+    g = torch.Generator().manual_seed(num_samples)
+    x = torch.randn(num_samples, 3, 2, generator=g)
+    return torch.utils.data.TensorDataset(x, torch.randint(0, 9, (num_samples,), generator=g), x[:, 0, 0] > 0)
+
+
+def plain_reference(dataset: Any, prepared: Any, epochs: int, collate_fn: Any = None) -> list[Any]:
+    """What a plain torch `DataLoader` yields for the prepared loader's batches of
+    sample indices (the same sampler, fresh): the result the fetch must equal."""
+    sampler = prepared.sampler
+    out: list[Any] = []
+    for epoch in range(epochs):
+        fresh = ShardedBatchSampler(sampler.num_samples, sampler.batch_size, num_processes=sampler.num_processes,
+                                    rank=sampler.rank, seed=sampler.seed, shuffle=sampler.shuffle,
+                                    drop_last=sampler.drop_last, even_batches=sampler.even_batches)
+        fresh.set_epoch(epoch)
+        out += list(DataLoader(dataset, batch_sampler=list(fresh), collate_fn=collate_fn))
+    return out
+
+
+def indexed_save(state: Any, directory: str, num_samples: int, batch_size: int,
+                 stop_after: int) -> dict[str, Any]:
+    """Train two epochs over a shuffled TensorDataset through `fa.batches`, saving the run
+    (`fa.save`) after ``stop_after`` steps of epoch 0 with one batch fetched and not stepped."""
+    dataset = tensor_data(num_samples)
+    prepared = prepare_loader(DataLoader(dataset, batch_size=batch_size, shuffle=True), state.dist, seed=4)
+    state = stepping(state, prepared)
+    state, head = train_tensors(state, epochs=1, stop_after=stop_after)
+    fa.save(state, directory)
+    state, tail = train_tensors(state, epochs=2)
+    return {"head": head, "tail": tail, "reference": plain_reference(dataset, prepared, 2),
+            "fetch": type(prepared.fetch).__name__}
+
+
+def indexed_resume(state: Any, directory: str, num_samples: int, batch_size: int) -> list[Any]:
+    """`fa.load` the run `indexed_save` saved into fresh objects; the batches it then steps."""
+    prepared = prepare_loader(DataLoader(tensor_data(num_samples), batch_size=batch_size, shuffle=True),
+                              state.dist, seed=4)
+    state = fa.load(stepping(state, prepared), directory)
+    return train_tensors(state, epochs=2)[1]
+
+
+def train_tensors(state: Any, epochs: int | None = None, stop_after: int | None = None) -> tuple[Any, list[Any]]:
+    """`train`, keeping the batches themselves (tensors) rather than lists."""
+    stepped: list[Any] = []
+    for batch in batches(state, epochs=epochs):
+        if stop_after is not None and len(stepped) == stop_after:
+            break
+        state, _ = fa.step(state, batch)
+        stepped.append(batch)
+    return state, stepped
+
+
+def epoch_order_of(prepared: Any, epoch: int) -> list[int]:
+    """The prepared loader's sample order of ``epoch`` (one process)."""
+    from fnaccel.data.sampler import epoch_order
+
+    return epoch_order(prepared.sampler.num_samples, seed=prepared.sampler.seed, epoch=epoch,
+                       shuffle=prepared.sampler.shuffle).tolist()

@@ -173,3 +173,23 @@ def test_bad_positions_are_refused() -> None:
         sampler.num_valid(5)
     with pytest.raises(ValueError, match="epoch must be an int >= 0"):
         sampler.set_epoch(-1)
+
+
+@pytest.mark.parametrize("num_samples", [1, 3, 10, 23])
+@pytest.mark.parametrize(("num_processes", "rank"), [(1, 0), (2, 1), (3, 0), (3, 2)])
+@pytest.mark.parametrize("cut", [{}, {"drop_last": True}, {"even_batches": False}])
+def test_index_batches_are_the_iterated_batches_as_tensors(num_samples: int, num_processes: int, rank: int,
+                                                           cut: dict[str, bool]) -> None:
+    def sampler() -> ShardedBatchSampler:
+        s = ShardedBatchSampler(num_samples, 4, num_processes=num_processes, rank=rank, seed=2, shuffle=True, **cut)
+        s.set_epoch(1)
+        return s
+
+    lists, tensors = sampler(), sampler()
+    expected, got = list(lists), list(tensors.index_batches())
+    assert [t.tolist() for t in got] == expected and all(t.dtype == torch.int64 for t in got)
+    resumed = sampler()
+    if len(resumed):
+        resumed.load_state_dict({"epoch": 1, "batches_yielded": len(resumed) - 1})
+        assert [t.tolist() for t in resumed.index_batches()] == expected[-1:]
+    assert tensors.state_dict() == lists.state_dict() == {"epoch": 1, "batches_yielded": 0}
