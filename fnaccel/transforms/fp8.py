@@ -158,10 +158,9 @@ def convert_to_fp8(model: nn.Module, recipe: FP8RecipeKwargs) -> nn.Module:
 
     config = float8_linear_config(recipe)
     chosen = recipe.module_filter_func or keep_first_and_last_linear(model)
-    picked = frozenset(fqn for fqn, module in model.named_modules()
-                       if isinstance(module, nn.Linear) and chosen(module, fqn))
-    for fqn in sorted(picked):
-        module = model.get_submodule(fqn)
+    picked = {fqn: module for fqn, module in model.named_modules()
+              if isinstance(module, nn.Linear) and chosen(module, fqn)}
+    for fqn, module in picked.items():
         if not _fits_float8(module):
             raise ValueError(
                 f"fp8: module_filter_func picked {fqn or 'the model'!r} ({module.in_features} -> "

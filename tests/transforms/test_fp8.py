@@ -18,8 +18,9 @@ from fnaccel.train import default_pipeline
 needs_torchao = pytest.mark.skipif(
     not is_torchao_available(), reason="torchao is not installed (pip install 'fnaccel[fp8]')")
 
-# fp8 against bf16 after TRAIN_STEPS steps of the same run: measured 1e-3 apart on CPU.
-LOSS_TOLERANCE = 0.03
+# fp8's final loss against bf16's after TRAIN_STEPS steps of the same run, measured on CPU:
+# 1.2e-3 apart in one process, 1.4e-3 (float8 all-gather) and 1.9e-3 under fa.fsdp() on 2.
+LOSS_TOLERANCE = 0.01
 TRAIN_STEPS = 12
 
 
