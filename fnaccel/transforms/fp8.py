@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ __all__ = ["check_fp8_recipe", "convert_to_fp8", "float8_linear_config", "keep_f
 
 _MULTIPLE = 16  # float8 matmul kernels need both feature dims divisible by 16
 _DELAYED_SCALING = ("margin", "interval", "amax_history_len", "amax_compute_algo")
-_CUDA_ONLY = {"TE": ("TransformerEngine", "transformer_engine"), "MSAMP": ("MS-AMP", "msamp")}
+_CUDA_ONLY = MappingProxyType({"TE": ("TransformerEngine", "transformer_engine"), "MSAMP": ("MS-AMP", "msamp")})
 _INSTALL = "pip install 'fnaccel[fp8]' (torchao)"
 
 
