@@ -63,7 +63,7 @@ def check_fp8_recipe(recipe: FP8RecipeKwargs) -> None:
     ...
     ValueError: fp8: FP8RecipeKwargs(margin=1) configures delayed scaling, which torchao does not have (it scales each tensor from its current amax); drop the option
     """
-    if recipe.backend in _CUDA_ONLY:
+    if recipe.backend is not None and recipe.backend in _CUDA_ONLY:
         package, module = _CUDA_ONLY[recipe.backend]
         missing = [] if torch.cuda.is_available() else ["this machine has no CUDA device"]
         if importlib.util.find_spec(module) is None:
@@ -178,4 +178,28 @@ def convert_to_fp8(model: nn.Module, recipe: FP8RecipeKwargs) -> nn.Module:
     # a model that is itself one nn.Linear comes back as a new module
     converted: nn.Module = convert_to_float8_training(
         model, config=config, module_filter_fn=lambda module, fqn: fqn in picked)
+    if config.enable_fsdp_float8_all_gather:
+        for fqn in picked:
+            converted.get_submodule(fqn).register_state_dict_post_hook(_plain_weight)
     return converted
+
+
+def _plain_weight(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """For float8 all-gather, torchao wraps each weight in a tensor subclass without
+    storage of its own; checkpoints read and write the plain tensor it wraps instead
+    (the same storage, so a load still lands in the parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    key = prefix + "weight"
+    weight = state_dict.get(key)
+    if weight is None:
+        return
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    if type(local) is torch.Tensor or not hasattr(local, "__tensor_flatten__"):
+        return
+    names, _ = local.__tensor_flatten__()
+    plain = getattr(local, names[0]).detach()
+    if isinstance(weight, DTensor):
+        plain = DTensor.from_local(plain, weight.device_mesh, weight.placements, run_check=False,
+                                   shape=weight.shape, stride=weight.stride())
+    state_dict[key] = plain

@@ -128,6 +128,46 @@ def test_fp8_with_fsdp_on_two_processes(world2: Any, all_gather: bool) -> None:
     assert abs(ours[0]["losses"][-1] - bf16[0]["losses"][-1]) < LOSS_TOLERANCE
 
 
+def resume_lm(state: fa.RunState, sharded: bool, directory: str) -> dict[str, Any]:
+    """Train 2 steps, save, train 2 more, load the save, train the same 2 again;
+    then save the consolidated weights."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    parts = [fa.autocast(fp8, recipe=FP8RecipeKwargs(enable_fsdp_float8_all_gather=sharded))]
+    parts += [fa.fsdp(transformer_cls_names_to_wrap=["Block"])] if sharded else []
+    state = fa.prepare(state, model, optimizer, loss_fn=lm_loss, pipeline=fa.compose(*parts))
+    rank, world = state.dist.rank, state.dist.num_processes
+
+    def two_steps(state: fa.RunState) -> tuple[fa.RunState, list[float]]:
+        losses = []
+        for i in (2, 3):
+            state, metrics = fa.step(state, token_batches()[i].chunk(world)[rank])
+            losses.append(float(metrics["loss"]))
+        return state, losses
+
+    for i in (0, 1):
+        state, _ = fa.step(state, token_batches()[i].chunk(world)[rank])
+    fa.save(state, f"{directory}/ckpt")
+    state, first = two_steps(state)
+    state, again = two_steps(fa.load(state, f"{directory}/ckpt"))
+    fa.save_model(state, f"{directory}/model")
+    return {"first": first, "again": again}
+
+
+@needs_torchao
+def test_fp8_checkpoints_resume_bit_identical(tmp_path: Any, world2: Any) -> None:
+    from safetensors.torch import load_file
+
+    alone = resume_lm(fa.init(seed=0, cpu=True), False, str(tmp_path / "alone"))
+    assert alone["first"] == alone["again"]
+    sharded = world2.run(resume_lm, True, str(tmp_path / "sharded"))  # float8 all-gather's weights
+    assert all(rank["first"] == rank["again"] for rank in sharded)
+    saved = load_file(tmp_path / "sharded" / "model" / "model.safetensors")
+    assert set(saved) == set(TinyLM().state_dict())  # the plain model's names and shapes
+    assert all(saved[name].shape == p.shape for name, p in TinyLM().state_dict().items())
+
+
 def test_default_choice_of_float8_layers() -> None:
     model = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 24), nn.Linear(24, 32),
                           nn.ReLU(), nn.Linear(32, 4))
