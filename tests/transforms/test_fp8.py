@@ -266,3 +266,10 @@ def test_launch_precision_fp8_builds_the_fp8_pipeline_with_the_recipe() -> None:
     assert pipeline == fa.compose(fa.autocast(fp8, recipe=recipe))
     assert repr(pipeline) == "compose(autocast(dtype='fp8', recipe=FP8RecipeKwargs(fp8_format='HYBRID')))"
 
+
+
+@needs_torchao
+def test_a_pipeline_without_fp8_under_an_fp8_launch_is_named() -> None:
+    state = fa.init(seed=0, cpu=True, mixed_precision="fp8")
+    with pytest.warns(UserWarning, match="asked for mixed_precision fp8 but the pipeline passed in"):
+        fa.prepare(state, TinyLM(), pipeline=fa.compose(fa.autocast(fa.bf16)))
