@@ -97,7 +97,7 @@ class DeepSpeedPlugin:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MegatronLMPlugin:
-    """Accelerate's Megatron-LM settings, validated; `transform` raises (no engine).
+    """Accelerate's Megatron-LM settings, validated; `transform` raises (CUDA only).
 
     >>> MegatronLMPlugin(tp_degree=2, pp_degree=2, num_micro_batches=4).tp_degree
     2
@@ -170,6 +170,27 @@ class MegatronLMPlugin:
             raise ConfigError(f"{owner}: pp_degree {self.pp_degree} needs num_micro_batches")
 
     def transform(self) -> Any:
-        """Always raises: this build has no Megatron-LM engine."""
-        raise _engine_error(type(self).__name__, "megatron", "Megatron-LM",
-                            "train data-parallel with fa.ddp() or sharded with fa.fsdp()")
+        """Always raises: Megatron-LM's engine is for CUDA GPUs only.
+
+        Measured on megatron-core 0.16 (its process groups do start on gloo):
+        its ``DistributedDataParallel`` allocates the gradient buffer on
+        ``torch.cuda.current_device()``, its ``DistributedOptimizer`` accepts
+        only ``torch.cuda`` tensors, and its GPT model and pipeline schedules
+        use CUDA streams; ``megatron/core`` calls CUDA directly 573 times.
+
+        >>> MegatronLMPlugin(tp_degree=2).transform()  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        fnaccel._errors.ConfigError: MegatronLMPlugin: Megatron-LM's engine runs on CUDA GPUs only ...
+        """
+        import torch
+
+        cuda = ("this machine has CUDA, but this build of fnaccel does not drive Megatron-LM"
+                if torch.cuda.is_available() else "this machine has no CUDA device")
+        installed = "installed" if importlib.util.find_spec("megatron") else "not installed"
+        raise ConfigError(
+            f"{type(self).__name__}: Megatron-LM's engine runs on CUDA GPUs only ({cuda}; megatron-core "
+            f"is {installed}): its DistributedDataParallel allocates gradient buffers on "
+            "torch.cuda.current_device(), its DistributedOptimizer accepts only torch.cuda tensors and "
+            "its model and pipeline schedules use CUDA streams. Train data-parallel with fa.ddp() or "
+            "sharded with fa.fsdp()")

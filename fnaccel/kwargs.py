@@ -331,6 +331,12 @@ class FP8RecipeKwargs(KwargsHandler):
         amax_history_len: Length of the amax history (>= 1).
         amax_compute_algo: "max" or "most_recent".
         override_linear_precision: Three bools: run fprop, dgrad, wgrad in higher precision.
+        enable_fsdp_float8_all_gather: torchao under `fa.fsdp()`: all-gather the
+            sharded weights in float8 (torchao's ``Float8LinearConfig`` option).
+        module_filter_func: torchao: ``fn(module, fqn) -> bool``, True for the
+            ``nn.Linear`` layers to train in float8 (Accelerate's `AORecipeKwargs`
+            name); None keeps the first and last linear layers, and those with
+            features not multiples of 16, in high precision.
 
     >>> FP8RecipeKwargs(backend="te", fp8_format="hybrid").to_kwargs()
     {'backend': 'TE', 'fp8_format': 'HYBRID'}
@@ -345,8 +351,16 @@ class FP8RecipeKwargs(KwargsHandler):
     amax_history_len: int | None = None
     amax_compute_algo: str | None = None
     override_linear_precision: tuple[bool, bool, bool] | None = None
+    enable_fsdp_float8_all_gather: bool | None = None
+    module_filter_func: Callable[[torch.nn.Module, str], bool] | None = None
+
+    def __repr__(self) -> str:  # the fields set, as the code that built it reads
+        return f"FP8RecipeKwargs({', '.join(f'{k}={v!r}' for k, v in self.to_kwargs().items())})"
 
     def _validate(self) -> None:
+        check_value("module_filter_func", self.module_filter_func,
+                    self.module_filter_func is None or callable(self.module_filter_func),
+                    "a function (module, fqn) -> bool or None")
         for name, choices in (("backend", ("MSAMP", "TE", "AO")), ("fp8_format", ("HYBRID", "E4M3", "E5M2")),
                               ("opt_level", ("O1", "O2"))):
             value = getattr(self, name)

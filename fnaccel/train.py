@@ -32,7 +32,7 @@ from torch import nn
 from fnaccel.state import RunState
 from fnaccel.transforms.base import Collective, Pipeline, Transform, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
-from fnaccel.transforms.precision import autocast, grad_scaler, precision_dtype
+from fnaccel.transforms.precision import autocast, fp8, grad_scaler, precision_dtype
 from fnaccel.constants import PrecisionType
 
 __all__ = ["StepPlan", "apply_gradients", "backward", "prepare", "step"]
@@ -74,8 +74,9 @@ def default_pipeline(state: RunState) -> Pipeline:
     if state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16) and (cast is None or cast.enabled):
         parts.append(autocast(state.mixed_precision.value,
                               cache_enabled=None if cast is None else cast.cache_enabled))
-    if state.mixed_precision == PrecisionType.FP8:
-        precision_dtype("fp8")  # raises: no FP8 engine in this build
+    if state.mixed_precision == PrecisionType.FP8 and (cast is None or cast.enabled):
+        parts.append(autocast(fp8, cache_enabled=None if cast is None else cast.cache_enabled,
+                              recipe=handlers.get("FP8RecipeKwargs")))
     scaler = handlers.get("GradScalerKwargs")
     if scaler is not None and state.mixed_precision == PrecisionType.FP16:
         parts.append(grad_scaler(**scaler.to_kwargs()))
@@ -280,11 +281,13 @@ def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
     cast = pipeline.get("autocast")
     dtype = dict(cast.options)["dtype"] if cast is not None else None
     low = state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16)
-    wanted = precision_dtype(state.mixed_precision) if low else None
+    wanted: Any = precision_dtype(state.mixed_precision) if low else None
+    if state.mixed_precision == PrecisionType.FP8:
+        wanted = str(fp8)  # what autocast(fa.fp8) records as its dtype
     handler = state.kwargs_handlers.get("AutocastKwargs")
     if handler is not None and not handler.enabled:
         wanted = None  # the default pipeline would leave autocast out too
-    if wanted is not None and dtype is not wanted:
+    if wanted is not None and dtype != wanted:
         warnings.warn(
             f"fa.prepare: the launch asked for mixed_precision {state.mixed_precision.value} but the "
             f"pipeline passed in is {pipeline!r}; the pipeline wins. Leave pipeline out to follow the "

@@ -1,10 +1,12 @@
-"""Mixed precision: `autocast(dtype)` and the fp16 `grad_scaler()`.
+"""Mixed precision: `autocast(dtype)` (fp16, bf16, fp8) and the fp16 `grad_scaler()`.
 
 `autocast` wraps the model's ``forward`` once, at `fa.prepare`, in
 ``torch.autocast`` and casts its outputs back to fp32 (as Accelerate does), so
 every forward, in `fa.step` or in a hand-written step, runs under it and a
 loss computed outside the model sees fp32. Under `fsdp()` the precision goes
 into FSDP2's `MixedPrecisionPolicy` instead (see `fnaccel.transforms.parallel`).
+``autocast(fa.fp8)`` first swaps the model's linear layers for torchao's
+float8 ones (`fnaccel.transforms.fp8`) and autocasts the rest to bf16.
 
 `grad_scaler` keeps a live `torch.amp.GradScaler` as its state: it scales the
 loss before backward, unscales before clipping, and replaces the optimizer
@@ -23,14 +25,17 @@ import torch
 from fnaccel.dist import DistContext
 from fnaccel.ops.tree import convert_to_fp32
 from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.fp8 import check_fp8_recipe, convert_to_fp8
 from fnaccel.constants import PrecisionType
-from fnaccel.kwargs import GradScalerKwargs
+from fnaccel.kwargs import FP8RecipeKwargs, GradScalerKwargs
 
-__all__ = ["autocast", "bf16", "fp16", "fp32", "grad_scaler", "precision_dtype"]
+__all__ = ["autocast", "bf16", "fp8", "fp16", "fp32", "grad_scaler", "precision_dtype"]
 
 fp16 = torch.float16
 bf16 = torch.bfloat16
 fp32 = torch.float32
+# Not a dtype: fp8 training is a recipe (float8 linear layers, bf16 elsewhere).
+fp8 = PrecisionType.FP8
 
 _BY_NAME = MappingProxyType({
     "fp16": fp16, "float16": fp16, "bf16": bf16, "bfloat16": bf16,
@@ -41,17 +46,21 @@ AUTOCAST_PHASE, SCALER_PHASE = 110, 120
 
 
 def precision_dtype(precision: torch.dtype | str | PrecisionType) -> torch.dtype:
-    """``fa.fp16`` / ``"fp16"`` / ``PrecisionType.FP16`` -> ``torch.float16`` (and so on)."""
+    """``fa.fp16`` / ``"fp16"`` / ``PrecisionType.FP16`` -> ``torch.float16`` (and so
+    on); ``fa.fp8`` -> ``torch.bfloat16``, the dtype of what its float8 layers leave.
+
+    >>> precision_dtype("fp16"), precision_dtype(fp8)
+    (torch.float16, torch.bfloat16)
+    """
     if isinstance(precision, torch.dtype):
         if precision not in (fp16, bf16, fp32):
-            raise ValueError(f"autocast: {precision} is not fa.fp16, fa.bf16 or fa.fp32")
+            raise ValueError(f"autocast: {precision} is not fa.fp16, fa.bf16, fa.fp32 or fa.fp8")
         return precision
     name = str(precision).lower()
-    if name == "fp8":
-        raise ValueError("fp8 needs an FP8 engine (TransformerEngine, MS-AMP or torchao); "
-                         "this build has none: use fp16 or bf16")
+    if name == fp8:
+        return bf16
     if name not in _BY_NAME:
-        raise ValueError(f"unknown precision {precision!r}: use fa.fp16, fa.bf16 or fa.fp32")
+        raise ValueError(f"unknown precision {precision!r}: use fa.fp16, fa.bf16, fa.fp32 or fa.fp8")
     return _BY_NAME[name]
 
 
@@ -70,28 +79,54 @@ class AutocastForward:
         return convert_to_fp32(out)
 
 
-def autocast(dtype: torch.dtype | str, cache_enabled: bool | None = None) -> Transform:
+def autocast(dtype: torch.dtype | str, cache_enabled: bool | None = None, *,
+             recipe: FP8RecipeKwargs | None = None) -> Transform:
     """Run the model's forward under ``torch.autocast(dtype)`` (AutocastKwargs' options).
 
+    With ``fa.fp8``, the model's linear layers train in float8 (torchao's
+    ``Float8Linear``, see `fnaccel.transforms.fp8`) and the rest under bf16
+    autocast; the first and last linear layers, and those with features not
+    multiples of 16, stay in high precision unless ``recipe`` chooses.
+
     Args:
-        dtype: ``fa.fp16``, ``fa.bf16`` or ``fa.fp32`` (no autocast).
+        dtype: ``fa.fp16``, ``fa.bf16``, ``fa.fp8`` or ``fa.fp32`` (no autocast).
         cache_enabled: ``torch.autocast``'s weight-cast cache (None: torch's default).
+        recipe: fp8 only: `FP8RecipeKwargs` (format, high-precision matmuls,
+            float8 all-gather under `fa.fsdp()`, the layers to convert).
+
+    Raises:
+        ValueError: a recipe without ``fa.fp8``, or a recipe this build cannot
+            run (TransformerEngine, MS-AMP, delayed scaling), with the reason.
+        ImportError: ``fa.fp8`` without torchao installed.
 
     >>> import fnaccel as fa
     >>> fa.autocast(fa.bf16)
     autocast(dtype=torch.bfloat16)
+    >>> fa.autocast(fp8, recipe=fa.FP8RecipeKwargs(fp8_format="HYBRID"))  # fa.fp8
+    autocast(dtype='fp8', recipe=FP8RecipeKwargs(fp8_format='HYBRID'))
     """
     resolved = precision_dtype(dtype)
+    is_fp8 = not isinstance(dtype, torch.dtype) and str(dtype).lower() == fp8
+    if recipe is not None and not is_fp8:
+        raise ValueError(f"autocast: recipe= configures fp8 training, but the precision is {dtype!r}; "
+                         "use fa.autocast(fa.fp8, recipe=...) or drop the recipe")
+    if recipe is not None and not isinstance(recipe, FP8RecipeKwargs):
+        raise TypeError(f"autocast: recipe must be an fa.FP8RecipeKwargs, got {type(recipe).__name__}")
+    fp8_recipe = recipe or FP8RecipeKwargs()
+    if is_fp8:
+        check_fp8_recipe(fp8_recipe)  # refuse TE/MS-AMP or a missing torchao now, not at prepare
 
     def prepare_model(ctx: DistContext, model: Any, state: Any) -> Any:
         if resolved is fp32:
             return model
+        if is_fp8:
+            model = convert_to_fp8(model, fp8_recipe)
         model.forward = AutocastForward(model.forward, ctx.device.type, resolved, cache_enabled)
         return model
 
-    opts = options(dtype=resolved) + (
+    opts = options(dtype=str(fp8) if is_fp8 else resolved) + (
         options(cache_enabled=cache_enabled) if cache_enabled is not None else ()
-    )
+    ) + (options(recipe=recipe) if recipe is not None else ())
     return Transform(name="autocast", options=opts, phase=AUTOCAST_PHASE, prepare_model=prepare_model)
 
 

@@ -73,6 +73,8 @@ def test_field_names_order_and_defaults_follow_accelerate() -> None:
     assert [name for name, _ in signature(FP8RecipeKwargs)] == [
         "backend", "use_autocast_during_eval", "opt_level", "margin", "interval", "fp8_format",
         "amax_history_len", "amax_compute_algo", "override_linear_precision",
+        # then torchao's options (Accelerate keeps these in AORecipeKwargs)
+        "enable_fsdp_float8_all_gather", "module_filter_func",
     ]
     assert all(default is None for _, default in signature(FP8RecipeKwargs))
     assert [name for name, _ in signature(ProfileKwargs)] == [
