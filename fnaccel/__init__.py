@@ -101,7 +101,13 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
         prepare,
         step,
     )
+    from fnaccel.autocast_context import autocast_context
+    from fnaccel.data.skip import skip_first_batches
+    from fnaccel.launchers import debug_launcher, notebook_launcher
+    from fnaccel.trigger import check_trigger, set_trigger
     from fnaccel.transforms import (
+        fp8,
+        local_sgd,
         Collective,
         Pipeline,
         Transform,
@@ -131,6 +137,14 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
 __version__ = "0.1.0"
 
 _LAZY = MappingProxyType({
+    "autocast_context": "fnaccel.autocast_context",
+    "check_trigger": "fnaccel.trigger",
+    "set_trigger": "fnaccel.trigger",
+    "skip_first_batches": "fnaccel.data.skip",
+    "debug_launcher": "fnaccel.launchers",
+    "notebook_launcher": "fnaccel.launchers",
+    "local_sgd": "fnaccel.transforms",
+    "fp8": "fnaccel.transforms",
     "CheckpointError": "fnaccel._errors",
     "CollectiveMismatchError": "fnaccel._errors",
     "ConfigError": "fnaccel._errors",
@@ -250,6 +264,8 @@ __all__ = [
     "fp16",
     "bf16",
     "fp32",
+    "fp8",
+    "local_sgd",
     # transforms and collectives
     "Transform",
     "Collective",
@@ -262,6 +278,13 @@ __all__ = [
     "gather_object",
     "broadcast_object_list",
     "gather_for_metrics",
+    # the loop's helpers and launching from a notebook
+    "autocast_context",
+    "skip_first_batches",
+    "set_trigger",
+    "check_trigger",
+    "notebook_launcher",
+    "debug_launcher",
     # process and random helpers
     "wait_for_everyone",
     "main_process_first",

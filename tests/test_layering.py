@@ -26,21 +26,25 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "fnaccel.resources", "fnaccel.atomic", "fnaccel.environment", "fnaccel.numa", "fnaccel.purge")),
     ("state", ("fnaccel.state",)),
     ("parts", ("fnaccel.transforms", "fnaccel.ops", "fnaccel.seeding", "fnaccel.process", "fnaccel.plugins",
-               "fnaccel.mixed_precision")),
+               "fnaccel.mixed_precision", "fnaccel.trigger", "fnaccel.autocast_context")),
     ("loop", ("fnaccel.train", "fnaccel.data", "fnaccel.runtime", "fnaccel.evaluation", "fnaccel.testing")),
-    ("services", ("fnaccel.checkpoint", "fnaccel.tracking", "fnaccel.modeling",
-                  "fnaccel.notebook", "fnaccel.helpers", "fnaccel.engines")),
-    ("facades", ("fnaccel.utils", "fnaccel.commands", "fnaccel.__main__", "fnaccel")),
+    ("services", ("fnaccel.checkpoint", "fnaccel.tracking", "fnaccel.modeling", "fnaccel.launchers",
+                  "fnaccel.engines")),
+    ("facades", ("fnaccel.utils", "fnaccel.commands", "fnaccel.__main__", "fnaccel=")),
 )
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 
 
 def layer_of(module: str) -> str:
+    """The layer of ``module``: its longest matching prefix (``name=`` matches only itself)."""
     best, best_len = None, -1
     for name, prefixes in LAYERS:
         for prefix in prefixes:
-            exact = prefix.endswith(".") and module.startswith(prefix)
-            if (module == prefix or module.startswith(prefix + ".") or exact) and len(prefix) > best_len:
+            if prefix.endswith("="):
+                matches = module == prefix[:-1]
+            else:
+                matches = module == prefix or module.startswith(prefix + ".")
+            if matches and len(prefix) > best_len:
                 best, best_len = name, len(prefix)
     assert best is not None, f"{module} is in no layer: add it to LAYERS"
     return best

@@ -14,7 +14,8 @@ from fnaccel.transforms.collectives import (
     reduce,
 )
 from fnaccel.transforms.parallel import ddp, fsdp
-from fnaccel.transforms.precision import autocast, bf16, fp16, fp32, grad_scaler
+from fnaccel.transforms.local_sgd import local_sgd
+from fnaccel.transforms.precision import autocast, bf16, fp8, fp16, fp32, grad_scaler
 from fnaccel.transforms.profile import profile
 
 __all__ = [
@@ -25,8 +26,10 @@ __all__ = [
     "clip_grad_value",
     "compile",
     "ddp",
+    "fp8",
     "fp16",
     "fp32",
+    "local_sgd",
     "fsdp",
     "grad_scaler",
     "profile",
