@@ -99,7 +99,8 @@ _REFUSED_SECTIONS = MappingProxyType({
     "deepspeed_config": "this build has no DeepSpeed engine; remove the section "
                         "(distributed_type FSDP runs FSDP2)",
     "megatron_lm_config": "this build has no Megatron-LM engine; remove the section",
-    "fp8_config": "this build has no FP8 engine (TransformerEngine, MS-AMP or torchao); remove the section",
+    "fp8_config": "fp8 from the launch is not wired yet: remove the section and put "
+                  "fa.autocast(fa.fp8, recipe=fa.FP8RecipeKwargs(...)) in the script's pipeline",
     "parallelism_config": "this build runs data parallelism only (ddp, fsdp); remove the section",
     "mpirun_config": "fnaccel launches with torchrun, not mpirun; for several machines give "
                      "num_machines, machine_rank, main_process_ip and main_process_port",
@@ -138,8 +139,9 @@ def check_launchable(config: LaunchConfig, *, force: bool = False) -> None:
         raise CommandError(f"{where}: distributed_type {config.distributed_type}: "
                            f"{_REFUSED_TYPES[config.distributed_type]}")
     if config.mixed_precision == "fp8":
-        raise CommandError(f"{where}: mixed_precision fp8: this build has no FP8 engine "
-                           "(TransformerEngine, MS-AMP or torchao); use bf16 or fp16")
+        raise CommandError(f"{where}: mixed_precision fp8 from the launch is not wired yet; put "
+                           "fa.autocast(fa.fp8) in the script's pipeline (torchao: pip install "
+                           "'fnaccel[fp8]'), or use bf16 or fp16")
     for key, why in refused_keys(config):
         raise CommandError(f"{where}: key '{key}': {why}")
     if not 0 <= config.machine_rank < config.num_machines:

@@ -125,7 +125,7 @@ _REFUSED: tuple[tuple[str, str, tuple[Flag, ...]], ...] = (
         ("--megatron_lm_use_distributed_optimizer", str, "(true|false) distributed optimizer."),
         ("--megatron_lm_gradient_clipping", float, "Global L2-norm gradient clipping."),
     )),
-    ("FP8 arguments", "this build has no FP8 engine (TransformerEngine, MS-AMP or torchao)", (
+    ("FP8 arguments", "this build does not wire fp8 from the launch yet: use fa.autocast(fa.fp8) in the script", (
         ("--fp8_backend", str, "FP8 backend (te or msamp)."),
         ("--fp8_use_autocast_during_eval", None, "FP8 autocast in evaluation."),
         ("--fp8_margin", int, "Margin for the scaling factor."),
@@ -174,7 +174,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
     resources = parser.add_argument_group("Resource selection arguments")
     resources.add_argument("--mixed_precision", choices=("no", "fp16", "bf16", "fp8"), default=None,
-                           help="Mixed precision: no, fp16 or bf16 (fp8 is refused: no FP8 engine).")
+                           help="Mixed precision: no, fp16 or bf16 (fp8: use fa.autocast(fa.fp8) in the script).")
     _add(resources, "--num_processes", at_least(1), "Total number of processes, over all machines.")
     resources.add_argument("--force_num_processes", action="store_true",
                            help="Start more processes per machine than the bound docs/cli.md gives "
