@@ -41,7 +41,7 @@ def test_two_processes_train_as_one_process_on_the_whole_batch() -> None:
     assert len(results) == 2
     for params in results:
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(params, expected))
-    assert multiprocessing.active_children() == []
+    assert _launched_children() == []
 
 
 def _world_facts(tag: str) -> tuple[str, int, int, str, str]:
@@ -75,7 +75,7 @@ def test_one_failing_rank_ends_every_rank_within_seconds(where: str) -> None:
         debug_launcher(_fails_on_rank_one, (where,), num_processes=2)
     assert time.monotonic() - start < 60  # generous: about 2 s here; the settle barrier alone is 60 s
     assert info.value.rank == 1 and "_fails_on_rank_one" in info.value.traceback
-    assert multiprocessing.active_children() == []
+    assert _launched_children() == []
 
 
 def _exits_hard() -> None:
@@ -150,3 +150,8 @@ def test_a_real_notebook_trains_two_processes_and_fails_fast(tmp_path: Path) -> 
                for cell in notebook.cells]
     assert outputs[2].startswith("trained ")
     assert outputs[4] == "failed rank 1 RuntimeError: lost the data after True\n"
+
+
+def _launched_children() -> list[multiprocessing.process.BaseProcess]:
+    """This process's children other than the session's test worlds (tests/conftest.py)."""
+    return [p for p in multiprocessing.active_children() if not p.name.startswith("fnaccel-world-")]

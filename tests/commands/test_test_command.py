@@ -57,11 +57,13 @@ def test_mixed_precision_is_checked_when_the_launch_configures_it(
 def test_a_failing_check_is_reported_and_the_exit_status_is_1(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("FNACCEL_MIXED_PRECISION", "fp8")  # accepted by fa.init; no engine to run it
+    # accepted by fa.init; the check's tiny model has no layer float8 can train (and without
+    # torchao there is no float8 at all): the check fails either way, saying why
+    monkeypatch.setenv("FNACCEL_MIXED_PRECISION", "fp8")
     assert test_script.main() == 1
     captured = capsys.readouterr()
     lines = _report_lines(captured.out)
-    assert lines["mixed precision"].startswith("FAILED: ValueError: fp8 needs an FP8 engine")
+    assert lines["mixed precision"].startswith("FAILED: ") and "float8" in lines["mixed precision"]
     assert all(lines[name].startswith("ok") for name in NAMES if name != "mixed precision")
     assert captured.out.rstrip().endswith("1 of 11 checks FAILED.")
     assert "[rank 0] check 'mixed precision' failed:" in captured.err and "Traceback" in captured.err
