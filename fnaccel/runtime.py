@@ -271,10 +271,10 @@ def init(
 
 
 def shutdown(state: RunState) -> None:
-    """End the run: close the transforms' states that hold resources (a `profile()`
-    profiler writes its trace), then the run's live resources in reverse order of
-    registration: the trackers (flushed), the last asynchronous save (waited for,
-    raising its error), the process group. Consumes nothing and may be called twice.
+    """End the run: close its live resources in reverse order of registration: the
+    trackers (flushed), transform states that hold something live (a `profile()`
+    profiler writes its trace), the last asynchronous save (waited for, raising its
+    error), the process group. Consumes nothing and may be called twice.
 
     On a clean end the process group waits, boundedly, for every rank before it
     is destroyed. Called while an exception propagates (from a ``finally``), it
@@ -286,8 +286,4 @@ def shutdown(state: RunState) -> None:
     >>> state = fa.init(cpu=True)
     >>> fa.shutdown(state); fa.shutdown(state)
     """
-    for value in state.transform_states.values():
-        close = getattr(value, "close", None)
-        if callable(close):
-            close()  # e.g. profile(): stops the profiler, which writes its trace
     state.resources.close()

@@ -232,6 +232,9 @@ def prepare(
         raise ValueError("fa.prepare: this state's model was prepared with another pipeline")
     pipeline = _complete(pipeline, state)
     transform_states = pipeline.init(ctx, state.transform_states)
+    for name, value in transform_states.items():
+        if callable(getattr(value, "close", None)) and state.resources.get(f"transform:{name}") is None:
+            state.resources.register(f"transform:{name}", value)  # a profiler run: fa.shutdown closes it
 
     changes: dict[str, Any] = {"pipeline": pipeline}
     if model is not None:

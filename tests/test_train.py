@@ -280,6 +280,7 @@ def test_profile_writes_a_chrome_trace_per_rank(tmp_path: Any) -> None:
                        loss_fn=loss_fn, pipeline=fa.compose(fa.profile(output_trace_dir=str(tmp_path))))
     for batch in make_batches(3):
         state, _ = fa.step(state, batch)
+    assert state.resources.get("transform:profile") is state.transform_states["profile"]  # one owner
     fa.shutdown(state)
     fa.shutdown(state)  # idempotent
     trace = json.loads((tmp_path / "profile_0.json").read_text())
