@@ -64,7 +64,7 @@ class DataPosition:
         return (self.epoch, self.num_batches)
 
 
-class _Lease:
+class Lease:
     """Whether the state holding it may still be advanced, and what spent it."""
 
     __slots__ = ("spent_by",)
@@ -137,7 +137,7 @@ class RunState:
     project_dir: str | None = None
     resources: Resources = field(default_factory=Resources, repr=False, compare=False)
     trigger: bool = False
-    _lease: _Lease = field(default_factory=_Lease, repr=False, compare=False)
+    _lease: Lease = field(default_factory=Lease, repr=False, compare=False)
 
     def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` applied, sharing this state's lease.
@@ -198,7 +198,7 @@ class RunState:
             _set(new, name, changes.pop(name) if name in changes else getattr(self, name))
         if changes:
             raise TypeError(f"RunState has no field(s) {sorted(changes)}")
-        _set(new, "_lease", _Lease())
+        _set(new, "_lease", Lease())
         return new
 
 

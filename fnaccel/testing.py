@@ -80,7 +80,7 @@ def _worker(
     from fnaccel.rng import RNGState
     from fnaccel.resources import Resources
     from fnaccel.runtime import init, shutdown
-    from fnaccel.state import _Lease
+    from fnaccel.state import Lease
 
     try:
         base = init(cpu=True, seed=0)
@@ -94,7 +94,7 @@ def _worker(
             break
         function, args, kwargs = message
         borrowed = dataclasses.replace(base.dist, _owner=_BorrowedGroup(base.dist._owner))
-        state = dataclasses.replace(base, dist=borrowed, rng=RNGState.seeded(0), _lease=_Lease(),
+        state = dataclasses.replace(base, dist=borrowed, rng=RNGState.seeded(0), _lease=Lease(),
                                     resources=Resources())
         try:
             conn.send(("ok", function(state, *args, **kwargs)))

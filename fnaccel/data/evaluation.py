@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from fnaccel.data.iterable import shard_iterable
-from fnaccel.data.loader import _Collate, _CollateSteps, _plan
+from fnaccel.data.loader import Collate, CollateSteps, loader_plan
 from fnaccel.data.prepared import Collated
 from fnaccel.data.sharding import eval_shards
 from fnaccel.dist import as_dist
@@ -72,7 +72,7 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int
     if not isinstance(loader, DataLoader):
         raise TypeError(f"fa.eval_batches takes a torch.utils.data.DataLoader, got {type(loader).__name__}")
     ctx = as_dist(state)
-    plan = _plan(loader)
+    plan = loader_plan(loader)
     if plan.kind == "custom" and plan.batch_sampler is not None:
         if ctx.num_processes > 1:
             raise ValueError(
@@ -82,11 +82,11 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int
     if plan.batch_size is None:
         raise ValueError("fa.eval_batches needs a DataLoader with a batch_size (samples per rank per step), "
                          "got batch_size=None")
-    collate = _Collate(loader.collate_fn, unbatched=False)
+    collate = Collate(loader.collate_fn, unbatched=False)
     if isinstance(loader.dataset, IterableDataset):
         stream = shard_iterable(loader.dataset, batch_size=plan.batch_size, num_processes=ctx.num_processes,
                                 rank=ctx.rank, drop_last=False, even_batches=True)
-        steps = DataLoader(stream, batch_size=None, collate_fn=_CollateSteps(collate),  # type: ignore[arg-type]
+        steps = DataLoader(stream, batch_size=None, collate_fn=CollateSteps(collate),  # type: ignore[arg-type]
                            **_reader(loader))
         return ((send_to_device(c.batch, ctx.device), c.num_valid) for c in steps if isinstance(c, Collated))
     num_samples = len(loader.dataset)  # type: ignore[arg-type]

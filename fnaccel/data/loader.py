@@ -56,7 +56,7 @@ _PLAIN_BATCH_SAMPLERS = (BatchSampler, stateful_sampler.BatchSampler)
 _RANDOM_SAMPLERS = (RandomSampler, stateful_sampler.RandomSampler)
 
 
-class _Collate:
+class Collate:
     """The user's collate_fn, applied to one rank's samples of a step (picklable for workers).
 
     ``unbatched``: the loader had ``batch_size=None``, so each "sample" is a whole
@@ -85,10 +85,10 @@ class _Collate:
             raise error from exc
 
 
-class _CollateSteps:
+class CollateSteps:
     """Collates the ``(samples, num_valid)`` steps of an `IterableShard` (picklable)."""
 
-    def __init__(self, collate: _Collate) -> None:
+    def __init__(self, collate: Collate) -> None:
         self.collate = collate
 
     def __call__(self, step: tuple[list[Any], int]) -> Collated:
@@ -96,7 +96,7 @@ class _CollateSteps:
         return Collated(self.collate(samples), num_valid)
 
 
-class _Plan(NamedTuple):
+class LoaderPlan(NamedTuple):
     """What orders a user's loader, and how it batches."""
 
     kind: str  # "random", "sequential", "distributed", "custom" or "iterable"
@@ -106,9 +106,9 @@ class _Plan(NamedTuple):
     drop_last: bool
 
 
-def _plan(loader: DataLoader[Any]) -> _Plan:
+def loader_plan(loader: DataLoader[Any]) -> LoaderPlan:
     if isinstance(loader.dataset, IterableDataset):
-        return _Plan("iterable", None, None, loader.batch_size, loader.drop_last)
+        return LoaderPlan("iterable", None, None, loader.batch_size, loader.drop_last)
     batch_sampler = loader.batch_sampler
     if batch_sampler is None:
         sampler, batch_size, drop_last = loader.sampler, None, False
@@ -116,7 +116,7 @@ def _plan(loader: DataLoader[Any]) -> _Plan:
         assert isinstance(batch_sampler, BatchSampler)
         sampler, batch_size, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
     else:
-        return _Plan("custom", None, batch_sampler, None, False)
+        return LoaderPlan("custom", None, batch_sampler, None, False)
     if isinstance(sampler, _RANDOM_SAMPLERS):
         # Sampling with replacement, or a number of samples other than the dataset's, is not a shuffle.
         shuffle = not sampler.replacement and sampler.num_samples == len(loader.dataset)  # type: ignore[arg-type]
@@ -127,7 +127,7 @@ def _plan(loader: DataLoader[Any]) -> _Plan:
         kind = "distributed"
     else:
         kind = "custom"
-    return _Plan(kind, sampler, None, batch_size, drop_last)
+    return LoaderPlan(kind, sampler, None, batch_size, drop_last)
 
 
 def _draws_on_its_own(sampler: Any) -> bool:
@@ -138,7 +138,7 @@ def _draws_on_its_own(sampler: Any) -> bool:
     return random and not callable(getattr(sampler, "load_state_dict", None))
 
 
-def _resolve_shard(shard: bool | None, plan: _Plan, num_processes: int) -> bool:
+def _resolve_shard(shard: bool | None, plan: LoaderPlan, num_processes: int) -> bool:
     """Whether fnaccel shards the loader, or why it cannot."""
     if plan.kind == "distributed":
         if shard:
@@ -237,7 +237,7 @@ def prepare_loader(
         raise TypeError(f"prepare_loader: config must be a DataLoaderConfiguration, got {type(config).__name__}")
     seed = seed if config.data_seed is None else config.data_seed
     world = ctx.num_processes
-    plan = _plan(loader)
+    plan = loader_plan(loader)
     num_processes = world if _resolve_shard(config.shard, plan, world) else 1
     ours = plan.kind in ("random", "sequential") or (plan.kind == "iterable" and num_processes > 1)
     if config.split_batches and world > 1 and not (ours and num_processes > 1):
@@ -278,12 +278,12 @@ def prepare_loader(
 
     per_rank = per_rank_batch_size(plan.batch_size, num_processes, config.split_batches)
     rank = ctx.rank if num_processes > 1 else 0
-    collate = _Collate(loader.collate_fn, unbatched=plan.batch_size is None)
+    collate = Collate(loader.collate_fn, unbatched=plan.batch_size is None)
     even_batches = config.even_batches and num_processes > 1  # one process has nobody to be even with
     if plan.kind == "iterable":
         dataset = shard_iterable(loader.dataset, batch_size=per_rank, num_processes=num_processes,
                                  rank=rank, drop_last=plan.drop_last, even_batches=even_batches)
-        built = _stateful_loader(dataset, batch_size=None, collate_fn=_CollateSteps(collate), **reader,
+        built = _stateful_loader(dataset, batch_size=None, collate_fn=CollateSteps(collate), **reader,
                                  **snapshots)
         return prepared(built, None, per_rank, even_batches)
     sampler = ShardedBatchSampler(

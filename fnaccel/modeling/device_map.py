@@ -27,14 +27,14 @@ from torch import nn
 
 from fnaccel.modeling.memory_budget import (
     Device,
-    _class_names,
+    class_names,
     convert_file_size_to_int,
     get_balanced_memory,
     get_max_memory,
 )
 from fnaccel.modeling.sizes import (
     DTypeLike,
-    _top_level_entries,
+    top_level_entries,
     compute_module_sizes,
     get_max_layer_size,
 )
@@ -131,7 +131,7 @@ def _splittable(module: nn.Module | torch.Tensor, no_split: Sequence[str]) -> bo
 def _parts(name: str, module: nn.Module | torch.Tensor) -> list[Entry]:
     """The entries a module splits into: its own parameters, its children, its own buffers."""
     assert isinstance(module, nn.Module)
-    return [(f"{name}.{part}", value) for part, value in _top_level_entries(module)]
+    return [(f"{name}.{part}", value) for part, value in top_level_entries(module)]
 
 
 def _tied_entries(name: str, to_treat: Sequence[Entry], tied_groups: Sequence[Sequence[str]]) -> list[Entry]:
@@ -211,7 +211,7 @@ def infer_auto_device_map(
     {'0': 0, '1': 'cpu', '2': 'disk', '3': 'disk'}
     """
     memory = get_max_memory(max_memory)
-    no_split = _class_names(no_split_module_classes)
+    no_split = class_names(no_split_module_classes)
     devices: list[Device] = [*memory, *(["disk"] if "disk" not in memory else [])]
     gpus = [device for device in devices if device not in ("cpu", "disk")]
     main_devices: list[Device] = ["mps"] if "mps" in gpus else [gpus[0], "cpu"] if gpus else ["cpu"]
@@ -226,7 +226,7 @@ def infer_auto_device_map(
     device_map: dict[str, Device] = {}
     peak: dict[Device, int] = {}  # bytes used plus the reserve kept, by device
     offloaded_buffers = 0
-    to_treat = _top_level_entries(model)
+    to_treat = top_level_entries(model)
     reserve_size, reserve_names = get_max_layer_size(to_treat, sizes, no_split)
     index, used = 0, 0
     while to_treat:

@@ -106,7 +106,7 @@ def get_max_memory(max_memory: Mapping[Device, int | str] | None = None) -> dict
     return {key: convert_file_size_to_int(max_memory[key]) for key in order}
 
 
-def _class_names(no_split_module_classes: Sequence[str] | str | None) -> list[str]:
+def class_names(no_split_module_classes: Sequence[str] | str | None) -> list[str]:
     if no_split_module_classes is None:
         return []
     if isinstance(no_split_module_classes, str):
@@ -155,7 +155,7 @@ def get_balanced_memory(
     sizes = compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes)
     per_gpu = sizes[""] // (len(gpus) - 1 if low_zero else len(gpus))
 
-    no_split = _class_names(no_split_module_classes)
+    no_split = class_names(no_split_module_classes)
     block_sizes = [sizes.get(name, 0) for name, module in model.named_modules()
                    if name and type(module).__name__ in no_split]
     # The leaf modules are the modules that own tensors directly and have no submodule holding any.

@@ -228,7 +228,7 @@ def get_max_layer_size(
     return max_size, layer_names
 
 
-def _top_level_entries(model: nn.Module) -> list[tuple[str, nn.Module | torch.Tensor]]:
+def top_level_entries(model: nn.Module) -> list[tuple[str, nn.Module | torch.Tensor]]:
     """The model's own parameters, its children, then its own buffers: the units a device map starts from."""
     return [
         *model.named_parameters(recurse=False),
@@ -252,7 +252,7 @@ def largest_layer(model: nn.Module, module_sizes: Mapping[str, int]) -> tuple[in
     """
     # transformers models name the classes they never split; honour it as Accelerate does
     no_split = getattr(model, "_no_split_modules", None) or []
-    return get_max_layer_size(_top_level_entries(model), module_sizes, list(no_split))
+    return get_max_layer_size(top_level_entries(model), module_sizes, list(no_split))
 
 
 def calculate_maximum_sizes(model: nn.Module) -> tuple[int, tuple[int, list[str]]]:
