@@ -106,7 +106,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dir", default=None, help="where to write (a temporary folder inside it)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
     state, model, optimizer = make_state(args.size)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     nbytes += sum(t.numel() * t.element_size() for t in optimizer_tensors(optimizer).values())
