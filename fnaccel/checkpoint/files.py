@@ -15,13 +15,9 @@ size is compared with the manifest's before a byte is read, the read is
 bounded by that size, and its sha256 is checked, so a flipped byte names its
 file.
 
-Speed: tensors go from their own memory straight to the file (the safetensors
-layout: an 8-byte header length, the JSON header, each tensor's bytes in
-order), never through a whole-checkpoint ``bytes``. The sha256 is kept (it
-names a corrupt file, and every manifest already holds one) but computed on a
-helper thread over the same chunks while the caller's thread writes them, or,
-when reading, while safetensors parses the bytes read: hashlib releases the
-GIL, so the hash costs wall time only where it outlasts the I/O.
+Speed: safetensors files are streamed from and into each tensor's own memory,
+their sha256 computed on a helper thread while the I/O goes on
+(`fnaccel.checkpoint.tensorfile`); no whole-checkpoint ``bytes`` is built.
 """
 
 from __future__ import annotations
@@ -35,16 +31,22 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from fnaccel._errors import CheckpointError
 from fnaccel.atomic import fsync_dir
+from fnaccel.checkpoint.tensorfile import (
+    HashedReader,
+    layout,
+    memory_of,
+    not_safetensors,
+    safetensors_pieces,
+    write_hashed,
+)
 
 __all__ = [
     "LEFTOVER_MARKER",
@@ -69,20 +71,6 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 LEFTOVER_MARKER = ".fnaccel-leftover"  # inside every directory fnaccel may delete as its own leftover
 _CHUNK = 1 << 30  # reads go in pieces of at most 1 GiB (Linux returns at most ~2 GiB per read)
-_WRITE_CHUNK = 16 << 20  # writes and hash updates go in 16 MiB pieces, so the two overlap
-_HASH_THREAD_MIN = 4 << 20  # smaller files are hashed inline: a thread costs more than it saves
-# torch dtype -> safetensors dtype name: the dtypes safetensors itself reads back
-_DTYPE_NAMES = MappingProxyType({
-    dtype: name
-    for attr, name in (
-        ("float64", "F64"), ("float32", "F32"), ("float16", "F16"), ("bfloat16", "BF16"),
-        ("int64", "I64"), ("int32", "I32"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"),
-        ("bool", "BOOL"), ("uint64", "U64"), ("uint32", "U32"), ("uint16", "U16"),
-        ("float8_e4m3fn", "F8_E4M3"), ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-        ("float8_e5m2", "F8_E5M2"), ("float8_e5m2fnuz", "F8_E5M2FNUZ"), ("complex64", "C64"),
-    )
-    if isinstance(dtype := getattr(torch, attr, None), torch.dtype)
-})
 
 
 def temporary_sibling(final: Path, token: str) -> Path:
@@ -160,89 +148,22 @@ def json_copy(value: Any, where: str) -> Any:
     return json.loads(_dumps(value, where))
 
 
-def _write_all(fd: int, chunk: memoryview) -> None:
-    while chunk:
-        chunk = chunk[os.write(fd, chunk):]
-
-
-def _write_hashed(path: Path, pieces: Iterable[memoryview]) -> dict[str, Any]:
-    """Write ``pieces`` in order to a new file ``path``, fsync it, and return its
-    manifest entry (sha256, size): the hash runs on a helper thread over the
-    same chunks while this thread writes them (FIFO on one worker keeps order)."""
-    digest = hashlib.sha256()
-    size = 0
-    pool: ThreadPoolExecutor | None = None
-    pending: list[Future[None]] = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        for piece in pieces:
-            if pool is None and len(piece) >= _HASH_THREAD_MIN:
-                pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnaccel-sha256")
-            for start in range(0, len(piece), _WRITE_CHUNK):
-                chunk = piece[start:start + _WRITE_CHUNK]
-                if pool is None:
-                    digest.update(chunk)
-                else:
-                    pending.append(pool.submit(digest.update, chunk))
-                _write_all(fd, chunk)
-                size += len(chunk)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-        if pool is not None:
-            pool.shutdown(wait=True)  # the chunks must outlive every update that reads them
-    for future in pending:
-        future.result()
-    return {"sha256": digest.hexdigest(), "size": size}
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Write ``tensors`` as a safetensors file straight from their memory (see
+    `fnaccel.checkpoint.tensorfile`); return its manifest entry (sha256, size)."""
+    pieces, keep_alive = safetensors_pieces(path, tensors)
+    entry = write_hashed(path, pieces)
+    del keep_alive  # the views in ``pieces`` read these tensors' memory until written
+    return entry
 
 
 def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
     """Write ``data`` durably; return its manifest entry (sha256, size)."""
-    return _write_hashed(path, [memoryview(data)])
+    return write_hashed(path, [memoryview(data)])
 
 
 def write_json(path: Path, value: Any) -> dict[str, Any]:
     return write_bytes(path, _dumps(value, path.name, indent=1, sort_keys=True).encode())
-
-
-def _tensor_bytes(name: str, tensor: torch.Tensor, where: Path) -> tuple[torch.Tensor, str]:
-    """``tensor`` as a dense, contiguous CPU tensor whose memory holds exactly its
-    values (conjugate and negative views resolved), and its safetensors dtype name."""
-    dtype = _DTYPE_NAMES.get(tensor.dtype)
-    if dtype is None:
-        raise CheckpointError(
-            f"{where}: tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store; "
-            f"convert it to one of {sorted(str(d) for d in _DTYPE_NAMES)} before saving"
-        )
-    if tensor.layout != torch.strided:
-        raise CheckpointError(f"{where}: tensor {name!r} is {tensor.layout}; save its dense form (.to_dense())")
-    return tensor.detach().cpu().resolve_conj().resolve_neg().contiguous(), dtype
-
-
-def _memory(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (the tensor must outlive the view)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Write ``tensors`` as a safetensors file straight from their memory; return its
-    manifest entry. Tensors go largest element first (then by name), so every
-    tensor starts at a multiple of its element size, as safetensors' own writer does."""
-    dense = {name: _tensor_bytes(name, t, path) for name, t in tensors.items()}
-    order = sorted(dense, key=lambda name: (-dense[name][0].element_size(), name))
-    header: dict[str, Any] = {}
-    offset = 0
-    for name in order:
-        tensor, dtype = dense[name]
-        end = offset + tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
-        offset = end
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-aligned
-    pieces = [memoryview(len(text).to_bytes(8, "little") + text)]
-    pieces += [_memory(dense[name][0]) for name in order if dense[name][0].numel()]
-    return _write_hashed(path, pieces)  # ``dense`` keeps every tensor alive until written
 
 
 def _open_inside(directory: Path, name: str) -> int:
@@ -344,84 +265,6 @@ def read_json(directory: Path, name: str, manifest: dict[str, Any]) -> Any:
         raise CheckpointError(f"{directory / name}: not valid JSON (or nested too deeply)") from None
 
 
-def _not_safetensors(path: Path, why: str) -> CheckpointError:
-    return CheckpointError(f"{path}: not a valid safetensors file ({why})")
-
-
-_Spec = tuple[int, int, str, torch.dtype, list[int]]  # begin, end, name, dtype, shape
-
-
-def _layout(path: Path, text: bytes, data_size: int) -> list[_Spec]:
-    """The tensors a safetensors header ``text`` describes, in file order, every
-    field checked: known dtype, non-negative integer shape, offsets that tile the
-    ``data_size`` bytes after the header exactly."""
-    try:
-        header = json.loads(text)
-    except (ValueError, RecursionError):
-        raise _not_safetensors(path, "its header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise _not_safetensors(path, "its header is not a JSON object")
-    header.pop("__metadata__", None)
-    by_name = {dtype_name: dtype for dtype, dtype_name in _DTYPE_NAMES.items()}
-    specs: list[_Spec] = []
-    for key, spec in header.items():
-        fields = spec if isinstance(spec, dict) else {}
-        shape, offsets = fields.get("shape"), fields.get("data_offsets")
-        dtype = by_name.get(fields["dtype"]) if isinstance(fields.get("dtype"), str) else None
-        if not (
-            dtype is not None and isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
-            and all(type(x) is int and x >= 0 for x in [*shape, *offsets])
-        ):
-            raise _not_safetensors(path, f"tensor {key!r} has a malformed dtype, shape or data_offsets")
-        numel = 1
-        for x in shape:
-            numel *= x
-        if offsets[1] - offsets[0] != numel * dtype.itemsize:
-            raise _not_safetensors(path, f"tensor {key!r}: its offsets do not hold shape {shape} of {dtype}")
-        specs.append((offsets[0], offsets[1], key, dtype, shape))
-    specs.sort(key=lambda s: (s[0], s[1]))
-    end = 0
-    for begin, stop, key, _, _ in specs:
-        if begin != end:
-            raise _not_safetensors(path, f"tensor {key!r}: the data offsets overlap or leave a gap")
-        end = stop
-    if end != data_size:
-        raise _not_safetensors(path, f"the tensors hold {end} bytes, the file {data_size} after its header")
-    return specs
-
-
-class _HashedReader:
-    """Reads a file descriptor in order into given memory, the sha256 of each chunk
-    computed on a helper thread while the next chunk is read."""
-
-    def __init__(self, fd: int, path: Path, size: int, pool: ThreadPoolExecutor) -> None:
-        self.fd, self.path, self.size, self.pool = fd, path, size, pool
-        self.digest = hashlib.sha256()
-        self.done = 0
-
-    def into(self, view: memoryview) -> None:
-        filled = 0
-        while filled < len(view):
-            got = os.readv(self.fd, [view[filled:filled + _WRITE_CHUNK]])
-            if not got:
-                raise CheckpointError(f"{self.path}: truncated while being read ({self.done} of {self.size} bytes)")
-            self.pool.submit(self.digest.update, view[filled:filled + got])
-            filled += got
-            self.done += got
-
-    def bytes(self, count: int) -> bytes:
-        data = bytearray(count)
-        self.into(memoryview(data))
-        return bytes(data)
-
-    def check(self, entry: dict[str, Any]) -> None:
-        """Read (and hash) what is left, wait for the hash, and compare it with ``entry``'s."""
-        while self.done < self.size:
-            self.into(memoryview(bytearray(min(self.size - self.done, _WRITE_CHUNK))))
-        self.pool.shutdown(wait=True)
-        _check_hash(self.path, self.digest.hexdigest(), entry)
-
-
 def read_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A safetensors file's tensors, each read straight from the file into its own
     memory (one copy, no whole-file buffer), returned only after the whole file's
@@ -435,24 +278,24 @@ def read_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[s
         size = os.fstat(fd).st_size
         if size != entry["size"]:
             raise CheckpointError(f"{path}: truncated or extended ({size} bytes, the manifest says {entry['size']})")
-        reader = _HashedReader(fd, path, size, pool)
+        reader = HashedReader(fd, path, size, pool)
         try:
             if size < 8:
-                raise _not_safetensors(path, "shorter than its 8-byte header length")
+                raise not_safetensors(path, "shorter than its 8-byte header length")
             length = int.from_bytes(reader.bytes(8), "little")
             if length > size - 8:
-                raise _not_safetensors(path, f"its header length {length} runs past the end of the file")
-            specs = _layout(path, reader.bytes(length), size - 8 - length)
+                raise not_safetensors(path, f"its header length {length} runs past the end of the file")
+            specs = layout(path, reader.bytes(length), size - 8 - length)
         except CheckpointError:
-            reader.check(entry)  # a corrupt file is named corrupt; one hashed as written is malformed
+            _check_hash(path, reader.finish(), entry)  # a corrupt file is named corrupt; one hashed as written is malformed
             raise
         tensors: dict[str, torch.Tensor] = {}
         for _, _, key, dtype, shape in specs:
             tensor = torch.empty(shape, dtype=dtype)
             if tensor.numel():
-                reader.into(_memory(tensor))
+                reader.into(memory_of(tensor))
             tensors[key] = tensor
-        reader.check(entry)
+        _check_hash(path, reader.finish(), entry)
         return tensors
     finally:
         pool.shutdown(wait=True)
