@@ -16,7 +16,7 @@ import torch
 
 from fnaccel._errors import CheckpointError
 
-__all__ = ["check_like", "check_tensors", "kind_of"]
+__all__ = ["check_layout", "check_like", "check_tensors", "kind_of"]
 
 
 def kind_of(obj: object) -> str:
@@ -24,9 +24,11 @@ def kind_of(obj: object) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def check_tensors(saved: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], source: str,
-                  what: str = "the model") -> None:
-    """Same keys, and each tensor with the expected shape and dtype."""
+def check_layout(saved: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
+                 expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]], source: str,
+                 what: str) -> None:
+    """Same keys, and each entry's ``(shape, dtype)`` as expected; else `CheckpointError`
+    naming ``source`` and up to five differences."""
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     if missing or unexpected:
@@ -35,14 +37,20 @@ def check_tensors(saved: Mapping[str, torch.Tensor], expected: Mapping[str, torc
             "the one this checkpoint was saved from"
         )
     wrong = [
-        f"{key!r} has shape {tuple(saved[key].shape)} in the checkpoint but {tuple(value.shape)} in {what}"
-        if saved[key].shape != value.shape else
-        f"{key!r} has dtype {saved[key].dtype} in the checkpoint but {value.dtype} in {what}"
-        for key, value in expected.items()
-        if saved[key].shape != value.shape or saved[key].dtype != value.dtype
+        f"{key!r} has shape {saved[key][0]} in the checkpoint but {shape} in {what}"
+        if saved[key][0] != shape else
+        f"{key!r} has dtype {saved[key][1]} in the checkpoint but {dtype} in {what}"
+        for key, (shape, dtype) in expected.items() if saved[key] != (shape, dtype)
     ]
     if wrong:
         raise CheckpointError(f"{source}: {'; '.join(wrong[:5])}")
+
+
+def check_tensors(saved: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], source: str,
+                  what: str = "the model") -> None:
+    """Same keys, and each tensor with the expected shape and dtype."""
+    check_layout({k: (tuple(t.shape), t.dtype) for k, t in saved.items()},
+                 {k: (tuple(t.shape), t.dtype) for k, t in expected.items()}, source, what)
 
 
 def _kind(value: Any) -> str:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.checks import kind_of
+from fnaccel.checkpoint.checks import check_layout, kind_of
 from fnaccel.checkpoint.codec import check_kind, restore_groups
 from fnaccel.checkpoint.files import (
     fsync_dir,
@@ -547,22 +547,9 @@ def _targets(tensors: Mapping[str, Any], metadata: Any, source: str) -> tuple[di
     flat, paths = flatten_state_dict(dict(tensors))
     saved = metadata.state_dict_metadata
     wanted = {k: v for k, v in flat.items() if k in saved or paths[k][0] == "model"}
-    missing = sorted(set(wanted) - set(saved))
-    unexpected = sorted(set(saved) - set(wanted))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{source}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}; the model "
-            "or optimizer is not the one this checkpoint was saved from"
-        )
-    mismatched = [
-        f"{key!r} has shape {tuple(saved[key].size)} in the checkpoint but {tuple(value.shape)} here"
-        if tuple(saved[key].size) != tuple(value.shape) else
-        f"{key!r} has dtype {saved[key].properties.dtype} in the checkpoint but {value.dtype} here"
-        for key, value in wanted.items()
-        if tuple(saved[key].size) != tuple(value.shape) or saved[key].properties.dtype != value.dtype
-    ]
-    if mismatched:
-        raise CheckpointError(f"{source}: {'; '.join(mismatched[:5])}")
+    check_layout({k: (tuple(m.size), m.properties.dtype) if hasattr(m, "size") else ((), None)  # not a tensor
+                  for k, m in saved.items()},
+                 {k: (tuple(v.shape), v.dtype) for k, v in wanted.items()}, source, "the model or optimizer")
     return wanted, {k: paths[k] for k in wanted}
 
 
