@@ -31,6 +31,14 @@ def _not_a_list(op: str, objects: Any) -> TypeError | None:
     )
 
 
+def _alone(op: str, objects: Any) -> list[Any]:
+    """A world of one: the list itself, once checked."""
+    problem = _not_a_list(op, objects)
+    if problem is not None:
+        raise problem
+    return list(objects)
+
+
 def _pickle(op: str, objects: Any) -> tuple[bytes, TypeError | None]:
     """``objects`` as one pickled list, or why it cannot travel."""
     problem = _not_a_list(op, objects)
@@ -74,9 +82,7 @@ def broadcast_object_list(
     ctx = as_dist(ctx)
     op = "broadcast_object_list"
     if ctx.num_processes == 1:
-        if (not_a_list := _not_a_list(op, object_list)) is not None:
-            raise not_a_list
-        return list(object_list)
+        return _alone(op, object_list)
     if not 0 <= from_process < ctx.num_processes:
         raise ValueError(
             f"{op}: from_process={from_process} is not a rank of this {ctx.num_processes}-process run"
@@ -130,9 +136,7 @@ def gather_object(ctx: DistContext | Any, object: Sequence[Any]) -> list[Any]:
     ctx = as_dist(ctx)
     op = "gather_object"
     if ctx.num_processes == 1:
-        if (not_a_list := _not_a_list(op, object)) is not None:
-            raise not_a_list
-        return list(object)
+        return _alone(op, object)
     payload, problem = _pickle(op, object)
     table = exchange_shapes(ctx, Signature.of(op, [], []), extras=[len(payload)], problem=problem)
     sizes = [extras[0] for extras in table.extras]
