@@ -24,6 +24,7 @@ from fnaccel.ops._shapes import (
     all_gather_rows,
     as_wire,
     call_of,
+    flag_carrier,
     exchange_shapes,
     naming_timeouts,
     require_same_shapes,
@@ -116,9 +117,10 @@ def _checked_collect(ctx: DistContext, signature: Signature, param: Any, hint: s
     collectives; otherwise raise on every rank (``ctx.num_processes > 1``).
 
     A call like the group's last agreed one runs its data collectives at once,
-    beside a one-element all-reduce saying whether any rank's call differs
-    (see `fnaccel.ops._shapes`; a floating-point reduce carries that element
-    in its own buffer, `_reduce_flagged`); any other call, or a mismatch, pays the header
+    with a flag saying whether any rank's call differs (see `fnaccel.ops._shapes`):
+    a floating-point reduce carries it in its own buffer (`_reduce_flagged`), a
+    gather in its data (`flag_carrier`), anything else in a one-element
+    all-reduce beside the data; any other call, or a mismatch, pays the header
     round trip before the data: gloo would abort, hang or return a partly
     written buffer if sizes differed inside a data collective.
     """
@@ -137,6 +139,9 @@ def _checked_collect_now(ctx: DistContext, signature: Signature, param: Any, hin
         layout = agreed.call[3]
         if agreed.op == "reduce" and layout and layout[0][0].is_floating_point:
             out, raised = _reduce_flagged(ctx, agreed.param, leaves, not mine)
+        elif agreed.carrier is not None:
+            gathered = agreed.carrier.gather(ctx, leaves, not mine)
+            out, raised = gathered or [], gathered is None
         else:
             changed = PendingFlag(ctx, not mine)
             out = _collect(ctx, agreed.op, agreed.param, leaves)
@@ -145,7 +150,7 @@ def _checked_collect_now(ctx: DistContext, signature: Signature, param: Any, hin
             return out
         owner.agreed = None
     require_same_shapes(ctx, signature, hint, problem)
-    owner.agreed = Agreed(call=call, param=param)
+    owner.agreed = Agreed(call=call, param=param, carrier=flag_carrier(call, ctx))
     return _collect(ctx, signature.op, param, signature.leaves)
 
 

@@ -168,10 +168,25 @@ def ragged_tree(rank: int, num_processes: int, make: Callable[..., torch.Tensor]
 # --------------------------------------------------------------------- collectives
 
 
-def gather_mixed(state: Any) -> tuple[Any, Any]:
+def gather_mixed(state: Any) -> tuple[list[Any], Any]:
+    """Three gathers of one tree: the first checks in full, the repeated ones carry
+    their check in the smallest leaf's bytes."""
     rank = state.dist.rank
     tree = mixed_tree(rank_leaf(rank))
-    return fa.ops.gather(state, tree), tree
+    return [fa.ops.gather(state, tree) for _ in range(3)], tree
+
+
+def marked_bytes(rank: int) -> torch.Tensor:
+    """32 bytes that begin with the mark a rank whose gather differs sends."""
+    from fnaccel.ops._shapes import MARK
+
+    return torch.frombuffer(bytearray(MARK + bytes([rank]) * 16), dtype=torch.uint8)
+
+
+def gather_marked_data(state: Any) -> list[torch.Tensor]:
+    """Repeated gathers of data that begins with the mark: a false alarm each time."""
+    value = marked_bytes(state.dist.rank)
+    return [fa.ops.gather(state, value) for _ in range(3)]
 
 
 def broadcast_mixed(state: Any, from_process: int) -> tuple[Any, Any]:
@@ -186,6 +201,7 @@ def per_dtype(state: Any) -> dict[str, Any]:
     out = {}
     for name, dtype in DTYPES.items():
         matrix, scalar = leaf(rank, (2, 3), dtype), leaf(rank, (), dtype)
+        assert_tree_equal(fa.ops.gather(state, matrix), fa.ops.gather(state, matrix))  # checked, then repeated
         out[name] = (
             fa.ops.gather(state, matrix),
             fa.ops.gather(state, scalar),

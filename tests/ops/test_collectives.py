@@ -229,9 +229,19 @@ def test_compose_rejects_two_communicating_steps_and_wrong_order() -> None:
 def test_gather_nested_tree_every_dtype(world: Any) -> None:
     n = world.num_processes
     expected = fns.mixed_tree(_cat_over_ranks(n))
-    for rank, (out, input_after) in enumerate(world.run(fns.gather_mixed)):
-        assert_tree_equal(out, expected, f"rank {rank}")
+    for rank, (outs, input_after) in enumerate(world.run(fns.gather_mixed)):
+        for i, out in enumerate(outs):
+            assert_tree_equal(out, expected, f"rank {rank} call {i}")
         assert_tree_equal(input_after, fns.mixed_tree(fns.rank_leaf(rank)), f"rank {rank} input")
+
+
+def test_data_that_looks_like_a_mismatch_mark_is_still_gathered(world: Any) -> None:
+    """A repeated gather whose data begins with the mark a differing rank sends:
+    the full check finds the calls agree and the data comes back right."""
+    expected = torch.cat([fns.marked_bytes(r) for r in range(world.num_processes)])
+    for rank, outs in enumerate(world.run(fns.gather_marked_data)):
+        for out in outs:
+            assert_tree_equal(out, expected, f"rank {rank}")
 
 
 @pytest.mark.parametrize("source", ["first", "last"])
