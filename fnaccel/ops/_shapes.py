@@ -22,8 +22,8 @@ a layout every rank changed alike is recorded and its data sent again).
 Only a changed layout pays the round trip.
 
 The flag need not be a collective of its own (on gloo its latency adds a
-quarter to a 1 MB gather): a floating-point reduce adds it as one more element
-of its buffer; a gather carries it in its data (`flag_carrier`): a rank whose
+quarter to a 1 MB gather): a reduce with a floating-point leaf carries it as an
+infinity in that leaf's first element (`NonFinite`); a gather carries it in its data (`flag_carrier`): a rank whose
 call differs writes `MARK` at the start of one leaf of its agreed-shaped zeros
 (`Marked`: no copy), or, when every leaf is under 16 bytes, the flag follows
 one leaf's bytes through kept buffers (`Staging`).
@@ -50,6 +50,7 @@ __all__ = [
     "MARK",
     "Agreed",
     "Marked",
+    "NonFinite",
     "PendingFlag",
     "ShapeTable",
     "Signature",
@@ -327,7 +328,7 @@ class Marked:
     leaf: int
     mark: torch.Tensor
 
-    def gather(self, ctx: DistContext, leaves: Sequence[torch.Tensor], differs: bool) -> list[torch.Tensor] | None:
+    def run(self, ctx: DistContext, leaves: Sequence[torch.Tensor], differs: bool) -> list[torch.Tensor] | None:
         """Every leaf gathered as `all_gather_rows` does, or None if any rank's part
         of the carrying leaf begins with the mark (then no other leaf is sent)."""
         carrier = leaves[self.leaf]
@@ -357,7 +358,7 @@ class Staging:
     send: torch.Tensor
     received: torch.Tensor
 
-    def gather(self, ctx: DistContext, leaves: Sequence[torch.Tensor], differs: bool) -> list[torch.Tensor] | None:
+    def run(self, ctx: DistContext, leaves: Sequence[torch.Tensor], differs: bool) -> list[torch.Tensor] | None:
         """Every leaf gathered as `all_gather_rows` does, or None if any rank's flag
         says its call differs (then no other leaf is sent). The carrying leaf is
         copied into ``send`` with the flag after it, every rank's row is gathered at
@@ -381,10 +382,57 @@ class Staging:
         return [carried if i == self.leaf else all_gather_rows(ctx, t) for i, t in enumerate(leaves)]
 
 
-def flag_carrier(call: tuple[Any, ...], ctx: DistContext) -> Marked | Staging | None:
+@dataclass(frozen=True, slots=True)
+class NonFinite:
+    """A repeated reduce whose flag is an infinity in the first element of one
+    floating-point leaf: no copy beyond the reduce's own clone, no extra collective.
+
+    A rank whose call differs sends the agreed layout's zeros with ``value``
+    (+inf; -inf under ``min``) there, which makes that element of the result
+    infinite or NaN on every rank. A result whose first element is not finite
+    for another reason (an inf or NaN in the data) is only a false alarm: the
+    full check finds the calls agree, and the data is reduced again.
+
+    Attributes:
+        leaf: the leaf that carries the flag.
+        op: the reduction's `torch.distributed.ReduceOp`.
+        value: what a rank whose call differs writes.
+    """
+
+    leaf: int
+    op: Any
+    value: float
+
+    def run(self, ctx: DistContext, leaves: Sequence[torch.Tensor], differs: bool) -> list[torch.Tensor] | None:
+        """Every leaf reduced (a clone of each), or None if the carrying leaf's first
+        element came back not finite (then no other leaf is reduced)."""
+        out = [t.clone() for t in leaves]
+        carrier = out[self.leaf]
+        first = (0,) * carrier.ndim
+        if differs:
+            carrier[first] = self.value
+        dist.all_reduce(carrier, op=self.op, group=ctx.process_group)
+        if not math.isfinite(carrier[first].item()):
+            return None
+        for i, value in enumerate(out):
+            if i != self.leaf:
+                dist.all_reduce(value, op=self.op, group=ctx.process_group)
+        return out
+
+
+def flag_carrier(call: tuple[Any, ...], ctx: DistContext, reduce_op: Any = None
+                 ) -> Marked | Staging | NonFinite | None:
     """How the agreed call ``call`` carries its flag in its data: a gather with a leaf
-    of at least 16 bytes by `Marked`, one with smaller leaves only by `Staging`;
-    None for other operations (and a gather without leaves)."""
+    of at least 16 bytes by `Marked`, one with smaller leaves only by `Staging`, a
+    reduce (by ``reduce_op``) with a non-empty floating-point leaf by `NonFinite`;
+    None for anything else (the flag then needs its own collective)."""
+    if call[0] == "reduce":
+        floating = [i for i, (dtype, shape) in enumerate(call[3])
+                    if dtype.is_floating_point and math.prod(shape)]
+        if not floating:
+            return None
+        value = -math.inf if reduce_op == dist.ReduceOp.MIN else math.inf
+        return NonFinite(leaf=floating[0], op=reduce_op, value=value)
     sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in call[3]]
     if call[0] != "gather" or not sizes:
         return None
@@ -411,7 +459,7 @@ class Agreed:
 
     call: tuple[Any, ...]
     param: Any
-    carrier: Marked | Staging | None = None
+    carrier: Marked | Staging | NonFinite | None = None
 
     @property
     def op(self) -> str:

@@ -93,24 +93,6 @@ def _collect(ctx: DistContext, op: str, param: Any, leaves: Sequence[torch.Tenso
     return out
 
 
-def _reduce_flagged(ctx: DistContext, reduction: str, leaves: Sequence[torch.Tensor], differs: bool
-                    ) -> tuple[list[torch.Tensor], bool]:
-    """`_collect` for a reduce whose first leaf is floating-point, with the flag
-    "my call differs" reduced in one more element of that leaf's buffer (the
-    clone a reduce makes anyway): no collective beside the data. The flag is 0
-    or 1 (1 or 0 under ``min``), so the reduced slot shows whether any rank raised it."""
-    first = leaves[0]
-    ok, raised = (1.0, 0.0) if reduction == "min" else (0.0, 1.0)
-    buffer = first.new_empty(first.numel() + 1)
-    buffer[:-1].copy_(first.reshape(-1))
-    buffer[-1] = raised if differs else ok
-    out = [buffer[:-1].view(first.shape), *(t.clone() for t in leaves[1:])]
-    group = ctx.process_group
-    for value in (buffer, *out[1:]):
-        dist.all_reduce(value, op=_REDUCE_OPS[reduction], group=group)
-    return out, buffer[-1].item() != ok
-
-
 def _checked_collect(ctx: DistContext, signature: Signature, param: Any, hint: str,
                      problem: BaseException | None) -> list[torch.Tensor]:
     """Check that every rank makes this call with the same tree, and run its data
@@ -118,9 +100,8 @@ def _checked_collect(ctx: DistContext, signature: Signature, param: Any, hint: s
 
     A call like the group's last agreed one runs its data collectives at once,
     with a flag saying whether any rank's call differs (see `fnaccel.ops._shapes`):
-    a floating-point reduce carries it in its own buffer (`_reduce_flagged`), a
-    gather in its data (`flag_carrier`), anything else in a one-element
-    all-reduce beside the data; any other call, or a mismatch, pays the header
+    a gather and a reduce with a floating-point leaf carry it in their data
+    (`flag_carrier`), anything else in a one-element all-reduce beside it; any other call, or a mismatch, pays the header
     round trip before the data: gloo would abort, hang or return a partly
     written buffer if sizes differed inside a data collective.
     """
@@ -136,12 +117,9 @@ def _checked_collect_now(ctx: DistContext, signature: Signature, param: Any, hin
     if agreed is not None:
         mine = problem is None and call == agreed.call
         leaves = signature.leaves if mine else agreed.zeros(ctx.device)
-        layout = agreed.call[3]
-        if agreed.op == "reduce" and layout and layout[0][0].is_floating_point:
-            out, raised = _reduce_flagged(ctx, agreed.param, leaves, not mine)
-        elif agreed.carrier is not None:
-            gathered = agreed.carrier.gather(ctx, leaves, not mine)
-            out, raised = gathered or [], gathered is None
+        if agreed.carrier is not None:
+            carried = agreed.carrier.run(ctx, leaves, not mine)
+            out, raised = carried or [], carried is None
         else:
             changed = PendingFlag(ctx, not mine)
             out = _collect(ctx, agreed.op, agreed.param, leaves)
@@ -150,7 +128,8 @@ def _checked_collect_now(ctx: DistContext, signature: Signature, param: Any, hin
             return out
         owner.agreed = None
     require_same_shapes(ctx, signature, hint, problem)
-    owner.agreed = Agreed(call=call, param=param, carrier=flag_carrier(call, ctx))
+    reduce_op = _REDUCE_OPS[param] if signature.op == "reduce" else None
+    owner.agreed = Agreed(call=call, param=param, carrier=flag_carrier(call, ctx, reduce_op))
     return _collect(ctx, signature.op, param, signature.leaves)
 
 

@@ -189,6 +189,20 @@ def gather_marked_data(state: Any) -> list[torch.Tensor]:
     return [fa.ops.gather(state, value) for _ in range(3)]
 
 
+def reduce_non_finite_data(state: Any) -> dict[str, list[Any]]:
+    """Repeated reduces whose data's first element is inf or NaN (a false alarm of
+    the flag a differing rank sends), and repeated reduces of integers only (whose
+    flag needs a collective of its own)."""
+    rank = state.dist.rank
+    out: dict[str, list[Any]] = {}
+    for reduction in ("sum", "max", "min"):
+        value = {"x": torch.tensor([math.inf if rank == 0 else 1.0, 2.0 + rank]),
+                 "nan": torch.tensor([math.nan, 1.0])}
+        out[reduction] = [fa.ops.reduce(state, value, reduction) for _ in range(3)]
+    out["ints"] = [fa.ops.reduce(state, torch.tensor([rank, 1]), "sum") for _ in range(3)]
+    return out
+
+
 def broadcast_mixed(state: Any, from_process: int) -> tuple[Any, Any]:
     rank = state.dist.rank
     tree = mixed_tree(rank_leaf(rank))

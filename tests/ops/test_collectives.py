@@ -9,6 +9,7 @@ live in ``_dist_fns.py`` (see its docstring for why).
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 import time
@@ -242,6 +243,28 @@ def test_data_that_looks_like_a_mismatch_mark_is_still_gathered(world: Any) -> N
     for rank, outs in enumerate(world.run(fns.gather_marked_data)):
         for out in outs:
             assert_tree_equal(out, expected, f"rank {rank}")
+
+
+def test_data_that_looks_like_a_reduce_flag_is_still_reduced(world: Any) -> None:
+    """Repeated reduces with inf or NaN where a differing rank puts its flag: the
+    full check finds the calls agree and the plain answer comes back."""
+    n = world.num_processes
+    rest = [2.0 + r for r in range(n)]
+    expected = {
+        "sum": {"x": torch.tensor([math.inf, sum(rest)]), "nan": torch.tensor([math.nan, float(n)])},
+        "max": {"x": torch.tensor([math.inf, max(rest)])},
+        "min": {"x": torch.tensor([1.0 if n > 1 else math.inf, min(rest)])},
+    }
+    for rank, results in enumerate(world.run(fns.reduce_non_finite_data)):
+        for reduction, calls in results.items():
+            for out in calls:
+                if reduction == "ints":
+                    assert_tree_equal(out, torch.tensor([sum(range(n)), n]))
+                    continue
+                assert_tree_equal(out["x"], expected[reduction]["x"], f"rank {rank} {reduction}")
+                assert out["nan"][0].isnan(), (rank, reduction, out)
+                if reduction == "sum":
+                    assert out["nan"][1] == n
 
 
 @pytest.mark.parametrize("source", ["first", "last"])
