@@ -3,7 +3,7 @@
 gloo aborts the whole process (it does not raise) when ranks enter a
 collective with different sizes, hangs one rank, or (broadcast) returns a
 partly filled buffer, so a mismatch has to be found *before* the data moves.
-`exchange_shapes` sends a fixed-size int64 header (64 slots) holding a
+`exchange_shapes` sends a fixed-size int64 header (`MARK`, then 64 slots) holding a
 fingerprint of the call (operation, its arguments, the tree's paths, dtypes
 and ranks), a hash of every leaf's shape and, when they fit, the shapes
 themselves: one tiny collective gives each rank the whole table, and every
@@ -32,6 +32,7 @@ one leaf's bytes through kept buffers (`Staging`).
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 from array import array
 from collections.abc import Iterator, Sequence
@@ -65,6 +66,14 @@ __all__ = [
 
 _SLOTS = 64
 _FIXED = 5  # leaf count, total rank (ndim), fingerprint, shape hash, extras count
+
+# 16 random bytes, chosen once: what a rank whose call differs from the agreed
+# gather writes at the start of one leaf's bytes (the rest zeros), and what
+# every header exchange begins with, so that a rank in a repeated gather which
+# meets another rank's header exchange (ranks out of step) sees a false alarm,
+# never a result.
+MARK = bytes.fromhex("5deb2d5c40f5936da873ce1aa552114b")
+_MARK_WORDS = [int.from_bytes(MARK[i:i + 8], sys.byteorder, signed=True) for i in (0, 8)]
 
 
 @contextmanager
@@ -121,14 +130,23 @@ def all_gather_rows(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
     return out if wire.dtype == tensor.dtype else out.view(tensor.dtype)
 
 
-def _all_gather_ints(ctx: DistContext, values: list[int]) -> list[list[int]]:
-    """Every rank's list of ints (all of one length): one int64 all-gather.
+def _all_gather_ints(ctx: DistContext, values: list[int], op: str) -> list[list[int]]:
+    """Every rank's list of ints (all of one length): one int64 all-gather of `MARK`
+    and the values. A rank whose row lacks the mark is in another collective (its
+    data met this exchange): `CollectiveMismatchError` names it.
 
     Built through `array` and `frombuffer`, which costs a few microseconds
     where `torch.tensor` on a 64-item list costs about 17.
     """
-    local = torch.frombuffer(array("q", values), dtype=torch.int64).to(ctx.device)
-    return all_gather_rows(ctx, local).view(ctx.num_processes, len(values)).tolist()
+    local = torch.frombuffer(array("q", _MARK_WORDS + values), dtype=torch.int64).to(ctx.device)
+    rows = all_gather_rows(ctx, local).view(ctx.num_processes, len(values) + 2).tolist()
+    strays = [rank for rank, row in enumerate(rows) if row[:2] != _MARK_WORDS]
+    if strays:
+        raise CollectiveMismatchError(
+            f"{op}: rank {strays[0]} is in another collective (its data met this call's header "
+            "exchange): every rank must make the same collectives in the same order"
+        )
+    return [row[2:] for row in rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +287,7 @@ def exchange_shapes(
     row = header + (dims if inline else [])
     row += [0] * (_SLOTS - len(row))
     with naming_timeouts(signature.op):
-        rows = _all_gather_ints(ctx, row)
+        rows = _all_gather_ints(ctx, row, signature.op)
     if any(r[0] for r in rows):
         _raise_problem(ctx, signature.op, problem)
     # everything but the shape hash (slot 4) must agree: the sizes may differ here
@@ -280,7 +298,7 @@ def exchange_shapes(
         per_rank_dims = [r[start : start + len(dims)] for r in rows]
     else:  # a tree too large for the header: its dims travel in a second message
         with naming_timeouts(signature.op):
-            per_rank_dims = _all_gather_ints(ctx, dims)
+            per_rank_dims = _all_gather_ints(ctx, dims, signature.op)
     shapes = []
     for flat in per_rank_dims:
         it = iter(flat)
@@ -298,16 +316,11 @@ def require_same_shapes(
     makes the same call with the same tree paths, dtypes and shapes, and none
     rejected its own input; otherwise every rank raises."""
     header, _ = _header(signature, (), problem)
-    rows = _all_gather_ints(ctx, header + [0] * (_SLOTS - len(header)))
+    rows = _all_gather_ints(ctx, header + [0] * (_SLOTS - len(header)), signature.op)
     if any(r[0] for r in rows):
         _raise_problem(ctx, signature.op, problem)
     if any(r[1:] != rows[0][1:] for r in rows):
         _raise_mismatch(ctx, signature, hint)
-
-
-# What a rank whose call differs from the agreed gather writes at the start of
-# one leaf's bytes (the rest zeros): 16 random bytes, chosen once.
-MARK = bytes.fromhex("5deb2d5c40f5936da873ce1aa552114b")
 
 
 @dataclass(frozen=True, slots=True)

@@ -590,41 +590,51 @@ def test_a_nested_tensor_is_refused_with_the_fix(state: fa.RunState, op: str) ->
         getattr(fa.ops, op)(state, {"n": nested})
 
 
-def _wait_past_the_timeout(rank: int, rendezvous: str, results: Any, gone: Any) -> None:
-    """Rank 0 gathers; rank 1 never joins (it waits until rank 0 has given up)."""
+def _wait_past_the_timeout(rank: int, rendezvous: str, results: Any, gone: Any, scenario: str) -> None:
+    """Rank 0 gathers. ``absent``: rank 1 never joins (it waits until rank 0 has
+    given up). ``out_of_step``: rank 1 pads instead, while rank 0 repeats an agreed
+    gather exactly the size of a header exchange (so gloo moves the bytes)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     handler = fa.InitProcessGroupKwargs(backend="gloo", init_method=rendezvous, timeout=timedelta(seconds=2))
     state = fa.init(cpu=True, kwargs_handlers=[handler])
-    fa.ops.gather(state, torch.ones(2))  # once together: the group works
+    value = torch.arange(66) if scenario == "out_of_step" else torch.ones(2)  # 528 bytes: 16 of mark, 64 slots
+    for _ in range(2):  # together: the group works, and has an agreed call
+        fa.ops.gather(state, value)
+    outcome: tuple[str, ...] = ("returned",)
+    start = time.perf_counter()
+    try:
+        if rank == 0:
+            fa.ops.gather(state, value)
+        elif scenario == "out_of_step":
+            fa.ops.pad_across_processes(state, torch.ones(2))
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        outcome = (type(exc).__name__, str(exc), str(isinstance(exc, RuntimeError)))
     if rank == 0:
-        start = time.perf_counter()
-        try:
-            fa.ops.gather(state, torch.ones(2))
-            outcome: tuple[str, ...] = ("returned",)
-        except Exception as exc:  # noqa: BLE001 - the test inspects it
-            outcome = (type(exc).__name__, str(exc), str(isinstance(exc, RuntimeError)))
         results.put((time.perf_counter() - start, outcome))
         gone.set()
     else:
+        if scenario == "out_of_step":
+            results.put((0.0, outcome))
         gone.wait(60)
     results.close()
     results.join_thread()
     os._exit(0)  # the group is broken after a timeout: no shutdown handshake to wait for
 
 
-def test_a_collective_timeout_names_the_collective_and_the_setting(tmp_path: Path) -> None:
-    """InitProcessGroupKwargs(timeout=2 s) bounds the wait for a rank that never comes."""
+def _two_ranks(tmp_path: Path, scenario: str) -> list[tuple[float, tuple[str, ...]]]:
+    """Runs `_wait_past_the_timeout` on 2 fresh processes; what rank 0 (and, when
+    out of step, rank 1) reported, in the order they reported it."""
     import multiprocessing as mp
 
     context = mp.get_context("spawn")
     results, gone = context.Queue(), context.Event()
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    procs = [context.Process(target=_wait_past_the_timeout, args=(rank, rendezvous, results, gone))
+    procs = [context.Process(target=_wait_past_the_timeout, args=(rank, rendezvous, results, gone, scenario))
              for rank in range(2)]
     for proc in procs:
         proc.start()
     try:
-        elapsed, outcome = results.get(timeout=120)
+        return [results.get(timeout=120) for _ in range(2 if scenario == "out_of_step" else 1)]
     finally:
         gone.set()
         for proc in procs:
@@ -632,7 +642,24 @@ def test_a_collective_timeout_names_the_collective_and_the_setting(tmp_path: Pat
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def test_a_collective_timeout_names_the_collective_and_the_setting(tmp_path: Path) -> None:
+    """InitProcessGroupKwargs(timeout=2 s) bounds the wait for a rank that never comes."""
+    [(elapsed, outcome)] = _two_ranks(tmp_path, "absent")
     assert outcome[0] == "CollectiveTimeoutError", outcome
     assert outcome[1].startswith("gather: timed out waiting for the other ranks"), outcome
     assert "InitProcessGroupKwargs(timeout=...)" in outcome[1] and outcome[2] == "True"
     assert 1.5 < elapsed < 60, elapsed  # the 2 s given, not fnaccel's 10 min default
+
+
+def test_ranks_out_of_step_get_errors_never_a_result(tmp_path: Path) -> None:
+    """A repeated gather meeting another rank's header exchange of the same size:
+    gloo moves the bytes, the padding rank finds no mark in the gather's row and
+    raises, the gathering rank takes the header's mark for a differing call and
+    waits in the full check until the timeout. Neither returns."""
+    outcomes = dict((o[0], o) for _, o in _two_ranks(tmp_path, "out_of_step"))
+    assert set(outcomes) == {"CollectiveMismatchError", "CollectiveTimeoutError"}, outcomes
+    assert outcomes["CollectiveMismatchError"][1].startswith(
+        "pad_across_processes: rank 0 is in another collective"), outcomes
+    assert outcomes["CollectiveTimeoutError"][1].startswith("gather: timed out"), outcomes
