@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from fnaccel._errors import CheckpointError
+from fnaccel.checkpoint.tensorfile import DTYPES, torch_dtype
 from fnaccel.constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 __all__ = [
@@ -41,14 +41,6 @@ __all__ = [
 ]
 
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
-# The dtype names of safetensors headers that torch has a dtype for.
-_SAFETENSORS_DTYPES = MappingProxyType({
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
-})
-
 
 def refuse_pickle(path: Path) -> CheckpointError:
     """The error for a pickle checkpoint, saying how to convert it."""
@@ -171,7 +163,7 @@ def read_dtypes_and_shapes(file: Path) -> dict[str, tuple[torch.dtype, tuple[int
         CheckpointError: an unreadable file, or a dtype torch has no dtype for.
     """
     tensors, _ = _read(file)
-    unknown = sorted({dtype for dtype, _ in tensors.values() if dtype not in _SAFETENSORS_DTYPES})
+    unknown = sorted({dtype for dtype, _ in tensors.values() if dtype not in DTYPES})
     if unknown:
         raise CheckpointError(f"{file} holds tensors of dtypes {unknown}, which torch has no dtype for")
-    return {name: (_SAFETENSORS_DTYPES[dtype], shape) for name, (dtype, shape) in tensors.items()}
+    return {name: (torch_dtype(DTYPES[dtype][0]), shape) for name, (dtype, shape) in tensors.items()}
