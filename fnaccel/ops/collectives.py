@@ -88,7 +88,7 @@ def _collect(ctx: DistContext, op: str, param: Any, leaves: Sequence[torch.Tenso
     for t in leaves:
         # a contiguous buffer: as_wire would copy a strided one, and receive into the copy
         received = t if ctx.rank == param else t.new_empty(t.shape)
-        dist.broadcast(as_wire(received), src=param, group=group)
+        dist.broadcast(as_wire(received), group=group, group_src=param)
         out.append(received)
     return out
 

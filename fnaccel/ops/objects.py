@@ -103,7 +103,7 @@ def broadcast_object_list(
         )
     buffer = _byte_buffer(ctx, payload, table.extras[from_process][1])
     with naming_timeouts(op):
-        dist.broadcast(buffer, src=from_process, group=ctx.process_group)
+        dist.broadcast(buffer, group=ctx.process_group, group_src=from_process)
     if ctx.rank == from_process:
         return list(object_list)
     received: list[Any] = pickle.loads(_as_bytes(buffer))

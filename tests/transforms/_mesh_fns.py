@@ -131,8 +131,11 @@ def mesh_facts(base: fa.RunState, layout: dict[str, int]) -> dict[str, Any]:
                 for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp")}
         dp = data_parallel_context(state.dist)
         total = fa.ops.reduce(dp, torch.tensor([1.0]), "sum")
+        mine = torch.tensor([float(state.dist.rank)])
+        from_second = [float(fa.ops.broadcast(dp, mine, from_process=1)) for _ in range(2)]
+        objects = fa.ops.broadcast_object_list(dp, [state.dist.rank], from_process=1)
         return {"names": state.dist.mesh.mesh_dim_names, "dims": dims, "dp": data_parallel(state.dist),
-                "dp_sum": float(total)}
+                "dp_sum": float(total), "from_second": from_second, "objects": objects}
     finally:
         fa.shutdown(state)
 

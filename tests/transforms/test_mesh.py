@@ -80,6 +80,9 @@ def test_the_mesh_names_its_dimensions_and_the_accessors_agree(world4: Any) -> N
                                   "tp": [0, 1], "dp": [0, 2]}
     assert results[3]["dims"]["tp"] == [2, 3] and results[3]["dims"]["dp"] == [1, 3]
     assert all(r["dp_sum"] == 2.0 for r in results)  # reduced over the data-parallel group only
+    # from_process counts the group's ranks: its rank 1 is global rank 2 (group 0, 2) or 3 (group 1, 3)
+    assert [r["from_second"] for r in results] == [[2.0, 2.0], [3.0, 3.0], [2.0, 2.0], [3.0, 3.0]]
+    assert [r["objects"] for r in results] == [[2], [3], [2], [3]]
 
 
 def test_invalid_meshes_and_tp_without_a_plan_fail_with_the_fix(world4: Any) -> None:
