@@ -5,7 +5,7 @@ Metadata as JSON: every key's global size, dtype and chunks, and which file
 and key hold each chunk. `read_index` checks all of it (known dtypes and
 layouts, integer sizes, chunks inside their tensors and tiling them, files
 among the manifest's under ``sharded/``, declared bytes within what those
-files hold) and returns it as plain records. `fnaccel.checkpoint.sharded.metadata_from`
+files hold) and returns it as plain records. `fnaccel.checkpoint.dcpstore.metadata_from`
 turns those records into DCP's classes for a load; `fnaccel checkpoint inspect`
 reads sizes and dtypes from them directly, so a new process answers without
 importing torch.

@@ -42,7 +42,8 @@ from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.files import read_bounded, read_json, read_tensors, regular_size, safe_relative
 from fnaccel.checkpoint.manifest import MANIFEST, read_manifest
 from fnaccel.checkpoint.shardindex import METADATA
-from fnaccel.checkpoint.sharded import check_metadata, checkpoint_error, metadata_from, storage_classes
+from fnaccel.checkpoint.dcpstore import check_metadata, metadata_from, storage_classes
+from fnaccel.checkpoint.sharded import checkpoint_error
 from fnaccel.checkpoint.tied import retie
 from fnaccel.commands.main import CommandError
 

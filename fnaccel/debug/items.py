@@ -36,7 +36,7 @@ from fnaccel.checkpoint.headers import TensorFile
 from fnaccel.checkpoint.manifest import read_manifest
 from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
 from fnaccel.checkpoint.shardindex import METADATA, VALUES
-from fnaccel.checkpoint.sharded import metadata_from
+from fnaccel.checkpoint.dcpstore import metadata_from
 from fnaccel.checkpoint.tensorfile import torch_dtype
 from fnaccel.checkpoint.writer import take_snapshot
 from fnaccel.transforms.parallel import unwrap_model

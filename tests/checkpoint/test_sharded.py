@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.checkpoint.sharded import _metadata_json, is_sharded, metadata_from
+from fnaccel.checkpoint.dcpstore import metadata_from, metadata_json
+from fnaccel.checkpoint.sharded import is_sharded
 from tests.checkpoint.test_resume import BATCH, fresh_run, train
 
 
@@ -268,7 +269,7 @@ def test_dcp_metadata_round_trips_through_json() -> None:
                {"fqn": "model.w", "offset": [0, 0], "file": "sharded/rank0.safetensors", "key": "model.w@0,0"},
                {"fqn": "optimizer.state.w.step", "offset": [], "file": "sharded/rank0.safetensors",
                 "key": "optimizer.state.w.step@"}]
-    text = json.dumps(_metadata_json(metadata, storage))
+    text = json.dumps(metadata_json(metadata, storage))
     files = {f"sharded/rank{r}.safetensors": {"sha256": "0" * 64, "size": 1000} for r in (0, 1)}
     back, index = metadata_from(json.loads(text), files, "metadata.json")
     assert back.state_dict_metadata == metadata.state_dict_metadata
@@ -276,7 +277,7 @@ def test_dcp_metadata_round_trips_through_json() -> None:
     assert index[MetadataIndex("model.w", [2, 0])] == ("sharded/rank1.safetensors", "model.w@2,0")
     assert back.storage_data is index
     with pytest.raises(fa.CheckpointError, match="non-tensor value"):
-        _metadata_json(Metadata(state_dict_metadata={"x": BytesStorageMetadata()}), [])
+        metadata_json(Metadata(state_dict_metadata={"x": BytesStorageMetadata()}), [])
     with pytest.raises(fa.CheckpointError, match="metadata.json: key 'keys/model.w' is malformed"):
         metadata_from({**json.loads(text), "keys": {"model.w": {"dtype": "float32"}}}, files, "metadata.json")
     with pytest.raises(fa.CheckpointError, match="unknown dtype 'nonsense'"):
