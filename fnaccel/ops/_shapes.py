@@ -73,7 +73,7 @@ _FIXED = 5  # leaf count, total rank (ndim), fingerprint, shape hash, extras cou
 # meets another rank's header exchange (ranks out of step) sees a false alarm,
 # never a result.
 MARK = bytes.fromhex("5deb2d5c40f5936da873ce1aa552114b")
-_MARK_WORDS = [int.from_bytes(MARK[i:i + 8], sys.byteorder, signed=True) for i in (0, 8)]
+_MARK_WORDS = tuple(int.from_bytes(MARK[i:i + 8], sys.byteorder, signed=True) for i in (0, 8))
 
 
 @contextmanager
@@ -138,9 +138,9 @@ def _all_gather_ints(ctx: DistContext, values: list[int], op: str) -> list[list[
     Built through `array` and `frombuffer`, which costs a few microseconds
     where `torch.tensor` on a 64-item list costs about 17.
     """
-    local = torch.frombuffer(array("q", _MARK_WORDS + values), dtype=torch.int64).to(ctx.device)
+    local = torch.frombuffer(array("q", [*_MARK_WORDS, *values]), dtype=torch.int64).to(ctx.device)
     rows = all_gather_rows(ctx, local).view(ctx.num_processes, len(values) + 2).tolist()
-    strays = [rank for rank, row in enumerate(rows) if row[:2] != _MARK_WORDS]
+    strays = [rank for rank, row in enumerate(rows) if tuple(row[:2]) != _MARK_WORDS]
     if strays:
         raise CollectiveMismatchError(
             f"{op}: rank {strays[0]} is in another collective (its data met this call's header "
