@@ -43,6 +43,27 @@ def test_a_consumed_state_raises_naming_what_consumed_it_but_stays_readable() ->
     fa.with_rng(new, torch.rand, 1)  # the successor is fresh
 
 
+def test_advance_copies_every_field_applies_the_changes_and_gives_a_fresh_lease() -> None:
+    state = fa.init(seed=3, cpu=True, project_dir="/tmp/p").replace(step=4, micro_step=9, trigger=True)
+    new = state.advance("a test", step=5)
+    for f in dataclasses.fields(fa.RunState):
+        if f.name not in ("step", "_lease"):
+            assert getattr(new, f.name) is getattr(state, f.name), f.name
+    assert (new.step, state.step) == (5, 4)
+    assert state.is_spent and not new.is_spent and new._lease is not state._lease
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.step = 6  # type: ignore[misc]
+
+
+def test_advance_refuses_an_unknown_field_without_spending_the_state() -> None:
+    state = fa.init(seed=0, cpu=True)
+    with pytest.raises(TypeError, match=r"no field\(s\) \['stepp'\]"):
+        state.advance("a test", stepp=1)
+    assert not state.is_spent
+    with pytest.raises(TypeError, match="no field"):
+        state.advance("a test", _lease=None)
+
+
 def test_stale_state_error_is_an_fnaccel_error() -> None:
     assert issubclass(fa.StaleStateError, fa.FnaccelError)
     assert issubclass(fa.ConfigError, fa.FnaccelError)
