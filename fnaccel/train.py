@@ -527,7 +527,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     >>> state.step, sorted(metrics)
     (1, ['loss', 'lr'])
     """
-    by = f"fa.step at step {state.step} (micro-step {state.micro_step})"
+    by = "fa.step"
     model, optimizer, plan = _require(state, by)
     micro_step = state.micro_step
     boundary = (micro_step + 1) % plan.micro_steps == 0
@@ -571,7 +571,7 @@ def backward(state: RunState, loss: torch.Tensor, aux: Any = None) -> RunState:
     `fa.with_rng`, then ``state = fa.backward(state, loss)`` and
     ``state, metrics = fa.apply_gradients(state)``.
     """
-    by = f"fa.backward at step {state.step} (micro-step {state.micro_step})"
+    by = "fa.backward"
     model, optimizer, plan = _require(state, by)
     if plan.forward_backward is not None:
         raise ValueError(f"{by}: a pipeline schedule (fa.pp) runs forward and backward together "
@@ -587,7 +587,7 @@ def apply_gradients(state: RunState) -> tuple[RunState, dict[str, Any]]:
     """Consumes ``state``: the update half of `fa.step` (unscale, clip, optimizer
     and scheduler step, zero_grad) when the micro-steps since the last update
     complete an accumulation; otherwise a no-op returning empty metrics."""
-    by = f"fa.apply_gradients at step {state.step}"
+    by = "fa.apply_gradients"
     model, optimizer, plan = _require(state, by)
     if state.micro_step // plan.micro_steps <= state.step:
         return state.advance(by), {}
