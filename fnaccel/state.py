@@ -202,10 +202,11 @@ class RunState:
                 state's step and micro-step for the error a later use of this
                 state raises.
         """
-        self.check_fresh(by)
+        lease = self._lease
+        if lease.by is not None:
+            self.check_fresh(by)  # raises, naming what spent it
         if not _FIELDS.issuperset(changes):
             raise TypeError(f"RunState has no field(s) {sorted(set(changes) - _FIELDS)}")
-        lease = self._lease
         lease.by, lease.step, lease.micro_step = by, self.step, self.micro_step
         new = _copy_with_fresh_lease(self)
         for name, value in changes.items():
