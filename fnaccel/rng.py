@@ -95,35 +95,41 @@ class RNGState:
     def recapture(self, kinds: Collection[str]) -> RNGState:
         """These states with ``kinds`` replaced by the process generators' current ones.
 
-        Every training step calls this: the new value is written slot by slot
-        (the frozen ``__init__`` costs as much as reading torch's state), and
-        torch's CPU state is read from the generator itself.
+        Every training step calls this (and `install`): the new value is written
+        slot by slot (the frozen ``__init__`` costs as much as reading torch's
+        state), and the cheap tests come first, so that a step that swaps torch's
+        generator alone pays for little else.
         """
         new = object.__new__(RNGState)
+        _set(new, "torch", _CPU.get_state() if "torch" in kinds else self.torch)
+        cuda = self.cuda
+        _set(new, "cuda", tuple(torch.cuda.get_rng_state_all()) if cuda and "cuda" in kinds else cuda)
         _set(new, "python", random.getstate() if "python" in kinds else self.python)
-        _set(new, "torch", torch.default_generator.get_state() if "torch" in kinds else self.torch)
-        _set(new, "cuda", tuple(torch.cuda.get_rng_state_all()) if "cuda" in kinds and self.cuda else self.cuda)
         numpy = self.numpy
-        if "numpy" in kinds and numpy is not None:
-            np = _numpy()
-            numpy = np.random.get_state() if np else None
-        _set(new, "numpy", numpy)
+        _set(new, "numpy", _numpy_state() if numpy is not None and "numpy" in kinds else numpy)
         return new
 
     def install(self, kinds: Collection[str] = ALL_KINDS) -> None:
         """Put these states (those of ``kinds``) into the process's generators."""
         if "torch" in kinds:
-            torch.default_generator.set_state(self.torch)
-        if "cuda" in kinds and self.cuda:
+            _CPU.set_state(self.torch)
+        if self.cuda and "cuda" in kinds:
             torch.cuda.set_rng_state_all(list(self.cuda))
         if "python" in kinds:
             random.setstate(self.python)
-        if "numpy" in kinds and self.numpy is not None:
+        if self.numpy is not None and "numpy" in kinds:
             np = _numpy()
             if np is not None:
                 np.random.set_state(self.numpy)
 
 
+def _numpy_state() -> tuple[Any, ...] | None:
+    np = _numpy()
+    return np.random.get_state() if np else None
+
+
+# The process's CPU generator (torch.get_rng_state and torch.set_rng_state use it too).
+_CPU = torch.default_generator
 _set = object.__setattr__  # writes a frozen slot (RNGState.recapture)
 
 

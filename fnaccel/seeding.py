@@ -116,7 +116,7 @@ def with_rng(
     >>> x.shape
     torch.Size([2])
     """
-    by = f"fa.with_rng at step {state.step}"
+    by = "fa.with_rng"
     state.check_fresh(by)
     with installed(state.rng) as captured:
         result = function(*args, **kwargs)

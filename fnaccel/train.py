@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -155,6 +155,9 @@ def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
     return pipeline
 
 
+_set = object.__setattr__  # writes a frozen slot (StepPlan.__post_init__)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
     """A pipeline's hooks bound to their transform states, resolved once by
@@ -172,8 +175,17 @@ class StepPlan:
     forward_backward: tuple[Callable[..., Any], Any] | None = None
     # The parameters this run's backward writes gradients to (its optimizer's), so that
     # a loss that flows through another run's model leaves nothing on it; None: all.
-    backward_inputs: tuple[torch.Tensor, ...] | None = None
+    backward_inputs: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     backward: tuple[Callable[..., Any], Any] | None = None
+    # Derived from the fields above: which halves of a step are PyTorch's alone, so
+    # that a step without hooks there runs them without looping over empty tuples.
+    plain_backward: bool = field(init=False, repr=False, compare=False)
+    plain_update: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _set(self, "plain_backward", (self.micro_steps == 1 or not self.divide_loss) and not self.scale_loss
+             and self.backward is None and not self.after_backward)
+        _set(self, "plain_update", not self.before_update and self.optimizer_step is None)
 
     @classmethod
     def of(cls, pipeline: Pipeline, transform_states: Mapping[str, Any]) -> StepPlan:
@@ -433,6 +445,12 @@ def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> None:
 
 def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
             plan: StepPlan) -> dict[str, Any]:
+    if plan.plain_update:  # no hook can skip the update or add metrics
+        optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]  # the rate this update used
+        if state.scheduler is not None:
+            state.scheduler.step()
+        return {"lr": lr}
     metrics: dict[str, Any] = {}
     for before_update, transform_state in plan.before_update:
         metrics.update(before_update(model, optimizer, transform_state))
@@ -509,34 +527,33 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     >>> state.step, sorted(metrics)
     (1, ['loss', 'lr'])
     """
-    by = f"fa.step at step {state.step} (micro-step {state.micro_step})"
+    by = "fa.step"
     model, optimizer, plan = _require(state, by)
-    loss_fn = state.loss_fn or default_loss_fn
-    boundary = (state.micro_step + 1) % plan.micro_steps == 0
+    micro_step = state.micro_step
+    boundary = (micro_step + 1) % plan.micro_steps == 0
     # The run's generators in, the step, then their new values out: no restore
     # of the process's values (every step installs its own), no context manager.
     kinds = state.step_rng_types
+    rng = state.rng
     _start_window(state, optimizer, plan)
-    state.rng.install(kinds)
+    rng.install(kinds)
     if plan.forward_backward is None:
-        out = loss_fn(model, batch)
+        out = (state.loss_fn or default_loss_fn)(model, batch)
         loss, aux = out if isinstance(out, tuple) else (out, None)
-        _backward(plan, loss, aux)
+        if plan.plain_backward:
+            loss.backward(inputs=plan.backward_inputs)
+        else:
+            _backward(plan, loss, aux)
     else:
         run, transform_state = plan.forward_backward
         loss, aux = run(model, batch, plan.micro_steps if plan.divide_loss else None, transform_state)
     metrics = _update(state, model, optimizer, plan) if boundary else {}
-    rng = state.rng.recapture(kinds)
+    rng = rng.recapture(kinds)
     metrics["loss"] = loss.detach()
     if aux is not None:
         metrics["aux"] = aux
-    new = state.advance(
-        by,
-        rng=rng,
-        micro_step=state.micro_step + 1,
-        step=state.step + int(boundary),
-        data_position=_consumed(state),
-    )
+    new = state.advance(by, rng=rng, micro_step=micro_step + 1, step=state.step + boundary,
+                        data_position=_consumed(state))
     if plan.set_sync:
         plan.set_sync_for(model, new.micro_step)
     if plan.after_step:
@@ -554,7 +571,7 @@ def backward(state: RunState, loss: torch.Tensor, aux: Any = None) -> RunState:
     `fa.with_rng`, then ``state = fa.backward(state, loss)`` and
     ``state, metrics = fa.apply_gradients(state)``.
     """
-    by = f"fa.backward at step {state.step} (micro-step {state.micro_step})"
+    by = "fa.backward"
     model, optimizer, plan = _require(state, by)
     if plan.forward_backward is not None:
         raise ValueError(f"{by}: a pipeline schedule (fa.pp) runs forward and backward together "
@@ -570,7 +587,7 @@ def apply_gradients(state: RunState) -> tuple[RunState, dict[str, Any]]:
     """Consumes ``state``: the update half of `fa.step` (unscale, clip, optimizer
     and scheduler step, zero_grad) when the micro-steps since the last update
     complete an accumulation; otherwise a no-op returning empty metrics."""
-    by = f"fa.apply_gradients at step {state.step}"
+    by = "fa.apply_gradients"
     model, optimizer, plan = _require(state, by)
     if state.micro_step // plan.micro_steps <= state.step:
         return state.advance(by), {}

@@ -36,11 +36,34 @@ def test_replace_refuses_the_lease() -> None:
 def test_a_consumed_state_raises_naming_what_consumed_it_but_stays_readable() -> None:
     state = fa.init(seed=0, cpu=True).replace(step=7)
     new, _ = fa.with_rng(state, torch.rand, 1)
-    with pytest.raises(fa.StaleStateError, match="consumed by fa.with_rng at step 7"):
+    with pytest.raises(fa.StaleStateError, match=r"consumed by fa.with_rng at step 7 \(micro-step 0\)"):
         fa.with_rng(state, torch.rand, 1)
     assert state.step == 7 and state.dist.num_processes == 1
     assert not new.is_spent
     fa.with_rng(new, torch.rand, 1)  # the successor is fresh
+
+
+def test_advance_copies_every_field_applies_the_changes_and_gives_a_fresh_lease() -> None:
+    state = fa.init(seed=3, cpu=True, project_dir="/tmp/p").replace(step=4, micro_step=9, trigger=True)
+    new = state.advance("a test", step=5)
+    for f in dataclasses.fields(fa.RunState):
+        if f.name not in ("step", "_lease"):
+            assert getattr(new, f.name) is getattr(state, f.name), f.name
+    assert (new.step, state.step) == (5, 4)
+    assert state.is_spent and not new.is_spent and new._lease is not state._lease
+    assert repr(state._lease) == "<lease spent by a test at step 4 (micro-step 9)>"
+    assert new._lease.spent_by is None and repr(new._lease) == "<lease>"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        new.step = 6  # type: ignore[misc]
+
+
+def test_advance_refuses_an_unknown_field_without_spending_the_state() -> None:
+    state = fa.init(seed=0, cpu=True)
+    with pytest.raises(TypeError, match=r"no field\(s\) \['stepp'\]"):
+        state.advance("a test", stepp=1)
+    assert not state.is_spent
+    with pytest.raises(TypeError, match="no field"):
+        state.advance("a test", _lease=None)
 
 
 def test_stale_state_error_is_an_fnaccel_error() -> None:

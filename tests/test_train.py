@@ -182,6 +182,37 @@ def test_two_runs_interleaved_equal_each_run_alone() -> None:
     assert losses_a != losses_b
 
 
+def test_the_rng_a_step_captured_is_a_value_later_draws_leave_alone() -> None:
+    model = make_model(dropout=0.5)
+    state = fa.prepare(fa.init(seed=3, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       loss_fn=loss_fn)
+    batches = make_batches(3)
+    state, _ = fa.step(state, batches[0])
+    captured = state.rng.torch.clone()
+    torch.rand(100)  # stray draws from the process generator: the state holds a copy
+    assert torch.equal(state.rng.torch, captured)
+    after, _ = fa.step(state, batches[1])
+    assert torch.equal(state.rng.torch, captured)  # the spent state still reads the same
+    assert not torch.equal(after.rng.torch, captured)  # the dropout drew from the run's stream
+    after.rng.install(("torch",))  # installing the value does not tie it to the generator
+    torch.rand(100)
+    assert not torch.equal(torch.get_rng_state(), after.rng.torch)
+
+
+@pytest.mark.parametrize(("pipeline", "plain_backward", "plain_update"), [
+    (fa.compose(), True, True),
+    (fa.compose(fa.accumulate(2)), False, True),
+    (fa.compose(fa.clip_grad_norm(1.0)), True, False),
+])
+def test_the_plan_says_when_backward_and_update_are_pytorchs_alone(
+        pipeline: Any, plain_backward: bool, plain_update: bool) -> None:
+    model = make_model()
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                       loss_fn=loss_fn, pipeline=pipeline)
+    assert state.plan is not None
+    assert (state.plan.plain_backward, state.plan.plain_update) == (plain_backward, plain_update)
+
+
 def test_reusing_a_consumed_state_raises() -> None:
     model = make_model()
     state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn)
