@@ -12,7 +12,8 @@ over rounds:
 - ddp step: the same step on 2 gloo processes against a hand-made
   ``DistributedDataParallel`` loop;
 - collectives: gather, reduce and broadcast at 1 MB and 64 MB per rank
-  (`collectives.py`, fewer rounds);
+  (`collectives.py`, fewer rounds), each followed by its A/A control (the raw
+  call timed against itself in the same place: the row's noise floor);
 - checkpoints: ``fa.save`` / ``fa.load`` / what an async save blocks, against
   raw safetensors + ``os.sync()`` and against Accelerate's ``save_state`` (+
   ``os.sync()``) / ``load_state`` (`checkpoints.py`'s cases);
@@ -101,9 +102,14 @@ def ddp_rows(rounds: int) -> list[Row]:
 
 
 def collective_rows(rounds: int) -> list[Row]:
-    out = collectives.main(["--cases", "gather", "reduce", "broadcast", "--sizes", "1MB", "64MB",
+    """Each collective, then its A/A control (the raw call timed against itself,
+    in the same place in the sequence): how far noise alone moves that row."""
+    cases = [name for op in ("gather", "reduce", "broadcast") for name in (op, f"{op} A/A")]
+    out = collectives.main(["--cases", *cases, "--sizes", "1MB", "64MB",
                             "--rounds", str(rounds), "--budget", "3"])
-    return [(f"{r['case']} {r['size']}", "torch.distributed call", r["baseline_s"], r["fnaccel_s"], "1.10")
+    return [(f"{r['case']} {r['size']}", "the same raw call (noise)" if r["case"].endswith("A/A")
+             else "torch.distributed call", r["baseline_s"], r["fnaccel_s"],
+             "-" if r["case"].endswith("A/A") else "1.10")
             for r in out]
 
 

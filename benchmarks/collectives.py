@@ -49,7 +49,7 @@ slowest rank is), and the reported figure is the median over rounds of block
 time / k. The ratio is fnaccel / baseline: 1.00 means no overhead.
 
 The workers run with ``OMP_NUM_THREADS=1``. On a small machine the figures
-are noisy: ``--cases "gather A/A" "pad+gather A/A"`` times the baseline
+are noisy: ``--cases "gather A/A" "reduce A/A" "broadcast A/A" "pad+gather A/A"`` times the baseline
 against itself, and how far those ratios stray from 1.00 is the noise floor
 (about +-8% per row on a 2-core machine). The JSON keeps the per-round values
 beside each median.
@@ -82,7 +82,8 @@ COLS = 256  # columns of the pad+gather case's 2-D tensor
 SIZES = {"1KB": 256, "1MB": 262_144, "64MB": 16_777_216}  # float32 elements per rank
 # The "A/A" cases time the baseline against itself: their ratios show how far
 # from 1.0 noise alone moves a row on this machine.
-CASES = ("gather", "reduce", "broadcast", "pad+gather", "gather A/A", "pad+gather A/A")
+CASES = ("gather", "reduce", "broadcast", "pad+gather", "gather A/A", "reduce A/A", "broadcast A/A",
+         "pad+gather A/A")
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -153,23 +154,23 @@ def bench_worker(
         def fnaccel() -> torch.Tensor:
             return baseline() if control else fa.ops.gather(state, t)
 
-    elif case == "reduce":
+    elif case.startswith("reduce"):
         t = torch.randn(numel, generator=gen)
 
         def baseline() -> torch.Tensor:
             return raw_reduce(t, group)
 
         def fnaccel() -> torch.Tensor:
-            return fa.ops.reduce(state, t, "sum")
+            return baseline() if control else fa.ops.reduce(state, t, "sum")
 
-    elif case == "broadcast":
+    elif case.startswith("broadcast"):
         t = torch.randn(numel, generator=gen)
 
         def baseline() -> torch.Tensor:
             return raw_broadcast(t, group, rank)
 
         def fnaccel() -> torch.Tensor:
-            return fa.ops.broadcast(state, t)
+            return baseline() if control else fa.ops.broadcast(state, t)
 
     elif case.startswith("pad+gather"):
         rows = numel // COLS - (1 if rank == 0 else 0)  # rank 0 is one row short
