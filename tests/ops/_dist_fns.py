@@ -176,6 +176,16 @@ def gather_mixed(state: Any) -> tuple[list[Any], Any]:
     return [fa.ops.gather(state, tree) for _ in range(3)], tree
 
 
+def tiny_tree(make: Make) -> dict[str, Any]:
+    """Leaves all under 16 bytes (a repeated gather's flag then follows the smallest
+    one, here not the first): a 0-d int64, a bool triple, an empty float leaf."""
+    return {"n": make((), torch.int64), "mask": make((3,), torch.bool), "none": make((0,), torch.float32)}
+
+
+def gather_tiny(state: Any) -> list[Any]:
+    return [fa.ops.gather(state, tiny_tree(rank_leaf(state.dist.rank))) for _ in range(3)]
+
+
 def marked_bytes(rank: int) -> torch.Tensor:
     """32 bytes that begin with the mark a rank whose gather differs sends."""
     from fnaccel.ops._shapes import MARK

@@ -236,6 +236,13 @@ def test_gather_nested_tree_every_dtype(world: Any) -> None:
         assert_tree_equal(input_after, fns.mixed_tree(fns.rank_leaf(rank)), f"rank {rank} input")
 
 
+def test_repeated_gather_of_leaves_too_small_for_a_mark(world: Any) -> None:
+    expected = fns.tiny_tree(_cat_over_ranks(world.num_processes))
+    for rank, outs in enumerate(world.run(fns.gather_tiny)):
+        for i, out in enumerate(outs):
+            assert_tree_equal(out, expected, f"rank {rank} call {i}")
+
+
 def test_data_that_looks_like_a_mismatch_mark_is_still_gathered(world: Any) -> None:
     """A repeated gather whose data begins with the mark a differing rank sends:
     the full check finds the calls agree and the data comes back right."""
