@@ -13,8 +13,8 @@ A repeated call need not wait for that round trip. The group's owner keeps
 the last call every rank agreed on (`Agreed`: operation, arguments, leaf
 paths, dtypes and shapes, the same on every rank). When it is set, every rank
 sends the flag "my call differs from the agreed one" (for instance in a
-one-element all-reduce, `PendingFlag`, not waited for) and at once runs the data collectives
-*shaped as the agreed call* (a rank whose own call differs sends zeros of
+one-element all-reduce, `PendingFlag`, not waited for) and at once runs the
+data collectives *shaped as the agreed call* (a rank whose own call differs sends zeros of
 those shapes), so no size can differ inside gloo; then it reads the flag.
 No rank raised it: the data is the answer. Any did: every rank throws the
 data away and runs the full exchange above (a mismatch raises on every rank;
@@ -22,11 +22,12 @@ a layout every rank changed alike is recorded and its data sent again).
 Only a changed layout pays the round trip.
 
 The flag need not be a collective of its own (on gloo its latency adds a
-quarter to a 1 MB gather): a reduce with a floating-point leaf carries it as an
-infinity in that leaf's first element (`NonFinite`); a gather carries it in its data (`flag_carrier`): a rank whose
-call differs writes `MARK` at the start of one leaf of its agreed-shaped zeros
-(`Marked`: no copy), or, when every leaf is under 16 bytes, the flag follows
-one leaf's bytes through kept buffers (`Staging`).
+quarter to a 1 MB gather); `flag_carrier` picks how it travels in the data. A
+reduce with a floating-point leaf carries it as an infinity in that leaf's
+first element (`NonFinite`). In a gather, a rank whose call differs writes
+`MARK` at the start of one leaf of its agreed-shaped zeros (`Marked`: no
+copy), or, when every leaf is under 16 bytes, the flag follows one leaf's
+bytes through kept buffers (`Staging`).
 """
 
 from __future__ import annotations

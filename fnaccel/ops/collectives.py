@@ -24,8 +24,8 @@ from fnaccel.ops._shapes import (
     all_gather_rows,
     as_wire,
     call_of,
-    flag_carrier,
     exchange_shapes,
+    flag_carrier,
     naming_timeouts,
     require_same_shapes,
 )
@@ -101,9 +101,10 @@ def _checked_collect(ctx: DistContext, signature: Signature, param: Any, hint: s
     A call like the group's last agreed one runs its data collectives at once,
     with a flag saying whether any rank's call differs (see `fnaccel.ops._shapes`):
     a gather and a reduce with a floating-point leaf carry it in their data
-    (`flag_carrier`), anything else in a one-element all-reduce beside it; any other call, or a mismatch, pays the header
-    round trip before the data: gloo would abort, hang or return a partly
-    written buffer if sizes differed inside a data collective.
+    (`flag_carrier`), anything else in a one-element all-reduce beside it. Any
+    other call, or a mismatch, pays the header round trip before the data: gloo
+    would abort, hang or return a partly written buffer if sizes differed
+    inside a data collective.
     """
     with naming_timeouts(signature.op):
         return _checked_collect_now(ctx, signature, param, hint, problem)
