@@ -12,7 +12,7 @@ over rounds:
 - ddp step: the same step on 2 gloo processes against a hand-made
   ``DistributedDataParallel`` loop;
 - collectives: gather, reduce and broadcast at 1 MB and 64 MB per rank
-  (`collectives.py`, fewer rounds), each followed by its A/A control (the raw
+  (`collectives.py`, at least 21 rounds), each followed by its A/A control (the raw
   call timed against itself in the same place: the row's noise floor);
 - checkpoints: ``fa.save`` / ``fa.load`` / what an async save blocks, against
   raw safetensors + ``os.sync()`` and against Accelerate's ``save_state`` (+
@@ -105,8 +105,9 @@ def collective_rows(rounds: int) -> list[Row]:
     """Each collective, then its A/A control (the raw call timed against itself,
     in the same place in the sequence): how far noise alone moves that row."""
     cases = [name for op in ("gather", "reduce", "broadcast") for name in (op, f"{op} A/A")]
+    # at least 21 rounds: one 1 MB round moves by up to 40% on a 2-core machine
     out = collectives.main(["--cases", *cases, "--sizes", "1MB", "64MB",
-                            "--rounds", str(rounds), "--budget", "3"])
+                            "--rounds", str(max(rounds, 21)), "--budget", "5"])
     return [(f"{r['case']} {r['size']}", "the same raw call (noise)" if r["case"].endswith("A/A")
              else "torch.distributed call", r["baseline_s"], r["fnaccel_s"],
              "-" if r["case"].endswith("A/A") else "1.10")
