@@ -431,6 +431,9 @@ def _require(state: RunState, action: str) -> tuple[nn.Module, torch.optim.Optim
 
 
 def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> None:
+    if plan.plain_backward:  # nothing to divide, scale or call after: PyTorch's backward alone
+        loss.backward(inputs=plan.backward_inputs)
+        return
     scaled = loss / plan.micro_steps if plan.micro_steps > 1 and plan.divide_loss else loss
     for scale_loss, transform_state in plan.scale_loss:
         scaled = scale_loss(scaled, transform_state)
@@ -540,10 +543,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     if plan.forward_backward is None:
         out = (state.loss_fn or default_loss_fn)(model, batch)
         loss, aux = out if isinstance(out, tuple) else (out, None)
-        if plan.plain_backward:
-            loss.backward(inputs=plan.backward_inputs)
-        else:
-            _backward(plan, loss, aux)
+        _backward(plan, loss, aux)
     else:
         run, transform_state = plan.forward_backward
         loss, aux = run(model, batch, plan.micro_steps if plan.divide_loss else None, transform_state)
