@@ -13,12 +13,13 @@ Reading trusts nothing: a file is opened only if it is a regular file inside
 the checkpoint directory (no symbolic link, FIFO or device, no ``..``), its
 size is compared with the manifest's before a byte is read, the read is
 bounded by that size, and its checksum (the algorithm its manifest entry
-names: CRC-32 for new files, sha256 for older ones) is checked, so a flipped
-byte names its file. `verify_file` checks one file without loading it;
-`check_checksum` is the one comparison every read goes through.
+names: blocksum for new files, CRC-32 or sha256 for older ones) is checked,
+so a flipped byte names its file. `verify_file` checks one file without
+loading it; `check_checksum` is the one comparison every read goes through.
 
-Speed: safetensors files are streamed from and into each tensor's own memory,
-their checksum computed on a helper thread while the I/O goes on
+Speed: safetensors files are written from each tensor's own memory, their
+checksum computed on a helper thread while the writes go on, and read back as
+a private mapping whose tensors are views of it
 (`fnaccel.checkpoint.tensorfile`); no whole-checkpoint ``bytes`` is built.
 """
 
@@ -27,12 +28,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import mmap
 import os
 import re
 import shutil
 import stat
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +41,8 @@ from fnaccel._errors import CheckpointError
 from fnaccel.atomic import fsync_dir
 from fnaccel.checkpoint.tensorfile import (
     Checksum,
-    HashedReader,
     layout,
-    memory_of,
+    map_file,
     not_safetensors,
     safetensors_pieces,
     torch_dtype,
@@ -282,16 +282,23 @@ def verify_file(directory: Path, name: str, manifest: dict[str, Any]) -> None:
     Traceback (most recent call last):
     fnaccel._errors.CheckpointError: ...a.txt: corrupt (its crc32 does not match the manifest)
     """
+    _mapped(directory, name, manifest)
+
+
+def _mapped(directory: Path, name: str, manifest: dict[str, Any]) -> mmap.mmap | bytearray:
+    """The regular file ``directory/name`` as a private mapping (`map_file`), its size
+    (by ``fstat``, before a byte is read) and checksum compared with its manifest
+    entry."""
     entry = _entry(directory, name, manifest)
     fd = open_inside(directory, name)
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnaccel-checksum")
     try:
-        size = _checked_size(fd, directory / name, entry)
-        check_checksum(directory / name, entry, HashedReader(fd, directory / name, size, pool,
-                                                             Checksum.of_entry(entry)).finish())
+        data = map_file(fd, _checked_size(fd, directory / name, entry))
     finally:
-        pool.shutdown(wait=True)
         os.close(fd)
+    digest = Checksum.of_entry(entry)
+    digest.update(memoryview(data))
+    check_checksum(directory / name, entry, digest)
+    return data
 
 
 def read_verified(directory: Path, name: str, manifest: dict[str, Any]) -> bytes:
@@ -313,40 +320,35 @@ def read_json(directory: Path, name: str, manifest: dict[str, Any]) -> Any:
 
 
 def read_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors, each read straight from the file into its own
-    memory (one copy, no whole-file buffer), returned only after the whole file's
-    size (checked by ``fstat`` before a byte is read) and checksum match the
-    manifest; a corrupt file is named corrupt even where its header is malformed."""
-    entry = _entry(directory, name, manifest)
+    """A safetensors file's tensors, each a view of its own bytes in a private mapping
+    of the file (`map_file`: no copy; writing a tensor leaves the file as it is),
+    made only after the whole file's size (checked by ``fstat`` before a byte is
+    read) and checksum match the manifest, then its header field by field: a
+    corrupt file is named corrupt, one hashed as written but malformed is named
+    not a safetensors file."""
     path = directory / name
-    fd = open_inside(directory, name)
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnaccel-checksum")
-    try:
-        size = _checked_size(fd, path, entry)
-        reader = HashedReader(fd, path, size, pool, Checksum.of_entry(entry))
-        try:
-            if size < 8:
-                raise not_safetensors(path, "shorter than its 8-byte header length")
-            length = int.from_bytes(reader.bytes(8), "little")
-            if length > size - 8:
-                raise not_safetensors(path, f"its header length {length} runs past the end of the file")
-            specs = layout(path, reader.bytes(length), size - 8 - length)
-        except CheckpointError:
-            check_checksum(path, entry, reader.finish())  # a corrupt file is named corrupt; one hashed as written is malformed
-            raise
-        import torch
+    data = _mapped(directory, name, manifest)
+    size = len(data)
+    if size < 8:
+        raise not_safetensors(path, "shorter than its 8-byte header length")
+    length = int.from_bytes(data[:8], "little")
+    if length > size - 8:
+        raise not_safetensors(path, f"its header length {length} runs past the end of the file")
+    specs = layout(path, bytes(data[8:8 + length]), size - 8 - length)
+    import torch
 
-        tensors: dict[str, torch.Tensor] = {}
-        for _, _, key, dtype, shape in specs:
-            tensor = torch.empty(shape, dtype=torch_dtype(dtype))
-            if tensor.numel():
-                reader.into(memory_of(tensor))
-            tensors[key] = tensor
-        check_checksum(path, entry, reader.finish())
-        return tensors
-    finally:
-        pool.shutdown(wait=True)
-        os.close(fd)
+    tensors: dict[str, torch.Tensor] = {}
+    for begin, end, key, dtype_name, shape in specs:
+        dtype, offset = torch_dtype(dtype_name), 8 + length + begin
+        if begin == end:
+            tensors[key] = torch.empty(shape, dtype=dtype)
+        elif offset % dtype.itemsize:  # another writer's unaligned tensor: copied out aligned
+            raw = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=offset)
+            tensors[key] = raw.clone().view(dtype).view(shape)
+        else:
+            tensors[key] = torch.frombuffer(data, dtype=dtype, count=(end - begin) // dtype.itemsize,
+                                            offset=offset).view(shape)
+    return tensors
 
 
 def _exchange(a: Path, b: Path) -> bool:

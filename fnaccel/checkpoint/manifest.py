@@ -42,8 +42,9 @@ __all__ = [
 MANIFEST = "fnaccel.json"
 # 2: the data position is the state's (rank<r>.json "data"); classes recorded.
 # 3: a file's checksum is CRC-32 ({"crc32": ..., "size": ...}); entries may still name sha256
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (2, 3)  # version 2 differs only in its files' checksums, which name their algorithm
+# 4: a file's checksum is blocksum ({"blocksum": ..., "size": ...}), the others still read
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)  # 2 and 3 differ only in their files' checksums, which name their algorithm
 FORMAT = "fnaccel-checkpoint"
 MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest lists files: even 10,000 ranks stay far below this
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -86,7 +87,8 @@ _FIELDS: Mapping[str, tuple[str, Callable[[Any], bool]]] = MappingProxyType({
     "pipeline": ("a string", lambda v: isinstance(v, str)),
     "tied": ("an object of parameter names to parameter names",
              lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values()))),
-    "files": ('an object of relative file names to {"crc32": 8 hex digits (or "sha256": 64), "size": bytes}',
+    "files": ('an object of relative file names to {"blocksum": 64 hex digits (or "crc32": 8, '
+              '"sha256": 64), "size": bytes}',
               _files),
     "manifest_sha256": ("64 hex digits", lambda v: isinstance(v, str) and bool(_SHA256.fullmatch(v))),
 })

@@ -1,9 +1,11 @@
-"""The streaming safetensors writer and the bounded, hashed reader of checkpoint/files.py."""
+"""The streaming safetensors writer and the bounded, hashed, mapped reader of checkpoint/files.py."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import struct
 import zlib
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from safetensors.torch import save as save_tensors
 
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.files import read_tensors, read_verified, verify_file, write_tensors
+from fnaccel.checkpoint.tensorfile import Checksum
 
 DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -57,12 +60,25 @@ def _tensors() -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _entry(data: bytes, algorithm: str = "crc32") -> dict:
-    digest = f"{zlib.crc32(data):08x}" if algorithm == "crc32" else hashlib.sha256(data).hexdigest()
+def _blocksum(data: bytes) -> str:
+    """blocksum as docs/checkpoints.md defines it, in plain Python: zero-pad to whole
+    4096-byte blocks, sum each block's little-endian 64-bit words modulo 2**64, and
+    take the sha256 of those sums (little-endian) followed by the size."""
+    padded = data + bytes(-len(data) % 4096)
+    sums = b"".join(
+        (sum(struct.unpack_from("<512Q", padded, start)) % 2**64).to_bytes(8, "little")
+        for start in range(0, len(padded), 4096)
+    )
+    return hashlib.sha256(sums + len(data).to_bytes(8, "little")).hexdigest()
+
+
+def _entry(data: bytes, algorithm: str = "blocksum") -> dict:
+    digest = {"blocksum": _blocksum, "crc32": lambda d: f"{zlib.crc32(d):08x}",
+              "sha256": lambda d: hashlib.sha256(d).hexdigest()}[algorithm](data)
     return {algorithm: digest, "size": len(data)}
 
 
-def _manifest(path: Path, algorithm: str = "crc32") -> dict:
+def _manifest(path: Path, algorithm: str = "blocksum") -> dict:
     return {"files": {path.name: _entry(path.read_bytes(), algorithm)}}
 
 
@@ -70,7 +86,7 @@ def test_every_dtype_round_trips_bit_for_bit_and_safetensors_reads_the_file(tmp_
     tensors = _tensors()
     entry = write_tensors(tmp_path / "t.safetensors", tensors)
     data = (tmp_path / "t.safetensors").read_bytes()
-    assert entry == {"crc32": f"{zlib.crc32(data):08x}", "size": len(data)}
+    assert entry == {"blocksum": _blocksum(data), "size": len(data)}
     by_safetensors = load_file(tmp_path / "t.safetensors")
     by_fnaccel = read_tensors(tmp_path, "t.safetensors", {"files": {"t.safetensors": entry}})
     assert set(by_safetensors) == set(by_fnaccel) == set(tensors)
@@ -143,7 +159,7 @@ def test_a_malformed_file_hashed_as_listed_is_refused_by_name(tmp_path: Path, ca
         read_tensors(tmp_path, path.name, _manifest(path))
 
 
-@pytest.mark.parametrize("algorithm", ["crc32", "sha256"])  # sha256: checkpoints older than schema 3
+@pytest.mark.parametrize("algorithm", ["blocksum", "crc32", "sha256"])  # crc32, sha256: schema 3, 2
 @pytest.mark.parametrize("where", [3, 20, -1])  # the header length, the header, the data
 def test_a_flipped_byte_is_named_corrupt_wherever_it_lands(tmp_path: Path, where: int, algorithm: str) -> None:
     path = tmp_path / "c.safetensors"
@@ -159,6 +175,60 @@ def test_a_flipped_byte_is_named_corrupt_wherever_it_lands(tmp_path: Path, where
             read(tmp_path, path.name, manifest)
 
 
+@pytest.mark.parametrize("size", [0, 1, 8, 4095, 4096, 4097, 3 * 4096 + 1000])
+def test_blocksum_is_the_documented_sum_whatever_the_chunks(size: int) -> None:
+    data = os.urandom(size)
+    for chunk in (size or 1, 1, 7, 4096, 5000):
+        digest = Checksum("blocksum")
+        for start in range(0, size, chunk):
+            digest.update(data[start:start + chunk])  # read-only bytes, as the header piece of a write
+        assert digest.hexdigest() == _blocksum(data), chunk
+    writable = Checksum("blocksum")
+    writable.update(memoryview(bytearray(data)))
+    assert writable.hexdigest() == _blocksum(data)
+
+
+def test_blocksum_sees_a_flipped_bit_anywhere_a_zeroed_block_moved_blocks_and_an_appended_zero() -> None:
+    data = bytearray(os.urandom(3 * 4096 + 100))
+    reference = Checksum("blocksum")
+    reference.update(data)
+
+    def digest(changed: bytes) -> str:
+        checksum = Checksum("blocksum")
+        checksum.update(changed)
+        return checksum.hexdigest()
+
+    for where in (0, 7, 8, 4095, 4096, 2 * 4096 + 17, len(data) - 1):
+        for bit in (0, 7):
+            flipped = bytearray(data)
+            flipped[where] ^= 1 << bit
+            assert digest(flipped) != reference.hexdigest(), (where, bit)
+    zeroed = data[:4096] + bytes(4096) + data[8192:]
+    swapped = data[4096:8192] + data[:4096] + data[8192:]
+    for changed in (zeroed, swapped, data + b"\0", data[:-1]):
+        assert digest(changed) != reference.hexdigest()
+
+
+def test_loaded_tensors_are_private_views_that_outlive_their_file(tmp_path: Path) -> None:
+    """The tensors map the file copy-on-write: writing one leaves the file alone, and
+    replacing or deleting the file (what a later save or a rotation does) leaves
+    them as they were read."""
+    path = tmp_path / "p.safetensors"
+    expected = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1, 2, 3], dtype=torch.int64)}
+    write_tensors(path, expected)
+    before = path.read_bytes()
+    loaded = read_tensors(tmp_path, path.name, _manifest(path))
+    loaded["w"].add_(1)
+    assert path.read_bytes() == before
+    torch.testing.assert_close(load_file(path)["w"], expected["w"])
+    replacement = tmp_path / "next.safetensors"
+    write_tensors(replacement, {"w": torch.zeros(2, 3), "b": torch.zeros(3, dtype=torch.int64)})
+    os.replace(replacement, path)
+    assert torch.equal(loaded["w"], expected["w"] + 1) and torch.equal(loaded["b"], expected["b"])
+    path.unlink()
+    assert torch.equal(loaded["b"], expected["b"])
+
+
 def test_verify_file_checks_the_size_before_reading_and_refuses_what_is_not_a_regular_file(
     tmp_path: Path,
 ) -> None:
@@ -171,7 +241,7 @@ def test_verify_file_checks_the_size_before_reading_and_refuses_what_is_not_a_re
         verify_file(tmp_path, "v.bin", manifest)
     (tmp_path / "zero.bin").symlink_to("/dev/zero")
     with pytest.raises(CheckpointError, match=r"zero\.bin: a symbolic link"):
-        verify_file(tmp_path, "zero.bin", {"files": {"zero.bin": {"crc32": "00000000", "size": 8}}})
+        verify_file(tmp_path, "zero.bin", {"files": {"zero.bin": _entry(bytes(8))}})
 
 
 def test_an_unsupported_dtype_or_layout_is_refused_with_the_fix(tmp_path: Path) -> None:

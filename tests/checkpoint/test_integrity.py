@@ -78,10 +78,11 @@ def test_a_schema_2_checkpoint_with_sha256_checksums_still_loads_and_names_a_cor
     expected = fa.load(_fresh(), checkpoint)
     path = checkpoint / "fnaccel.json"
     manifest = json.loads(path.read_text())
-    assert manifest["schema_version"] == 3 and all(set(e) == {"crc32", "size"} for e in manifest["files"].values())
+    assert manifest["schema_version"] == 4
+    assert all(set(e) == {"blocksum", "size"} for e in manifest["files"].values())
     manifest["schema_version"] = 2
     for name, entry in manifest["files"].items():
-        entry.pop("crc32")
+        entry.pop("blocksum")
         entry["sha256"] = hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()
     manifest["manifest_sha256"] = manifest_hash(manifest)
     path.write_text(json.dumps(manifest))
