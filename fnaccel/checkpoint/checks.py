@@ -118,6 +118,8 @@ def _like(saved: Any, live: Any, file: str, key: str, strict: bool) -> None:
             raise fail(f"must be a list, not {_kind(saved)}")
         if strict and len(saved) != len(live):
             raise fail(f"holds {len(saved)} items in the checkpoint but {len(live)} in this run")
+        if all(type(x) is int for x in live) and all(type(x) is int for x in saved):
+            return  # integers where integers are (a generator's 625 words): no call per item
         for i, (item, now) in enumerate(zip(saved, live)):
             _like(item, now, file, f"{key}/{i}" if key else str(i), strict)
         return

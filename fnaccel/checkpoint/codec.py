@@ -176,7 +176,8 @@ def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, so
             f"NumPy {'absent' if live.numpy is None else 'present'}; resume on the same kind of machine"
         )
     version, words, gauss = saved["python"]
-    if not all(isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2**32 for w in words) or not (
+    if not (isinstance(words, list) and all(type(w) is int for w in words)
+            and (not words or 0 <= min(words) and max(words) < 2**32)) or not (
         gauss is None or isinstance(gauss, (int, float))
     ):
         raise CheckpointError(f"{source}: key 'rng/python' is not a Python generator state")
@@ -190,7 +191,8 @@ def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, so
         import numpy as np
 
         kind, key, pos, has_gauss, cached = saved["numpy"]
-        if kind != live.numpy[0] or not all(isinstance(k, int) and 0 <= k < 2**32 for k in key) \
+        if kind != live.numpy[0] or not all(type(k) is int for k in key) \
+                or (key and not (0 <= min(key) and max(key) < 2**32)) \
                 or not 0 <= pos <= len(key) or has_gauss not in (0, 1):
             raise CheckpointError(f"{source}: key 'rng/numpy' is not a NumPy generator state")
         numpy = (kind, np.array(key, dtype=np.uint32), pos, has_gauss, cached)
