@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import zlib
 from pathlib import Path
 
 import pytest
@@ -71,19 +72,22 @@ def test_unknown_schema_version(checkpoint: Path) -> None:
         fa.load(_fresh(), checkpoint)
 
 
-def test_a_schema_2_checkpoint_with_sha256_checksums_still_loads_and_names_a_corrupt_file(
-    checkpoint: Path,
+@pytest.mark.parametrize("version, algorithm", [(2, "sha256"), (3, "crc32")])
+def test_an_older_checkpoint_still_loads_and_names_a_corrupt_file(
+    checkpoint: Path, version: int, algorithm: str,
 ) -> None:
-    """What fnaccel wrote before CRC-32 (schema 2: every file's sha256) reads as it did."""
+    """What fnaccel wrote before blocksum (schema 2: every file's sha256, schema 3:
+    its CRC-32) reads as it did."""
     expected = fa.load(_fresh(), checkpoint)
     path = checkpoint / "fnaccel.json"
     manifest = json.loads(path.read_text())
     assert manifest["schema_version"] == 4
     assert all(set(e) == {"blocksum", "size"} for e in manifest["files"].values())
-    manifest["schema_version"] = 2
+    manifest["schema_version"] = version
     for name, entry in manifest["files"].items():
         entry.pop("blocksum")
-        entry["sha256"] = hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()
+        data = (checkpoint / name).read_bytes()
+        entry[algorithm] = hashlib.sha256(data).hexdigest() if algorithm == "sha256" else f"{zlib.crc32(data):08x}"
     manifest["manifest_sha256"] = manifest_hash(manifest)
     path.write_text(json.dumps(manifest))
     loaded = fa.load(_fresh(), checkpoint)
@@ -94,7 +98,7 @@ def test_a_schema_2_checkpoint_with_sha256_checksums_still_loads_and_names_a_cor
     data = bytearray(model.read_bytes())
     data[-3] ^= 0x01
     model.write_bytes(bytes(data))
-    with pytest.raises(fa.CheckpointError, match=r"model\.safetensors: corrupt \(its sha256 does not match"):
+    with pytest.raises(fa.CheckpointError, match=rf"model\.safetensors: corrupt \(its {algorithm} does not match"):
         fa.load(_fresh(), checkpoint)
 
 
