@@ -48,7 +48,7 @@ from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.checks import check_like, check_tensors
 from fnaccel.checkpoint.codec import check_kind, optimizer_state, rng_from
-from fnaccel.checkpoint.files import read_json, read_tensors, read_verified
+from fnaccel.checkpoint.files import read_json, read_tensors, verify_file
 from fnaccel.checkpoint.hooks import check_unsharded, loaded_weights
 from fnaccel.checkpoint.manifest import read_manifest, target_problem
 from fnaccel.checkpoint.runinfo import ResumeDriftWarning, resume_drift
@@ -331,7 +331,7 @@ def load(state: RunState, path: str | Path, *, allow_global_batch_change: bool =
     if module is not None and not sharded and zero is None:
         weights = _model_weights(state, module, directory, manifest)
     elif zero is not None:  # the masters hold the weights; the consolidated file is checked, not used
-        read_verified(directory, "model.safetensors", manifest)
+        verify_file(directory, "model.safetensors", manifest)
     zero_parts = None if zero is None else read_zero(state, zero, directory, manifest)
     optimizer_sd = None
     if state.optimizer is not None and not sharded and zero is None:

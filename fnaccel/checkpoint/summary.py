@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import read_json, read_tensors, read_verified
+from fnaccel.checkpoint.files import read_json, read_tensors, verify_file
 from fnaccel.checkpoint.headers import TensorFile
 from fnaccel.checkpoint.manifest import read_manifest
 from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
@@ -186,7 +186,7 @@ def verify(path: str | Path, progress: Callable[[str, int], None] | None = None)
         elif name.endswith(".json"):
             read_json(directory, name, manifest)
         else:
-            read_verified(directory, name, manifest)
+            verify_file(directory, name, manifest)
         if progress is not None:
             progress(name, files[name]["size"])
     if not files:
