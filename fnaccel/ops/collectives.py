@@ -16,16 +16,13 @@ import torch
 import torch.distributed as dist
 
 from fnaccel.dist import DistContext, as_dist
+from fnaccel.ops._flags import Agreed, PendingFlag, call_of, flag_carrier
 from fnaccel.ops._shapes import (
-    Agreed,
-    PendingFlag,
     ShapeTable,
     Signature,
     all_gather_rows,
     as_wire,
-    call_of,
     exchange_shapes,
-    flag_carrier,
     naming_timeouts,
     require_same_shapes,
 )
@@ -99,7 +96,7 @@ def _checked_collect(ctx: DistContext, signature: Signature, param: Any, hint: s
     collectives; otherwise raise on every rank (``ctx.num_processes > 1``).
 
     A call like the group's last agreed one runs its data collectives at once,
-    with a flag saying whether any rank's call differs (see `fnaccel.ops._shapes`):
+    with a flag saying whether any rank's call differs (see `fnaccel.ops._flags`):
     a gather and a reduce with a floating-point leaf carry it in their data
     (`flag_carrier`), anything else in a one-element all-reduce beside it. Any
     other call, or a mismatch, pays the header round trip before the data: gloo
