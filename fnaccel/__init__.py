@@ -72,6 +72,9 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
         ProfileKwargs,
     )
     from fnaccel import ops
+    from fnaccel.preparation import (
+        prepare,
+    )
     from fnaccel.process import (
         local_main_process_first,
         main_process_first,
@@ -108,7 +111,6 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
     from fnaccel.train import (
         apply_gradients,
         backward,
-        prepare,
         step,
     )
     from fnaccel.autocast_context import autocast_context
@@ -187,6 +189,7 @@ _LAZY = MappingProxyType({
     "InitProcessGroupKwargs": "fnaccel.kwargs",
     "ProfileKwargs": "fnaccel.kwargs",
     "ops": "fnaccel.ops",
+    "prepare": "fnaccel.preparation",
     "local_main_process_first": "fnaccel.process",
     "main_process_first": "fnaccel.process",
     "on_main_process": "fnaccel.process",
@@ -208,7 +211,6 @@ _LAZY = MappingProxyType({
     "log": "fnaccel.tracking.run",
     "apply_gradients": "fnaccel.train",
     "backward": "fnaccel.train",
-    "prepare": "fnaccel.train",
     "step": "fnaccel.train",
     "Collective": "fnaccel.transforms",
     "Pipeline": "fnaccel.transforms",

@@ -1,7 +1,7 @@
 """The interfaces the state names, so that `fnaccel.state` imports nothing above it.
 
 `RunState` holds a pipeline and a step plan that are built higher up
-(`fnaccel.transforms`, `fnaccel.train`); it types them by what every layer
+(`fnaccel.transforms`, `fnaccel.preparation`, `fnaccel.train`); it types them by what every layer
 may ask of them, defined here.
 """
 

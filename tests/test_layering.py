@@ -28,7 +28,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("state", ("fnaccel.state",)),
     ("parts", ("fnaccel.transforms", "fnaccel.ops", "fnaccel.seeding", "fnaccel.process", "fnaccel.plugins",
                "fnaccel.mixed_precision", "fnaccel.trigger", "fnaccel.autocast_context")),
-    ("loop", ("fnaccel.train", "fnaccel.data", "fnaccel.runtime", "fnaccel.evaluation")),
+    ("loop", ("fnaccel.preparation", "fnaccel.train", "fnaccel.data", "fnaccel.runtime",
+              "fnaccel.evaluation")),
     ("services", ("fnaccel.checkpoint", "fnaccel.tracking", "fnaccel.modeling", "fnaccel.launchers",
                   "fnaccel.engines", "fnaccel.debug", "fnaccel.testing")),
     ("facades", ("fnaccel.utils", "fnaccel.commands", "fnaccel.__main__", "fnaccel=")),
@@ -131,6 +132,7 @@ def test_importing_the_state_loads_nothing_above_the_leaves() -> None:
     assert "fnaccel.state" in loaded
 
 
-@pytest.mark.parametrize("module", ["fnaccel.state", "fnaccel.train", "fnaccel.checkpoint.run"])
+@pytest.mark.parametrize("module", ["fnaccel.state", "fnaccel.preparation", "fnaccel.train",
+                                    "fnaccel.checkpoint.run"])
 def test_modules_have_a_layer(module: str) -> None:
     assert layer_of(module) in RANK

@@ -13,7 +13,7 @@ pipeline, and keys each transform's state by the transform's name (optax's
 A `Collective`'s ``call`` is the `CallInfo` passed along the chain (what
 earlier steps learnt). A `Transform`'s hooks (every one optional):
     init(ctx) -> state: the transform's own state (None for stateless ones).
-    Training hooks, used by `fa.prepare` / `fa.step` (see fnaccel/train.py):
+    Training hooks, used by `fa.prepare` / `fa.step` (see fnaccel/preparation.py, fnaccel/train.py):
     prepare_model(ctx, model, state) -> model: wrap or shard the model once.
     set_sync(model, enabled): switch gradient communication for the next
         backward (accumulation's non-boundary micro-steps turn it off).

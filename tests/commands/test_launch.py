@@ -265,7 +265,7 @@ def test_inconsistent_machine_flags(argv: list[str], message: str) -> None:
 
 def test_the_environment_the_script_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import fnaccel as fa
-    from fnaccel.train import default_pipeline
+    from fnaccel.preparation import default_pipeline
 
     config = tmp_path / "c.yaml"
     config.write_text(textwrap.dedent("""\

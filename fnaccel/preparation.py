@@ -1,0 +1,316 @@
+"""`fa.prepare`: a run's model, optimizer, loader, scheduler and loss function
+made ready for `fa.step`, and `default_pipeline`, the pipeline a launch implies.
+
+Preparing runs once per object: the pipeline is checked and completed (the
+fp16 scaler), the model is moved, wrapped or sharded (DDP, FSDP2, an engine),
+the optimizer is pointed at the prepared parameters, the loader is sharded,
+and the pipeline's hooks are resolved into the `StepPlan` that the step runs
+(`fnaccel.train`, which holds the plan because the step is the lower half: it
+imports nothing from here).
+
+Named `preparation`, not `prepare`: importing a submodule `fnaccel.prepare`
+would bind the package attribute `fnaccel.prepare` to the module, hiding the
+function `fa.prepare` behind it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fnaccel.dist import data_parallel, mesh_dim
+from fnaccel.state import RunState
+from fnaccel.train import StepPlan, _training
+from fnaccel.transforms.base import Collective, EngineRequest, Pipeline, compose
+from fnaccel.transforms.parallel import ddp, unwrap_model
+from fnaccel.transforms.precision import autocast, fp8, grad_scaler, precision_dtype
+from fnaccel.constants import PrecisionType
+
+__all__ = ["prepare"]
+
+LossFn = Callable[[nn.Module, Any], Any]
+
+
+def default_pipeline(state: RunState) -> Pipeline:
+    """What `fa.prepare` uses without a pipeline: the launch's mixed precision
+    (with its kwargs handlers, or the config's fp8_config), `ddp()` when the
+    world is larger than one (or `fsdp()` from the config's FSDP section, or
+    `deepspeed()` from its DeepSpeed section), and `compile()` when the config
+    names a dynamo backend."""
+    from fnaccel.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+    from fnaccel.transforms.deepspeed_config import DeepSpeedPlugin
+    from fnaccel.transforms.fp8 import recipe_from_config
+
+    handlers = state.kwargs_handlers
+    parts = []
+    cast = handlers.get("AutocastKwargs")
+    if state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16) and (cast is None or cast.enabled):
+        parts.append(autocast(state.mixed_precision.value,
+                              cache_enabled=None if cast is None else cast.cache_enabled))
+    if state.mixed_precision == PrecisionType.FP8 and (cast is None or cast.enabled):
+        # the script's FP8RecipeKwargs, else the launch's fp8_config (--fp8_* flags)
+        recipe = handlers.get("FP8RecipeKwargs") or recipe_from_config(
+            state.config.fp8_config, _section(state.config, "fp8_config"))
+        parts.append(autocast(fp8, cache_enabled=None if cast is None else cast.cache_enabled, recipe=recipe))
+    scaler = handlers.get("GradScalerKwargs")
+    if scaler is not None and state.mixed_precision == PrecisionType.FP16:
+        parts.append(grad_scaler(**scaler.to_kwargs()))
+    config = state.config
+    if config.distributed_type == "DEEPSPEED":
+        parts.append(DeepSpeedPlugin.from_config(
+            config.deepspeed_config, _section(config, "deepspeed_config")).transform())
+    elif state.dist.num_processes > 1 and config.distributed_type == "FSDP":
+        plugin = FullyShardedDataParallelPlugin.from_config(
+            config.fsdp_config, _section(config, "fsdp_config"))
+        checkpointing = plugin.checkpointing()
+        parts.extend([plugin.transform()] if checkpointing is None else [checkpointing, plugin.transform()])
+    elif state.dist.num_processes > 1:
+        ddp_kwargs = handlers.get("DistributedDataParallelKwargs")
+        fields = {} if ddp_kwargs is None else {
+            f.name: getattr(ddp_kwargs, f.name) for f in dataclasses.fields(ddp_kwargs)
+        }
+        parts.append(ddp(**fields))
+    dynamo = TorchDynamoPlugin.from_config(config.dynamo_config, _section(config, "dynamo_config"))
+    compiled = dynamo.transform()
+    if compiled is not None:
+        parts.append(compiled)
+    return compose(*parts)
+
+
+def _section(config: Any, key: str) -> str:
+    return f"{config.source}: {key}" if config.source else key
+
+
+def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
+    """Check a training pipeline and add what it implies (the fp16 scaler)."""
+    collectives = [t for t in pipeline.transforms if isinstance(t, Collective)]
+    if collectives:
+        raise ValueError(
+            f"fa.prepare: {collectives[0]!r} is a collective; keep collectives in their own "
+            "pipeline (collect = fa.compose(...); collect(state, tree))"
+        )
+    num_replicas = data_parallel(state.dist)[1]
+    if num_replicas > 1 and not {"ddp", "fsdp", "pp", "deepspeed"} & set(pipeline.names):
+        raise ValueError(
+            f"fa.prepare: {pipeline!r} has no fa.ddp() or fa.fsdp() (nor fa.pp(...)) but this run has "
+            f"{num_replicas} data-parallel processes; without one the replicas' gradients are "
+            "never averaged. Add fa.ddp() (a no-op in a world of one)."
+        )
+    if "pp" in pipeline.names and num_replicas > 1 and mesh_dim(state.dist, "pp") is not None:
+        raise ValueError(
+            f"fa.prepare: fa.pp next to {num_replicas} data-parallel replicas is not built (each stage's "
+            "gradients would need averaging over its replicas); use pp_size equal to the number of "
+            "processes (dp_replicate_size=dp_shard_size=1)")
+    layout = state.dist.parallelism
+    if layout is not None and layout.tp_size > 1 and "tp" not in pipeline.names:
+        raise ValueError(
+            f"fa.prepare: the mesh has tp_size={layout.tp_size} but {pipeline!r} has no fa.tp(plan); "
+            "add fa.tp({'module.name': ColwiseParallel(), ...}) to the pipeline, or set tp_size=1")
+    cast = pipeline.get("autocast")
+    if cast is not None and dict(cast.options)["dtype"] is torch.float16 and not pipeline.get("grad_scaler") \
+            and not pipeline.get("deepspeed"):  # DeepSpeed scales fp16 losses itself
+        # in its canonical place: after autocast, before ddp/fsdp and the rest
+        pipeline = compose(*sorted([*pipeline.transforms, grad_scaler()], key=lambda t: t.phase))
+    if pipeline.get("grad_scaler") and (cast is None or dict(cast.options)["dtype"] is not torch.float16):
+        raise ValueError("fa.prepare: grad_scaler() only makes sense with autocast(fa.fp16)")
+    return pipeline
+
+
+def _rebind_optimizer(optimizer: torch.optim.Optimizer, before: dict[int, str], model: nn.Module) -> None:
+    """Point the optimizer at the prepared model's parameters (sharding replaces them);
+    a model parameter the prepared model no longer holds (another pipeline stage's)
+    leaves the optimizer. Parameters from outside the model stay."""
+    after = dict(unwrap_model(model).named_parameters())
+    for group in optimizer.param_groups:
+        kept = []
+        for p in group["params"]:
+            name = before.get(id(p))
+            if name is None:
+                kept.append(p)
+            elif name in after:
+                kept.append(after[name])
+            else:
+                optimizer.state.pop(p, None)
+        group["params"] = kept
+
+
+def prepare(
+    state: RunState,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    loader: Any = None,
+    scheduler: Any = None,
+    *,
+    pipeline: Pipeline | None = None,
+    loss_fn: LossFn | None = None,
+) -> RunState:
+    """Consumes ``state``: move the model to the device, apply the pipeline's
+    preparation (DDP wrapping, FSDP2 sharding, compilation), prepare the loader.
+
+    Args:
+        state: the run's state.
+        model, optimizer, loader, scheduler: live PyTorch objects; any may be
+            left out and given to a later `prepare`.
+        pipeline: composed training transforms; default: the launch config's
+            (`default_pipeline`).
+        loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``; default:
+            `default_loss_fn`.
+
+    Returns:
+        The prepared state.
+
+    >>> import fnaccel as fa, torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), 0.1),
+    ...                    pipeline=fa.compose(fa.clip_grad_norm(1.0)))
+    >>> state.pipeline
+    compose(clip_grad_norm(max_norm=1.0))
+    """
+    by = "fa.prepare"
+    state.check_fresh(by)
+    ctx = state.dist
+    if pipeline is None:
+        held = state.pipeline
+        assert held is None or isinstance(held, Pipeline), "a state's pipeline comes from fa.prepare"
+        pipeline = held if held is not None else default_pipeline(state)
+    elif state.pipeline is None:
+        _warn_if_launch_ignored(pipeline, state)
+    if state.pipeline is not None and state.model is not None and pipeline != state.pipeline:
+        raise ValueError("fa.prepare: this state's model was prepared with another pipeline")
+    pipeline = _complete(pipeline, state)
+    transform_states = pipeline.init(ctx, state.transform_states)
+    for name, value in transform_states.items():
+        if callable(getattr(value, "close", None)) and state.resources.get(f"transform:{name}") is None:
+            state.resources.register(f"transform:{name}", value)  # a profiler run: fa.shutdown closes it
+
+    changes: dict[str, Any] = {"pipeline": pipeline}
+    engine = next((t for t in _training(pipeline) if t.prepare_engine is not None), None)  # fa.deepspeed
+    if model is not None:
+        if state.model is not None:
+            raise ValueError("fa.prepare: this state already holds a prepared model")
+        _refuse_meta(model, ctx)
+        names = {id(p): name for name, p in model.named_parameters()}
+        model = model.to(ctx.device)
+        for t in _training(pipeline):
+            if t.prepare_model is not None:
+                model = t.prepare_model(ctx, model, transform_states.get(t.name))
+        if engine is not None and engine.prepare_engine is not None:
+            model, optimizer = engine.prepare_engine(EngineRequest(
+                ctx=ctx, pipeline=pipeline, model=model, optimizer=optimizer,
+                micro_batch_size=getattr(loader, "batch_size", None), state=transform_states.get(engine.name)))
+        elif optimizer is not None:
+            _rebind_optimizer(optimizer, names, model)
+        changes["model"] = model
+    elif optimizer is not None and engine is not None:
+        raise ValueError(f"fa.prepare: {pipeline!r} builds an engine from the model and the optimizer "
+                         "together; pass both in the same fa.prepare call")
+    if optimizer is not None:
+        if model is None and state.model is not None and {"fsdp", "pp"} & set(pipeline.names):
+            _check_optimizer_params(optimizer, state.model)
+        changes["optimizer"] = optimizer
+    if scheduler is not None:
+        changes["scheduler"] = scheduler
+    if loss_fn is not None:
+        if "pp" in pipeline.names:
+            raise ValueError("fa.prepare: under fa.pp the loss is computed at the last stage by "
+                             "fa.pp(loss_fn=lambda output, target: ...); drop fa.prepare's loss_fn")
+        changes["loss_fn"] = loss_fn
+    if loader is not None:
+        from fnaccel.data.loader import prepare_loader  # the data path's own module
+
+        config = state.kwargs_handlers.get("DataLoaderConfiguration")
+        if ("pp" in pipeline.names and ctx.num_processes > 1 and mesh_dim(ctx, "pp") is None
+                and (config is None or config.shard is not False)):
+            raise ValueError(
+                "fa.prepare: every stage of fa.pp must read the same batches, but the loader would be "
+                "sharded over the processes; give fa.init(parallelism=fa.ParallelismConfig(pp_size=N)) "
+                "(the data is then split over the data-parallel ranks only) or pass "
+                "kwargs_handlers=[DataLoaderConfiguration(shard=False)] to fa.init")
+        changes["loader"] = prepare_loader(loader, ctx, seed=state.seed or 0, config=config)
+    changes["transform_states"] = transform_states
+    plan = StepPlan.of(pipeline, transform_states)
+    held = changes.get("optimizer", state.optimizer)
+    if held is not None and "fsdp" not in pipeline.names and plan.backward is None:
+        # FSDP2 computes gradients on unsharded copies of the parameters, not on these
+        plan = dataclasses.replace(plan, backward_inputs=tuple(
+            p for group in held.param_groups for p in group["params"] if p.requires_grad))
+    changes["plan"] = plan
+    new = state.advance(by, **changes)
+    if new.model is not None:
+        plan.set_sync_for(new.model, new.micro_step)
+    return new
+
+
+def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
+    """An explicit pipeline wins over the launch (as explicit arguments do); say so
+    when the launch asked for a precision or FSDP that the pipeline leaves out."""
+    import warnings
+
+    cast = pipeline.get("autocast")
+    dtype = dict(cast.options)["dtype"] if cast is not None else None
+    low = state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16)
+    wanted: Any = precision_dtype(state.mixed_precision) if low else None
+    if state.mixed_precision == PrecisionType.FP8:
+        wanted = str(fp8)  # what autocast(fa.fp8) records as its dtype
+    handler = state.kwargs_handlers.get("AutocastKwargs")
+    if handler is not None and not handler.enabled:
+        wanted = None  # the default pipeline would leave autocast out too
+    if wanted is not None and dtype != wanted:
+        warnings.warn(
+            f"fa.prepare: the launch asked for mixed_precision {state.mixed_precision.value} but the "
+            f"pipeline passed in is {pipeline!r}; the pipeline wins. Leave pipeline out to follow the "
+            "launch, or add fa.autocast to it", UserWarning, stacklevel=3)
+    if state.config.distributed_type == "DEEPSPEED" and "deepspeed" not in pipeline.names:
+        warnings.warn(
+            f"fa.prepare: the launch asked for DeepSpeed but the pipeline passed in is {pipeline!r}; the "
+            "pipeline wins. Leave pipeline out to follow the launch, or add fa.deepspeed to it",
+            UserWarning, stacklevel=3)
+    if state.config.distributed_type == "FSDP" and state.dist.num_processes > 1 \
+            and "fsdp" not in pipeline.names:
+        warnings.warn(
+            f"fa.prepare: the launch asked for FSDP but the pipeline passed in is {pipeline!r}; the "
+            "pipeline wins. Leave pipeline out to follow the launch, or add fa.fsdp to it",
+            UserWarning, stacklevel=3)
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Under fsdp() or pp(), an optimizer passed after its model was prepared must hold
+    the prepared model's parameters: FSDP2 replaced the ones it may have been built on,
+    and pp() keeps this rank's stages only. (An optimizer that also holds parameters
+    of its own, outside the model, is fine when passed together with the model.)"""
+    current = {id(p) for p in model.parameters()}
+    if any(id(p) not in current for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError(
+            "fa.prepare: the optimizer holds parameters that are not the prepared model's: fa.fsdp "
+            "replaced the model's parameters with sharded ones (fa.pp keeps this rank's stages "
+            "only); pass the optimizer in the same fa.prepare call as the model, or build it from "
+            "state.model.parameters()"
+        )
+
+
+def _refuse_meta(model: nn.Module, ctx: Any) -> None:
+    """A model with tensors on the meta device cannot be moved or trained. In a larger
+    world the ranks agree first (one small all-reduce per prepare), so that every rank
+    raises instead of one raising while the others wait in DDP's or FSDP2's first
+    collective."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    on_meta = next((name for name, t in tensors if t.is_meta), None)
+    anywhere = on_meta is not None
+    if ctx.num_processes > 1:
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(anywhere)], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.process_group)
+        anywhere = bool(flag.item())
+    if anywhere:
+        where = f"'{on_meta}' is" if on_meta else "another rank's model has a tensor"
+        raise ValueError(
+            f"fa.prepare: {where} on the meta device (no data to train); load the weights first "
+            "(fnaccel.utils.load_checkpoint_in_model), or, on ranks that receive rank 0's weights "
+            "(fsdp(sync_module_states=True)), give the model real storage with "
+            "model.to_empty(device=...)"
+        )
