@@ -24,7 +24,7 @@ from torch import nn
 
 from fnaccel.dist import data_parallel, mesh_dim
 from fnaccel.state import RunState
-from fnaccel.train import StepPlan, _training
+from fnaccel.train import StepPlan, training_transforms
 from fnaccel.transforms.base import Collective, EngineRequest, Pipeline, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.precision import autocast, fp8, grad_scaler, precision_dtype
@@ -188,14 +188,14 @@ def prepare(
             state.resources.register(f"transform:{name}", value)  # a profiler run: fa.shutdown closes it
 
     changes: dict[str, Any] = {"pipeline": pipeline}
-    engine = next((t for t in _training(pipeline) if t.prepare_engine is not None), None)  # fa.deepspeed
+    engine = next((t for t in training_transforms(pipeline) if t.prepare_engine is not None), None)  # fa.deepspeed
     if model is not None:
         if state.model is not None:
             raise ValueError("fa.prepare: this state already holds a prepared model")
         _refuse_meta(model, ctx)
         names = {id(p): name for name, p in model.named_parameters()}
         model = model.to(ctx.device)
-        for t in _training(pipeline):
+        for t in training_transforms(pipeline):
             if t.prepare_model is not None:
                 model = t.prepare_model(ctx, model, transform_states.get(t.name))
         if engine is not None and engine.prepare_engine is not None:

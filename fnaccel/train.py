@@ -63,7 +63,7 @@ def default_loss_fn(model: nn.Module, batch: Any) -> Any:
     return loss
 
 
-def _training(pipeline: Pipeline) -> tuple[Transform, ...]:
+def training_transforms(pipeline: Pipeline) -> tuple[Transform, ...]:
     """A checked training pipeline's transforms (`_complete` in fnaccel/preparation.py
     refused collectives)."""
     return tuple(t for t in pipeline.transforms if isinstance(t, Transform))
@@ -103,7 +103,7 @@ class StepPlan:
 
     @classmethod
     def of(cls, pipeline: Pipeline, transform_states: Mapping[str, Any]) -> StepPlan:
-        ts = _training(pipeline)
+        ts = training_transforms(pipeline)
 
         def bound(hook: str) -> tuple[tuple[Callable[..., Any], Any], ...]:
             return tuple(

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fnaccel.dist import DistContext
-from fnaccel.ops._shapes import MARK, Signature, _all_gather_single, all_gather_rows
+from fnaccel.ops._shapes import MARK, Signature, all_gather_single, all_gather_rows
 
 __all__ = [
     "Agreed",
@@ -106,7 +106,7 @@ class Staging:
         if nbytes:
             self.send[:nbytes].copy_(flat.view(torch.uint8))
         self.send[flag_at:].view(torch.int64).fill_(int(differs))
-        _all_gather_single(self.received, self.send, group=ctx.process_group)
+        all_gather_single(self.received, self.send, group=ctx.process_group)
         rows = self.received.view(ctx.num_processes, self.row)
         if rows[:, flag_at:].view(torch.int64).any().item():
             return None

@@ -35,6 +35,7 @@ __all__ = [
     "ShapeTable",
     "Signature",
     "all_gather_rows",
+    "all_gather_single",
     "exchange_shapes",
     "naming_timeouts",
     "require_same_shapes",
@@ -73,7 +74,7 @@ def naming_timeouts(op: str) -> Iterator[None]:
 
 
 # torch 2.13 renamed all_gather_into_tensor; older releases only have the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 # dtypes every backend moves as they are; anything else travels as raw bytes
@@ -102,7 +103,7 @@ def all_gather_rows(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
     """
     wire = as_wire(tensor)
     out = wire.new_empty((ctx.num_processes * wire.shape[0], *wire.shape[1:]))
-    _all_gather_single(out, wire, group=ctx.process_group)
+    all_gather_single(out, wire, group=ctx.process_group)
     return out if wire.dtype == tensor.dtype else out.view(tensor.dtype)
 
 
