@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from array import array
 import json
 import mmap
 import os
 import re
 import sys
 import zlib
+from array import array
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
