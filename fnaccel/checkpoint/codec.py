@@ -161,6 +161,11 @@ def rng_payload(rng: RNGState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
     return tensors, {"python": [version, list(words), gauss], "cuda": len(rng.cuda), "numpy": numpy}
 
 
+def _uint32s(words: list[int]) -> bool:
+    """Integers ``words`` (already checked to be ints) all fit a generator's 32-bit words."""
+    return not words or (min(words) >= 0 and max(words) < 2**32)
+
+
 def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, source: str) -> RNGState:
     """The generators `rng_payload` stored, checked against this process's (``live``):
     the same generators, each state of the same size, every word in range."""
@@ -175,11 +180,9 @@ def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, so
             f"{'absent' if saved['numpy'] is None else 'present'}, this process has {len(live.cuda)} and "
             f"NumPy {'absent' if live.numpy is None else 'present'}; resume on the same kind of machine"
         )
+    # check_like above made every word of both states an int, as in this process's
     version, words, gauss = saved["python"]
-    if not (isinstance(words, list) and all(type(w) is int for w in words)
-            and (not words or 0 <= min(words) and max(words) < 2**32)) or not (
-        gauss is None or isinstance(gauss, (int, float))
-    ):
+    if not _uint32s(words) or not (gauss is None or isinstance(gauss, (int, float))):
         raise CheckpointError(f"{source}: key 'rng/python' is not a Python generator state")
     for name, now in (("rng/torch", live.torch), *((f"rng/cuda/{i}", s) for i, s in enumerate(live.cuda))):
         value = tensors.get(name)
@@ -191,9 +194,7 @@ def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, so
         import numpy as np
 
         kind, key, pos, has_gauss, cached = saved["numpy"]
-        if kind != live.numpy[0] or not all(type(k) is int for k in key) \
-                or (key and not (0 <= min(key) and max(key) < 2**32)) \
-                or not 0 <= pos <= len(key) or has_gauss not in (0, 1):
+        if kind != live.numpy[0] or not _uint32s(key) or not 0 <= pos <= len(key) or has_gauss not in (0, 1):
             raise CheckpointError(f"{source}: key 'rng/numpy' is not a NumPy generator state")
         numpy = (kind, np.array(key, dtype=np.uint32), pos, has_gauss, cached)
     return RNGState(
