@@ -69,6 +69,8 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
         FP8RecipeKwargs,
         GradScalerKwargs,
         InitProcessGroupKwargs,
+    )
+    from fnaccel.profile_kwargs import (
         ProfileKwargs,
     )
     from fnaccel import ops
@@ -187,7 +189,7 @@ _LAZY = MappingProxyType({
     "FP8RecipeKwargs": "fnaccel.kwargs",
     "GradScalerKwargs": "fnaccel.kwargs",
     "InitProcessGroupKwargs": "fnaccel.kwargs",
-    "ProfileKwargs": "fnaccel.kwargs",
+    "ProfileKwargs": "fnaccel.profile_kwargs",
     "ops": "fnaccel.ops",
     "prepare": "fnaccel.preparation",
     "local_main_process_first": "fnaccel.process",

@@ -26,7 +26,8 @@ from fnaccel.resources import GroupOwner, Resources
 from fnaccel.rng import RNGState
 from fnaccel.state import RunState
 from fnaccel.constants import DistributedType, PrecisionType
-from fnaccel.kwargs import InitProcessGroupKwargs, KwargsHandler
+from fnaccel.kwargs import InitProcessGroupKwargs
+from fnaccel.kwargs_handler import KwargsHandler
 
 __all__ = ["COLLECTIVE_TIMEOUT", "init", "shutdown"]
 
