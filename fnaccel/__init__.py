@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
     from fnaccel.checkpoint.weights import (
         save_model,
     )
-    from fnaccel.config import (
+    from fnaccel.config_schema import (
         LaunchConfig,
     )
     from fnaccel.checkpoint.runinfo import (
@@ -173,7 +173,7 @@ _LAZY = MappingProxyType({
     "load": "fnaccel.checkpoint.run",
     "save": "fnaccel.checkpoint.run",
     "save_model": "fnaccel.checkpoint.weights",
-    "LaunchConfig": "fnaccel.config",
+    "LaunchConfig": "fnaccel.config_schema",
     "diff": "fnaccel.debug.diff",
     "ResumeDriftWarning": "fnaccel.checkpoint.runinfo",
     "DistributedType": "fnaccel.constants",

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from fnaccel._errors import ConfigError
-from fnaccel.config import LaunchConfig, resolve_config
+from fnaccel.config import resolve_config
+from fnaccel.config_schema import LaunchConfig
 from fnaccel.dist import DistContext
 from fnaccel.parallelism import ParallelismConfig, build_mesh
 from fnaccel.resources import GroupOwner, Resources
