@@ -46,6 +46,8 @@ def fabric_loop(loader: DataLoader) -> Callable[[], None]:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt = fabric.setup(model, opt)
     prepared = fabric.setup_dataloaders(loader)
+    # Fabric's return type also covers several loaders passed at once (a list); one in, one out.
+    assert not isinstance(prepared, list)
 
     def epoch() -> None:
         for batch in prepared:

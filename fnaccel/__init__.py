@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
     from fnaccel.checkpoint.weights import (
         save_model,
     )
-    from fnaccel.config import (
+    from fnaccel.config_schema import (
         LaunchConfig,
     )
     from fnaccel.checkpoint.runinfo import (
@@ -69,6 +69,8 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
         FP8RecipeKwargs,
         GradScalerKwargs,
         InitProcessGroupKwargs,
+    )
+    from fnaccel.profile_kwargs import (
         ProfileKwargs,
     )
     from fnaccel import ops
@@ -171,7 +173,7 @@ _LAZY = MappingProxyType({
     "load": "fnaccel.checkpoint.run",
     "save": "fnaccel.checkpoint.run",
     "save_model": "fnaccel.checkpoint.weights",
-    "LaunchConfig": "fnaccel.config",
+    "LaunchConfig": "fnaccel.config_schema",
     "diff": "fnaccel.debug.diff",
     "ResumeDriftWarning": "fnaccel.checkpoint.runinfo",
     "DistributedType": "fnaccel.constants",
@@ -187,7 +189,7 @@ _LAZY = MappingProxyType({
     "FP8RecipeKwargs": "fnaccel.kwargs",
     "GradScalerKwargs": "fnaccel.kwargs",
     "InitProcessGroupKwargs": "fnaccel.kwargs",
-    "ProfileKwargs": "fnaccel.kwargs",
+    "ProfileKwargs": "fnaccel.profile_kwargs",
     "ops": "fnaccel.ops",
     "prepare": "fnaccel.preparation",
     "local_main_process_first": "fnaccel.process",

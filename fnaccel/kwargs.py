@@ -2,7 +2,9 @@
 
 Each handler has Accelerate's class name, field names, order and defaults, is
 validated when built, and gives back with `to_kwargs()` only the fields the user
-changed, so torch's own defaults apply to everything else.
+changed, so torch's own defaults apply to everything else. Their mixin and its
+field checks are in `fnaccel.kwargs_handler`, `ProfileKwargs` (with the profiler
+it builds) in `fnaccel.profile_kwargs`; both names are importable from here too.
 
 >>> GradScalerKwargs(init_scale=1024.0).to_kwargs()
 {'init_scale': 1024.0}
@@ -10,19 +12,19 @@ changed, so torch's own defaults apply to everything else.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import inspect
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fnaccel.constants import PROFILE_PATTERN_NAME, DDPCommunicationHookType
+from fnaccel.constants import DDPCommunicationHookType
+from fnaccel.kwargs_handler import KwargsHandler, check_choice, check_value, is_int, is_number, require
+from fnaccel.profile_kwargs import ProfileKwargs
 
 __all__ = [
     "KwargsHandler", "AutocastKwargs", "DistributedDataParallelKwargs", "GradScalerKwargs",
@@ -33,87 +35,6 @@ _Hook = DDPCommunicationHookType
 _POWER_SGD_HOOKS = (_Hook.POWER_SGD, _Hook.BATCHED_POWER_SGD)
 _USE_POWER_SGD = "set comm_hook='power_sgd' or 'batched_power_sgd'"
 _KNOWN_BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl", "ccl", "hccl", "cncl", "mccl", "smddp", "xla")
-_SCHEDULE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first", "skip_first_wait")
-
-
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def check_value(name: str, value: object, ok: bool, expected: str, fix: str = "") -> None:
-    require(ok, f"{name} must be {expected}, got {value!r}" + (f": {fix}" if fix else ""))
-
-
-def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
-    require(value in choices, f"unknown {name} {value!r}: use one of {', '.join(choices)}")
-
-
-def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-class KwargsHandler:
-    """Mixin for dataclasses: `to_kwargs()` returns the fields changed from their defaults.
-
-    Not a dataclass itself, so that any dataclass can inherit it, frozen or
-    not, as Accelerate documents for its own ``KwargsHandler``; fnaccel's
-    handlers are frozen, slotted, keyword-only dataclasses. Bool fields are
-    checked when built.
-
-    >>> @dataclass
-    ... class MyKwargs(KwargsHandler):
-    ...     something: int = 1
-    ...     enabled: bool = True
-    >>> MyKwargs(something=3).to_kwargs()
-    {'something': 3}
-    """
-
-    __slots__ = ()
-    # Fields that configure fnaccel itself rather than the torch call `to_kwargs` feeds.
-    _not_kwargs: ClassVar[frozenset[str]] = frozenset()
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(cast(Any, self)):
-            # Annotations are strings under `from __future__ import annotations`, types otherwise.
-            if f.type in ("bool", "bool | None", bool, bool | None):
-                value, optional = getattr(self, f.name), f.type not in ("bool", bool)
-                check_value(f.name, value, isinstance(value, bool) or (optional and value is None),
-                       "True or False" + (" or None" if optional else ""))
-        self._validate()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Rebuild through __init__: the read-only mapping proxies cannot be pickled or deep-copied.
-        fields = dataclasses.fields(cast(Any, self))
-        return (_rebuild, (type(self), {f.name: _plain(getattr(self, f.name)) for f in fields}))
-
-    def _validate(self) -> None:
-        """Checks and normalises the non-bool fields; handlers override it."""
-
-    def to_kwargs(self) -> dict[str, Any]:
-        """Returns the fields whose value differs from the field's default, as a new dict."""
-        if not dataclasses.is_dataclass(self):
-            raise TypeError(f"{type(self).__name__} inherits KwargsHandler but is not a dataclass: decorate it "
-                            "with @dataclasses.dataclass")
-        changed: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            value = getattr(self, f.name)
-            if f.name not in self._not_kwargs and value != default:
-                changed[f.name] = _plain(value)
-        return changed
-
-
-def _plain(value: Any) -> Any:
-    return dict(value) if isinstance(value, MappingProxyType) else value
-
-
-def _rebuild(cls: type[KwargsHandler], fields: dict[str, Any]) -> KwargsHandler:
-    return cls(**fields)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,7 +93,7 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
     def _validate(self) -> None:
         check_value("dim", self.dim, is_int(self.dim), "an int")
-        check_value("bucket_cap_mb", self.bucket_cap_mb, _is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+        check_value("bucket_cap_mb", self.bucket_cap_mb, is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
                "a positive number of megabytes", "pass e.g. bucket_cap_mb=25 (the default)")
         hook, wrapper = _to_hook_type("comm_hook", self.comm_hook), _to_hook_type("comm_wrapper", self.comm_wrapper)
         check_value("comm_wrapper", wrapper.value, wrapper in (_Hook.NO, _Hook.FP16, _Hook.BF16),
@@ -259,9 +180,9 @@ class GradScalerKwargs(KwargsHandler):
 
     def _validate(self) -> None:
         scale, growth, backoff, interval = self.init_scale, self.growth_factor, self.backoff_factor, self.growth_interval
-        check_value("init_scale", scale, _is_number(scale) and scale > 0, "a number > 0", "try 65536.0 (the default)")
-        check_value("growth_factor", growth, _is_number(growth) and growth > 1, "a number > 1", "try 2.0 (the default)")
-        check_value("backoff_factor", backoff, _is_number(backoff) and 0 < backoff < 1,
+        check_value("init_scale", scale, is_number(scale) and scale > 0, "a number > 0", "try 65536.0 (the default)")
+        check_value("growth_factor", growth, is_number(growth) and growth > 1, "a number > 1", "try 2.0 (the default)")
+        check_value("backoff_factor", backoff, is_number(backoff) and 0 < backoff < 1,
                "a number strictly between 0 and 1", "try 0.5 (the default)")
         check_value("growth_interval", interval, is_int(interval) and interval >= 1, "an int >= 1",
                "try 2000 (the default)")
@@ -299,7 +220,7 @@ class InitProcessGroupKwargs(KwargsHandler):
                 require(bool(device.strip()) and name.strip() in known,
                          f"bad entry {pair!r} in backend {self.backend!r}: write 'device:backend' pairs, {hint}")
         else:
-            _check_choice("backend", self.backend, known)
+            check_choice("backend", self.backend, known)
         method, timeout = self.init_method, self.timeout
         check_value("init_method", method, method is None or (isinstance(method, str) and "://" in method),
                "a URL such as 'env://' or 'tcp://10.0.0.1:29500'")
@@ -366,10 +287,10 @@ class FP8RecipeKwargs(KwargsHandler):
             value = getattr(self, name)
             if value is not None:
                 check_value(name, value, isinstance(value, str), "a string")
-                _check_choice(f"fp8 {name}", value.upper(), choices)
+                check_choice(f"fp8 {name}", value.upper(), choices)
                 object.__setattr__(self, name, value.upper())
         if self.amax_compute_algo is not None:
-            _check_choice("fp8 amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
+            check_choice("fp8 amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
         for name, minimum in (("margin", 0), ("interval", 1), ("amax_history_len", 1)):
             value = getattr(self, name)
             check_value(name, value, value is None or (is_int(value) and value >= minimum), f"an int >= {minimum} or None")
@@ -378,114 +299,3 @@ class FP8RecipeKwargs(KwargsHandler):
             check_value("override_linear_precision", precision, isinstance(precision, Sequence) and len(precision) == 3
                    and all(isinstance(p, bool) for p in precision), "three bools (fprop, dgrad, wgrad)")
             object.__setattr__(self, "override_linear_precision", tuple(precision))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ProfileKwargs(KwargsHandler):
-    """Arguments for `torch.profiler.profile`; `build()` makes the profiler.
-
-    Args:
-        activities: Names of the activities to profile ("cpu", "cuda", "xpu", ...);
-            None profiles every activity torch supports here. Stored as a tuple.
-        schedule_option: Keyword arguments of `torch.profiler.schedule`: `wait`,
-            `warmup` and `active` are required; `repeat`, `skip_first` optional.
-        on_trace_ready: Called with the profiler each time a trace is ready.
-        record_shapes: Record operator input shapes.
-        profile_memory: Track tensor memory allocation and release.
-        with_stack: Record source file and line of each operator.
-        with_flops: Estimate the FLOPs of some operators.
-        with_modules: Record the module hierarchy of each operator.
-        output_trace_dir: A directory where a Chrome trace `profile_<rank>.json`
-            is written each time a trace is ready (so it holds the last one).
-
-    >>> kw = ProfileKwargs(activities=["cpu"], record_shapes=True)
-    >>> kw.to_kwargs()
-    {'activities': ('cpu',), 'record_shapes': True}
-    >>> with kw.build() as prof:
-    ...     _ = torch.ones(8) * 2
-    >>> len(prof.key_averages()) > 0
-    True
-    """
-
-    activities: Sequence[str] | None = None
-    schedule_option: Mapping[str, int] | None = None
-    on_trace_ready: Callable[[torch.profiler.profile], Any] | None = None
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False
-    with_flops: bool = False
-    with_modules: bool = False
-    output_trace_dir: str | os.PathLike[str] | None = None
-
-    def _validate(self) -> None:
-        if self.activities is not None:
-            known = list(_profiler_activities())
-            check_value("activities", self.activities, isinstance(self.activities, Sequence)
-                   and not isinstance(self.activities, str), "a list of names", "e.g. ['cpu', 'cuda']")
-            names = tuple(str(a).lower() for a in self.activities)
-            unknown = [a for a in names if a not in known]
-            require(not unknown, f"unknown profiler activities {unknown}: use among {', '.join(known)}")
-            object.__setattr__(self, "activities", names)
-        if self.schedule_option is not None:
-            check_value("schedule_option", self.schedule_option, isinstance(self.schedule_option, Mapping), "a dict")
-            options = dict(self.schedule_option)
-            unknown = sorted(set(options) - set(_SCHEDULE_KEYS))
-            require(not unknown, f"unknown schedule_option keys {unknown}: use among {', '.join(_SCHEDULE_KEYS)}")
-            missing = [k for k in ("wait", "warmup", "active") if k not in options]
-            require(not missing, f"schedule_option lacks {missing}: give wait, warmup and active")
-            bad = {k: v for k, v in options.items() if not (is_int(v) and v >= 0)}
-            require(not bad, f"schedule_option values must be ints >= 0, got {bad}")
-            require(options["active"] >= 1, "schedule_option active must be >= 1: profile at least one step")
-            object.__setattr__(self, "schedule_option", MappingProxyType(options))
-        check_value("on_trace_ready", self.on_trace_ready, self.on_trace_ready is None or callable(self.on_trace_ready),
-               "callable")
-        out = self.output_trace_dir
-        if out is not None:
-            check_value("output_trace_dir", out, isinstance(out, (str, os.PathLike)) and os.fspath(out) != "",
-                   "a directory path")
-            object.__setattr__(self, "output_trace_dir", os.fspath(out))
-
-    def build(self, *, process_index: int = 0) -> torch.profiler.profile:
-        """Builds a `torch.profiler.profile` from these settings.
-
-        Args:
-            process_index: The rank, naming the trace file `profile_<process_index>.json`.
-
-        Returns:
-            The profiler, to be used as a context manager.
-        """
-        activities = None
-        if self.activities is not None:
-            table = _profiler_activities()
-            activities = [table[name] for name in self.activities]
-        schedule = None if self.schedule_option is None else torch.profiler.schedule(**self.schedule_option)
-        on_trace_ready = self.on_trace_ready
-        if self.output_trace_dir is not None:
-            path = os.path.join(self.output_trace_dir, PROFILE_PATTERN_NAME.format(suffix=process_index))
-            on_trace_ready = _chrome_trace_writer(path, then=on_trace_ready)
-        return torch.profiler.profile(
-            activities=activities,
-            schedule=schedule,
-            on_trace_ready=on_trace_ready,
-            record_shapes=self.record_shapes,
-            profile_memory=self.profile_memory,
-            with_stack=self.with_stack,
-            with_flops=self.with_flops,
-            with_modules=self.with_modules,
-        )
-
-
-def _profiler_activities() -> dict[str, torch.profiler.ProfilerActivity]:
-    return {name.lower(): act for name, act in torch.profiler.ProfilerActivity.__members__.items()}
-
-
-def _chrome_trace_writer(
-    path: str, *, then: Callable[[torch.profiler.profile], Any] | None
-) -> Callable[[torch.profiler.profile], None]:
-    def on_trace_ready(prof: torch.profiler.profile) -> None:
-        if then is not None:
-            then(prof)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        prof.export_chrome_trace(path)
-
-    return on_trace_ready

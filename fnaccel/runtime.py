@@ -19,14 +19,16 @@ import torch
 import torch.distributed as dist
 
 from fnaccel._errors import ConfigError
-from fnaccel.config import LaunchConfig, resolve_config
+from fnaccel.config import resolve_config
+from fnaccel.config_schema import LaunchConfig
 from fnaccel.dist import DistContext
 from fnaccel.parallelism import ParallelismConfig, build_mesh
 from fnaccel.resources import GroupOwner, Resources
 from fnaccel.rng import RNGState
 from fnaccel.state import RunState
 from fnaccel.constants import DistributedType, PrecisionType
-from fnaccel.kwargs import InitProcessGroupKwargs, KwargsHandler
+from fnaccel.kwargs import InitProcessGroupKwargs
+from fnaccel.kwargs_handler import KwargsHandler
 
 __all__ = ["COLLECTIVE_TIMEOUT", "init", "shutdown"]
 

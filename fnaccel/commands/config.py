@@ -22,12 +22,12 @@ from fnaccel.commands.main import CommandError
 from fnaccel.environment import str_to_bool
 from fnaccel.config import (
     basic_config,
-    config_from_mapping,
     default_config_file,
     load_config,
     write_basic_config,
     write_config,
 )
+from fnaccel.config_schema import config_from_mapping
 
 __all__ = ["Questions", "ask_config", "register", "run"]
 

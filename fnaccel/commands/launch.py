@@ -31,7 +31,8 @@ from fnaccel.commands.launch_flags import (
 )
 from fnaccel.commands.main import CommandError
 from fnaccel.resources import FAILED_AT_KEY
-from fnaccel.config import LaunchConfig, default_config_file, launch_env, load_config
+from fnaccel.config import default_config_file, launch_env, load_config
+from fnaccel.config_schema import LaunchConfig
 from fnaccel.environment import patch_environment as _patched_environment
 
 __all__ = ["check_launchable", "first_failure", "launch_environment", "max_local_processes",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fnaccel.kwargs import KwargsHandler, check_value, is_int, require
+from fnaccel.kwargs_handler import KwargsHandler, check_value, is_int, require
 
 __all__ = ["DataLoaderConfiguration"]
 

@@ -58,9 +58,9 @@ from fnaccel.kwargs import (
     FP8RecipeKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,
-    KwargsHandler,
-    ProfileKwargs,
 )
+from fnaccel.kwargs_handler import KwargsHandler
+from fnaccel.profile_kwargs import ProfileKwargs
 
 # isort: split
 from fnaccel.data.config import DataLoaderConfiguration
