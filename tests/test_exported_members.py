@@ -57,3 +57,21 @@ def test_import_fnaccel_leaves_the_heavy_layers_for_first_use() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["[]", "True True"]
+
+
+@pytest.mark.parametrize("facade", [fnaccel, fnaccel.utils], ids=lambda m: m.__name__)
+def test_no_lazy_name_resolves_through_a_package_holding_a_submodule_of_that_name(facade: ModuleType) -> None:
+    """A package's attribute ``x`` becomes its submodule ``x`` whenever that submodule is
+    (re)imported: ``fa.profile`` then was a module ("'module' object is not callable", as
+    `pytest --doctest-modules fnaccel/transforms/profile.py` showed). Each name is read
+    from the module defining it instead."""
+    import importlib.util
+
+    shadowable = []
+    for name, source in facade._LAZY.items():
+        if source != f"{facade.__name__}.{name}" and importlib.util.find_spec(source).submodule_search_locations:
+            if importlib.util.find_spec(f"{source}.{name}") is not None:
+                shadowable.append(f"{name} -> {source}")
+    assert not shadowable
+    for name in facade._LAZY:
+        assert not isinstance(getattr(facade, name), ModuleType) or name in facade._LAZY[name].split(".")
