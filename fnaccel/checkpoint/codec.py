@@ -8,6 +8,7 @@ and NumPy's as JSON integers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -166,6 +167,11 @@ def _uint32s(words: list[int]) -> bool:
     return not words or (min(words) >= 0 and max(words) < 2**32)
 
 
+def _finite(value: object) -> bool:
+    """A generator's cached Gaussian as saved: a finite float (never an int, NaN or infinity)."""
+    return isinstance(value, float) and math.isfinite(value)
+
+
 def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, source: str) -> RNGState:
     """The generators `rng_payload` stored, checked against this process's (``live``):
     the same generators, each state of the same size, every word in range."""
@@ -182,8 +188,11 @@ def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, so
         )
     # check_like above made every word of both states an int, as in this process's
     version, words, gauss = saved["python"]
-    if not _uint32s(words) or not (gauss is None or isinstance(gauss, (int, float))):
-        raise CheckpointError(f"{source}: key 'rng/python' is not a Python generator state")
+    # random.setstate refuses another version only when the state is installed (fa.evaluate,
+    # a step with step_rng_types "python"): after the state was consumed
+    if version != live.python[0] or not _uint32s(words) or not (gauss is None or _finite(gauss)):
+        raise CheckpointError(f"{source}: key 'rng/python' is not a Python generator state of version "
+                              f"{live.python[0]} (32-bit words, a finite or null cached Gaussian)")
     for name, now in (("rng/torch", live.torch), *((f"rng/cuda/{i}", s) for i, s in enumerate(live.cuda))):
         value = tensors.get(name)
         if value is None:
@@ -194,7 +203,8 @@ def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, so
         import numpy as np
 
         kind, key, pos, has_gauss, cached = saved["numpy"]
-        if kind != live.numpy[0] or not _uint32s(key) or not 0 <= pos <= len(key) or has_gauss not in (0, 1):
+        if (kind != live.numpy[0] or not _uint32s(key) or not 0 <= pos <= len(key) or has_gauss not in (0, 1)
+                or not _finite(cached)):
             raise CheckpointError(f"{source}: key 'rng/numpy' is not a NumPy generator state")
         numpy = (kind, np.array(key, dtype=np.uint32), pos, has_gauss, cached)
     return RNGState(

@@ -129,6 +129,13 @@ FILE_EDITS: dict[str, tuple[str, Callable[[Path], None]]] = {
                  lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(lr="fast"))),
     "python rng size": (r"rank0.json: rng: key 'python/1' holds 3 items",
                         lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(1, [1, 2, 3]))),
+    # random.setstate refuses these only when fa.evaluate installs the state, after the load
+    "python rng version": (r"rank0.json: key 'rng/python' is not a Python generator state of version 3",
+                           lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(0, -1))),
+    "python rng gauss": (r"rank0.json: key 'rng/python' is not a Python generator state",
+                         lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(2, 1e400))),
+    "numpy rng gauss": (r"rank0.json: key 'rng/numpy' is not a NumPy generator state",
+                        lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["numpy"].__setitem__(4, float("nan")))),
     "transforms": (r"rank0.json: key 'transforms' must be an object",
                    lambda c: _edit_json(c, "rank0.json", lambda v: v.update(transforms=[]))),
     "rank keys": (r"rank0.json: must hold exactly the keys",
