@@ -256,6 +256,10 @@ def _first_model_entry(metadata: Any) -> Any:
     ("past the file", "which holds"),
     ("declared size", "declares"),
     ("chunk outside", "does not lie inside the tensor's size"),
+    # allowed classes in the wrong places: these reached DCP or the merge as raw tracebacks
+    ("dtype not a dtype", "not a tensor's metadata"),
+    ("key not a string", "key 5: a key must be a string"),
+    ("planner data", "key 'planner_data': must map keys to their paths"),
 ])
 def test_a_hostile_dcp_metadata_is_refused_before_anything_is_read_or_allocated(
     saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, expected: str
@@ -278,6 +282,12 @@ def test_a_hostile_dcp_metadata_is_refused_before_anything_is_read_or_allocated(
             metadata.storage_data[index] = dataclasses.replace(info, relative_path=str(outside))
         elif case == "past the file":
             metadata.storage_data[index] = dataclasses.replace(info, length=10**12)
+        elif case == "dtype not a dtype":
+            metadata.state_dict_metadata[index.fqn].properties.dtype = "float32"
+        elif case == "key not a string":
+            metadata.state_dict_metadata[5] = metadata.state_dict_metadata.pop(index.fqn)
+        elif case == "planner data":
+            metadata.planner_data = Path("/etc/passwd")
         else:
             item = metadata.state_dict_metadata[index.fqn]
             huge = torch.Size([2**20, 2**20])  # 4 TiB of float32
