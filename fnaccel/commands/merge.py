@@ -400,6 +400,9 @@ def run(args: argparse.Namespace) -> int:
         merged = _merge(args.checkpoint_directory, args.output_path, args.remove_checkpoint_dir)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    except OSError as exc:  # the output (or a removal) could not be written: reads raise CheckpointError
+        where = exc.filename if exc.filename is not None else args.output_path
+        raise CommandError(f"{where}: {exc.strerror or exc} (output_path {args.output_path})") from None
     print(
         f"Merged {merged.num_tensors} tensors from the {merged.source_kind} {args.checkpoint_directory} "
         f"into {merged.path}"

@@ -192,6 +192,18 @@ def test_an_unsharded_fnaccel_checkpoint_gives_its_weights_with_ties(tmp_path: P
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
 
 
+def test_an_output_path_that_cannot_be_written_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = nn.Linear(3, 2)
+    fa.save(fa.prepare(fa.init(cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1)), tmp_path / "ckpt")
+    (tmp_path / "file").write_text("x")
+    assert main(["merge-weights", str(tmp_path / "ckpt"), str(tmp_path / "file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"fnaccel merge-weights: error: {tmp_path / 'file' / 'out'}: Not a directory "
+                   f"(output_path {tmp_path / 'file' / 'out'})\n"), err
+
+
 def test_bad_paths_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     def error(*argv: str) -> str:
         assert main(["merge-weights", *argv]) == 2
