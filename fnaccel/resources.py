@@ -199,14 +199,21 @@ def _forget_mesh_decisions() -> None:
     """Clear DTensor's process-wide caches of sharding decisions. They are keyed by mesh
     equality, which ignores the mesh's groups, so a later run on an equal mesh (the same
     layout, after this run's groups are gone) would be handed DTensors on this run's
-    mesh and fail with "Could not resolve the process group"."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return  # no DTensor was ever made, nothing cached
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # torch's own way to clear them
+    mesh and fail with "Could not resolve the process group".
 
-    _clear_sharding_prop_cache()
-    clear_redistribute_planner_cache()
+    It imports nothing: at interpreter exit (a run that ends without `fa.shutdown`)
+    the libraries registering torch's functional-collective ops are finalized before
+    this, and importing ``torch.distributed.tensor.debug`` (torch's helper for the same
+    two clears) then fails, which skipped the group's settle and destroy."""
+    api = sys.modules.get("torch.distributed.tensor._api")
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    if api is None or redistribute is None:
+        return  # no DTensor was ever made, nothing cached
+    import torch
+
+    api.DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    redistribute.clear_redistribute_planner_cache()
 
 
 def _mesh_groups(meshes: dict[str, Any], own: Any) -> list[Any]:

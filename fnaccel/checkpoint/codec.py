@@ -8,6 +8,7 @@ and NumPy's as JSON integers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,9 +67,49 @@ def check_kind(saved: Any, live: object, source: str) -> None:
         )
 
 
-def restore_groups(saved: Any, current: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+def _class_defaults(optimizer: torch.optim.Optimizer) -> set[str]:
+    """The group settings ``optimizer``'s class fills in itself when a state_dict lacks them
+    (torch's ``__setstate__`` defaults the options newer than a checkpoint); none if it fails."""
+    probe = object.__new__(type(optimizer))
+    try:
+        type(optimizer).__setstate__(probe, {"defaults": dict(optimizer.defaults), "state": {},
+                                             "param_groups": [{"params": []}]})
+        return set(probe.param_groups[0]) - {"params"}
+    except Exception:  # noqa: BLE001 - another class's own __setstate__: then it fills in nothing
+        return set()
+
+
+def _check_settings(optimizer: torch.optim.Optimizer, settings: dict[str, Any], like: torch.Tensor | None,
+                    where: str) -> None:
+    """Numbers a C double holds, and, for torch's own optimizers, settings their constructor
+    accepts (``0 <= betas[0] < 1``, ``eps >= 0``, ...): checked on a throwaway one-element
+    parameter of ``like``'s ndim, dtype and device (Muon takes only matrices, fused only floats)."""
+    import inspect
+
+    for key, value in settings.items():
+        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+            raise CheckpointError(f"{where}: key {key!r} is {value}, out of any range torch computes in")
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim."):
+        return  # another library's constructor may need more than settings (or allocate)
+    accepted = inspect.signature(cls).parameters
+    kwargs = {k: v for k, v in settings.items() if k in accepted and k != "params"}
+    probe = torch.zeros(1) if like is None else torch.zeros((1,) * like.ndim, dtype=like.dtype, device=like.device)
+    try:
+        cls([torch.nn.Parameter(probe)], **kwargs)
+    except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
+        raise CheckpointError(f"{where}: {cls.__name__} refuses these settings ({exc})") from None
+
+
+def restore_groups(saved: Any, current: list[dict[str, Any]], source: str,
+                   optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The saved param groups, checked against the live optimizer's (``params`` as names in
-    both), with the live ``params`` and the live tuple types (JSON has none) put back."""
+    both), with the live ``params`` and the live tuple types (JSON has none) put back.
+
+    A saved group may hold settings the live one lacks (a scheduler adds ``initial_lr``),
+    and lack only those ``optimizer``'s class fills in itself; the settings both have must
+    be alike (lists of the same length), and ``optimizer``'s own constructor must accept them.
+    """
     if not (isinstance(saved, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
                                             for g in saved)):
         raise CheckpointError(f"{source}: key 'param_groups' must be a list of objects with 'params'")
@@ -78,12 +119,19 @@ def restore_groups(saved: Any, current: list[dict[str, Any]], source: str) -> li
             f"(saved {[len(g['params']) for g in saved]} parameters per group); build the "
             "optimizer the same way as the run that saved it"
         )
+    filled = _class_defaults(optimizer)
     restored = []
     for i, (group, now) in enumerate(zip(saved, current)):
+        where = f"{source}: param_groups/{i}"
         settings = {k: v for k, v in group.items() if k != "params"}
-        # keys one side lacks are allowed (a scheduler adds initial_lr): the values both have must fit
-        check_like(settings, {k: v for k, v in now.items() if k != "params"}, f"{source}: param_groups/{i}",
-                   strict=False)
+        live = {k: v for k, v in now.items() if k != "params"}
+        missing = sorted(set(live) - set(settings) - filled)
+        if missing:
+            raise CheckpointError(f"{where}: key {missing[0]!r} is missing (the settings lack {missing})")
+        check_like({k: v for k, v in settings.items() if k in live},
+                   {k: v for k, v in live.items() if k in settings}, where)
+        live_params = optimizer.param_groups[i]["params"]
+        _check_settings(optimizer, settings, live_params[0] if live_params else None, where)
         restored.append({**{k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in settings.items()},
                          "params": now["params"]})
     return restored
@@ -122,7 +170,7 @@ def optimizer_state(
     index = {name: i for i, name in enumerate(order)}
     current = optimizer.state_dict()
     named = [{**g, "params": [order[i] for i in g["params"]]} for g in current["param_groups"]]
-    groups = restore_groups(saved["param_groups"], named, source)
+    groups = restore_groups(saved["param_groups"], named, source, optimizer)
     for group, now in zip(groups, current["param_groups"]):
         group["params"] = now["params"]
     live = {order[i]: fields for i, fields in current["state"].items()}
@@ -166,6 +214,11 @@ def _uint32s(words: list[int]) -> bool:
     return not words or (min(words) >= 0 and max(words) < 2**32)
 
 
+def _finite(value: object) -> bool:
+    """A generator's cached Gaussian as saved: a finite float (never an int, NaN or infinity)."""
+    return isinstance(value, float) and math.isfinite(value)
+
+
 def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, source: str) -> RNGState:
     """The generators `rng_payload` stored, checked against this process's (``live``):
     the same generators, each state of the same size, every word in range."""
@@ -182,8 +235,11 @@ def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, so
         )
     # check_like above made every word of both states an int, as in this process's
     version, words, gauss = saved["python"]
-    if not _uint32s(words) or not (gauss is None or isinstance(gauss, (int, float))):
-        raise CheckpointError(f"{source}: key 'rng/python' is not a Python generator state")
+    # random.setstate refuses another version only when the state is installed (fa.evaluate,
+    # a step with step_rng_types "python"): after the state was consumed
+    if version != live.python[0] or not _uint32s(words) or not (gauss is None or _finite(gauss)):
+        raise CheckpointError(f"{source}: key 'rng/python' is not a Python generator state of version "
+                              f"{live.python[0]} (32-bit words, a finite or null cached Gaussian)")
     for name, now in (("rng/torch", live.torch), *((f"rng/cuda/{i}", s) for i, s in enumerate(live.cuda))):
         value = tensors.get(name)
         if value is None:
@@ -194,7 +250,8 @@ def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, so
         import numpy as np
 
         kind, key, pos, has_gauss, cached = saved["numpy"]
-        if kind != live.numpy[0] or not _uint32s(key) or not 0 <= pos <= len(key) or has_gauss not in (0, 1):
+        if (kind != live.numpy[0] or not _uint32s(key) or not 0 <= pos <= len(key) or has_gauss not in (0, 1)
+                or not _finite(cached)):
             raise CheckpointError(f"{source}: key 'rng/numpy' is not a NumPy generator state")
         numpy = (kind, np.array(key, dtype=np.uint32), pos, has_gauss, cached)
     return RNGState(

@@ -382,18 +382,28 @@ def discard(checkpoint: Path, manifest: str) -> None:
 
 
 def commit(tmp: Path, final: Path, manifest: str) -> None:
-    """Move the complete checkpoint ``tmp`` to ``final``, replacing an older one atomically."""
-    (tmp / LEFTOVER_MARKER).unlink()
+    """Move the complete checkpoint ``tmp`` to ``final``, replacing an older one atomically.
+
+    Every directory is marked for as long as it has a hidden name: the old
+    checkpoint is marked before it moves there, the new one keeps its mark until
+    it has moved to ``final``. A crash at any instant thus leaves only marked
+    leftovers (`remove_leftovers`), at worst with a mark inside the checkpoint,
+    which nothing else reads.
+    """
     fsync_dir(tmp)
+    old: Path | None = None
     if not final.exists():
         os.rename(tmp, final)
-    elif _exchange(tmp, final):
-        _mark(tmp)  # tmp now holds the old checkpoint
-        _delete(tmp, manifest)
-    else:  # no atomic exchange here: the old one moves aside first, then is deleted
-        aside = final.parent / f".{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
-        os.rename(final, aside)
-        os.rename(tmp, final)
-        _mark(aside)
-        _delete(aside, manifest)
+    else:
+        _mark(final)  # the old checkpoint is about to go under a hidden name
+        if _exchange(tmp, final):
+            old = tmp
+        else:  # no atomic exchange here: the old one moves aside first
+            old = final.parent / f".{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+    (final / LEFTOVER_MARKER).unlink()
+    fsync_dir(final)
+    if old is not None:
+        _delete(old, manifest)
     fsync_dir(final.parent)

@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Any
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import read_bounded, safe_relative
+from fnaccel.checkpoint.files import LEFTOVER_MARKER, read_bounded, safe_relative
 from fnaccel.checkpoint.tensorfile import CHECKSUMS
 
 __all__ = [
@@ -139,8 +139,9 @@ def _short(value: Any) -> str:
 
 
 def _foreign(directory: Path, listed: set[str]) -> list[str]:
-    """What is inside ``directory`` that its manifest does not list (relative names)."""
-    known = listed | {MANIFEST}
+    """What is inside ``directory`` that its manifest does not list (relative names);
+    fnaccel's own leftover mark (a crash while the checkpoint was committed or deleted) is not."""
+    known = listed | {MANIFEST, LEFTOVER_MARKER}
     folders = {"/".join(name.split("/")[:i]) for name in known for i in range(1, name.count("/") + 1)}
     out: list[str] = []
     for root, dirs, files in os.walk(directory):

@@ -343,7 +343,7 @@ def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> 
     param_groups = None
     if state.optimizer is not None:
         check_kind(saved, state.optimizer, source)
-        param_groups = restore_groups(saved["param_groups"], groups, source)
+        param_groups = restore_groups(saved["param_groups"], groups, source, state.optimizer)
     _, reader_cls = storage_classes()
     reader = reader_cls(root, manifest, metadata, storage)
     try:

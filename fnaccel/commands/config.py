@@ -66,6 +66,8 @@ def _target(args: argparse.Namespace) -> Path:
 
 def run_default(args: argparse.Namespace) -> int:
     target = _target(args)
+    if target.exists() and not target.is_file():  # not "a config file already exists"
+        raise CommandError(f"{target}: not a file (a directory?); choose a file path for --config_file")
     written = write_basic_config(args.mixed_precision, target)
     if written is False:
         print(f"fnaccel: a config file already exists at {target}; it was kept. Delete it, run "

@@ -135,12 +135,48 @@ def _dcp_reader(source: Path) -> Any:
     return _Reader(source)
 
 
+def _check_dcp_types(metadata: Any, where: str) -> None:
+    """Every part of DCP's Metadata is of the class DCP makes it: the unpickler admits those
+    classes, but a planted pickle may put any of them (or a list) anywhere."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def fail(key: object, detail: str) -> CheckpointError:
+        return CheckpointError(f"{where}: key {key!r}: {detail}; the checkpoint was edited or is hostile")
+
+    for fqn, item in metadata.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise fail(fqn, "a key must be a string")
+        if isinstance(item, BytesStorageMetadata):
+            continue
+        if not (isinstance(item, TensorStorageMetadata) and isinstance(item.properties, TensorProperties)
+                and isinstance(item.properties.dtype, torch.dtype) and isinstance(item.chunks, list)
+                and all(isinstance(chunk, ChunkStorageMetadata) for chunk in item.chunks)):
+            raise fail(fqn, "not a tensor's metadata (properties with a torch dtype, a list of chunks)")
+    for index in metadata.storage_data:
+        if not (isinstance(index, MetadataIndex) and isinstance(index.fqn, str)):
+            raise fail(index, "a stored piece's index must name its key by a string")
+    planned = metadata.planner_data
+    if planned is not None and not (
+        isinstance(planned, dict)
+        and all(isinstance(path, (list, tuple)) and all(isinstance(part, (str, int)) for part in path)
+                for path in planned.values())
+    ):
+        raise fail("planner_data", "must map keys to their paths (lists of names)")
+
+
 def _check_dcp_storage(metadata: Any, source: Path) -> None:
     """DCP's ``.metadata`` names only regular files inside ``source``, each stored piece lies
     inside its file, and the tensors it declares fit in those files (`check_metadata`)."""
     where = str(source / DCP_METADATA)
     if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"{where}: malformed (no state_dict_metadata or storage_data)")
+    _check_dcp_types(metadata, where)
     sizes: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
         name = safe_relative(getattr(info, "relative_path", None), where)
@@ -364,6 +400,9 @@ def run(args: argparse.Namespace) -> int:
         merged = _merge(args.checkpoint_directory, args.output_path, args.remove_checkpoint_dir)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
+    except OSError as exc:  # the output (or a removal) could not be written: reads raise CheckpointError
+        where = exc.filename if exc.filename is not None else args.output_path
+        raise CommandError(f"{where}: {exc.strerror or exc} (output_path {args.output_path})") from None
     print(
         f"Merged {merged.num_tensors} tensors from the {merged.source_kind} {args.checkpoint_directory} "
         f"into {merged.path}"

@@ -127,8 +127,25 @@ FILE_EDITS: dict[str, tuple[str, Callable[[Path], None]]] = {
                            kind="torch.optim.lr_scheduler.ExponentialLR"))),
     "group lr": (r"optimizer.json: param_groups/0: key 'lr' must be a number",
                  lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(lr="fast"))),
+    # torch replaces a live group by the saved one: these failed at the first step, after the load
+    "group lr missing": (r"optimizer.json: param_groups/0: key 'lr' is missing",
+                         lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].pop("lr"))),
+    "group betas length": (r"optimizer.json: param_groups/0: key 'betas' holds 1 items",
+                           lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0]["betas"].pop())),
+    "group beta range": (r"optimizer.json: param_groups/0: AdamW refuses these settings \(Invalid beta",
+                         lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(
+                             betas=[-1.0, 0.999]))),
+    "group huge eps": (r"optimizer.json: param_groups/0: key 'eps' is 1180591620717411303424, out of any range",
+                       lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(eps=2**70))),
     "python rng size": (r"rank0.json: rng: key 'python/1' holds 3 items",
                         lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(1, [1, 2, 3]))),
+    # random.setstate refuses these only when fa.evaluate installs the state, after the load
+    "python rng version": (r"rank0.json: key 'rng/python' is not a Python generator state of version 3",
+                           lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(0, -1))),
+    "python rng gauss": (r"rank0.json: key 'rng/python' is not a Python generator state",
+                         lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(2, 1e400))),
+    "numpy rng gauss": (r"rank0.json: key 'rng/numpy' is not a NumPy generator state",
+                        lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["numpy"].__setitem__(4, float("nan")))),
     "transforms": (r"rank0.json: key 'transforms' must be an object",
                    lambda c: _edit_json(c, "rank0.json", lambda v: v.update(transforms=[]))),
     "rank keys": (r"rank0.json: must hold exactly the keys",
@@ -178,6 +195,15 @@ def test_another_optimizer_or_scheduler_kind_is_refused(checkpoint: Path) -> Non
         fa.load(state, checkpoint)
     state.check_fresh("the test")
     assert not sgd.state
+
+
+def test_group_settings_the_optimizer_class_fills_in_may_be_missing(checkpoint: Path) -> None:
+    """A checkpoint from a torch without a newer option (AdamW's ``decoupled_weight_decay``,
+    ``foreach``) loads: the class fills them in itself, as torch's own load does."""
+    _edit_json(checkpoint, "optimizer.json",
+               lambda v: [v["param_groups"][0].pop(k) for k in ("decoupled_weight_decay", "foreach")])
+    state = fa.load(_fresh(), checkpoint)
+    assert state.optimizer.param_groups[0]["foreach"] is None
 
 
 def test_the_untouched_checkpoint_still_loads(checkpoint: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 
 import fnaccel as fa
+from fnaccel.checkpoint import files
 from fnaccel.checkpoint.files import LEFTOVER_MARKER
+from fnaccel.checkpoint.manifest import target_problem
 from tests.checkpoint.test_resume import fresh_run, train
 
 DISK_FULL_JOB = Path(__file__).with_name("_disk_full.py")
@@ -95,6 +98,69 @@ def test_a_save_removes_its_own_crashed_leftovers_and_nothing_else(tmp_path: Pat
     assert not any(path.exists() for path in crashed)
     assert all(path.is_dir() for path in kept)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["ckpt"]
+
+
+class _Crash(BaseException):
+    """The process dying at this instant (nothing after it runs, no handler catches it)."""
+
+
+def _crash_after(monkeypatch: pytest.MonkeyPatch, steps: int) -> list[str]:
+    """Make the commit's ``steps``-th filesystem step (rename, exchange, mark, unlink, fsync)
+    the last one it takes; returns the names of the steps taken."""
+    taken: list[str] = []
+
+    def step(name: str, real):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            result = real(*args, **kwargs)
+            taken.append(name)
+            if len(taken) == steps:
+                raise _Crash(name)
+            return result
+        return run
+
+    monkeypatch.setattr(files.os, "rename", step("rename", os.rename))
+    monkeypatch.setattr(files, "_exchange", step("exchange", files._exchange))
+    monkeypatch.setattr(files, "_mark", step("mark", files._mark))
+    monkeypatch.setattr(files, "fsync_dir", step("fsync", files.fsync_dir))
+    monkeypatch.setattr(Path, "unlink", step("unlink", Path.unlink))
+    return taken
+
+
+@pytest.mark.parametrize("over_a_checkpoint", [True, False])
+def test_a_crash_at_any_instant_of_the_commit_leaves_only_marked_leftovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, over_a_checkpoint: bool
+) -> None:
+    """Killed between any two steps of moving a written checkpoint into place: the name holds
+    the old or the new checkpoint, and the next save removes everything else (a hidden
+    directory left without its mark would stay forever, the size of a checkpoint)."""
+    state = _run()
+    fa.save(state.replace(epoch=5), tmp_path / "new")
+    final = tmp_path / "ckpt"
+    steps = 1
+    while True:
+        if over_a_checkpoint:
+            fa.save(state, final)
+        token = uuid.uuid4().hex
+        tmp = files.make_temporary(final, token)
+        for name in os.listdir(tmp_path / "new"):
+            shutil.copy(tmp_path / "new" / name, tmp / name)
+        with monkeypatch.context() as patches:
+            taken = _crash_after(patches, steps)
+            try:
+                files.commit(tmp, final, "fnaccel.json")
+                crashed = False
+            except _Crash:
+                crashed = True
+        if final.exists():
+            assert _epoch(final) in (0, 5), taken
+            assert target_problem(final) is None, taken  # a mark left inside is fnaccel's own
+        files.remove_leftovers(tmp_path, "ckpt")
+        assert sorted(os.listdir(tmp_path)) == (["ckpt", "new"] if final.exists() else ["new"]), taken
+        if not crashed:
+            break
+        shutil.rmtree(final, ignore_errors=True)
+        steps += 1
+    assert steps > 3 and _epoch(final) == 5
 
 
 def test_a_failed_save_removes_its_partial_directory_and_names_the_path(tmp_path: Path) -> None:

@@ -79,6 +79,10 @@ def test_config_default_writes_this_machine_and_keeps_an_existing_file(
     assert "already exists" in capsys.readouterr().err
     assert target.read_text() == "mixed_precision: bf16\n"
     assert not list(tmp_path.glob("sub/.*tmp"))  # the atomic write left nothing behind
+    # a directory is no config file "already there": exit 2, one line
+    assert main(["config", "default", "--config_file", str(tmp_path / "sub")]) == 2
+    assert capsys.readouterr().err == (f"fnaccel config default: error: {tmp_path / 'sub'}: not a file "
+                                       "(a directory?); choose a file path for --config_file\n")
 
 
 def test_config_update_keeps_values_and_adds_todays_keys(tmp_path: Path) -> None:

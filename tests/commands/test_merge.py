@@ -192,6 +192,18 @@ def test_an_unsharded_fnaccel_checkpoint_gives_its_weights_with_ties(tmp_path: P
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
 
 
+def test_an_output_path_that_cannot_be_written_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = nn.Linear(3, 2)
+    fa.save(fa.prepare(fa.init(cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1)), tmp_path / "ckpt")
+    (tmp_path / "file").write_text("x")
+    assert main(["merge-weights", str(tmp_path / "ckpt"), str(tmp_path / "file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"fnaccel merge-weights: error: {tmp_path / 'file' / 'out'}: Not a directory "
+                   f"(output_path {tmp_path / 'file' / 'out'})\n"), err
+
+
 def test_bad_paths_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     def error(*argv: str) -> str:
         assert main(["merge-weights", *argv]) == 2
@@ -256,6 +268,10 @@ def _first_model_entry(metadata: Any) -> Any:
     ("past the file", "which holds"),
     ("declared size", "declares"),
     ("chunk outside", "does not lie inside the tensor's size"),
+    # allowed classes in the wrong places: these reached DCP or the merge as raw tracebacks
+    ("dtype not a dtype", "not a tensor's metadata"),
+    ("key not a string", "key 5: a key must be a string"),
+    ("planner data", "key 'planner_data': must map keys to their paths"),
 ])
 def test_a_hostile_dcp_metadata_is_refused_before_anything_is_read_or_allocated(
     saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, expected: str
@@ -278,6 +294,12 @@ def test_a_hostile_dcp_metadata_is_refused_before_anything_is_read_or_allocated(
             metadata.storage_data[index] = dataclasses.replace(info, relative_path=str(outside))
         elif case == "past the file":
             metadata.storage_data[index] = dataclasses.replace(info, length=10**12)
+        elif case == "dtype not a dtype":
+            metadata.state_dict_metadata[index.fqn].properties.dtype = "float32"
+        elif case == "key not a string":
+            metadata.state_dict_metadata[5] = metadata.state_dict_metadata.pop(index.fqn)
+        elif case == "planner data":
+            metadata.planner_data = Path("/etc/passwd")
         else:
             item = metadata.state_dict_metadata[index.fqn]
             huge = torch.Size([2**20, 2**20])  # 4 TiB of float32
