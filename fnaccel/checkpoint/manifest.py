@@ -162,6 +162,10 @@ def target_problem(final: Path) -> str | None:
     checkpoint that holds only the files its manifest lists.
     """
     if not os.path.lexists(final):
+        above = next((p for p in final.parents if os.path.lexists(p)), None)
+        if above is not None and not above.is_dir():
+            return (f"{final}: {above} is a file, not a directory a checkpoint can be written in; "
+                    "choose another path")
         return None
     if not final.is_dir():
         return (f"{final} is a file, not a checkpoint directory; fa.save writes a directory there and "

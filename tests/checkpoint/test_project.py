@@ -62,13 +62,13 @@ def test_the_queue_reuses_a_staging_buffer_of_the_same_shape_and_dtype() -> None
 
 def test_an_async_error_surfaces_on_the_next_save(tmp_path: Path) -> None:
     run, _, _ = fresh_run(fa.init(seed=0, cpu=True), fa.compose())
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    fa.save(run, blocker / "ckpt", blocking=False)  # its parent is a file: the writer fails
-    with pytest.raises(fa.CheckpointError, match="asynchronous save to .* failed"):
+    # a name the file system refuses (ENAMETOOLONG): nothing at the call can tell, the writer fails
+    too_long = tmp_path / ("x" * 250)
+    fa.save(run, too_long, blocking=False)
+    with pytest.raises(fa.CheckpointError, match="asynchronous save to .* failed.*File name too long"):
         fa.save(run, tmp_path / "next")
     fa.save(run, tmp_path / "next")  # raised once; the queue is usable again
-    fa.save(run, blocker / "again", blocking=False)
+    fa.save(run, too_long, blocking=False)
     with pytest.raises(fa.CheckpointError, match="failed"):
         fa.shutdown(run)  # shutdown waits for the last save, and says if it failed
 

@@ -65,6 +65,10 @@ def test_a_regular_file_target_is_refused_and_kept(tmp_path: Path) -> None:
         fa.save(_run(), target)
     assert target.read_bytes() == b"user weights"
     assert sorted(os.listdir(tmp_path)) == ["model.pt"]
+    # below it: refused before anything is tried (not "the save failed ... partial directory removed")
+    with pytest.raises(fa.CheckpointError, match=r"ckpt: .*model.pt is a file, not a directory a checkpoint"):
+        fa.save(_run(), target / "sub" / "ckpt")
+    assert target.read_bytes() == b"user weights"
 
 
 def test_a_symlink_target_replaces_the_checkpoint_it_names_and_stays_a_link(tmp_path: Path) -> None:
