@@ -79,26 +79,82 @@ def _class_defaults(optimizer: torch.optim.Optimizer) -> set[str]:
         return set()
 
 
-def _check_settings(optimizer: torch.optim.Optimizer, settings: dict[str, Any], like: torch.Tensor | None,
-                    where: str) -> None:
-    """Numbers a C double holds, and, for torch's own optimizers, settings their constructor
-    accepts (``0 <= betas[0] < 1``, ``eps >= 0``, ...): checked on a throwaway one-element
+def _throwaway(cls: type[torch.optim.Optimizer], settings: dict[str, Any], like: torch.Tensor | None
+               ) -> torch.optim.Optimizer:
+    """A ``cls`` built with the ``settings`` its constructor takes, over one one-element
     parameter of ``like``'s ndim, dtype and device (Muon takes only matrices, fused only floats)."""
     import inspect
 
+    accepted = inspect.signature(cls).parameters
+    kwargs = {k: v for k, v in settings.items() if k in accepted and k != "params"}
+    probe = torch.zeros(1) if like is None else torch.zeros((1,) * like.ndim, dtype=like.dtype, device=like.device)
+    return cls([torch.nn.Parameter(probe)], **kwargs)
+
+
+def _check_settings(optimizer: torch.optim.Optimizer, settings: dict[str, Any], like: torch.Tensor | None,
+                    where: str) -> None:
+    """Numbers a C double holds, and, for torch's own optimizers, settings their constructor
+    accepts (``0 <= betas[0] < 1``, ``eps >= 0``, ...), checked on a `_throwaway` one."""
     for key, value in settings.items():
         if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
             raise CheckpointError(f"{where}: key {key!r} is {value}, out of any range torch computes in")
     cls = type(optimizer)
     if not cls.__module__.startswith("torch.optim."):
         return  # another library's constructor may need more than settings (or allocate)
-    accepted = inspect.signature(cls).parameters
-    kwargs = {k: v for k, v in settings.items() if k in accepted and k != "params"}
-    probe = torch.zeros(1) if like is None else torch.zeros((1,) * like.ndim, dtype=like.dtype, device=like.device)
     try:
-        cls([torch.nn.Parameter(probe)], **kwargs)
+        _throwaway(cls, settings, like)
     except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
         raise CheckpointError(f"{where}: {cls.__name__} refuses these settings ({exc})") from None
+
+
+def _probe_step(cls: type[torch.optim.Optimizer], settings: dict[str, Any], like: torch.Tensor,
+                entries: dict[str, Any] | None) -> None:
+    """One step of a `_throwaway` ``cls`` from a zero gradient, its state ``entries`` (each
+    one element, or as saved when 0-d) or a fresh state (None)."""
+    optimizer = _throwaway(cls, settings, like)
+    param = optimizer.param_groups[0]["params"][0]
+    param.grad = torch.zeros_like(param)
+    if entries is not None:
+        optimizer.state[param] = entries
+    optimizer.step()
+
+
+def _check_state_fits(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
+                      state: Mapping[int, Mapping[str, Any]], like: Mapping[int, torch.Tensor], source: str) -> None:
+    """For torch's own optimizers: the saved state of each group's first parameter with
+    state fits the saved settings (``amsgrad`` needs ``max_exp_avg_sq``; ``capturable``
+    a device that has it), or the first step would fail after the state was consumed.
+    Judged by one throwaway step on a one-element parameter (about 0.3 ms); a failing
+    one is refused only where the same step with the live group's settings and a
+    fresh state succeeds (LBFGS needs a closure, SparseAdam sparse gradients: no
+    judgment there). ``like``: index to parameter."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim."):
+        return
+    for group, live in zip(groups, optimizer.param_groups):
+        index = next((i for i in group["params"] if i in state), None)
+        if index is None:
+            continue
+        param = like[index]
+        entries: dict[str, Any] = {}
+        for key, value in state[index].items():
+            if isinstance(value, torch.Tensor) and value.ndim:
+                if value.shape != param.shape:
+                    break  # a factored state (Adafactor's rows and columns): no one-element stand-in
+                value = torch.zeros((1,) * param.ndim, dtype=value.dtype, device=param.device)
+            entries[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        else:
+            try:
+                _probe_step(cls, group, param, entries)
+            except Exception as exc:  # noqa: BLE001 - any failure of that step is what is refused
+                try:
+                    _probe_step(cls, {k: v for k, v in live.items() if k != "params"}, param, None)
+                except Exception:  # noqa: BLE001 - the probe does not apply to this optimizer
+                    continue
+                raise CheckpointError(
+                    f"{source}: the state saved for {sorted(entries)} does not fit the group's settings: "
+                    f"{cls.__name__}'s step fails with them ({type(exc).__name__}: {exc})"
+                ) from None
 
 
 def restore_groups(saved: Any, current: list[dict[str, Any]], source: str,
@@ -195,6 +251,7 @@ def optimizer_state(
     for name, fields in live.items():  # a run that already stepped: its state says what fits
         if index[name] in state:
             check_like(state[index[name]], fields, f"{source}: state of {name!r}", strict=False)
+    _check_state_fits(optimizer, groups, state, {index[name]: params[name] for name in index}, source)
     return {"state": state, "param_groups": groups}
 
 

@@ -137,6 +137,14 @@ FILE_EDITS: dict[str, tuple[str, Callable[[Path], None]]] = {
                              betas=[-1.0, 0.999]))),
     "group huge eps": (r"optimizer.json: param_groups/0: key 'eps' is 1180591620717411303424, out of any range",
                        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(eps=2**70))),
+    # settings whose state is missing or whose device lacks them: the first step failed, after the load
+    "group amsgrad without its state": (
+        r"optimizer.json: the state saved for \['exp_avg', 'exp_avg_sq', 'step'\] does not fit the group's "
+        r"settings: AdamW's step fails with them \(KeyError: 'max_exp_avg_sq'\)",
+        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(amsgrad=True))),
+    "group capturable on cpu": (
+        r"optimizer.json: the state saved for .* AdamW's step fails with them",
+        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(capturable=True))),
     "python rng size": (r"rank0.json: rng: key 'python/1' holds 3 items",
                         lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(1, [1, 2, 3]))),
     # random.setstate refuses these only when fa.evaluate installs the state, after the load
@@ -204,6 +212,31 @@ def test_group_settings_the_optimizer_class_fills_in_may_be_missing(checkpoint: 
                lambda v: [v["param_groups"][0].pop(k) for k in ("decoupled_weight_decay", "foreach")])
     state = fa.load(_fresh(), checkpoint)
     assert state.optimizer.param_groups[0]["foreach"] is None
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True),
+    lambda ps: torch.optim.Adafactor(ps, lr=0.01),  # factored state: no one-element stand-in
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+], ids=["amsgrad", "adafactor", "sgd"])
+def test_states_that_fit_their_settings_load_and_resume_alike(tmp_path: Path,
+                                                              make: Callable[[Any], torch.optim.Optimizer]) -> None:
+    def run() -> fa.RunState:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+        return fa.prepare(fa.init(seed=0, cpu=True), model, make(model.parameters()),
+                          loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"]))
+
+    batch = {"x": torch.randn(5, 4), "y": torch.randn(5, 2)}
+    state = run()
+    for _ in range(2):
+        state, _ = fa.step(state, batch)
+    fa.save(state, tmp_path / "ckpt")
+    resumed = fa.load(run(), tmp_path / "ckpt")
+    state, _ = fa.step(state, batch)
+    resumed, _ = fa.step(resumed, batch)
+    for a, b in zip(state.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_the_untouched_checkpoint_still_loads(checkpoint: Path) -> None:
