@@ -119,6 +119,21 @@ def _probe_step(cls: type[torch.optim.Optimizer], settings: dict[str, Any], like
     optimizer.step()
 
 
+def _stand_ins(saved: Mapping[str, Any], param: torch.Tensor) -> dict[str, Any] | None:
+    """One-element copies of a parameter's saved state for a probe step: each tensor
+    of its parameter's shape as zeros of ``param``'s ndim, 0-d ones and plain values as
+    saved; None when a tensor has another shape (Adafactor's factored rows and columns)."""
+    entries: dict[str, Any] = {}
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            if value.ndim and value.shape != param.shape:
+                return None
+            value = torch.zeros((1,) * param.ndim, dtype=value.dtype, device=param.device) if value.ndim \
+                else value.clone()
+        entries[key] = value
+    return entries
+
+
 def _check_state_fits(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
                       state: Mapping[int, Mapping[str, Any]], like: Mapping[int, torch.Tensor], source: str) -> None:
     """For torch's own optimizers: the saved state of each group's first parameter with
@@ -133,28 +148,20 @@ def _check_state_fits(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
         return
     for group, live in zip(groups, optimizer.param_groups):
         index = next((i for i in group["params"] if i in state), None)
-        if index is None:
+        entries = None if index is None else _stand_ins(state[index], like[index])
+        if index is None or entries is None:
             continue
-        param = like[index]
-        entries: dict[str, Any] = {}
-        for key, value in state[index].items():
-            if isinstance(value, torch.Tensor) and value.ndim:
-                if value.shape != param.shape:
-                    break  # a factored state (Adafactor's rows and columns): no one-element stand-in
-                value = torch.zeros((1,) * param.ndim, dtype=value.dtype, device=param.device)
-            entries[key] = value.clone() if isinstance(value, torch.Tensor) else value
-        else:
+        try:
+            _probe_step(cls, group, like[index], entries)
+        except Exception as exc:  # noqa: BLE001 - any failure of that step is what is refused
             try:
-                _probe_step(cls, group, param, entries)
-            except Exception as exc:  # noqa: BLE001 - any failure of that step is what is refused
-                try:
-                    _probe_step(cls, {k: v for k, v in live.items() if k != "params"}, param, None)
-                except Exception:  # noqa: BLE001 - the probe does not apply to this optimizer
-                    continue
-                raise CheckpointError(
-                    f"{source}: the state saved for {sorted(entries)} does not fit the group's settings: "
-                    f"{cls.__name__}'s step fails with them ({type(exc).__name__}: {exc})"
-                ) from None
+                _probe_step(cls, {k: v for k, v in live.items() if k != "params"}, like[index], None)
+            except Exception:  # noqa: BLE001 - the probe does not apply to this optimizer
+                continue
+            raise CheckpointError(
+                f"{source}: the state saved for {sorted(entries)} does not fit the group's settings: "
+                f"{cls.__name__}'s step fails with them ({type(exc).__name__}: {exc})"
+            ) from None
 
 
 def restore_groups(saved: Any, current: list[dict[str, Any]], source: str,
