@@ -148,14 +148,16 @@ def _check_state_fits(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
         return
     for group, live in zip(groups, optimizer.param_groups):
         index = next((i for i in group["params"] if i in state), None)
-        entries = None if index is None else _stand_ins(state[index], like[index])
-        if index is None or entries is None:
+        if index is None:
+            continue
+        entries = _stand_ins(state[index], like[index])
+        if entries is None:
             continue
         try:
             _probe_step(cls, group, like[index], entries)
         except Exception as exc:  # noqa: BLE001 - any failure of that step is what is refused
             try:
-                _probe_step(cls, {k: v for k, v in live.items() if k != "params"}, like[index], None)
+                _probe_step(cls, live, like[index], None)  # _throwaway takes no "params" from a group
             except Exception:  # noqa: BLE001 - the probe does not apply to this optimizer
                 continue
             raise CheckpointError(
