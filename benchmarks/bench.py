@@ -16,7 +16,9 @@ over rounds:
   call timed against itself in the same place: the row's noise floor);
 - checkpoints: ``fa.save`` / ``fa.load`` / what an async save blocks, against
   raw safetensors + ``os.sync()`` and against Accelerate's ``save_state`` (+
-  ``os.sync()``) / ``load_state`` (`checkpoints.py`'s cases);
+  ``os.sync()``) / ``load_state`` (`checkpoints.py`'s cases); the load also
+  against the raw load plus one read of every byte (`checkpoints.raw_load_read`:
+  the raw load never reads the optimizer's state, which a verifying load must);
 - import: ``import torch, fnaccel`` against ``import torch``.
 
 ``--clock cpu`` (the default) times the single-process step and loop rows by
@@ -132,6 +134,8 @@ def checkpoint_rows(size: float, rounds: int) -> list[Row]:
 
         base, mine = checkpoints.compare(rounds, lambda: checkpoints.raw_load(model, optimizer, raw), load)
         rows.append((f"load {size:.0f} MB: fa.load", "load_file + load_state_dict", base, mine, "1.5"))
+        base, mine = checkpoints.compare(rounds, lambda: checkpoints.raw_load_read(model, optimizer, raw), load)
+        rows.append((f"load {size:.0f} MB: fa.load", "the same + one read of every byte", base, mine, "-"))
         state = current[0]
         try:
             acc_save, acc_load = accelerate_checkpoint(model, optimizer)
