@@ -16,6 +16,7 @@ for the last one.
 
 from __future__ import annotations
 
+import errno
 import re
 import shutil
 from collections.abc import Callable
@@ -213,11 +214,12 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
     except Exception as exc:
         if not snap.writer:
             raise
+        written = tmp.exists()
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"{final}: the save failed ({type(exc).__name__}: {exc}); its partial directory {tmp} "
-            "was removed"
-        ) from exc
+        after = f"its partial directory {tmp} was removed" if written else "nothing was written"
+        if isinstance(exc, PermissionError) or getattr(exc, "errno", None) == errno.EROFS:
+            after += "; save to a directory this process may write in"
+        raise CheckpointError(f"{final}: the save failed ({type(exc).__name__}: {exc}); {after}") from exc
     if snap.writer:
         on_commit(final)
     wait_for_everyone(ctx)

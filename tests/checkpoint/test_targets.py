@@ -183,6 +183,43 @@ def test_a_failed_save_removes_its_partial_directory_and_names_the_path(tmp_path
     fa.load(fresh_run(fa.init(seed=0, cpu=True), fa.compose())[0], checkpoint)
 
 
+def _read_only(directory: Path) -> None:
+    """Make ``directory`` refuse new entries even to root (whom file modes do not stop):
+    the immutable attribute; a plain ``chmod`` for other users."""
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return
+    done = subprocess.run(["chattr", "+i", str(directory)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"root, and no immutable attribute here to make a read-only directory: {done.stderr.strip()}")
+
+
+def _writable(directory: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(directory)], capture_output=True)
+    directory.chmod(0o755)
+
+
+def test_a_save_into_a_directory_it_may_not_write_says_so_and_keeps_the_old_checkpoint(tmp_path: Path) -> None:
+    state = _run()
+    parent = tmp_path / "runs"
+    parent.mkdir()
+    fa.save(state.replace(epoch=3), parent / "ckpt")
+    _read_only(parent)
+    try:
+        for target in (parent / "ckpt", parent / "new"):
+            with pytest.raises(fa.CheckpointError) as raised:
+                fa.save(state.replace(epoch=4), target)
+            message = str(raised.value)
+            assert message.startswith(f"{target}: the save failed (PermissionError: "), message
+            assert message.endswith("nothing was written; save to a directory this process may write in"), message
+        assert sorted(os.listdir(parent)) == ["ckpt"]
+        assert _epoch(parent / "ckpt") == 3
+        fa.load(fresh_run(fa.init(seed=0, cpu=True), fa.compose())[0], parent / "ckpt")
+    finally:
+        _writable(parent)
+
+
 def test_rotation_numbers_past_any_directory_and_cleans_deletion_leftovers(tmp_path: Path) -> None:
     project = fa.ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2)
     root = tmp_path / "checkpoints"
