@@ -1,0 +1,382 @@
+"""The prepared loader against the user's own `DataLoader`, as a careful PyTorch user would try it.
+
+Each test builds a real `torch.utils.data.DataLoader` and compares what the
+prepared loader yields with what a plain `DataLoader` yields for the same
+batches of sample indices: same samples, same order, and the same collate
+result (container types, dtypes, strides, non-tensor leaves). Where fnaccel
+owns the order (``shuffle=True``), the reference is a plain `DataLoader` over
+the documented order (docs/data.md: the user's generator plays no part).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from collections import namedtuple
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+    default_collate,
+)
+
+import fnaccel as fa
+from fnaccel.data.config import DataLoaderConfiguration
+from fnaccel.data.loader import prepare_loader
+from fnaccel.data.prepared import PreparedLoader
+from fnaccel.data.sampler import epoch_order
+
+_TESTS = str(Path(__file__).resolve().parents[1])
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
+from data import _data_fns as fns  # noqa: E402
+
+
+Pair = namedtuple("Pair", ["x", "y"])
+
+
+@dataclasses.dataclass
+class Sample:
+    x: torch.Tensor
+    name: str
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def identical(a: Any, b: Any) -> bool:
+    """Type for type, and tensors bit for bit (NaN and complex32 too) with dtype, shape and strides."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+                and a.device == b.device and torch.equal(_bits(a), _bits(b)))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(identical(a[k], b[k]) for k in a)
+    if dataclasses.is_dataclass(a):
+        return identical(dataclasses.astuple(a), dataclasses.astuple(b))  # type: ignore[arg-type]
+    return bool(a == b)
+
+
+def _prepare(loader: DataLoader[Any], num_processes: int = 1, rank: int = 0, seed: int = 7,
+             **config: Any) -> PreparedLoader:
+    ctx = fa.DistContext(num_processes=num_processes, rank=rank, device=torch.device("cpu"))
+    return prepare_loader(loader, ctx, seed=seed, config=DataLoaderConfiguration(**config))
+
+
+def _read(prepared: PreparedLoader, epoch: int = 0, num_batches: int = 0) -> list[Any]:
+    prepared.seek(fa.DataPosition(epoch=epoch, num_batches=num_batches))
+    return list(prepared.read(epoch + 1))
+
+
+def _shuffled_reference(loader: DataLoader[Any], seed: int, epoch: int) -> list[Any]:
+    """A plain DataLoader over the documented order of a shuffled epoch (one process)."""
+    order = epoch_order(len(loader.dataset), seed=seed, epoch=epoch, shuffle=True).tolist()  # type: ignore[arg-type]
+    return list(DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=order, drop_last=loader.drop_last,
+                           collate_fn=loader.collate_fn))
+
+
+def _assert_same(got: list[Any], expected: list[Any]) -> None:
+    assert len(got) == len(expected)
+    for step, (a, b) in enumerate(zip(got, expected)):
+        assert identical(a, b), f"batch {step}: {a!r} != {b!r}"
+
+
+# ------------------------------------------------------------------ datasets
+
+
+def _dtype_tensors(num_samples: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(num_samples, 3, generator=g)
+    return TensorDataset(
+        x > 0, (x * 10).to(torch.int8), x.half(), x.bfloat16(), torch.complex(x, -x),
+        torch.arange(num_samples),  # 0-d per sample
+        _complex32(x),
+        torch.arange(num_samples, dtype=torch.float64).view(num_samples, 1, 1) * float("nan"),
+    )
+
+
+def _complex32(x: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():  # "ComplexHalf support is experimental"
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.complex(x, -x).to(torch.complex32)
+
+
+class Items(Dataset[Any]):
+    """Samples of a given kind, read through ``__getitems__`` (which must be used)."""
+
+    def __init__(self, num_samples: int, kind: str) -> None:
+        self.num_samples, self.kind = num_samples, kind
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sample(self, i: int) -> Any:
+        x = torch.full((2,), i, dtype=torch.float16)
+        return {"list": [x, i], "dict": {"x": x, "label": i, "name": f"s{i}"}, "tuple": (x, float(i), True),
+                "namedtuple": Pair(x, i), "dataclass": Sample(x=x, name=f"s{i}")}[self.kind]
+
+    def __getitem__(self, i: int) -> Any:
+        raise AssertionError("read one at a time: __getitems__ was not used")
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        return [self.sample(i) for i in indices]
+
+
+def _collate_samples(samples: list[Sample]) -> dict[str, Any]:
+    return {"x": torch.stack([s.x for s in samples]), "names": tuple(s.name for s in samples)}
+
+
+class Batched(Dataset[Any]):
+    """A dataset whose ``__getitems__`` returns the batch already made (a tensor),
+    read with an identity collate_fn: torch's DataLoader passes it through."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.data = torch.arange(num_samples * 2, dtype=torch.float32).view(num_samples, 2)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+    def __getitems__(self, indices: list[int]) -> torch.Tensor:
+        return self.data[indices]
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+# ------------------------------------------------------------------ what the batches hold
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_tensor_datasets_of_every_dtype_equal_the_plain_loader(shuffle: bool, batch_size: int,
+                                                               drop_last: bool) -> None:
+    loader = DataLoader(_dtype_tensors(11), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
+    prepared = _prepare(loader)
+    assert type(prepared.fetch).__name__ == "IndexFetch"  # NaN and complex32 included
+    for epoch in range(2):
+        expected = _shuffled_reference(loader, 7, epoch) if shuffle else list(loader)
+        _assert_same(_read(prepared, epoch), expected)
+
+
+def test_a_plain_tensor_as_dataset_equals_the_plain_loader() -> None:
+    data = torch.arange(30, dtype=torch.int16).view(10, 3)
+    loader = DataLoader(data, batch_size=4)
+    _assert_same(_read(_prepare(loader)), list(loader))
+    scalars = DataLoader(torch.arange(7.0), batch_size=3)
+    _assert_same(_read(_prepare(scalars)), list(scalars))
+
+
+@pytest.mark.parametrize("kind", ["list", "dict", "tuple", "namedtuple", "dataclass"])
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_getitems_of_every_container_equals_the_plain_loader(kind: str, num_workers: int) -> None:
+    collate = _collate_samples if kind == "dataclass" else default_collate
+    loader = DataLoader(Items(7, kind), batch_size=3, collate_fn=collate)
+    prepared = _prepare(DataLoader(Items(7, kind), batch_size=3, collate_fn=collate, num_workers=num_workers))
+    _assert_same(_read(prepared), list(loader))
+
+
+def test_getitems_returning_the_batch_itself_equals_the_plain_loader() -> None:
+    loader = DataLoader(Batched(7), batch_size=3, collate_fn=_identity)
+    _assert_same(_read(_prepare(loader)), list(loader))
+
+
+def test_a_collate_fn_returning_non_tensors_equals_the_plain_loader() -> None:
+    def describe(samples: list[Any]) -> tuple[str, list[int]]:
+        return "batch", [int(s) for s in samples]
+
+    loader = DataLoader(fns.Indices(7), batch_size=3, collate_fn=describe)
+    _assert_same(_read(_prepare(loader)), list(loader))
+
+
+def test_without_batching_each_item_goes_through_default_convert_alone() -> None:
+    """batch_size=None: torch reads ``dataset[i]`` (never ``__getitems__``) and
+    passes the item to the collate_fn (``default_convert``) alone."""
+    loader = DataLoader(Batched(5), batch_size=None)
+    _assert_same(_read(_prepare(loader)), list(loader))
+    _assert_same(_read(_prepare(DataLoader(Batched(5), batch_size=None, num_workers=1))), list(loader))
+
+
+def test_fewer_samples_than_ranks_pads_every_rank_from_the_start() -> None:
+    dataset = _dtype_tensors(2)
+    loader = DataLoader(dataset, batch_size=1)
+    ranks = [_read(_prepare(loader, 3, rank)) for rank in range(3)]
+    assert [len(r) for r in ranks] == [1, 1, 1]
+    expected = [list(DataLoader(dataset, batch_size=1, sampler=[i])) for i in (0, 1, 0)]
+    for got, want in zip(ranks, expected):
+        _assert_same(got, want)
+
+
+# ------------------------------------------------------------------ samplers the user passes
+
+
+def test_samplers_kept_on_one_process_equal_the_plain_loader() -> None:
+    data = fns.Indices(10)
+
+    def both(kwargs: Any) -> None:
+        _assert_same(_read(_prepare(DataLoader(data, **kwargs()))), list(DataLoader(data, **kwargs())))
+
+    both(lambda: {"batch_size": 3, "sampler": SequentialSampler(data)})
+    both(lambda: {"batch_size": 3, "sampler": WeightedRandomSampler(
+        [1.0] * 10, 12, generator=torch.Generator().manual_seed(3))})
+    both(lambda: {"batch_size": 3, "sampler": SubsetRandomSampler(
+        [1, 3, 5, 7], generator=torch.Generator().manual_seed(3))})
+    both(lambda: {"batch_sampler": [[3, 1], [4], [1, 5, 9]]})
+    both(lambda: {"batch_size": 3, "sampler": RandomSampler(
+        data, replacement=True, generator=torch.Generator().manual_seed(3))})
+
+
+def test_a_sampler_drawing_from_the_process_generator_is_not_silently_rewound() -> None:
+    """A kept sampler without a generator of its own (SubsetRandomSampler(generator=None))
+    draws a new order at every pass: re-reading a position in the same process would
+    give other batches, which must be refused as for a seeded one."""
+    loader = DataLoader(fns.Indices(10), batch_size=2, sampler=SubsetRandomSampler(list(range(10))))
+    prepared = _prepare(loader)
+    state = fns.stepping(fa.init(seed=0, cpu=True), prepared)
+    state, _ = fns.train(state, epochs=1, stop_after=1)  # a second batch fetched, not stepped
+    with pytest.raises(ValueError, match="cannot be rewound"):
+        fns.train(state, epochs=1)
+
+
+# ------------------------------------------------------------------ order, workers, resume
+
+
+def test_shuffle_is_reproducible_for_a_seed_and_differs_across_seeds() -> None:
+    def run(seed: int) -> list[Any]:
+        return _read(_prepare(DataLoader(_dtype_tensors(12), batch_size=4, shuffle=True), seed=seed))
+
+    _assert_same(run(1), run(1))
+    assert not identical(run(1), run(2))
+
+
+@pytest.mark.parametrize(("num_processes", "rank"), [(1, 0), (3, 2)])
+def test_workers_and_pinning_yield_the_same_batches(num_processes: int, rank: int) -> None:
+    dataset = _dtype_tensors(13)
+    plain = _prepare(DataLoader(dataset, batch_size=2, shuffle=True), num_processes, rank)
+    expected = _read(plain, 1)
+    for kwargs in ({"num_workers": 2}, {"pin_memory": True}, {"num_workers": 1, "pin_memory": True}):
+        prepared = _prepare(DataLoader(dataset, batch_size=2, shuffle=True, **kwargs), num_processes, rank)
+        _assert_same(_read(prepared, 1), expected)
+
+
+@pytest.mark.parametrize(("num_processes", "rank"), [(1, 0), (2, 1), (3, 0)])
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_resuming_mid_epoch_in_a_fresh_loader_reads_the_rest(num_processes: int, rank: int,
+                                                             num_workers: int) -> None:
+    def fresh() -> PreparedLoader:
+        return _prepare(DataLoader(Items(17, "dict"), batch_size=2, shuffle=True, num_workers=num_workers),
+                        num_processes, rank)
+
+    whole = _read(fresh(), 1)
+    for k in (1, len(whole) - 1):
+        _assert_same(_read(fresh(), 1, k), whole[k:])
+
+
+class EpochAware(Dataset[int]):
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+
+def test_set_epoch_reaches_a_map_style_dataset_each_epoch_and_on_resume() -> None:
+    dataset = EpochAware()
+    prepared = _prepare(DataLoader(dataset, batch_size=2, shuffle=True))
+    for epoch in range(3):
+        _read(prepared, epoch)
+    _read(prepared, 5, 1)
+    assert dataset.epochs == [0, 1, 2, 5]
+
+
+# ------------------------------------------------------------------ iterable datasets
+
+
+class Records(IterableDataset[dict[str, Any]]):
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+
+    def __iter__(self) -> Any:
+        return ({"x": torch.tensor([i], dtype=torch.bfloat16), "id": i} for i in range(self.num_samples))
+
+
+@pytest.mark.parametrize("split_batches", [False, True])
+def test_an_iterable_dataset_equals_the_plain_loader_split_across_ranks(split_batches: bool) -> None:
+    assert identical(_read(_prepare(DataLoader(Records(7), batch_size=2))), list(DataLoader(Records(7), batch_size=2)))
+    per_rank = 2 if split_batches else 1
+    loader = DataLoader(Records(8), batch_size=per_rank * 2 if split_batches else per_rank)
+    ranks = [_read(_prepare(loader, 2, rank, split_batches=split_batches)) for rank in range(2)]
+    plain = list(DataLoader(Records(8), batch_size=2 * per_rank, collate_fn=list))
+    for step, global_batch in enumerate(plain):
+        expected = [default_collate(global_batch[r * per_rank : (r + 1) * per_rank]) for r in range(2)]
+        assert identical([ranks[r][step] for r in range(2)], expected)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+class Lying(Dataset[int]):
+    """Says it holds 10 samples; holds 8."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> int:
+        if i >= 8:
+            raise IndexError(f"sample {i} of 8")
+        return i
+
+
+class Miscounting(Dataset[int]):
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+    def __getitems__(self, indices: list[int]) -> list[int]:
+        return indices[:-1]
+
+
+def _refuse(batch: Any) -> Any:
+    raise RuntimeError("my collate refuses")
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_bad_datasets_and_collate_fns_raise_their_own_clear_error(num_workers: int) -> None:
+    with pytest.raises(IndexError, match="sample 8 of 8"):
+        _read(_prepare(DataLoader(Lying(), batch_size=4, num_workers=num_workers)))
+    with pytest.raises(RuntimeError, match="my collate refuses"):
+        _read(_prepare(DataLoader(fns.Indices(4), batch_size=2, collate_fn=_refuse, num_workers=num_workers)))
+    with pytest.raises(ValueError, match="__getitems__ returned 1 sample.* for 2 indices"):
+        _read(_prepare(DataLoader(Miscounting(), batch_size=2, num_workers=num_workers)))
+
+
+def test_an_empty_dataset_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="dataset is empty"):
+        _prepare(DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=2))
