@@ -67,22 +67,30 @@ class Collate:
         self.collate_fn = collate_fn
         self.unbatched = unbatched
 
-    def __call__(self, samples: list[Any]) -> Any:
-        if samples:
-            return self.collate_fn(samples[0] if self.unbatched else samples)
-        error = ValueError(
-            "this rank's batch is empty: with even_batches=False the last step of an epoch "
-            "leaves some ranks without samples, and the loader's collate_fn cannot collate an "
-            "empty batch. Use DataLoaderConfiguration(even_batches=True) (the default: the batch "
-            "is padded), a DataLoader with "
-            "drop_last=True, or a collate_fn that accepts an empty list."
-        )
-        if self.unbatched:  # there is no item to give the collate_fn
-            raise error
+    def __call__(self, samples: Any) -> Any:
+        # ``samples`` is what the dataset's ``__getitems__`` returned: a list of samples, or
+        # anything else its collate_fn takes (a batch already made), never tested for truth.
+        empty = type(samples) is list and not samples
+        if self.unbatched:
+            if empty:  # there is no item to give the collate_fn
+                raise _empty_batch_error()
+            return self.collate_fn(samples[0])
         try:
             return self.collate_fn(samples)
         except Exception as exc:
-            raise error from exc
+            if empty:
+                raise _empty_batch_error() from exc
+            raise
+
+
+def _empty_batch_error() -> ValueError:
+    return ValueError(
+        "this rank's batch is empty: with even_batches=False the last step of an epoch "
+        "leaves some ranks without samples, and the loader's collate_fn cannot collate an "
+        "empty batch. Use DataLoaderConfiguration(even_batches=True) (the default: the batch "
+        "is padded), a DataLoader with "
+        "drop_last=True, or a collate_fn that accepts an empty list."
+    )
 
 
 class CollateSteps:
