@@ -36,15 +36,17 @@ class ItemFetch:
     """One rank's batch of a step, read in this process as torch's map-style
     fetcher reads it (the dataset's ``__getitems__`` when it has one, else one
     ``__getitem__`` per index; then the collate_fn), without the DataLoader
-    iterator around it. Used when the loader has no workers."""
+    iterator around it. Used when the loader has no workers. ``batched``: the loader
+    batches; without batching torch reads ``dataset[i]`` alone, never ``__getitems__``."""
 
     placed = False  # the reader places the batch on the device
 
-    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any], *, batched: bool) -> None:
         self.dataset = dataset
         self.collate = collate
         getitems = getattr(dataset, "__getitems__", None)
-        self._getitems = getitems if getitems else None  # torch's rule: present and truthy
+        # torch's rule: present and truthy, and only when batching
+        self._getitems = getitems if getitems and batched else None
 
     def __call__(self, indices: torch.Tensor) -> Any:
         batch = indices.tolist()  # what torch's fetcher gets from a batch sampler: a list of ints
@@ -150,9 +152,9 @@ def batch_fetch(loader: DataLoader[Any], collate: Callable[[list[Any]], Any], de
     """
     if loader.num_workers > 0:
         return None
-    generic = ItemFetch(loader.dataset, collate)
-    pins = loader.pin_memory and torch.cuda.is_available()
     batched = loader.batch_size is not None or loader.batch_sampler is not None
+    generic = ItemFetch(loader.dataset, collate, batched=batched)
+    pins = loader.pin_memory and torch.cuda.is_available()
     user_collate = getattr(collate, "collate_fn", collate)  # fnaccel's wrapper holds the user's
     source = _indexable(loader.dataset) if user_collate is default_collate and batched else None
     if source is not None:

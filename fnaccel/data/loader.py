@@ -17,7 +17,7 @@ through the dataset's own `state_dict`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -27,6 +27,7 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
+    Sampler,
     SequentialSampler,
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -91,6 +92,24 @@ def _empty_batch_error() -> ValueError:
         "is padded), a DataLoader with "
         "drop_last=True, or a collate_fn that accepts an empty list."
     )
+
+
+class EachItem(Sampler[int]):
+    """The one index of each of a `ShardedBatchSampler`'s batches, for a loader without
+    batching: torch's fetcher then reads ``dataset[i]`` (under a batch sampler it would
+    call ``__getitems__([i])``)."""
+
+    def __init__(self, sampler: ShardedBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self.sampler:
+            if not batch:
+                raise _empty_batch_error()
+            yield batch[0]
 
 
 class CollateSteps:
@@ -302,7 +321,11 @@ def prepare_loader(
     )
     hooks = (sampler, *(h for h in hooks if h is loader.dataset))  # the user's sampler is replaced
     # Its position is (epoch, batches stepped): no snapshots needed, none taken.
-    built = _stateful_loader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader,
-                             snapshot_every_n_steps=2**31 - 1)
+    if plan.batch_size is None:  # read dataset[i] alone, as torch does without batching
+        built = _stateful_loader(loader.dataset, batch_size=None, sampler=EachItem(sampler),
+                                 collate_fn=loader.collate_fn, **reader, snapshot_every_n_steps=2**31 - 1)
+    else:
+        built = _stateful_loader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader,
+                                 snapshot_every_n_steps=2**31 - 1)
     fetch = batch_fetch(loader, collate, ctx.device, non_blocking=config.non_blocking)
     return prepared(built, sampler, per_rank, even_batches, fetch)

@@ -158,6 +158,13 @@ class Batched(Dataset[Any]):
         return self.data[indices]
 
 
+class TwoWays(Batched):
+    """``__getitems__`` makes a dict batch; ``__getitem__`` a sample: which one torch calls shows."""
+
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {"x": self.data[indices]}
+
+
 def _identity(batch: Any) -> Any:
     return batch
 
@@ -211,9 +218,16 @@ def test_a_collate_fn_returning_non_tensors_equals_the_plain_loader() -> None:
 def test_without_batching_each_item_goes_through_default_convert_alone() -> None:
     """batch_size=None: torch reads ``dataset[i]`` (never ``__getitems__``) and
     passes the item to the collate_fn (``default_convert``) alone."""
-    loader = DataLoader(Batched(5), batch_size=None)
-    _assert_same(_read(_prepare(loader)), list(loader))
-    _assert_same(_read(_prepare(DataLoader(Batched(5), batch_size=None, num_workers=1))), list(loader))
+    loader = DataLoader(TwoWays(5), batch_size=None)
+    expected = list(loader)
+    assert type(expected[0]) is torch.Tensor
+    for num_processes, rank in ((1, 0), (2, 1)):
+        for num_workers in (0, 1):
+            prepared = _prepare(DataLoader(TwoWays(5), batch_size=None, num_workers=num_workers), num_processes, rank)
+            want = expected if num_processes == 1 else [expected[i] for i in (1, 3, 0)]  # rank 1 pads from the start
+            _assert_same(_read(prepared), want)
+    with pytest.raises(ValueError, match="this rank's batch is empty"):
+        _read(_prepare(DataLoader(TwoWays(5), batch_size=None, num_workers=1), 2, 1, even_batches=False))
 
 
 def test_fewer_samples_than_ranks_pads_every_rank_from_the_start() -> None:
