@@ -159,9 +159,10 @@ def loader_plan(loader: DataLoader[Any]) -> LoaderPlan:
 
 def _draws_on_its_own(sampler: Any) -> bool:
     """A sampler fnaccel keeps whose order comes from a generator it advances (torch's
-    RandomSampler with replacement, WeightedRandomSampler, ...) and that cannot say
-    where it stands: the same position read twice in one process gives other batches."""
-    random = isinstance(sampler, _RANDOM_SAMPLERS) or getattr(sampler, "generator", None) is not None
+    RandomSampler with replacement, WeightedRandomSampler, SubsetRandomSampler, ...; its
+    own, or the process's when its ``generator`` is None) and that cannot say where it
+    stands: the same position read twice in one process gives other batches."""
+    random = isinstance(sampler, _RANDOM_SAMPLERS) or hasattr(sampler, "generator")
     return random and not callable(getattr(sampler, "load_state_dict", None))
 
 

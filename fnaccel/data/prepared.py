@@ -232,7 +232,8 @@ class PreparedLoader:
                 raise ValueError(
                     f"fa.batches: the state is at batch {position.num_batches} of epoch {position.epoch} but "
                     f"this loader already read up to {self._at.key}, and its sampler draws from a generator "
-                    "of its own that cannot be rewound, so re-reading would give other batches. Use "
+                    "(its own, or the process's) that cannot be rewound, so re-reading would give other "
+                    "batches. Use "
                     "shuffle=True (fnaccel then owns the order), a sampler with state_dict/load_state_dict, "
                     "or fa.load the run into freshly prepared objects"
                 )
