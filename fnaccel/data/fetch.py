@@ -51,7 +51,15 @@ class ItemFetch:
     def __call__(self, indices: torch.Tensor) -> Any:
         batch = indices.tolist()  # what torch's fetcher gets from a batch sampler: a list of ints
         if self._getitems is not None:
-            return self.collate(self._getitems(batch))
+            samples = self._getitems(batch)
+            if type(samples) is list and len(samples) != len(batch):
+                raise ValueError(
+                    f"{type(self.dataset).__name__}.__getitems__ returned {len(samples)} sample(s) for "
+                    f"{len(batch)} indices ({batch[:8]}{'...' if len(batch) > 8 else ''}); it must return "
+                    "one sample per index, in order (a list of samples), or the batch would silently "
+                    "hold other samples"
+                )
+            return self.collate(samples)
         dataset = self.dataset
         return self.collate([dataset[i] for i in batch])
 

@@ -387,8 +387,9 @@ def test_bad_datasets_and_collate_fns_raise_their_own_clear_error(num_workers: i
         _read(_prepare(DataLoader(Lying(), batch_size=4, num_workers=num_workers)))
     with pytest.raises(RuntimeError, match="my collate refuses"):
         _read(_prepare(DataLoader(fns.Indices(4), batch_size=2, collate_fn=_refuse, num_workers=num_workers)))
-    with pytest.raises(ValueError, match="__getitems__ returned 1 sample.* for 2 indices"):
-        _read(_prepare(DataLoader(Miscounting(), batch_size=2, num_workers=num_workers)))
+    if num_workers == 0:  # fnaccel's own fetch checks; workers run torch's fetcher, which does not
+        with pytest.raises(ValueError, match=r"Miscounting.__getitems__ returned 1 sample\(s\) for 2 indices"):
+            _read(_prepare(DataLoader(Miscounting(), batch_size=2)))
 
 
 def test_an_empty_dataset_is_refused_with_the_fix() -> None:
