@@ -244,7 +244,8 @@ def prepare_loader(
             ``config`` not a `DataLoaderConfiguration`.
         ValueError: the loader cannot be prepared as configured (a custom
             sampler on several ranks, ``shard=True`` with a `DistributedSampler`,
-            ``split_batches`` that does not apply or divide, ``in_order=False``).
+            ``split_batches`` that does not apply or divide, ``in_order=False``,
+            an empty map-style dataset).
 
     >>> import torch, fnaccel as fa
     >>> data = torch.utils.data.DataLoader(torch.arange(6), batch_size=4)
@@ -267,6 +268,11 @@ def prepare_loader(
     # the data-parallel ranks share the data; ranks of one tp/pp group read the same batches
     dp_rank, world = data_parallel(ctx)
     plan = loader_plan(loader)
+    if plan.kind != "iterable" and len(loader.dataset) == 0:  # type: ignore[arg-type]
+        raise ValueError(
+            f"prepare_loader: the DataLoader's dataset is empty ({type(loader.dataset).__name__} has "
+            "len() == 0), so there is no batch to train on: check how the dataset was built or filtered"
+        )
     num_processes = world if _resolve_shard(config.shard, plan, world) else 1
     ours = plan.kind in ("random", "sequential") or (plan.kind == "iterable" and num_processes > 1)
     if config.split_batches and world > 1 and not (ours and num_processes > 1):

@@ -282,6 +282,7 @@ def test_shuffle_is_reproducible_for_a_seed_and_differs_across_seeds() -> None:
     assert not identical(run(1), run(2))
 
 
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator:UserWarning")
 @pytest.mark.parametrize(("num_processes", "rank"), [(1, 0), (3, 2)])
 def test_workers_and_pinning_yield_the_same_batches(num_processes: int, rank: int) -> None:
     dataset = _dtype_tensors(13)
