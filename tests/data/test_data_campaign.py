@@ -215,6 +215,33 @@ def test_a_collate_fn_returning_non_tensors_equals_the_plain_loader() -> None:
     _assert_same(_read(_prepare(loader)), list(loader))
 
 
+@dataclasses.dataclass
+class Scaled:
+    """A batch whose ``__post_init__`` transforms its fields: it must run once, in the collate_fn."""
+
+    x: torch.Tensor
+    size: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.x = self.x.float() / 2
+        self.size = len(self.x)
+
+
+def _scaled(samples: list[int]) -> Scaled:
+    return Scaled(torch.tensor(samples))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_dataclass_batch_is_placed_as_the_collate_fn_made_it(device: str) -> None:
+    loader = DataLoader(fns.Indices(6), batch_size=4, collate_fn=_scaled)
+    ctx = fa.DistContext(device=torch.device(device))
+    got = _read(prepare_loader(loader, ctx, seed=0))
+    expected = list(loader)
+    assert [b.size for b in got] == [4, 2] and all(b.x.device.type == device for b in got)
+    if device == "cpu":
+        _assert_same(got, expected)
+
+
 def test_without_batching_each_item_goes_through_default_convert_alone() -> None:
     """batch_size=None: torch reads ``dataset[i]`` (never ``__getitems__``) and
     passes the item to the collate_fn (``default_convert``) alone."""
