@@ -170,7 +170,9 @@ def send_to_device(
         if isinstance(node, torch.Tensor):
             return True
         if isinstance(node, Mapping):
-            return bool(skip)  # `move` rebuilds it, leaving the skipped keys alone
+            # `move` rebuilds it, leaving the skipped keys alone; a mapping that moves itself (a
+            # tokenizer's BatchEncoding) is moved by its `.to`, which keeps its own state
+            return bool(skip) or callable(getattr(node, "to", None))
         if isinstance(node, type):
             return False
         if dataclasses.is_dataclass(node):
@@ -191,7 +193,7 @@ def send_to_device(
                     object.__setattr__(out, f.name, recursively_apply(move, getattr(node, f.name),
                                                                       test_type=is_target))
             return out
-        if isinstance(node, Mapping):
+        if isinstance(node, Mapping) and skip:
             return _rebuild_mapping(
                 node,
                 {

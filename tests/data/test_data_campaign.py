@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from collections import namedtuple
+from collections import UserDict, namedtuple
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +240,32 @@ def test_a_dataclass_batch_is_placed_as_the_collate_fn_made_it(device: str) -> N
     assert [b.size for b in got] == [4, 2] and all(b.x.device.type == device for b in got)
     if device == "cpu":
         _assert_same(got, expected)
+
+
+class Encoding(UserDict):  # type: ignore[type-arg]
+    """Like a tokenizer's BatchEncoding: a mapping with state of its own, and a ``.to``."""
+
+    def __init__(self, data: dict[str, torch.Tensor], words: list[int]) -> None:
+        super().__init__(data)
+        self.words = words
+
+    def to(self, device: Any) -> Encoding:
+        self.data = {k: v.to(device) for k, v in self.data.items()}
+        return self
+
+
+def _encode(samples: list[int]) -> Encoding:
+    return Encoding({"ids": torch.tensor(samples)}, words=list(samples))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_mapping_that_moves_itself_keeps_its_own_state(device: str) -> None:
+    loader = DataLoader(fns.Indices(6), batch_size=4, collate_fn=_encode)
+    got = _read(prepare_loader(loader, fa.DistContext(device=torch.device(device)), seed=0))
+    assert [type(b) for b in got] == [Encoding] * 2 and [b.words for b in got] == [[0, 1, 2, 3], [4, 5]]
+    assert [b["ids"].device.type for b in got] == [device] * 2
+    if device == "cpu":
+        assert all(torch.equal(b["ids"], e["ids"]) for b, e in zip(got, loader))
 
 
 def test_without_batching_each_item_goes_through_default_convert_alone() -> None:
