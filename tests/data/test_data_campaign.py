@@ -449,3 +449,28 @@ def test_bad_datasets_and_collate_fns_raise_their_own_clear_error(num_workers: i
 def test_an_empty_dataset_is_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match="dataset is empty"):
         _prepare(DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=2))
+
+
+# ------------------------------------------------------------------ real worlds
+
+
+def test_on_real_worlds_dict_batches_equal_the_plain_loader_and_resume(world: Any) -> None:
+    """2 and 3 gloo ranks: each rank's dict batches (bf16 tensors, ints, strs) are the plain
+    DataLoader's over its chunk of the global batch, and a fresh loader resumed mid-epoch
+    reads exactly the rest."""
+    n, num_samples, batch_size, stop_after = world.num_processes, 19, 2, 3
+    results = world.run(fns.dict_records_resumed, num_samples, batch_size, stop_after)
+    dataset = fns.DictRecords(num_samples)
+    global_size = batch_size * n
+    for rank, result in enumerate(results):
+        assert len(result["head"]) == stop_after
+        whole = result["head"] + result["tail"]
+        _assert_same(result["resumed"], result["tail"])
+        expected: list[Any] = []
+        for epoch in range(2):
+            order = epoch_order(num_samples, seed=11, epoch=epoch, shuffle=True).tolist()
+            steps = -(-num_samples // global_size)
+            padded = [order[p % num_samples] for p in range(steps * global_size)]  # even_batches
+            chunks = [padded[s * global_size + rank * batch_size:][:batch_size] for s in range(steps)]
+            expected += list(DataLoader(dataset, batch_sampler=chunks))
+        _assert_same(whole, expected)
