@@ -281,6 +281,13 @@ def test_without_batching_each_item_goes_through_default_convert_alone() -> None
             _assert_same(_read(prepared), want)
     with pytest.raises(ValueError, match="this rank's batch is empty"):
         _read(_prepare(DataLoader(TwoWays(5), batch_size=None, num_workers=1), 2, 1, even_batches=False))
+    for num_workers in (0, 1):  # resumed mid-epoch in a fresh loader: the rest of the items
+        def fresh() -> PreparedLoader:
+            return _prepare(DataLoader(TwoWays(9), batch_size=None, shuffle=True, num_workers=num_workers), 2, 1)
+
+        whole = _read(fresh(), 1)
+        assert len(whole) == 5
+        _assert_same(_read(fresh(), 1, 2), whole[2:])
 
 
 def test_fewer_samples_than_ranks_pads_every_rank_from_the_start() -> None:
