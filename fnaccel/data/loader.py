@@ -148,8 +148,8 @@ def loader_plan(loader: DataLoader[Any]) -> LoaderPlan:
         # Sampling with replacement, or a number of samples other than the dataset's, is not a shuffle.
         shuffle = not sampler.replacement and sampler.num_samples == len(loader.dataset)  # type: ignore[arg-type]
         kind = "random" if shuffle else "custom"
-    elif type(sampler) is SequentialSampler:
-        kind = "sequential"
+    elif type(sampler) is SequentialSampler and len(sampler) == len(loader.dataset):  # type: ignore[arg-type]
+        kind = "sequential"  # (over another data source it reads another set of indices: custom)
     elif isinstance(sampler, DistributedSampler):
         kind = "distributed"
     else:

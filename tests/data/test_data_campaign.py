@@ -310,6 +310,7 @@ def test_samplers_kept_on_one_process_equal_the_plain_loader() -> None:
         _assert_same(_read(_prepare(DataLoader(data, **kwargs()))), list(DataLoader(data, **kwargs())))
 
     both(lambda: {"batch_size": 3, "sampler": SequentialSampler(data)})
+    both(lambda: {"batch_size": 3, "sampler": SequentialSampler(range(5))})  # over the first 5 only
     both(lambda: {"batch_size": 3, "sampler": WeightedRandomSampler(
         [1.0] * 10, 12, generator=torch.Generator().manual_seed(3))})
     both(lambda: {"batch_size": 3, "sampler": SubsetRandomSampler(
