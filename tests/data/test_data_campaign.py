@@ -303,6 +303,13 @@ def test_fewer_samples_than_ranks_pads_every_rank_from_the_start() -> None:
 # ------------------------------------------------------------------ samplers the user passes
 
 
+class Reversed(RandomSampler):
+    """A RandomSampler subclass with an order of its own."""
+
+    def __iter__(self) -> Any:
+        return iter(range(len(self.data_source) - 1, -1, -1))
+
+
 def test_samplers_kept_on_one_process_equal_the_plain_loader() -> None:
     data = fns.Indices(10)
 
@@ -316,6 +323,7 @@ def test_samplers_kept_on_one_process_equal_the_plain_loader() -> None:
     both(lambda: {"batch_size": 3, "sampler": SubsetRandomSampler(
         [1, 3, 5, 7], generator=torch.Generator().manual_seed(3))})
     both(lambda: {"batch_sampler": [[3, 1], [4], [1, 5, 9]]})
+    both(lambda: {"batch_size": 3, "sampler": Reversed(data)})
     both(lambda: {"batch_size": 3, "sampler": RandomSampler(
         data, replacement=True, generator=torch.Generator().manual_seed(3))})
 
