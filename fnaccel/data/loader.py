@@ -144,7 +144,8 @@ def loader_plan(loader: DataLoader[Any]) -> LoaderPlan:
         sampler, batch_size, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
     else:
         return LoaderPlan("custom", None, batch_sampler, None, False)
-    if type(sampler) in _RANDOM_SAMPLERS:  # a subclass may order otherwise (its own __iter__): custom
+    # torch's or torchdata's own RandomSampler; a subclass may order otherwise (its own __iter__): custom
+    if isinstance(sampler, _RANDOM_SAMPLERS) and type(sampler) in _RANDOM_SAMPLERS:
         # Sampling with replacement, or a number of samples other than the dataset's, is not a shuffle.
         shuffle = not sampler.replacement and sampler.num_samples == len(loader.dataset)  # type: ignore[arg-type]
         kind = "random" if shuffle else "custom"
