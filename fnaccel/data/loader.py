@@ -17,7 +17,7 @@ through the dataset's own `state_dict`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from typing import Any, NamedTuple
 
 import torch
@@ -147,15 +147,21 @@ def loader_plan(loader: DataLoader[Any]) -> LoaderPlan:
     # torch's or torchdata's own RandomSampler; a subclass may order otherwise (its own __iter__): custom
     if isinstance(sampler, _RANDOM_SAMPLERS) and type(sampler) in _RANDOM_SAMPLERS:
         # Sampling with replacement, or a number of samples other than the dataset's, is not a shuffle.
-        shuffle = not sampler.replacement and sampler.num_samples == len(loader.dataset)  # type: ignore[arg-type]
+        shuffle = not sampler.replacement and sampler.num_samples == dataset_length(loader.dataset)
         kind = "random" if shuffle else "custom"
-    elif type(sampler) is SequentialSampler and len(sampler) == len(loader.dataset):  # type: ignore[arg-type]
+    elif type(sampler) is SequentialSampler and len(sampler) == dataset_length(loader.dataset):
         kind = "sequential"  # (over another data source it reads another set of indices: custom)
     elif isinstance(sampler, DistributedSampler):
         kind = "distributed"
     else:
         kind = "custom"
     return LoaderPlan(kind, sampler, None, batch_size, drop_last)
+
+
+def dataset_length(dataset: Any) -> int | None:
+    """A map-style dataset's length; None when it has none (torch needs one only for its
+    own samplers: a custom sampler may index a dataset without ``__len__``)."""
+    return len(dataset) if isinstance(dataset, Sized) else None
 
 
 def _draws_on_its_own(sampler: Any) -> bool:
@@ -269,7 +275,8 @@ def prepare_loader(
     # the data-parallel ranks share the data; ranks of one tp/pp group read the same batches
     dp_rank, world = data_parallel(ctx)
     plan = loader_plan(loader)
-    if plan.kind != "iterable" and len(loader.dataset) == 0:  # type: ignore[arg-type]
+    num_samples = None if plan.kind == "iterable" else dataset_length(loader.dataset)
+    if num_samples == 0:
         raise ValueError(
             f"prepare_loader: the DataLoader's dataset is empty ({type(loader.dataset).__name__} has "
             "len() == 0), so there is no batch to train on: check how the dataset was built or filtered"
@@ -290,7 +297,7 @@ def prepare_loader(
                  even_batches: bool, fetch: BatchFetch | None = None) -> PreparedLoader:
         sized = plan.kind != "iterable"
         layout = LoaderLayout(
-            num_samples=len(loader.dataset) if sized else None,  # type: ignore[arg-type]
+            num_samples=num_samples,
             batch_size=batch_size, num_processes=world, num_shards=num_processes,
             num_workers=loader.num_workers,
             drop_last=plan.drop_last, even_batches=even_batches, split_batches=config.split_batches)

@@ -462,6 +462,25 @@ def test_bad_datasets_and_collate_fns_raise_their_own_clear_error(num_workers: i
             _read(_prepare(DataLoader(Miscounting(), batch_size=2)))
 
 
+class Unsized(Dataset[int]):
+    """A map-style dataset without ``__len__``: torch reads it through a custom sampler."""
+
+    def __getitem__(self, i: int) -> int:
+        return i * 10
+
+
+def test_a_dataset_without_len_read_by_a_custom_batch_sampler_equals_the_plain_loader(tmp_path: Path) -> None:
+    def fresh() -> fa.RunState:
+        loader = DataLoader(Unsized(), batch_sampler=[[3, 1], [0], [2, 4]])
+        return fns.stepping(fa.init(seed=0, cpu=True), _prepare(loader))
+
+    plain = DataLoader(Unsized(), batch_sampler=[[3, 1], [0], [2, 4]])
+    state, head = fns.train_tensors(fresh(), epochs=1, stop_after=1)
+    fa.save(state, tmp_path / "ckpt")
+    _, tail = fns.train_tensors(fa.load(fresh(), tmp_path / "ckpt"), epochs=1)
+    _assert_same(head + tail, list(plain))
+
+
 def test_an_empty_dataset_is_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match="dataset is empty"):
         _prepare(DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=2))
