@@ -164,13 +164,16 @@ def dataset_length(dataset: Any) -> int | None:
     return len(dataset) if isinstance(dataset, Sized) else None
 
 
-def _draws_on_its_own(sampler: Any) -> bool:
-    """A sampler fnaccel keeps whose order comes from a generator it advances (torch's
-    RandomSampler with replacement, WeightedRandomSampler, SubsetRandomSampler, ...; its
-    own, or the process's when its ``generator`` is None) and that cannot say where it
-    stands: the same position read twice in one process gives other batches."""
-    random = isinstance(sampler, _RANDOM_SAMPLERS) or hasattr(sampler, "generator")
-    return random and not callable(getattr(sampler, "load_state_dict", None))
+def _rewinds(sampler: Any) -> bool:
+    """Whether a sampler fnaccel keeps gives the same batches when a position is read again
+    in the same process: one that says where it stands (``load_state_dict``), or one known
+    to be deterministic (a `SequentialSampler`, a `DistributedSampler` at its epoch, a
+    list of indices or batches). Any other may draw from a generator it advances (its own,
+    or the process's: `RandomSampler(replacement=True)`, `WeightedRandomSampler`, a
+    bucketing batch sampler shuffling inside), and re-reading would give other batches."""
+    if sampler is None or callable(getattr(sampler, "load_state_dict", None)):
+        return True
+    return isinstance(sampler, (SequentialSampler, DistributedSampler, list, tuple, range))
 
 
 def _resolve_shard(shard: bool | None, plan: LoaderPlan, num_processes: int) -> bool:
@@ -304,7 +307,7 @@ def prepare_loader(
         return PreparedLoader(built, sampler=sampler, epoch_hooks=hooks, seed=seed, device=ctx.device,
                               non_blocking=config.non_blocking, layout=layout, rank=dp_rank, sized=sized,
                               # fnaccel owns the order of a replaced sampler and of a sharded stream
-                              rewindable=ours or not _draws_on_its_own(user_sampler),
+                              rewindable=ours or _rewinds(user_sampler),
                               fetch=fetch)
 
     # A loader whose position fnaccel does not own is located by torchdata's snapshot

@@ -340,6 +340,30 @@ def test_a_sampler_drawing_from_the_process_generator_is_not_silently_rewound() 
         fns.train(state, epochs=1)
 
 
+class Buckets(torch.utils.data.Sampler[list[int]]):
+    """A batch sampler shuffling inside (its RandomSampler draws from the process generator)."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.inner = RandomSampler(range(num_samples))
+
+    def __len__(self) -> int:
+        return len(self.inner) // 2
+
+    def __iter__(self) -> Any:
+        order = list(self.inner)
+        return iter([order[i : i + 2] for i in range(0, len(order), 2)])
+
+
+def test_a_custom_batch_sampler_that_cannot_say_where_it_stands_is_not_silently_rewound() -> None:
+    prepared = _prepare(DataLoader(fns.Indices(10), batch_sampler=Buckets(10)))
+    state, head = fns.train(fns.stepping(fa.init(seed=0, cpu=True), prepared), epochs=1, stop_after=2)
+    with pytest.raises(ValueError, match="cannot be rewound"):
+        fns.train(state, epochs=1)
+    deterministic = _prepare(DataLoader(fns.Indices(6), batch_sampler=[[5, 4], [0], [1, 2]]))
+    state, head = fns.train(fns.stepping(fa.init(seed=0, cpu=True), deterministic), epochs=1, stop_after=1)
+    assert head + fns.train(state, epochs=1)[1] == [[5, 4], [0], [1, 2]]  # a list re-reads exactly
+
+
 # ------------------------------------------------------------------ order, workers, resume
 
 
