@@ -36,20 +36,30 @@ class ItemFetch:
     """One rank's batch of a step, read in this process as torch's map-style
     fetcher reads it (the dataset's ``__getitems__`` when it has one, else one
     ``__getitem__`` per index; then the collate_fn), without the DataLoader
-    iterator around it. Used when the loader has no workers."""
+    iterator around it. Used when the loader has no workers. ``batched``: the loader
+    batches; without batching torch reads ``dataset[i]`` alone, never ``__getitems__``."""
 
     placed = False  # the reader places the batch on the device
 
-    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any], *, batched: bool) -> None:
         self.dataset = dataset
         self.collate = collate
         getitems = getattr(dataset, "__getitems__", None)
-        self._getitems = getitems if getitems else None  # torch's rule: present and truthy
+        # torch's rule: present and truthy, and only when batching
+        self._getitems = getitems if getitems and batched else None
 
     def __call__(self, indices: torch.Tensor) -> Any:
         batch = indices.tolist()  # what torch's fetcher gets from a batch sampler: a list of ints
         if self._getitems is not None:
-            return self.collate(self._getitems(batch))
+            samples = self._getitems(batch)
+            if type(samples) is list and len(samples) != len(batch):
+                raise ValueError(
+                    f"{type(self.dataset).__name__}.__getitems__ returned {len(samples)} sample(s) for "
+                    f"{len(batch)} indices ({batch[:8]}{'...' if len(batch) > 8 else ''}); it must return "
+                    "one sample per index, in order (a list of samples), or the batch would silently "
+                    "hold other samples"
+                )
+            return self.collate(samples)
         dataset = self.dataset
         return self.collate([dataset[i] for i in batch])
 
@@ -108,10 +118,17 @@ def _indexable(dataset: Any) -> tuple[tuple[torch.Tensor, ...], bool] | None:
     return tensors, single
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
 def _same(a: Any, b: Any) -> bool:
+    """Bit for bit, so that NaN compares equal to itself and a dtype without ``torch.equal``
+    (complex32) is compared at all. The probe's tensors are contiguous, so the views are free."""
     if isinstance(a, torch.Tensor):
         return (type(b) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape
-                and a.stride() == b.stride() and a.device == b.device and torch.equal(a, b))
+                and a.stride() == b.stride() and a.device == b.device and a.is_contiguous()
+                and b.is_contiguous() and torch.equal(_bits(a), _bits(b)))
     if type(a) is not type(b) or not isinstance(a, list) or len(a) != len(b):
         return False
     return all(_same(x, y) for x, y in zip(a, b))
@@ -143,9 +160,9 @@ def batch_fetch(loader: DataLoader[Any], collate: Callable[[list[Any]], Any], de
     """
     if loader.num_workers > 0:
         return None
-    generic = ItemFetch(loader.dataset, collate)
-    pins = loader.pin_memory and torch.cuda.is_available()
     batched = loader.batch_size is not None or loader.batch_sampler is not None
+    generic = ItemFetch(loader.dataset, collate, batched=batched)
+    pins = loader.pin_memory and torch.cuda.is_available()
     user_collate = getattr(collate, "collate_fn", collate)  # fnaccel's wrapper holds the user's
     source = _indexable(loader.dataset) if user_collate is default_collate and batched else None
     if source is not None:

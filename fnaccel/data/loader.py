@@ -17,7 +17,7 @@ through the dataset's own `state_dict`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sized
 from typing import Any, NamedTuple
 
 import torch
@@ -27,6 +27,7 @@ from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
     RandomSampler,
+    Sampler,
     SequentialSampler,
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -67,22 +68,48 @@ class Collate:
         self.collate_fn = collate_fn
         self.unbatched = unbatched
 
-    def __call__(self, samples: list[Any]) -> Any:
-        if samples:
-            return self.collate_fn(samples[0] if self.unbatched else samples)
-        error = ValueError(
-            "this rank's batch is empty: with even_batches=False the last step of an epoch "
-            "leaves some ranks without samples, and the loader's collate_fn cannot collate an "
-            "empty batch. Use DataLoaderConfiguration(even_batches=True) (the default: the batch "
-            "is padded), a DataLoader with "
-            "drop_last=True, or a collate_fn that accepts an empty list."
-        )
-        if self.unbatched:  # there is no item to give the collate_fn
-            raise error
+    def __call__(self, samples: Any) -> Any:
+        # ``samples`` is what the dataset's ``__getitems__`` returned: a list of samples, or
+        # anything else its collate_fn takes (a batch already made), never tested for truth.
+        empty = type(samples) is list and not samples
+        if self.unbatched:
+            if empty:  # there is no item to give the collate_fn
+                raise _empty_batch_error()
+            return self.collate_fn(samples[0])
         try:
             return self.collate_fn(samples)
         except Exception as exc:
-            raise error from exc
+            if empty:
+                raise _empty_batch_error() from exc
+            raise
+
+
+def _empty_batch_error() -> ValueError:
+    return ValueError(
+        "this rank's batch is empty: with even_batches=False the last step of an epoch "
+        "leaves some ranks without samples, and the loader's collate_fn cannot collate an "
+        "empty batch. Use DataLoaderConfiguration(even_batches=True) (the default: the batch "
+        "is padded), a DataLoader with "
+        "drop_last=True, or a collate_fn that accepts an empty list."
+    )
+
+
+class EachItem(Sampler[int]):
+    """The one index of each of a `ShardedBatchSampler`'s batches, for a loader without
+    batching: torch's fetcher then reads ``dataset[i]`` (under a batch sampler it would
+    call ``__getitems__([i])``)."""
+
+    def __init__(self, sampler: ShardedBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self.sampler:
+            if not batch:
+                raise _empty_batch_error()
+            yield batch[0]
 
 
 class CollateSteps:
@@ -117,12 +144,13 @@ def loader_plan(loader: DataLoader[Any]) -> LoaderPlan:
         sampler, batch_size, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
     else:
         return LoaderPlan("custom", None, batch_sampler, None, False)
-    if isinstance(sampler, _RANDOM_SAMPLERS):
+    # torch's or torchdata's own RandomSampler; a subclass may order otherwise (its own __iter__): custom
+    if isinstance(sampler, _RANDOM_SAMPLERS) and type(sampler) in _RANDOM_SAMPLERS:
         # Sampling with replacement, or a number of samples other than the dataset's, is not a shuffle.
-        shuffle = not sampler.replacement and sampler.num_samples == len(loader.dataset)  # type: ignore[arg-type]
+        shuffle = not sampler.replacement and sampler.num_samples == dataset_length(loader.dataset)
         kind = "random" if shuffle else "custom"
-    elif type(sampler) is SequentialSampler:
-        kind = "sequential"
+    elif type(sampler) is SequentialSampler and len(sampler) == dataset_length(loader.dataset):
+        kind = "sequential"  # (over another data source it reads another set of indices: custom)
     elif isinstance(sampler, DistributedSampler):
         kind = "distributed"
     else:
@@ -130,12 +158,22 @@ def loader_plan(loader: DataLoader[Any]) -> LoaderPlan:
     return LoaderPlan(kind, sampler, None, batch_size, drop_last)
 
 
-def _draws_on_its_own(sampler: Any) -> bool:
-    """A sampler fnaccel keeps whose order comes from a generator it advances (torch's
-    RandomSampler with replacement, WeightedRandomSampler, ...) and that cannot say
-    where it stands: the same position read twice in one process gives other batches."""
-    random = isinstance(sampler, _RANDOM_SAMPLERS) or getattr(sampler, "generator", None) is not None
-    return random and not callable(getattr(sampler, "load_state_dict", None))
+def dataset_length(dataset: Any) -> int | None:
+    """A map-style dataset's length; None when it has none (torch needs one only for its
+    own samplers: a custom sampler may index a dataset without ``__len__``)."""
+    return len(dataset) if isinstance(dataset, Sized) else None
+
+
+def _rewinds(sampler: Any) -> bool:
+    """Whether a sampler fnaccel keeps gives the same batches when a position is read again
+    in the same process: one that says where it stands (``load_state_dict``), or one known
+    to be deterministic (a `SequentialSampler`, a `DistributedSampler` at its epoch, a
+    list of indices or batches). Any other may draw from a generator it advances (its own,
+    or the process's: `RandomSampler(replacement=True)`, `WeightedRandomSampler`, a
+    bucketing batch sampler shuffling inside), and re-reading would give other batches."""
+    if sampler is None or callable(getattr(sampler, "load_state_dict", None)):
+        return True
+    return isinstance(sampler, (SequentialSampler, DistributedSampler, list, tuple, range))
 
 
 def _resolve_shard(shard: bool | None, plan: LoaderPlan, num_processes: int) -> bool:
@@ -216,7 +254,8 @@ def prepare_loader(
             ``config`` not a `DataLoaderConfiguration`.
         ValueError: the loader cannot be prepared as configured (a custom
             sampler on several ranks, ``shard=True`` with a `DistributedSampler`,
-            ``split_batches`` that does not apply or divide, ``in_order=False``).
+            ``split_batches`` that does not apply or divide, ``in_order=False``,
+            an empty map-style dataset).
 
     >>> import torch, fnaccel as fa
     >>> data = torch.utils.data.DataLoader(torch.arange(6), batch_size=4)
@@ -239,6 +278,12 @@ def prepare_loader(
     # the data-parallel ranks share the data; ranks of one tp/pp group read the same batches
     dp_rank, world = data_parallel(ctx)
     plan = loader_plan(loader)
+    num_samples = None if plan.kind == "iterable" else dataset_length(loader.dataset)
+    if num_samples == 0:
+        raise ValueError(
+            f"prepare_loader: the DataLoader's dataset is empty ({type(loader.dataset).__name__} has "
+            "len() == 0), so there is no batch to train on: check how the dataset was built or filtered"
+        )
     num_processes = world if _resolve_shard(config.shard, plan, world) else 1
     ours = plan.kind in ("random", "sequential") or (plan.kind == "iterable" and num_processes > 1)
     if config.split_batches and world > 1 and not (ours and num_processes > 1):
@@ -255,14 +300,14 @@ def prepare_loader(
                  even_batches: bool, fetch: BatchFetch | None = None) -> PreparedLoader:
         sized = plan.kind != "iterable"
         layout = LoaderLayout(
-            num_samples=len(loader.dataset) if sized else None,  # type: ignore[arg-type]
+            num_samples=num_samples,
             batch_size=batch_size, num_processes=world, num_shards=num_processes,
             num_workers=loader.num_workers,
             drop_last=plan.drop_last, even_batches=even_batches, split_batches=config.split_batches)
         return PreparedLoader(built, sampler=sampler, epoch_hooks=hooks, seed=seed, device=ctx.device,
                               non_blocking=config.non_blocking, layout=layout, rank=dp_rank, sized=sized,
                               # fnaccel owns the order of a replaced sampler and of a sharded stream
-                              rewindable=ours or not _draws_on_its_own(user_sampler),
+                              rewindable=ours or _rewinds(user_sampler),
                               fetch=fetch)
 
     # A loader whose position fnaccel does not own is located by torchdata's snapshot
@@ -294,7 +339,11 @@ def prepare_loader(
     )
     hooks = (sampler, *(h for h in hooks if h is loader.dataset))  # the user's sampler is replaced
     # Its position is (epoch, batches stepped): no snapshots needed, none taken.
-    built = _stateful_loader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader,
-                             snapshot_every_n_steps=2**31 - 1)
+    if plan.batch_size is None:  # read dataset[i] alone, as torch does without batching
+        built = _stateful_loader(loader.dataset, batch_size=None, sampler=EachItem(sampler),
+                                 collate_fn=loader.collate_fn, **reader, snapshot_every_n_steps=2**31 - 1)
+    else:
+        built = _stateful_loader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader,
+                                 snapshot_every_n_steps=2**31 - 1)
     fetch = batch_fetch(loader, collate, ctx.device, non_blocking=config.non_blocking)
     return prepared(built, sampler, per_rank, even_batches, fetch)

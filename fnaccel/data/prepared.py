@@ -231,8 +231,9 @@ class PreparedLoader:
             if self._read and not self._rewindable and position.key != self._at.key:
                 raise ValueError(
                     f"fa.batches: the state is at batch {position.num_batches} of epoch {position.epoch} but "
-                    f"this loader already read up to {self._at.key}, and its sampler draws from a generator "
-                    "of its own that cannot be rewound, so re-reading would give other batches. Use "
+                    f"this loader already read up to {self._at.key}, and its sampler cannot be rewound: it "
+                    "may draw from a generator (its own, or the process's) and has no state_dict/"
+                    "load_state_dict to say where it stands, so re-reading could give other batches. Use "
                     "shuffle=True (fnaccel then owns the order), a sampler with state_dict/load_state_dict, "
                     "or fa.load the run into freshly prepared objects"
                 )

@@ -7,6 +7,7 @@ Every function here rebuilds the containers with their own types.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 from collections import defaultdict
@@ -169,15 +170,30 @@ def send_to_device(
         if isinstance(node, torch.Tensor):
             return True
         if isinstance(node, Mapping):
-            return bool(skip)  # `move` rebuilds it, leaving the skipped keys alone
-        if isinstance(node, (list, tuple, type)) or dataclasses.is_dataclass(node):
+            # `move` rebuilds it, leaving the skipped keys alone; a mapping that moves itself (a
+            # tokenizer's BatchEncoding) is moved by its `.to`, which keeps its own state
+            return bool(skip) or callable(getattr(node, "to", None))
+        if isinstance(node, type):
+            return False
+        if dataclasses.is_dataclass(node):
+            return True  # `move` copies it, its fields moved
+        if isinstance(node, (list, tuple)):
             return False
         return callable(getattr(node, "to", None))
 
     def move(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
             return node.to(device, non_blocking=non_blocking)
-        if isinstance(node, Mapping):
+        if dataclasses.is_dataclass(node):
+            # A copy with its fields moved, never rebuilt through __init__: a __post_init__
+            # that transforms a field (scales it, say) already ran when the batch was made.
+            out = copy.copy(node)
+            for f in dataclasses.fields(node):
+                if hasattr(node, f.name):
+                    object.__setattr__(out, f.name, recursively_apply(move, getattr(node, f.name),
+                                                                      test_type=is_target))
+            return out
+        if isinstance(node, Mapping) and skip:
             return _rebuild_mapping(
                 node,
                 {

@@ -267,3 +267,38 @@ def epoch_order_of(prepared: Any, epoch: int) -> list[int]:
 
     return epoch_order(prepared.sampler.num_samples, seed=prepared.sampler.seed, epoch=epoch,
                        shuffle=prepared.sampler.shuffle).tolist()
+
+
+# ------------------------------------------------------------------ the data campaign
+
+
+class DictRecords(Dataset[dict[str, Any]]):
+    """Dict samples of mixed dtypes and a str leaf, read through ``__getitems__``."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        return [{"x": torch.full((2,), i, dtype=torch.bfloat16), "id": i, "name": f"s{i}"} for i in indices]
+
+
+def dict_records_resumed(state: Any, num_samples: int, batch_size: int, stop_after: int) -> dict[str, Any]:
+    """Two shuffled epochs of `DictRecords` through `fa.batches` + `fa.step`, breaking after
+    ``stop_after`` steps (a batch fetched, not stepped); then the rest from the saved position
+    in a freshly prepared loader."""
+    def prepared() -> Any:
+        return prepare_loader(DataLoader(DictRecords(num_samples), batch_size=batch_size, shuffle=True),
+                              state.dist, seed=11)
+
+    state = stepping(state, prepared())
+    state, head = train_tensors(state, epochs=2, stop_after=stop_after)
+    saved = through_json(state.data_position)
+    state, tail = train_tensors(state, epochs=2)
+    fresh = state.replace(loader=prepared(), data_position=saved)
+    return {"head": head, "tail": tail, "resumed": list(batches(fresh, epochs=2))}
