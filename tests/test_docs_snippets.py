@@ -101,6 +101,12 @@ def _check_tracking(names: dict[str, Any], tmp: Path) -> None:
     assert len(lines) == 30 and "loss" in json.loads(lines[-1])
 
 
+def _check_migration(names: dict[str, Any], tmp: Path) -> None:
+    logged = [json.loads(line) for line in (tmp / "runs" / "demo" / "demo" / "metrics.jsonl").read_text().splitlines()]
+    assert [entry["epoch"] for entry in logged] == [0, 1, 2]
+    assert (tmp / "runs" / "demo" / "ckpt" / "fnaccel.json").is_file()
+
+
 CASES: dict[str, tuple[str, str, Callable[[], dict[str, Any]], Callable[[dict[str, Any], Path], None] | None]] = {
     "README": ("README.md", "state = fa.init(seed=0)", lambda: {**_reader(), "labels": torch.zeros(2, 3)}, _check_readme),
     "training": ("docs/training.md", "F.cross_entropy(model(batch[0])", _reader, None),
@@ -112,6 +118,7 @@ CASES: dict[str, tuple[str, str, Callable[[], dict[str, Any]], Callable[[dict[st
     "checkpoints": ("docs/checkpoints.md", "fresh_prepared_state", lambda: _prepared(fresh_prepared_state=_make_run()), None),
     "helpers: trigger": ("docs/helpers.md", "set_trigger(state)", _prepared, None),
     "tracking": ("docs/tracking.md", 'fa.init_trackers(state, "classifier"', _reader, _check_tracking),
+    "migration: the script": ("docs/migration.md", "import fnaccel as fa", dict, _check_migration),
     "debugging: verify_resume": ("docs/debugging.md", "verify_resume(make_run, steps=3)", lambda: {**_reader(), "make_run": _make_run}, None),
 }
 
