@@ -115,7 +115,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
         backward,
         step,
     )
-    from fnaccel.autocast_context import autocast_context
+    from fnaccel.autocasting import autocast_context
     from fnaccel.data.skip import skip_first_batches
     from fnaccel.launchers import debug_launcher, notebook_launcher
     from fnaccel.trigger import check_trigger, set_trigger
@@ -155,7 +155,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
 __version__ = "0.1.0"
 
 _LAZY = MappingProxyType({
-    "autocast_context": "fnaccel.autocast_context",
+    "autocast_context": "fnaccel.autocasting",
     "check_trigger": "fnaccel.trigger",
     "set_trigger": "fnaccel.trigger",
     "skip_first_batches": "fnaccel.data.skip",

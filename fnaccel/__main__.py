@@ -1,8 +1,6 @@
 """``python -m fnaccel``: the same command line as the ``fnaccel`` script."""
 
-import sys
-
-from fnaccel.commands.main import main
+from fnaccel.commands.main import console_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -75,3 +75,14 @@ def test_no_lazy_name_resolves_through_a_package_holding_a_submodule_of_that_nam
     assert not shadowable
     for name in facade._LAZY:
         assert not isinstance(getattr(facade, name), ModuleType) or name in facade._LAZY[name].split(".")
+
+
+def test_only_the_documented_modules_are_modules() -> None:
+    """docs/api.md lists `ops` and `utils` under "Modules:"; every other public name is the
+    function or class it documents. `fa.autocast_context` was the module
+    `fnaccel.autocast_context` (the lazy table took a name equal to its module's for a
+    submodule), so `with fa.autocast_context(state):` raised "'module' object is not callable"."""
+    modules = set(re.findall(r"^- `(\w+)`", _API.read_text().split("\nModules:\n")[1].split("\n## ")[0], re.M))
+    assert modules == {"ops", "utils"}
+    assert sorted(n for n in fnaccel.__all__ if isinstance(getattr(fnaccel, n), ModuleType)) == sorted(modules)
+    assert callable(fnaccel.autocast_context)

@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "fnaccel.parallelism")),
     ("state", ("fnaccel.state",)),
     ("parts", ("fnaccel.transforms", "fnaccel.ops", "fnaccel.seeding", "fnaccel.process", "fnaccel.plugins",
-               "fnaccel.mixed_precision", "fnaccel.trigger", "fnaccel.autocast_context")),
+               "fnaccel.mixed_precision", "fnaccel.trigger", "fnaccel.autocasting")),
     ("loop", ("fnaccel.preparation", "fnaccel.train", "fnaccel.data", "fnaccel.runtime",
               "fnaccel.evaluation")),
     ("services", ("fnaccel.checkpoint", "fnaccel.tracking", "fnaccel.modeling", "fnaccel.launchers",

@@ -263,6 +263,28 @@ def test_a_user_tracker_gets_plain_values(tmp_path: Path) -> None:
     end_training(state)
 
 
+class JSONLinesTracker(ListTracker):
+    """A user's tracker as commonly written: it serialises what it gets, and adds its own key."""
+
+    name = "lines"
+
+    def log(self, values: Mapping[str, Any], step: int) -> None:
+        values["source"] = self.name  # type: ignore[index]  # Accelerate's trackers get a dict
+        self.logged.append((step, json.loads(json.dumps(values))))
+
+
+def test_each_user_tracker_gets_its_own_plain_dict(tmp_path: Path) -> None:
+    """Accelerate hands a tracker a dict; `json.dumps(values)` failed on the read-only view fa.log
+    passed ("Object of type mappingproxy is not JSON serializable"). One tracker's edits must not
+    reach the next one."""
+    first, second = JSONLinesTracker(), ListTracker()
+    state = init_trackers(fa.init(cpu=True), "exp", log_with=[first, second], logging_dir=tmp_path)
+    log(state, {"loss": torch.tensor(0.5)}, step=1)
+    assert first.logged == [(1, {"loss": 0.5, "source": "lines"})]
+    assert second.logged == [(1, {"loss": 0.5})]
+    end_training(state)
+
+
 def test_only_a_user_tracker_needs_no_directory() -> None:
     state = init_trackers(fa.init(cpu=True), "exp", log_with=ListTracker())
     log(state, {"x": 1})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import re
 import sys
 from collections.abc import Iterable, Sequence
@@ -22,6 +23,7 @@ _COMMANDS = MappingProxyType({
 })
 
 USAGE_ERROR = 2  # argparse's exit status for bad usage; a bad config file is bad usage too
+_BROKEN_PIPE = 128 + 13  # a shell's status for a process ended by SIGPIPE
 
 
 class CommandError(FnaccelError):
@@ -108,5 +110,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    """The console script's entry point."""
-    sys.exit(main())
+    """The entry point of the ``fnaccel`` script and of ``python -m fnaccel``.
+
+    A reader that closes the pipe early (``fnaccel env | head -1``) ends the command as
+    SIGPIPE ends other programs: status 141 (128 + SIGPIPE), no traceback."""
+    try:
+        try:
+            status: Any = main()
+        finally:
+            sys.stdout.flush()  # what is still buffered meets the closed pipe here, not at exit
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush stays quiet
+        status = _BROKEN_PIPE
+    sys.exit(status)

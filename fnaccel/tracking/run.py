@@ -6,7 +6,6 @@ import os
 from collections.abc import Iterable, Mapping
 from numbers import Integral
 from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from fnaccel.checkpoint.project import project_of
@@ -172,9 +171,9 @@ def log(state: RunState, values: Mapping[str, Any], *, step: int | None = None) 
         step = state.step
     elif isinstance(step, bool) or not isinstance(step, Integral):
         raise TypeError(f"fa.log: step must be an int, got {type(step).__name__}")
-    read = MappingProxyType(read_values(values))
+    read = read_values(values)
     for tracker in state.trackers:
-        tracker.log(read, int(step))
+        tracker.log(dict(read), int(step))  # each its own dict, as Accelerate's get: one's edits never reach the next
 
 
 def get_tracker(state: RunState, name: str, *, unwrap: bool = False) -> Any:

@@ -143,7 +143,7 @@ _LAZY = MappingProxyType({
     # launching from a notebook, and the small helpers of a training loop
     **dict.fromkeys(("ProcessFailedError", "debug_launcher", "notebook_launcher"), "fnaccel.launchers"),
     **dict.fromkeys(("check_trigger", "set_trigger"), "fnaccel.trigger"),
-    "autocast_context": "fnaccel.autocast_context",
+    "autocast_context": "fnaccel.autocasting",
     **dict.fromkeys(("CheckpointHooks", "register_load_state_pre_hook", "register_save_state_pre_hook"),
                     "fnaccel.checkpoint.hooks"),
     "skip_first_batches": "fnaccel.data.skip",

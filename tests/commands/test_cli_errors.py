@@ -129,3 +129,19 @@ def test_the_console_script_prints_no_traceback(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"fnaccel env: error: {config}: not UTF-8 text (byte 0); save it as UTF-8"]
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly() -> None:
+    """`fnaccel env | head -1`, `fnaccel checkpoint diff A B | head`: the reader closes the pipe
+    early. The command stops as a process ended by SIGPIPE does (status 141), with no traceback."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write to stdout fails with EPIPE
+    try:
+        result = subprocess.run([sys.executable, "-m", "fnaccel", "env"], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 141

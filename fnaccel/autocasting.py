@@ -41,7 +41,7 @@ def autocast_context(
         TypeError: ``autocast_handler`` is not an `AutocastKwargs`.
 
     >>> import torch, fnaccel as fa
-    >>> from fnaccel.autocast_context import autocast_context
+    >>> from fnaccel.autocasting import autocast_context
     >>> state = fa.init(cpu=True, mixed_precision="bf16")
     >>> with autocast_context(state):
     ...     y = torch.nn.Linear(2, 2)(torch.ones(1, 2))

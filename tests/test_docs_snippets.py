@@ -1,0 +1,134 @@
+"""The Python blocks of README.md and docs/ that a user runs as written, run as written.
+
+Each block is found by a line of its own text and executed on one CPU process
+with the names its page leaves to the reader (a model, an optimizer, a loader,
+a prepared `state`, ...) bound to small real ones; then what the page says of
+its result is checked. A block edited so that it no longer runs fails here.
+Blocks that need several processes, a GPU or a package outside the test extra
+run in their own tests (examples/, tests/test_launchers.py, tests/modeling/).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fnaccel as fa
+from fnaccel.utils import check_trigger, set_trigger
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASET = TensorDataset(torch.randn(48, 8, generator=torch.Generator().manual_seed(0)),
+                        torch.randint(0, 3, (48,), generator=torch.Generator().manual_seed(1)))
+TEST_SET = TensorDataset(torch.randn(10, 8), torch.randint(0, 3, (10,)))
+
+
+def _block(page: str, marker: str) -> str:
+    blocks = [code for code in re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S) if marker in code]
+    assert len(blocks) == 1, f"{page}: {len(blocks)} python blocks contain {marker!r}"
+    return blocks[0]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+class _ReturnsLoss(nn.Module):
+    """A model whose forward takes the batch and returns the loss, as a transformers model given labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.net(x), y)
+
+
+def _loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _reader(model: nn.Module | None = None) -> dict[str, Any]:
+    """The names the pages leave to the reader."""
+    model = model or _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {
+        "fa": fa, "torch": torch, "F": F, "nn": nn, "DataLoader": DataLoader,
+        "model": model, "optimizer": optimizer, "opt": optimizer,
+        "loader": DataLoader(DATASET, batch_size=4, shuffle=True),
+        "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 5), "loss_fn": _loss_fn,
+        "dataset": DATASET, "test_set": TEST_SET, "test_loader": DataLoader(TEST_SET, batch_size=4),
+        "set_trigger": set_trigger, "check_trigger": check_trigger,
+    }
+
+
+def _make_run(pipeline: fa.Pipeline | None = None) -> fa.RunState:
+    names = _reader()
+    return fa.prepare(fa.init(seed=0), names["model"], names["optimizer"], names["loader"],
+                      pipeline=pipeline, loss_fn=_loss_fn)
+
+
+def _prepared(**more: Any) -> dict[str, Any]:
+    state = _make_run()
+    return {**_reader(), "state": state, "model": state.model, **more}
+
+
+def _check_readme(names: dict[str, Any], tmp: Path) -> None:
+    assert names["preds"].shape == (len(TEST_SET),)
+    assert names["labels"]["labels"].shape == (2, 3)
+    assert (tmp / "ckpt" / "fnaccel.json").is_file()
+
+
+def _check_break(names: dict[str, Any], tmp: Path) -> None:
+    # "a fresh process loads it and reads that batch first"
+    resumed = fa.load(_make_run(), "ckpt")
+    first = next(iter(fa.batches(resumed, epochs=2)))
+    assert resumed.micro_step == 3
+    assert all(torch.equal(a, b) for a, b in zip(first, names["batch"], strict=True))
+
+
+def _check_tracking(names: dict[str, Any], tmp: Path) -> None:
+    lines = (tmp / "runs" / "classifier" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 30 and "loss" in json.loads(lines[-1])
+
+
+def _check_migration(names: dict[str, Any], tmp: Path) -> None:
+    logged = [json.loads(line) for line in (tmp / "runs" / "demo" / "demo" / "metrics.jsonl").read_text().splitlines()]
+    assert [entry["epoch"] for entry in logged] == [0, 1, 2]
+    assert (tmp / "runs" / "demo" / "ckpt" / "fnaccel.json").is_file()
+
+
+CASES: dict[str, tuple[str, str, Callable[[], dict[str, Any]], Callable[[dict[str, Any], Path], None] | None]] = {
+    "README": ("README.md", "state = fa.init(seed=0)", lambda: {**_reader(), "labels": torch.zeros(2, 3)}, _check_readme),
+    "training": ("docs/training.md", "F.cross_entropy(model(batch[0])", _reader, None),
+    "data: the loop": ("docs/data.md", "even_batches=True", lambda: _reader(_ReturnsLoss()), None),
+    "data: break and save": ("docs/data.md", "state.micro_step == K", lambda: _prepared(K=3), _check_break),
+    "data: evaluate": ("docs/data.md", "fa.evaluate(state", _prepared, None),
+    "data: eval_batches": ("docs/data.md", "fa.eval_batches(state", lambda: _prepared(preds=[]), None),
+    "collectives: compose": ("docs/collectives.md", "collect = fa.compose", lambda: _prepared(labels=torch.zeros(2, 3)), None),
+    "checkpoints": ("docs/checkpoints.md", "fresh_prepared_state", lambda: _prepared(fresh_prepared_state=_make_run()), None),
+    "helpers: trigger": ("docs/helpers.md", "set_trigger(state)", _prepared, None),
+    "tracking": ("docs/tracking.md", 'fa.init_trackers(state, "classifier"', _reader, _check_tracking),
+    "migration: the script": ("docs/migration.md", "import fnaccel as fa", dict, _check_migration),
+    "debugging: verify_resume": ("docs/debugging.md", "verify_resume(make_run, steps=3)", lambda: {**_reader(), "make_run": _make_run}, None),
+}
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")  # data.md's num_workers=4
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_documented_block_runs_as_written(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    page, marker, names_for, check = CASES[case]
+    monkeypatch.chdir(tmp_path)
+    names = names_for()
+    exec(compile(_block(page, marker), f"{page} ({case})", "exec"), names)  # noqa: S102 - the docs' own code
+    if check is not None:
+        check(names, tmp_path)
