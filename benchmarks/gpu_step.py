@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: run on a GPU machine, or pass --tiny --device cpu")
     shape = TINY if args.tiny else GPT2_SMALL
