@@ -1,15 +1,43 @@
-"""Objects registered for checkpointing, stored pickle-free.
+"""Objects registered for checkpointing, stored pickle-free and given back as they went in.
 
 Anything with ``state_dict()`` / ``load_state_dict()`` (an EMA of the weights,
-a custom sampler, a running-metric object) can ride along with the run:
-``state = fa.utils.register_for_checkpointing(state, ema=ema)``. Its
-state_dict is split into tensors (safetensors) and a JSON tree in which each
-tensor is a ``{"__tensor__": key}`` placeholder; anything else raises a
-`CheckpointError` naming where it sits. Tuples come back as lists.
+a GAN's second optimizer, a custom sampler) can ride along with the run:
+``state = fa.utils.register_for_checkpointing(state, disc_opt=disc_opt)``.
+
+Its state_dict comes back as ``torch.save`` would give it back: JSON alone
+cannot say whether ``[0.9, 0.999]`` was a tuple or a list, or ``"0"`` an int
+key (an optimizer's state is keyed by parameter index), so every container
+is stored with its type (schema version 5; `split` and `join`):
+
+==========================  ===========================================
+value                       in extras.json
+==========================  ===========================================
+None, bool, int, float, str the JSON value itself (NaN and infinities too)
+list                        a JSON array of the items
+tuple                       ``{"tuple": [items]}``
+dict                        ``{"dict": [[key, value], ...]}`` in order
+collections.OrderedDict     ``{"odict": [[key, value], ...]}``, with
+                            ``"metadata"`` when it has torch's ``_metadata``
+tensor                      ``{"tensor": key}``, the key in extras.safetensors
+==========================  ===========================================
+
+Keys are encoded like values (an int, a str, a tuple of them...). Anything
+else, a subclass included (a NumPy float, an IntEnum, a defaultdict), is
+refused at save with a `CheckpointError` naming the object and the key:
+it could only come back as something else. Tensors come back as CPU
+tensors of the same dtype and shape (not as parameters, and not sharing
+memory with one another).
+
+Checkpoints of schema versions 2 to 4 stored plain JSON with
+``{"__tensor__": key}`` placeholders, keys as strings and tuples as lists;
+`join_legacy` reads them and puts back what the live object's state_dict
+shows was lost (see its docstring).
 """
 
 from __future__ import annotations
 
+import re
+from collections import OrderedDict
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -18,14 +46,18 @@ import torch
 
 from fnaccel._errors import CheckpointError
 
-__all__ = ["join", "register_for_checkpointing", "split"]
+__all__ = ["join", "join_legacy", "register_for_checkpointing", "split"]
 
-_PLACEHOLDER = "__tensor__"
+_SCALARS = (type(None), bool, int, float, str)
+_LEGACY_PLACEHOLDER = "__tensor__"
+_DECIMAL = re.compile(r"-?[0-9]{1,18}")
 
 
 def register_for_checkpointing(state: Any, **objects: Any) -> Any:
     """The state with ``objects`` saved and loaded with it, under their names
-    (the state is not consumed).
+    (the state is not consumed). Each object's ``state_dict()`` comes back to its
+    ``load_state_dict`` with the same types (int keys, tuples, tensors, nesting);
+    what cannot is refused when the run is saved (docs/checkpoints.md).
 
     >>> import fnaccel as fa, torch
     >>> state = fa.utils.register_for_checkpointing(fa.init(cpu=True), ema=torch.nn.Linear(1, 1))
@@ -43,38 +75,148 @@ def register_for_checkpointing(state: Any, **objects: Any) -> Any:
     return state.replace(extras=MappingProxyType({**state.extras, **objects}))
 
 
-def split(value: Any, where: str, tensors: dict[str, torch.Tensor], copy: bool) -> Any:
-    """``value`` as a JSON tree, its tensors moved into ``tensors`` under their paths."""
-    if isinstance(value, torch.Tensor):
-        tensors[where] = value.detach().to("cpu", copy=True) if copy else value.detach()
-        return {_PLACEHOLDER: where}
-    if isinstance(value, Mapping):
-        out = {}
-        for key, item in value.items():
-            if not isinstance(key, (str, int)):
-                raise CheckpointError(f"{where}: key {key!r} is not a string or int; it cannot be stored without pickle")
-            out[str(key)] = split(item, f"{where}/{key}", tensors, copy)
-        return out
-    if isinstance(value, (list, tuple)):
-        return [split(item, f"{where}/{i}", tensors, copy) for i, item in enumerate(value)]
-    if value is None or isinstance(value, (bool, int, float, str)):
+def split(value: Any, name: str, tensors: dict[str, torch.Tensor], copy: bool) -> Any:
+    """Registered object ``name``'s ``value`` (its state_dict) as a typed JSON tree, its
+    tensors moved into ``tensors`` under their key paths (copied to the CPU when ``copy``).
+
+    >>> split({0: {"step": 3}, "betas": (0.9, 0.99)}, "opt", {}, False)
+    {'dict': [[0, {'dict': [['step', 3]]}], ['betas', {'tuple': [0.9, 0.99]}]]}
+    """
+    return _encode(value, name, tensors, copy, name)
+
+
+def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor], copy: bool, name: str) -> Any:
+    kind = type(value)
+    if kind in _SCALARS:
         return value
+    if isinstance(value, torch.Tensor):
+        key = path
+        while key in tensors:  # the keys 1 and "1" of one dict: both stored, under two names
+            key += "'"
+        tensors[key] = value.detach().to("cpu", copy=True) if copy else value.detach()
+        return {"tensor": key}
+    if kind is list:
+        return [_encode(item, f"{path}/{i}", tensors, copy, name) for i, item in enumerate(value)]
+    if kind is tuple:
+        return {"tuple": [_encode(item, f"{path}/{i}", tensors, copy, name) for i, item in enumerate(value)]}
+    if kind is dict or kind is OrderedDict:
+        pairs = []
+        for key, item in value.items():
+            where = f"{path}/{key}"
+            if type(key) not in _SCALARS and type(key) is not tuple:
+                _refuse(name, where, f"its key is a {type(key).__name__}")
+            pairs.append([_encode(key, where, {}, False, name), _encode(item, where, tensors, copy, name)])
+        if kind is dict:
+            return {"dict": pairs}
+        out: dict[str, Any] = {"odict": pairs}
+        metadata = getattr(value, "_metadata", None)  # torch's module versions, read by load_state_dict
+        if metadata is not None:
+            out["metadata"] = _encode(metadata, f"{path}/_metadata", {}, False, name)
+        return out
+    _refuse(name, path, f"a {kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins"
+            else f"a {kind.__name__}")
+
+
+def _refuse(name: str, path: str, what: str) -> None:
+    key = path.partition("/")[2]
     raise CheckpointError(
-        f"{where}: a {type(value).__name__} cannot be stored without pickle; state_dicts "
-        "saved with the run may hold tensors, numbers, strings, lists and dicts"
+        f"registered object {name!r}: key {key!r}: {what} cannot be stored so that it comes back as it went "
+        "in (checkpoints hold no pickle); a state_dict saved with the run may hold tensors, None, bool, int, "
+        "float, str, and lists, tuples, dicts and OrderedDicts of them (exactly these types, no subclasses)"
     )
 
 
 def join(tree: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
-    """The inverse of `split`; a placeholder naming no stored tensor is a `CheckpointError`
-    naming ``where`` (the file and the object)."""
+    """The inverse of `split`, validating as it goes: every object one of the tags, every
+    key hashable and given once, every tensor key in ``tensors``; else a `CheckpointError`
+    naming ``where`` (the file and the object) and the key path.
+
+    >>> join({"dict": [[0, {"tuple": [1, 2.5]}]]}, {}, "extras.json: opt")
+    {0: (1, 2.5)}
+    """
+    try:
+        return _decode(tree, tensors, where, "")
+    except RecursionError:
+        raise CheckpointError(f"{where}: nested too deeply") from None
+
+
+def _decode(tree: Any, tensors: Mapping[str, torch.Tensor], where: str, path: str) -> Any:
+    if type(tree) in _SCALARS:
+        return tree
+    if isinstance(tree, list):
+        return [_decode(item, tensors, where, f"{path}/{i}") for i, item in enumerate(tree)]
+
+    def fail(detail: str) -> CheckpointError:
+        return CheckpointError(f"{where}: key {path.lstrip('/')!r}: {detail}; the checkpoint was edited or is hostile")
+
+    if not isinstance(tree, dict) or len(tree) != 1 and not (len(tree) == 2 and {"odict", "metadata"} == set(tree)):
+        raise fail(f"{_short(tree)} is not one of the stored forms (tuple, dict, odict, tensor)")
+    (tag, body), = ((k, v) for k, v in tree.items() if k != "metadata")
+    if tag == "tensor":
+        if not isinstance(body, str) or body not in tensors:
+            raise fail(f"tensor {_short(body)} is not in extras.safetensors")
+        return tensors[body]
+    if tag == "tuple" and isinstance(body, list):
+        return tuple(_decode(item, tensors, where, f"{path}/{i}") for i, item in enumerate(body))
+    if tag in ("dict", "odict") and isinstance(body, list):
+        out: dict[Any, Any] = {} if tag == "dict" else OrderedDict()
+        for pair in body:
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise fail(f"an entry {_short(pair)} is not a [key, value] pair")
+            key = _decode(pair[0], {}, where, path)
+            try:
+                hash(key)
+            except TypeError:
+                raise fail(f"a key {_short(pair[0])} is not hashable") from None
+            if key in out:
+                raise fail(f"the key {key!r} is given twice")
+            out[key] = _decode(pair[1], tensors, where, f"{path}/{key}")
+        if "metadata" in tree:
+            out._metadata = _decode(tree["metadata"], {}, where, f"{path}/_metadata")  # type: ignore[attr-defined]
+        return out
+    raise fail(f"{_short(tree)} is not one of the stored forms (tuple, dict, odict, tensor)")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def join_legacy(tree: Any, tensors: Mapping[str, torch.Tensor], where: str, live: Any) -> Any:
+    """A registered object's state as a checkpoint of schema 2 to 4 stored it (plain JSON,
+    ``{"__tensor__": key}`` placeholders), with what that encoding lost put back where
+    ``live`` (the object's current state_dict) shows it: a list where ``live`` has a
+    tuple becomes a tuple, a key ``"3"`` where ``live`` has the key 3 becomes 3, and the
+    decimal keys of a mapping that ``live`` has empty or keyed by ints (an optimizer's
+    ``state``, keyed by parameter index) become ints.
+
+    >>> join_legacy({"state": {"0": {"step": 1}}, "betas": [0.9, 0.99]}, {}, "extras.json: opt",
+    ...             {"state": {}, "betas": (0.9, 0.999)})
+    {'state': {0: {'step': 1}}, 'betas': (0.9, 0.99)}
+    """
+    try:
+        return _legacy(tree, tensors, where, live)
+    except RecursionError:
+        raise CheckpointError(f"{where}: nested too deeply") from None
+
+
+def _legacy(tree: Any, tensors: Mapping[str, torch.Tensor], where: str, live: Any) -> Any:
     if isinstance(tree, dict):
-        if set(tree) == {_PLACEHOLDER}:
-            key = tree[_PLACEHOLDER]
+        if set(tree) == {_LEGACY_PLACEHOLDER}:
+            key = tree[_LEGACY_PLACEHOLDER]
             if not isinstance(key, str) or key not in tensors:
                 raise CheckpointError(f"{where}: placeholder {key!r} names no tensor in extras.safetensors")
             return tensors[key]
-        return {key: join(item, tensors, where) for key, item in tree.items()}
+        live_map = live if isinstance(live, Mapping) else {}
+        by_text = {str(k): k for k in live_map}
+        as_ints = isinstance(live, Mapping) and all(type(k) is int for k in live_map)
+        out = {}
+        for text, item in tree.items():
+            key = by_text.get(text, int(text) if as_ints and _DECIMAL.fullmatch(text) else text)
+            out[key] = _legacy(item, tensors, where, live_map.get(key))
+        return out
     if isinstance(tree, list):
-        return [join(item, tensors, where) for item in tree]
+        items = list(live) if isinstance(live, (list, tuple)) and len(live) == len(tree) else [None] * len(tree)
+        out_list = [_legacy(item, tensors, where, now) for item, now in zip(tree, items)]
+        return tuple(out_list) if isinstance(live, tuple) else out_list
     return tree

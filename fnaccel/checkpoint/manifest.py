@@ -43,8 +43,10 @@ MANIFEST = "fnaccel.json"
 # 2: the data position is the state's (rank<r>.json "data"); classes recorded.
 # 3: a file's checksum is CRC-32 ({"crc32": ..., "size": ...}); entries may still name sha256
 # 4: a file's checksum is blocksum ({"blocksum": ..., "size": ...}), the others still read
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (2, 3, 4)  # 2 and 3 differ only in their files' checksums, which name their algorithm
+# 5: registered objects keep their types in extras.json (int keys, tuples: extras.py); 2-4 read with
+#    extras.join_legacy
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (2, 3, 4, 5)  # 2 and 3 differ only in their files' checksums, which name their algorithm
 FORMAT = "fnaccel-checkpoint"
 MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest lists files: even 10,000 ranks stay far below this
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -115,7 +117,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if manifest.get("schema_version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{path}: schema version {manifest.get('schema_version')!r} is unknown to this "
-            f"fnaccel (it reads versions {' and '.join(map(str, READABLE_VERSIONS))}); "
+            f"fnaccel (it reads versions {', '.join(map(str, READABLE_VERSIONS))}); "
             "load it with the fnaccel that wrote it"
         )
     if manifest.get("manifest_sha256") != manifest_hash(manifest):

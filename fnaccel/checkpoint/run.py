@@ -364,8 +364,11 @@ def load(state: RunState, path: str | Path, *, allow_global_batch_change: bool =
         for name, obj in state.extras.items():
             if not isinstance(trees, dict) or name not in trees:
                 raise CheckpointError(f"{source}: nothing saved for registered object {name!r}")
-            extras[name] = extras_codec.join(trees[name], extra_tensors, f"{source}: {name}")
-            check_like(extras[name], obj.state_dict(), f"{source}: {name}", strict=False)
+            live = obj.state_dict()
+            extras[name] = (extras_codec.join(trees[name], extra_tensors, f"{source}: {name}")
+                            if manifest["schema_version"] >= 5 else
+                            extras_codec.join_legacy(trees[name], extra_tensors, f"{source}: {name}", live))
+            check_like(extras[name], live, f"{source}: {name}", strict=False)
     _check_drift(state, directory, manifest, strict)  # reads config.yaml and run.json, verified
     # restore
     if sharded:  # model and optimizer from sharded/ (torch.distributed.checkpoint)

@@ -287,6 +287,7 @@ def test_a_registered_object_gets_tensors_of_its_own_shape_or_an_error(tmp_path:
         fa.load(state, tmp_path / "ckpt")
     state.check_fresh("the test")
     assert torch.equal(state.extras["ema"].shadow["w"], torch.full((3,), 2.0))  # untouched
-    _edit_json(tmp_path / "ckpt", "extras.json", lambda v: v["ema"].update(shadow={"w": {"__tensor__": "gone"}}))
-    with pytest.raises(fa.CheckpointError, match=r"extras.json: ema: placeholder 'gone' names no tensor"):
+    _edit_json(tmp_path / "ckpt", "extras.json",
+               lambda v: v["ema"]["dict"][0].__setitem__(1, {"dict": [["w", {"tensor": "gone"}]]}))
+    with pytest.raises(fa.CheckpointError, match=r"extras.json: ema: key 'shadow/w': tensor 'gone' is not in "):
         fa.load(run(2.0), tmp_path / "ckpt")

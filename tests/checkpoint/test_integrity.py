@@ -81,7 +81,7 @@ def test_an_older_checkpoint_still_loads_and_names_a_corrupt_file(
     expected = fa.load(_fresh(), checkpoint)
     path = checkpoint / "fnaccel.json"
     manifest = json.loads(path.read_text())
-    assert manifest["schema_version"] == 4
+    assert manifest["schema_version"] == 5
     assert all(set(e) == {"blocksum", "size"} for e in manifest["files"].values())
     manifest["schema_version"] = version
     for name, entry in manifest["files"].items():
