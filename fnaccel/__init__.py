@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
     )
     from fnaccel.data.prepared import (
         batches,
+        end_epoch,
     )
     from fnaccel.dist import (
         DistContext,
@@ -75,6 +76,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
     )
     from fnaccel import ops
     from fnaccel.preparation import (
+        default_pipeline,
         prepare,
     )
     from fnaccel.process import (
@@ -103,6 +105,13 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
     )
     from fnaccel.tracking.progress import (
         progress,
+    )
+    from fnaccel.tracking.throughput import (
+        ThroughputMeter,
+        count_flops,
+        device_peak_flops,
+        throughput,
+        throughput_meter,
     )
     from fnaccel.tracking.run import (
         end_training,
@@ -181,6 +190,7 @@ _LAZY = MappingProxyType({
     "DataLoaderConfiguration": "fnaccel.data.config",
     "eval_batches": "fnaccel.data.evaluation",
     "batches": "fnaccel.data.prepared",
+    "end_epoch": "fnaccel.data.prepared",
     "DistContext": "fnaccel.dist",
     "evaluate": "fnaccel.evaluation",
     "ParallelismConfig": "fnaccel.parallelism",
@@ -192,6 +202,7 @@ _LAZY = MappingProxyType({
     "ProfileKwargs": "fnaccel.profile_kwargs",
     "ops": "fnaccel.ops",
     "prepare": "fnaccel.preparation",
+    "default_pipeline": "fnaccel.preparation",
     "local_main_process_first": "fnaccel.process",
     "main_process_first": "fnaccel.process",
     "on_main_process": "fnaccel.process",
@@ -207,6 +218,11 @@ _LAZY = MappingProxyType({
     "DataPosition": "fnaccel.state",
     "RunState": "fnaccel.state",
     "progress": "fnaccel.tracking.progress",
+    "ThroughputMeter": "fnaccel.tracking.throughput",
+    "count_flops": "fnaccel.tracking.throughput",
+    "device_peak_flops": "fnaccel.tracking.throughput",
+    "throughput": "fnaccel.tracking.throughput",
+    "throughput_meter": "fnaccel.tracking.throughput",
     "end_training": "fnaccel.tracking.run",
     "get_tracker": "fnaccel.tracking.run",
     "init_trackers": "fnaccel.tracking.run",
@@ -263,6 +279,8 @@ __all__ = [
     "backward",
     "apply_gradients",
     "batches",
+    "end_epoch",
+    "default_pipeline",
     "DataLoaderConfiguration",
     # evaluation
     "evaluate",
@@ -280,6 +298,11 @@ __all__ = [
     "get_tracker",
     "end_training",
     "progress",
+    "count_flops",
+    "throughput_meter",
+    "throughput",
+    "ThroughputMeter",
+    "device_peak_flops",
     # training transforms
     "autocast",
     "grad_scaler",

@@ -30,17 +30,35 @@ from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.precision import autocast, fp8, grad_scaler, precision_dtype
 from fnaccel.constants import PrecisionType
 
-__all__ = ["prepare"]
+__all__ = ["default_pipeline", "prepare"]
 
 LossFn = Callable[[nn.Module, Any], Any]
 
 
 def default_pipeline(state: RunState) -> Pipeline:
-    """What `fa.prepare` uses without a pipeline: the launch's mixed precision
-    (with its kwargs handlers, or the config's fp8_config), `ddp()` when the
-    world is larger than one (or `fsdp()` from the config's FSDP section, or
-    `deepspeed()` from its DeepSpeed section), and `compile()` when the config
-    names a dynamo backend."""
+    """Reads ``state`` (not consumed): the pipeline `fa.prepare` builds when given none.
+
+    The launch's mixed precision (with its kwargs handlers, or the config's
+    fp8_config), `ddp()` when the world is larger than one (or `fsdp()` from
+    the config's FSDP section, or `deepspeed()` from its DeepSpeed section), and
+    `compile()` when the config names a dynamo backend. To add a transform and
+    keep what the launch asked for, nest it: ``fa.compose(fa.default_pipeline(state),
+    fa.accumulate(4))`` (`fa.compose` puts each transform in its place).
+
+    Args:
+        state: the run's state (from `fa.init`); its launch config, precision,
+            kwargs handlers and world size decide the pipeline.
+
+    Returns:
+        The launch's `Pipeline` (empty for a plain one-process fp32 run).
+
+    >>> import fnaccel as fa
+    >>> state = fa.init(cpu=True, mixed_precision="bf16")
+    >>> fa.default_pipeline(state)
+    compose(autocast(dtype=torch.bfloat16))
+    >>> fa.compose(fa.default_pipeline(state), fa.accumulate(4))
+    compose(autocast(dtype=torch.bfloat16), accumulate(num_steps=4))
+    """
     from fnaccel.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
     from fnaccel.transforms.deepspeed_config import DeepSpeedPlugin
     from fnaccel.transforms.fp8 import recipe_from_config
@@ -156,7 +174,7 @@ def prepare(
         model, optimizer, loader, scheduler: live PyTorch objects; any may be
             left out and given to a later `prepare`.
         pipeline: composed training transforms; default: the launch config's
-            (`default_pipeline`).
+            (`fa.default_pipeline`).
         loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``; default:
             `default_loss_fn`.
 

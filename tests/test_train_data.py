@@ -94,3 +94,58 @@ def test_ddp_sees_each_sample_once_per_epoch_and_equals_one_process(world: Any) 
         assert result["epoch"] == state.epoch == 2
         for p, q in zip(result["params"], model.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_end_epoch_mid_window_keeps_the_window_open_and_a_save_right_after_resumes_there(tmp_path: Any) -> None:
+    """Early stopping under accumulate(4): two batches of epoch 0 stepped, then fa.end_epoch.
+    The window stays open and epoch 1's first two batches complete it, as a hand loop over
+    a global micro-step counter does (Accelerate's counter too, across a break): every
+    update averages 4 stepped batches. A save right after end_epoch resumes at epoch 1,
+    in fresh objects, bit for bit."""
+    seed, batch_size, num_steps = 4, 8, 4
+    data = dataset()
+
+    def order(epoch: int) -> torch.Tensor:
+        return torch.randperm(NUM_SAMPLES, generator=torch.Generator().manual_seed(seed + epoch))
+
+    epoch_1 = [order(1)[start : start + batch_size] for start in range(0, NUM_SAMPLES, batch_size)]
+    ref = make_model(dropout=0.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i, ids in enumerate([order(0)[:8], order(0)[8:16], *epoch_1]):
+        loss, _ = loss_fn(ref, list(data[ids]))
+        (loss / num_steps).backward()
+        if (i + 1) % num_steps == 0:
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+
+    def fresh() -> fa.RunState:
+        model = make_model(dropout=0.0)
+        return fa.prepare(fa.init(seed=seed, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                          DataLoader(data, batch_size=batch_size, shuffle=True), loss_fn=loss_fn,
+                          pipeline=fa.compose(fa.accumulate(num_steps)))
+
+    def rest_of_epoch(state: fa.RunState) -> tuple[fa.RunState, list[list[int]]]:
+        seen = []
+        for batch in fa.batches(state):
+            state, metrics = fa.step(state, batch)
+            seen.append(metrics["aux"].tolist())
+        return state, seen
+
+    state = fresh()
+    for batch in fa.batches(state):
+        state, _ = fa.step(state, batch)
+        if state.micro_step == 2:  # the early-stopping criterion fired mid-window
+            state = fa.end_epoch(state)
+            break
+    assert (state.step, state.micro_step, state.data_position) == (0, 2, fa.DataPosition(epoch=1))
+    fa.save(state, tmp_path / "ckpt")
+    state, seen = rest_of_epoch(state)
+    assert seen == [ids.tolist() for ids in epoch_1] and state.step == 2
+    assert state.model is not None and all(
+        torch.equal(p, q) for p, q in zip(state.model.parameters(), ref.parameters()))
+
+    resumed = fa.load(fresh(), tmp_path / "ckpt")
+    assert (resumed.micro_step, resumed.data_position) == (2, fa.DataPosition(epoch=1))
+    resumed, again = rest_of_epoch(resumed)
+    assert again == seen and resumed.model is not None and all(
+        torch.equal(p, q) for p, q in zip(resumed.model.parameters(), ref.parameters()))

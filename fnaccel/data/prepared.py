@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 from fnaccel._errors import CheckpointError
 from fnaccel.data.fetch import BatchFetch
@@ -27,7 +27,7 @@ from fnaccel.data.sharding import num_steps
 from fnaccel.ops.tree import send_to_device
 from fnaccel.state import DataPosition
 
-__all__ = ["LoaderLayout", "PreparedLoader", "batches"]
+__all__ = ["LoaderLayout", "PreparedLoader", "batches", "end_epoch"]
 
 
 class Collated(NamedTuple):
@@ -207,6 +207,11 @@ class PreparedLoader:
         self._placed = self.fetch is not None and self.fetch.placed
         self._read = False  # whether a batch was fetched since the loader was built
         self._iterator: Iterator[Any] | None = None
+        dataset = dataloader.dataset
+        # A dataset with a position of its own (a stream's reader) as a fresh process
+        # builds it, for `start_epoch` (a sampler's order is pure in seed and epoch).
+        self._fresh_dataset_state = (copy.deepcopy(dataset.state_dict())
+                                     if sampler is None and isinstance(dataset, Stateful) else None)
         self._iter_epoch = 0
         self._at = DataPosition()  # where the live iterator continues
         self._start: DataPosition | None = None  # where the current reading began
@@ -240,6 +245,24 @@ class PreparedLoader:
             self._iterator = None
             self._at = position
         self._start, self._last = position, None
+
+    def start_epoch(self, epoch: int) -> None:
+        """Stand at the start of ``epoch``, dropping the live iterator without reading the
+        rest of its epoch: its worker processes end with it (persistent workers are
+        reset by the next epoch's iterator instead). Jumping forward to an epoch's start
+        re-reads nothing, so it is allowed where `seek` refuses a rewind. A dataset with a
+        position of its own (a stateful stream read in this process) is put back where a
+        fresh process starts it, so the next pass is the next epoch whole, as after
+        resuming a checkpoint saved now."""
+        self._iterator = None
+        if self._fresh_dataset_state is not None:
+            self.dataloader.dataset.load_state_dict(copy.deepcopy(self._fresh_dataset_state))
+        if not self.dataloader.persistent_workers:
+            # torchdata holds the epoch's iterator (and its workers) until the next epoch
+            # begins; an empty state drops it now, as an epoch's natural end stops them.
+            self.dataloader.load_state_dict({})
+        self._at = DataPosition(epoch=epoch)
+        self._start, self._last = None, None
 
     def forget(self) -> None:
         """Drop what ties the live iterator to a state (`fa.load` replaced the position)."""
@@ -383,20 +406,73 @@ def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
     >>> state.epoch, state.step
     (2, 4)
     """
-    state.check_fresh("fa.batches")
-    loader = state.loader
-    if loader is None:
-        raise ValueError(
-            "fa.batches: the state has no prepared loader; prepare one first with "
-            "state = fa.prepare(state, loader=your_dataloader)"
-        )
-    if not isinstance(loader, PreparedLoader):
-        raise TypeError(
-            f"fa.batches: state.loader is a {type(loader).__name__}, not a prepared loader; "
-            "pass your DataLoader through fa.prepare(state, loader=...)"
-        )
+    loader = _prepared_loader(state, "fa.batches")
     if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0):
         raise ValueError(f"fa.batches: epochs must be an int >= 0 or None, got {epochs!r}")
     position = state.data_position
     loader.seek(position)
     return loader.read(position.epoch + 1 if epochs is None else epochs)
+
+
+def end_epoch(state: Any) -> Any:
+    """Consumes ``state``: the rest of the epoch in progress is skipped without being
+    read, so the next `fa.batches` starts the next epoch whole (early stopping).
+
+    The new state stands at the start of the next epoch (``DataPosition(epoch=e + 1)``),
+    exactly where the epoch's last batch would have left it: `fa.save` right after it
+    resumes there. The loader's live iterator is dropped unread (its workers stop with
+    it). An epoch of which no batch was stepped (``num_batches == 0``, as right after an
+    epoch's last batch) is left whole: ending an epoch never skips the next one.
+
+    Gradients and counters are untouched: under `fa.accumulate`, a window that was
+    partly stepped stays open and the next epoch's first batches complete it, as at
+    any epoch end (the update always averages ``num_steps`` stepped batches).
+
+    Args:
+        state: a `RunState` whose ``loader`` was prepared (`fa.prepare`).
+
+    Returns:
+        The state at the start of the next epoch.
+
+    Raises:
+        ValueError: the state has no prepared loader.
+        StaleStateError: ``state`` was already consumed (use the newest one).
+
+    >>> import torch, fnaccel as fa
+    >>> model = torch.nn.Linear(1, 1)
+    >>> data = torch.utils.data.DataLoader(torch.arange(6.0).view(6, 1), batch_size=2)
+    >>> state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), 0.1),
+    ...                    data, loss_fn=lambda m, b: m(b).mean())
+    >>> for batch in fa.batches(state):
+    ...     state, metrics = fa.step(state, batch)
+    ...     state = fa.end_epoch(state)  # stop early: one batch of epoch 0 is enough
+    ...     break
+    >>> state.data_position
+    DataPosition(epoch=1, num_batches=0, loader_state=None)
+    >>> [batch.view(-1).tolist() for batch in fa.batches(state)]  # epoch 1, whole
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    """
+    by = "fa.end_epoch"
+    loader = _prepared_loader(state, by)
+    position = state.data_position
+    if position.num_batches == 0:
+        return state.advance(by)
+    loader.start_epoch(position.epoch + 1)
+    return state.advance(by, data_position=DataPosition(epoch=position.epoch + 1))
+
+
+def _prepared_loader(state: Any, action: str) -> PreparedLoader:
+    """The state's `PreparedLoader`, after checking that ``state`` is fresh and holds one."""
+    state.check_fresh(action)
+    loader = state.loader
+    if loader is None:
+        raise ValueError(
+            f"{action}: the state has no prepared loader; prepare one first with "
+            "state = fa.prepare(state, loader=your_dataloader)"
+        )
+    if not isinstance(loader, PreparedLoader):
+        raise TypeError(
+            f"{action}: state.loader is a {type(loader).__name__}, not a prepared loader; "
+            "pass your DataLoader through fa.prepare(state, loader=...)"
+        )
+    return loader

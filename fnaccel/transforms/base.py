@@ -240,13 +240,14 @@ class Pipeline:
         return tree
 
 
-def _flatten(items: tuple[Transform | Collective | Pipeline, ...]) -> list[Transform | Collective]:
-    flat: list[Transform | Collective] = []
+def _flatten(items: tuple[Transform | Collective | Pipeline, ...]) -> list[tuple[Transform | Collective, bool]]:
+    """Each transform, and whether it came from a nested pipeline."""
+    flat: list[tuple[Transform | Collective, bool]] = []
     for item in items:
         if isinstance(item, Pipeline):
-            flat.extend(item.transforms)
+            flat.extend((t, True) for t in item.transforms)
         elif isinstance(item, (Transform, Collective)):
-            flat.append(item)
+            flat.append((item, False))
         else:
             raise TypeError(
                 f"compose takes transforms such as fa.gather() or fa.autocast(fa.bf16), "
@@ -256,19 +257,27 @@ def _flatten(items: tuple[Transform | Collective | Pipeline, ...]) -> list[Trans
 
 
 def compose(*transforms: Transform | Collective | Pipeline) -> Pipeline:
-    """Combine transforms, or collectives, into a validated `Pipeline`; nested
-    pipelines are flattened.
+    """Combine transforms, or collectives, into a validated `Pipeline`.
+
+    The transforms written out must come in the canonical order. A nested
+    pipeline (already checked) is merged in: each of its transforms goes where
+    the order puts it, so ``compose(fa.default_pipeline(state), fa.accumulate(4))``
+    adds accumulation to what the launch asked for, wherever the launch's
+    transforms fall. The result is checked whole (duplicates, conflicts).
 
     Raises:
-        ValueError: a transform appears twice, two transforms conflict, they
-            are out of order, or training transforms are mixed with
-            collectives; the message names them and the fix.
+        ValueError: a transform appears twice, two transforms conflict, the
+            transforms written out are out of order, or training transforms are
+            mixed with collectives; the message names them and the fix.
 
     >>> import fnaccel as fa
     >>> fa.compose(fa.pad_across_processes(dim=1, pad_index=-100), fa.gather())
     compose(pad_across_processes(dim=1, pad_index=-100), gather())
+    >>> fa.compose(fa.compose(fa.autocast(fa.bf16), fa.compile()), fa.accumulate(4))
+    compose(autocast(dtype=torch.bfloat16), accumulate(num_steps=4), compile())
     """
-    flat = _flatten(transforms)
+    marked = _flatten(transforms)
+    flat = [t for t, _ in marked]
     training = next((t for t in flat if isinstance(t, Transform)), None)
     collective = next((t for t in flat if isinstance(t, Collective)), None)
     if training is not None and collective is not None:
@@ -292,13 +301,16 @@ def compose(*transforms: Transform | Collective | Pipeline) -> Pipeline:
                     + (fix or "keep one of them (compose a second pipeline for the other)")
                 )
         seen[t.name] = t
-    for before, after in zip(flat, flat[1:]):
+    written = [t for t, nested in marked if not nested]
+    for before, after in zip(written, written[1:]):
         if after.phase < before.phase:
             fixed = sorted(flat, key=lambda t: t.phase)
             raise ValueError(
                 f"compose: {after!r} must come before {before!r}; write "
                 f"compose({', '.join(map(repr, fixed))})"
             )
+    if len(written) < len(flat):  # merge the nested pipelines' transforms in (a stable sort)
+        flat.sort(key=lambda t: t.phase)
     return Pipeline(tuple(flat))
 
 

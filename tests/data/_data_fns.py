@@ -37,6 +37,27 @@ class Indices(Dataset[int]):
         return index
 
 
+class Logged(Dataset[int]):
+    """Sample ``i`` is the int ``i``; every read appends ``i`` to a file, so that reads in
+    loader workers are counted too."""
+
+    def __init__(self, num_samples: int, path: str) -> None:
+        self.num_samples = num_samples
+        self.path = path
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> int:
+        with open(self.path, "a") as log:
+            log.write(f"{index}\n")
+        return index
+
+    def reads(self) -> list[int]:
+        with open(self.path) as log:
+            return [int(line) for line in log]
+
+
 class Noisy(Dataset[torch.Tensor]):
     """Sample ``i`` is a random draw, as a random augmentation would make."""
 

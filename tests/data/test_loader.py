@@ -405,6 +405,59 @@ def test_batches_without_epochs_yields_the_rest_of_the_current_epoch() -> None:
     assert len(state.loader) == 3
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_end_epoch_skips_the_rest_unread_and_the_next_epoch_comes_whole(num_workers: int, tmp_path: Path) -> None:
+    import multiprocessing
+
+    data = fns.Logged(40, str(tmp_path / "reads"))
+    prepared = _prepare(DataLoader(data, batch_size=2, shuffle=True, num_workers=num_workers), seed=2)
+    before = set(multiprocessing.active_children())
+    state, head = train(_stepping(prepared), stop_after=3)  # 3 batches stepped, a 4th fetched
+    state = fa.end_epoch(state)
+    assert state.data_position == fa.DataPosition(epoch=1)
+    assert set(multiprocessing.active_children()) == before  # the epoch's workers ended with it
+    read_in_epoch_0 = len(data.reads())
+    # unread: the stepped batches, the one fetched, and what 2 workers prefetch (2 batches each)
+    assert read_in_epoch_0 <= (4 if num_workers == 0 else 4 + 2 * 2) * 2 < 40
+    assert head == as_lists([epoch_order(40, seed=2, epoch=0, shuffle=True)[:6].view(3, 2)][0])
+    state, epoch_1 = train(state)
+    assert sum(epoch_1, []) == epoch_order(40, seed=2, epoch=1, shuffle=True).tolist()
+    assert state.data_position == fa.DataPosition(epoch=2) and len(data.reads()) == read_in_epoch_0 + 40
+
+
+def test_end_epoch_at_an_epoch_start_never_skips_that_epoch() -> None:
+    state = _stepping(_prepare(DataLoader(Indices(4), batch_size=2)))
+    state, _ = train(state)  # the whole epoch: the state moved to the start of the next
+    state = fa.end_epoch(state)
+    assert state.data_position == fa.DataPosition(epoch=1)
+    state, again = train(state)
+    assert again == [[0, 1], [2, 3]]
+
+
+def test_end_epoch_works_on_a_stream_and_a_kept_sampler_without_rewinding_them() -> None:
+    """A stream (located by loader snapshots) and a sampler that cannot rewind both
+    start their next epoch fresh: jumping forward to an epoch start re-reads nothing."""
+    stream = _stepping(_prepare(DataLoader(Stream(10), batch_size=2)))
+    stream, _ = train(stream, stop_after=2)
+    stream, rest = train(fa.end_epoch(stream))
+    assert rest == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    data = Indices(8)
+    sampler = RandomSampler(data, replacement=True, generator=torch.Generator().manual_seed(1))
+    kept = _stepping(_prepare(DataLoader(data, batch_size=2, sampler=sampler)))
+    kept, _ = train(kept, stop_after=1)
+    kept, rest = train(fa.end_epoch(kept))
+    assert len(rest) == 4 and kept.data_position == fa.DataPosition(epoch=2)
+
+
+def test_end_epoch_consumes_the_state_and_needs_a_prepared_loader() -> None:
+    with pytest.raises(ValueError, match=r"fa.end_epoch: the state has no prepared loader"):
+        fa.end_epoch(fa.init(cpu=True))
+    state = _stepping(_prepare(DataLoader(Indices(4), batch_size=2)))
+    fa.end_epoch(state)
+    with pytest.raises(fa.StaleStateError, match="consumed by fa.end_epoch"):
+        fa.end_epoch(state)
+
+
 def test_batches_needs_a_prepared_loader() -> None:
     with pytest.raises(ValueError, match=r"prepare one first .*fa\.prepare"):
         batches(fa.init(cpu=True))

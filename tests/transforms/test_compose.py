@@ -25,6 +25,24 @@ def test_nested_pipelines_are_flattened() -> None:
     )
 
 
+def test_a_nested_pipeline_is_merged_where_the_order_rules_put_each_transform() -> None:
+    """compose(fa.default_pipeline(state), fa.accumulate(4)) adds one transform to what the
+    launch asked for, even where the launch's pipeline holds a later one (compile)."""
+    launch = fa.compose(fa.autocast(fa.bf16), fa.ddp(), fa.compile())
+    merged = fa.compose(launch, fa.accumulate(4), fa.clip_grad_norm(1.0))
+    assert merged.names == ("autocast", "ddp", "accumulate", "clip_grad_norm", "compile")
+    assert fa.compose(fa.accumulate(4), launch).names == ("autocast", "ddp", "accumulate", "compile")
+    assert fa.compose(launch) == launch
+    # the transforms written out are still checked in the order written
+    with pytest.raises(ValueError, match=r"accumulate\(num_steps=4\) must come before clip_grad_norm"):
+        fa.compose(launch, fa.clip_grad_norm(1.0), fa.accumulate(4))
+    # and the merged result is validated whole: duplicates and conflicts across the nesting
+    with pytest.raises(ValueError, match=r"ddp\(\) and ddp\(find_unused_parameters=True\) both appear; keep one ddp"):
+        fa.compose(launch, fa.ddp(find_unused=True))
+    with pytest.raises(ValueError, match=r"ddp\(\) and fsdp\(\) cannot be combined"):
+        fa.compose(launch, fa.fsdp())
+
+
 def test_duplicates_are_rejected_naming_both() -> None:
     with pytest.raises(ValueError, match=r"gather\(\) and gather\(\) both appear; keep one gather"):
         fa.compose(fa.gather(), fa.gather())
