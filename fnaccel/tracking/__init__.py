@@ -18,6 +18,7 @@ call is a sync you asked for.
 - `registry.py`: `register_tracker`, a user's class under a name.
 - `values.py`: turning the logged values into plain Python in one transfer.
 - `run.py`: the functions over the state.
+- `throughput.py`: tokens per second and MFU (`count_flops`, `throughput_meter`, `throughput`).
 """
 
 from fnaccel.tracking.hosted import ClearMLTracker, CometMLTracker, SwanLabTracker, TrackioTracker, WandBTracker
