@@ -58,6 +58,7 @@ __all__ = [
     "consolidated_state_dict",
     "save_model",
     "shard_checkpoint",
+    "write_configs",
     "write_weights",
 ]
 
@@ -198,10 +199,14 @@ def save_model(
 
     Writes ``model.safetensors``, or shards and ``model.safetensors.index.json``
     past ``max_shard_size`` (`shard_checkpoint`), replacing an older save there
-    atomically (see the module docstring) and leaving other files alone. The
-    main process writes; under FSDP2 every rank takes part in gathering the
-    weights, so every rank must call this. In a larger world a failure on the
-    main process is raised on every rank.
+    atomically (see the module docstring) and leaving other files alone. A
+    model carrying a transformers-style config (``model.config``, and
+    ``model.generation_config`` where it has one) gets ``config.json`` (and
+    ``generation_config.json``) beside the weights, so that
+    ``from_pretrained(path)`` loads it (`write_configs`). The main process
+    writes; under FSDP2 every rank takes part in gathering the weights, so
+    every rank must call this. In a larger world a failure on the main process
+    is raised on every rank.
 
     Args:
         state: the run's state, with a prepared model.
@@ -238,6 +243,7 @@ def save_model(
     error: Exception | None = None
     if ctx.is_main_process:
         try:
+            write_configs(module, Path(path))
             write_weights(weights, Path(path), limit)
         except Exception as exc:  # re-raised below, after the other ranks heard of it
             error = exc
@@ -247,6 +253,61 @@ def save_model(
             raise CheckpointError(f"fa.save_model: the main process failed to write {path}: {message}")
     if error is not None:
         raise error
+
+
+def write_configs(module: nn.Module, path: Path) -> list[str]:
+    """Write the transformers-style configs of ``module`` (already unwrapped) into the
+    directory ``path``, as ``PreTrainedModel.save_pretrained`` does; return the names written.
+
+    A config is duck-typed, so transformers is never imported here: ``module.config``
+    and ``module.generation_config``, each when it has ``save_pretrained(directory)``
+    (used, so that the file is what transformers itself writes) or else
+    ``to_json_string()`` (written as ``config.json`` / ``generation_config.json``).
+    As ``save_pretrained`` does, ``config.architectures`` is set to the model's class
+    name (which a server such as vLLM reads to pick the model). The files are
+    written in a private folder inside ``path`` and renamed into place, each one
+    whole; other files are left alone.
+
+    >>> import json, tempfile, torch
+    >>> class Config:
+    ...     architectures = None
+    ...     def to_json_string(self):
+    ...         return json.dumps({"architectures": self.architectures})
+    >>> model = torch.nn.Linear(2, 1)
+    >>> model.config = Config()
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     write_configs(model, Path(path)), (Path(path) / "config.json").read_text()
+    (['config.json'], '{"architectures": ["Linear"]}')
+    """
+    configs = [(config, name) for attribute, name in (("config", "config.json"),
+                                                      ("generation_config", "generation_config.json"))
+               if _is_config(config := getattr(module, attribute, None))]
+    if not configs:
+        return []
+    if hasattr(configs[0][0], "architectures"):
+        # FSDP2 shards in place under a class named "FSDP<name>"; the checkpoint names the user's class
+        cls_name = type(module).__name__
+        configs[0][0].architectures = [cls_name.removeprefix("FSDP") if is_sharded(module) else cls_name]
+    staging = _staging_folder(path)
+    try:
+        for config, name in configs:
+            if callable(getattr(config, "save_pretrained", None)):
+                config.save_pretrained(staging)
+            else:
+                write_bytes(staging / name, config.to_json_string().encode())
+        written = sorted(entry.name for entry in staging.iterdir() if entry.is_file())
+        for name in written:
+            _fsync_file(staging / name)
+            os.replace(staging / name, path / name)
+        fsync_dir(path)
+        return written
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _is_config(value: Any) -> bool:
+    return value is not None and any(callable(getattr(value, method, None))
+                                     for method in ("save_pretrained", "to_json_string"))
 
 
 def _size_in_bytes(size: int | str) -> int:
@@ -290,13 +351,9 @@ def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def write_weights(weights: Mapping[str, torch.Tensor], path: Path, limit: int) -> None:
     """Write ``weights`` into the directory ``path`` as `save_model` does (shards past
     ``limit`` bytes, tied tensors once), replacing an older save file by file."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"fa.save_model writes into a directory, but {path} is a file; pass a directory")
     kept, aliases = untie(weights)
     shards, index = shard_checkpoint(_storable(kept), limit)
-    path.mkdir(parents=True, exist_ok=True)
-    staging = path / f"{_PRIVATE}tmp-{uuid.uuid4().hex}"
-    staging.mkdir()
+    staging = _staging_folder(path)
     try:
         for file, tensors in shards.items():
             metadata = {"format": "pt", **{a: k for a, k in aliases.items() if k in tensors}}
@@ -308,6 +365,16 @@ def write_weights(weights: Mapping[str, torch.Tensor], path: Path, limit: int) -
         _commit(path, staging, list(shards), sharded=index is not None)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _staging_folder(path: Path) -> Path:
+    """A new private folder inside the save directory ``path`` (created if missing)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"fa.save_model writes into a directory, but {path} is a file; pass a directory")
+    path.mkdir(parents=True, exist_ok=True)
+    staging = path / f"{_PRIVATE}tmp-{uuid.uuid4().hex}"
+    staging.mkdir()
+    return staging
 
 
 def _fsync_file(file: Path) -> None:
