@@ -103,3 +103,25 @@ def train_with_and_without_evaluation(state: fa.RunState) -> bool:
         fa.shutdown(run)
     (a, pa), (b, pb) = runs
     return torch.equal(a, b) and all(torch.equal(p, q) for p, q in zip(pa, pb))
+
+
+def literal_port_counts(state: fa.RunState, sizes: tuple[int, ...], batch_size: int) -> dict[int, dict[str, Any]]:
+    """Accelerate's multi_process_metrics loop, ported literally: gather every batch, and
+    truncate the last one to the dataset's length only when distributed. What it counts,
+    per dataset size."""
+    seen = {}
+    for n in sizes:
+        loader = DataLoader(Rows(n), batch_size=batch_size, collate_fn=collate)
+        steps = list(fa.eval_batches(state, loader))
+        samples_seen, indices = 0, []
+        for step, (batch, num_valid) in enumerate(steps):
+            assert num_valid <= len(batch["index"])
+            index = fa.ops.gather(state, batch["index"])
+            if state.dist.num_processes > 1:
+                if step == len(steps) - 1:
+                    index = index[: n - samples_seen]
+                else:
+                    samples_seen += index.shape[0]
+            indices += index.tolist()
+        seen[n] = {"indices": indices, "num_valid_is_length": all(v == len(b["index"]) for b, v in steps)}
+    return seen

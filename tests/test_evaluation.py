@@ -33,6 +33,23 @@ def test_two_and_three_ranks_return_every_sample_once_in_order_on_every_rank(wor
         _assert_exact(seen)
 
 
+@pytest.mark.parametrize("batch_size", [4, 5])
+def test_one_process_yields_the_loaders_own_batches_so_a_literal_port_counts_exactly_n(batch_size: int) -> None:
+    """As Accelerate on one process: no padding, so a port that truncates only when
+    distributed sees each of the N samples once (it saw 128 of 103 when the last batch
+    was padded)."""
+    seen = fns.literal_port_counts(fa.init(cpu=True), (1, 7, 103), batch_size)
+    for n, got in seen.items():
+        assert got["indices"] == list(range(n)), n
+        assert got["num_valid_is_length"], n
+
+
+def test_a_literal_port_counts_exactly_n_on_two_and_three_ranks(world: Any) -> None:
+    for seen in world.run(fns.literal_port_counts, (1, 7, 103), 4):
+        for n, got in seen.items():
+            assert got["indices"] == list(range(n)), n
+
+
 def test_evaluating_between_steps_leaves_the_run_bit_identical() -> None:
     assert fns.train_with_and_without_evaluation(fa.init(cpu=True))
 
@@ -59,10 +76,10 @@ class Stream(IterableDataset[torch.Tensor]):
         return iter(torch.arange(5.0).view(5, 1))
 
 
-def test_eval_batches_splits_a_stream_and_counts_its_padding() -> None:
+def test_eval_batches_reads_a_stream_unpadded_on_one_process() -> None:
     pairs = [(b.view(-1).tolist(), n) for b, n in fa.eval_batches(fa.init(cpu=True),
                                                                   DataLoader(Stream(), batch_size=2))]
-    assert pairs == [([0.0, 1.0], 2), ([2.0, 3.0], 2), ([4.0, 4.0], 1)]
+    assert pairs == [([0.0, 1.0], 2), ([2.0, 3.0], 2), ([4.0], 1)]
 
 
 def test_bad_input_is_refused_with_the_fix() -> None:

@@ -10,8 +10,8 @@
 - `loader`: `prepare_loader`, which rebuilds a user's loader as a `PreparedLoader`.
 - `prepared`: the live `PreparedLoader`, a cache behind the state's
   `DataPosition`, and `batches` (`fa.batches`), which positions it from the state.
-- `evaluation`: `eval_batches` (`fa.eval_batches`), the ordered, padded split
-  that makes `gather_for_metrics` exact.
+- `evaluation`: `eval_batches` (`fa.eval_batches`), the ordered split (padded
+  across processes, never on one) that makes `gather_for_metrics` exact.
 
 See docs/data.md.
 """

@@ -8,7 +8,9 @@ start. Every rank runs the same number of steps, so no rank waits in a
 collective for a batch that never comes, and each step yields how many of its
 leading samples are real: concatenating the ranks' real samples in rank order
 gives the dataset order, for any length and world size (fewer samples than
-ranks included). That is what `gather_for_metrics` needs to be exact.
+ranks included). That is what `gather_for_metrics` needs to be exact. One
+process pads nothing (there is no rank to keep in step), as Accelerate: a port
+that gathers and truncates only when distributed counts every sample once.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int
     Yields:
         ``(batch, num_valid)``: the batch on ``state.dist.device`` and how many of
         its leading samples are real; pass ``num_valid`` to
-        ``fa.ops.gather_for_metrics(state, outputs, num_valid=num_valid)``.
+        ``fa.ops.gather_for_metrics(state, outputs, num_valid=num_valid)``. On
+        one process nothing is padded (the last batch is short, ``num_valid`` is
+        every batch's length), as Accelerate; on several, every rank's batch has
+        ``batch_size`` samples, the padding wrapping around to the dataset's start.
 
     Raises:
         TypeError: ``loader`` is not a `DataLoader`.
@@ -67,7 +72,7 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int
     >>> state = fa.init(cpu=True)
     >>> data = torch.utils.data.DataLoader(torch.arange(5), batch_size=2, shuffle=True)
     >>> [(batch.tolist(), n) for batch, n in fa.eval_batches(state, data)]
-    [([0, 1], 2), ([2, 3], 2), ([4, 0], 1)]
+    [([0, 1], 2), ([2, 3], 2), ([4], 1)]
     """
     if not isinstance(loader, DataLoader):
         raise TypeError(f"fa.eval_batches takes a torch.utils.data.DataLoader, got {type(loader).__name__}")
@@ -84,16 +89,17 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int
         raise ValueError("fa.eval_batches needs a DataLoader with a batch_size (samples per rank per step), "
                          "got batch_size=None")
     collate = Collate(loader.collate_fn, unbatched=False)
+    even_batches = num_processes > 1  # one process has nobody to wait for: no padding, as Accelerate
     if isinstance(loader.dataset, IterableDataset):
         stream = shard_iterable(loader.dataset, batch_size=plan.batch_size, num_processes=num_processes,
-                                rank=rank, drop_last=False, even_batches=True)
+                                rank=rank, drop_last=False, even_batches=even_batches)
         steps = DataLoader(stream, batch_size=None, collate_fn=CollateSteps(collate),  # type: ignore[arg-type]
                            **_reader(loader))
         return ((send_to_device(c.batch, ctx.device), c.num_valid) for c in steps if isinstance(c, Collated))
     num_samples = len(loader.dataset)  # type: ignore[arg-type]
     if num_samples == 0:
         raise ValueError("fa.eval_batches: the evaluation dataset is empty")
-    shards = eval_shards(num_samples, plan.batch_size, num_processes, rank)
+    shards = eval_shards(num_samples, plan.batch_size, num_processes, rank, even_batches)
     reader = DataLoader(loader.dataset, batch_sampler=[list(s.indices) for s in shards], collate_fn=collate,
                         **_reader(loader))
     return ((send_to_device(b, ctx.device), s.num_valid) for b, s in zip(reader, shards))
