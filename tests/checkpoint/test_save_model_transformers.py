@@ -2,7 +2,7 @@
 config (and generation config) is written beside the weights, by the main process.
 
 Tiny models built from configs in the test (no download); trained one step on 2
-real gloo processes under DDP and under `fa.fsdp()`, then reloaded in this process
+real gloo processes under DDP, `fa.fsdp()` and ZeRO-3, then reloaded in this process
 and compared logit for logit.
 """
 
@@ -51,29 +51,34 @@ def hf_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch).loss
 
 
-def train_and_save(state: fa.RunState, kind: str, sharded: bool, path: str) -> torch.Tensor | None:
+ENGINES = {"ddp": fa.ddp, "fsdp": fa.fsdp, "zero3": lambda: fa.deepspeed(zero_stage=3)}
+
+
+def train_and_save(state: fa.RunState, kind: str, engine: str, path: str) -> torch.Tensor | None:
     """One step on each rank's own batch, `fa.save_model`, and the trained model's logits
     on a probe batch (returned by the main process)."""
     model = make_model(kind)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    pipeline = fa.compose(fa.fsdp()) if sharded else fa.compose(fa.ddp())
+    pipeline = fa.compose(ENGINES[engine]())
     state = fa.prepare(state, model, optimizer, pipeline=pipeline, loss_fn=hf_loss)
     state, _ = fa.step(state, batch(kind, seed=state.dist.rank))
     fa.save_model(state, path)
-    model.eval()  # under fsdp() the forward is a collective: every rank runs it
+    model.eval()  # sharded (fsdp, ZeRO-3), the forward is a collective: every rank runs it
     with torch.no_grad():
         logits = model(input_ids=batch(kind, seed=99)["input_ids"]).logits
     return logits if state.dist.is_main_process else None
 
 
-CASES = [("bert", False), ("bert", True), ("gpt2", False), ("gpt2", True)]
+CASES = [("bert", "ddp"), ("bert", "fsdp"), ("gpt2", "ddp"), ("gpt2", "fsdp"), ("gpt2", "zero3")]
 
 
-@pytest.mark.parametrize(("kind", "sharded"), CASES, ids=["bert-ddp", "bert-fsdp", "gpt2-ddp", "gpt2-fsdp"])
+@pytest.mark.parametrize(("kind", "engine"), CASES, ids=["-".join(case) for case in CASES])
 def test_from_pretrained_loads_fa_save_model_bit_identically(
-    world2: Any, tmp_path: Path, kind: str, sharded: bool
+    world2: Any, tmp_path: Path, kind: str, engine: str
 ) -> None:
-    trained, other = world2.run(train_and_save, kind, sharded, str(tmp_path))
+    if engine == "zero3":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the test extra has it)")
+    trained, other = world2.run(train_and_save, kind, engine, str(tmp_path))
     assert other is None
     files = set(os.listdir(tmp_path))
     assert {"config.json", "model.safetensors"} <= files
