@@ -252,21 +252,25 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     model, optimizer, plan = _require(state, by)
     micro_step = state.micro_step
     boundary = (micro_step + 1) % plan.micro_steps == 0
-    # The run's generators in, the step, then their new values out: no restore
-    # of the process's values (every step installs its own), no context manager.
     kinds = state.step_rng_types
     rng = state.rng
     _start_window(state, optimizer, plan)
+    # The run's generators in, the step, their new values out, and the process's own
+    # back, also when the step raises (inline: a context manager costs more than the swap).
+    outer = rng.recapture(kinds)
     rng.install(kinds)
-    if plan.forward_backward is None:
-        out = (state.loss_fn or default_loss_fn)(model, batch)
-        loss, aux = out if isinstance(out, tuple) else (out, None)
-        _backward(plan, loss, aux)
-    else:
-        run, transform_state = plan.forward_backward
-        loss, aux = run(model, batch, plan.micro_steps if plan.divide_loss else None, transform_state)
-    metrics = _update(state, model, optimizer, plan) if boundary else {}
-    rng = rng.recapture(kinds)
+    try:
+        if plan.forward_backward is None:
+            out = (state.loss_fn or default_loss_fn)(model, batch)
+            loss, aux = out if isinstance(out, tuple) else (out, None)
+            _backward(plan, loss, aux)
+        else:
+            run, transform_state = plan.forward_backward
+            loss, aux = run(model, batch, plan.micro_steps if plan.divide_loss else None, transform_state)
+        metrics = _update(state, model, optimizer, plan) if boundary else {}
+        rng = rng.recapture(kinds)
+    finally:
+        outer.install(kinds)
     metrics["loss"] = loss.detach()
     if aux is not None:
         metrics["aux"] = aux
@@ -309,8 +313,14 @@ def apply_gradients(state: RunState) -> tuple[RunState, dict[str, Any]]:
     model, optimizer, plan = _require(state, by)
     if state.micro_step // plan.micro_steps <= state.step:
         return state.advance(by), {}
-    state.rng.install(state.step_rng_types)
-    metrics = _update(state, model, optimizer, plan)
-    new = state.advance(by, rng=state.rng.recapture(state.step_rng_types), step=state.step + 1)
+    kinds, rng = state.step_rng_types, state.rng
+    outer = rng.recapture(kinds)
+    rng.install(kinds)
+    try:
+        metrics = _update(state, model, optimizer, plan)
+        rng = rng.recapture(kinds)
+    finally:
+        outer.install(kinds)
+    new = state.advance(by, rng=rng, step=state.step + 1)
     _after(plan)
     return new, metrics
