@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import json
 import mmap
 import os
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LEFTOVER_MARKER",
+    "NAME_MAX",
     "check_checksum",
     "commit",
     "discard",
@@ -67,6 +69,7 @@ __all__ = [
     "regular_size",
     "remove_leftovers",
     "safe_relative",
+    "sibling_stem",
     "temporary_sibling",
     "verify_file",
     "write_bytes",
@@ -80,9 +83,39 @@ LEFTOVER_MARKER = ".fnaccel-leftover"  # inside every directory fnaccel may dele
 _CHUNK = 1 << 30  # reads go in pieces of at most 1 GiB (Linux returns at most ~2 GiB per read)
 
 
+_SIBLING_ROOM = len(".") + len(".tmp-") + 32  # what a hidden sibling adds to its checkpoint's name
+NAME_MAX = 255  # bytes in one file name on Linux's file systems (ext4, xfs, btrfs, tmpfs, NFS)
+
+
+def sibling_stem(name: str) -> str:
+    """The part of ``name`` its hidden siblings (``.<stem>.tmp-<id>``, ``.old-``, ``.lock``)
+    carry: ``name`` itself, or, where that would pass the 255-byte file-name limit, its
+    first characters and ``~`` and 8 hex digits of its sha256 (still recognisable,
+    distinct for distinct names).
+
+    >>> sibling_stem("ckpt")
+    'ckpt'
+    >>> len(sibling_stem("x" * 250).encode())
+    217
+    """
+    room = NAME_MAX - _SIBLING_ROOM
+    if len(os.fsencode(name)) <= room:
+        return name
+    digest = "~" + hashlib.sha256(os.fsencode(name)).hexdigest()[:8]
+    head = name
+    while len(os.fsencode(head)) > room - len(digest):
+        head = head[:-1]
+    return head + digest
+
+
 def temporary_sibling(final: Path, token: str) -> Path:
     """The hidden directory a checkpoint for ``final`` is written into."""
-    return final.parent / f".{final.name}.tmp-{token}"
+    return final.parent / f".{sibling_stem(final.name)}.tmp-{token}"
+
+
+def _aside(final: Path, token: str) -> Path:
+    """The hidden name a former checkpoint at ``final`` is deleted under."""
+    return final.parent / f".{sibling_stem(final.name)}.old-{token}"
 
 
 def _mark(directory: Path) -> None:
@@ -375,7 +408,7 @@ def discard(checkpoint: Path, manifest: str) -> None:
     moved to a hidden ``.<name>.old-<id>`` (a crash then leaves a leftover that
     `remove_leftovers` recognises), then deleted."""
     _mark(checkpoint)
-    aside = checkpoint.parent / f".{checkpoint.name}.old-{uuid.uuid4().hex}"
+    aside = _aside(checkpoint, uuid.uuid4().hex)
     os.rename(checkpoint, aside)
     fsync_dir(checkpoint.parent)
     _delete(aside, manifest)
@@ -399,7 +432,7 @@ def commit(tmp: Path, final: Path, manifest: str) -> None:
         if _exchange(tmp, final):
             old = tmp
         else:  # no atomic exchange here: the old one moves aside first
-            old = final.parent / f".{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}"
+            old = _aside(final, tmp.name.rsplit("-", 1)[-1])
             os.rename(final, old)
             os.rename(tmp, final)
     (final / LEFTOVER_MARKER).unlink()

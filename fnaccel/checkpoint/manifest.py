@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Any
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import LEFTOVER_MARKER, read_bounded, safe_relative
+from fnaccel.checkpoint.files import LEFTOVER_MARKER, NAME_MAX, read_bounded, safe_relative
 from fnaccel.checkpoint.tensorfile import CHECKSUMS
 
 __all__ = [
@@ -161,14 +161,41 @@ def target_problem(final: Path) -> str | None:
     """Why a save may not replace what is at ``final``, or None when it may.
 
     A save may create ``final``, fill an empty directory, or replace an fnaccel
-    checkpoint that holds only the files its manifest lists.
+    checkpoint that holds only the files its manifest lists, in a directory
+    this process may write in (the one the save creates its temporary sibling
+    in, or the nearest one above that exists).
     """
+    size = len(os.fsencode(final.name))
+    if size > NAME_MAX:
+        return (f"{final}: its name is {size} bytes, more than the {NAME_MAX} a file name may have; "
+                "choose a shorter name")
     if not os.path.lexists(final):
         above = next((p for p in final.parents if os.path.lexists(p)), None)
         if above is not None and not above.is_dir():
             return (f"{final}: {above} is a file, not a directory a checkpoint can be written in; "
                     "choose another path")
+        return None if above is None else _unwritable(final, above)
+    problem = _replaceable(final)
+    return problem if problem is not None else _unwritable(final, final.parent)
+
+
+def _unwritable(final: Path, directory: Path) -> str | None:
+    """Why this process may not create entries in ``directory`` (as root too: a read-only
+    file system or the immutable attribute), or None."""
+    if os.access(directory, os.W_OK | os.X_OK):
         return None
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:  # gone since: the save's own mkdir will say so
+        return None
+    why = "on a read-only file system" if read_only else "not writable by this process (its permissions " \
+        "or its immutable attribute)"
+    return (f"{final}: cannot be written: {directory} is {why}; nothing was written; save to a directory "
+            "this process may write in")
+
+
+def _replaceable(final: Path) -> str | None:
+    """Why a save may not replace what exists at ``final``, or None."""
     if not final.is_dir():
         return (f"{final} is a file, not a checkpoint directory; fa.save writes a directory there and "
                 "never deletes a file it did not write: choose another path")

@@ -11,10 +11,20 @@ runs at several GB/s), so the queue keeps the snapshot's buffers
 (`SaveQueue.staged`) and the next asynchronous save copies into them. They
 are reused only after the save that wrote from them is done (a save first
 waits for the one before it) and released by `close`.
+
+A failed asynchronous save is never lost. Its error is raised once: by
+`SaveHandle.wait`, the run's next save, `fa.shutdown`, or the next step
+(`SaveQueue.raise_failure`, which only looks, never waits). A process that
+ends before any of these ran is ended at exit by `SaveHandle._exit_failed`:
+one line naming the path and the cause on stderr, exit status 1 (principle
+10: the clean exit waited for the save; its failure is not a clean exit).
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -46,14 +56,29 @@ class SaveHandle:
             raise CheckpointError(f"the asynchronous save to {self.path} failed: {error}") from error
         return self.path
 
+    def _exit_failed(self) -> None:
+        """At interpreter exit (after the save's thread was joined): a failure nobody
+        was given ends the process with status 1 and one line. ``os._exit``: an exit
+        handler's exception cannot change the status, and an error path waits for
+        nothing else (the run's group is left to the exit, as when a rank raises)."""
+        if self._error is None:
+            return
+        error = str(self._error).replace("\n", " ")
+        print(f"fnaccel: the asynchronous save to {self.path} failed and the script ended before it "
+              f"was reported: {error}", file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)
+
 
 class SaveQueue:
     """The run's saves, one at a time; a live object carried by the run's states."""
 
-    __slots__ = ("_pending", "_ctx", "_owner", "_staging")
+    __slots__ = ("_pending", "_failed", "_ctx", "_owner", "_staging")
 
     def __init__(self) -> None:
         self._pending: SaveHandle | None = None
+        self._failed: SaveHandle | None = None  # set by a save's thread when it fails
         self._ctx: DistContext | None = None
         self._owner: Any = None
         self._staging: dict[str, torch.Tensor] = {}
@@ -69,9 +94,15 @@ class SaveQueue:
 
     def wait(self) -> None:
         """Wait for the save in flight; re-raise its error here, once."""
-        pending, self._pending = self._pending, None
+        pending, self._pending, self._failed = self._pending, None, None
         if pending is not None:
             pending.wait()
+
+    def raise_failure(self) -> None:
+        """Re-raise the error of an asynchronous save that has failed, once; a save still
+        in flight is not waited for (called by each step: one attribute read)."""
+        if self._failed is not None:
+            self.wait()
 
     def background_ctx(self, ctx: DistContext) -> DistContext:
         """A context over a process group of the saves' own (made once, collectively)."""
@@ -95,8 +126,10 @@ class SaveQueue:
         def run() -> None:
             try:
                 work()
-            except BaseException as exc:  # surfaced by wait(), never lost
+            except BaseException as exc:  # surfaced by wait(), a step, or at exit: never lost
                 handle._error = exc
+                self._failed = handle
+                atexit.register(handle._exit_failed)
 
         handle._thread = threading.Thread(target=run, name=f"fnaccel-save-{path.name}", daemon=False)
         self._pending = handle

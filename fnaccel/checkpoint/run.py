@@ -36,6 +36,7 @@ it restores anything, so a checkpoint that does not fit leaves the state fresh.
 
 from __future__ import annotations
 
+import os
 import uuid
 import warnings
 from pathlib import Path
@@ -79,7 +80,7 @@ def _target(path: Path) -> Path:
     """Where a save to ``path`` goes: through a symbolic link (``latest -> checkpoint_3``)
     to the directory it names, which is replaced whole while the link stays."""
     final = path.absolute()
-    return final.resolve() if final.is_symlink() else final
+    return final.resolve() if os.path.islink(final) else final  # False for a name too long: refused next
 
 
 def save(state: RunState, path: str | Path | None = None, *, blocking: bool = True) -> SaveHandle:

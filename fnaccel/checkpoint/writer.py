@@ -37,6 +37,7 @@ from fnaccel.checkpoint.files import (
     json_copy,
     make_temporary,
     remove_leftovers,
+    sibling_stem,
     temporary_sibling,
     write_bytes,
     write_json,
@@ -173,36 +174,63 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
     machine's first process with ``save_on_each_node``) first remove what
     crashed saves to ``final`` left, create the marked temporary directory,
     write the shared files and the manifest, commit, then call
-    ``on_commit(final)`` (rotation). A writer whose save fails (a full disk)
-    removes its temporary directory before raising.
+    ``on_commit(final)`` (rotation).
+
+    The ranks agree on the outcome: a rank whose part fails (a full disk, a
+    file it may not create) carries its error in the exchange of file entries
+    that precedes the commit, and the writers carry the commit's outcome in the
+    closing exchange, which was a barrier; so every rank raises the same
+    error, and a save that succeeds pays no extra round trip.
 
     Raises:
-        CheckpointError: naming ``final`` and the temporary directory removed.
+        CheckpointError: on every rank, naming ``final``, the rank that failed
+            first and its error; the writers removed the temporary directory.
     """
     tmp = temporary_sibling(final, token)
-    try:
-        if snap.writer:
+    failure: tuple[str, str] | None = None  # this rank's error and what to do, as every rank reports it
+    prepared = False
+    if snap.writer:
+        try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            remove_leftovers(final.parent, re.escape(final.name))
+            remove_leftovers(final.parent, re.escape(sibling_stem(final.name)))
             make_temporary(final, token)
-        wait_for_everyone(ctx)
-        files: dict[str, Any] = {}
-        if snap.sharded is not None:  # collective: every rank, over ctx's group
+            prepared = True
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below, not here
+            failure = _cause(exc)
+    wait_for_everyone(ctx)
+    files: dict[str, Any] = {}
+    if snap.sharded is not None:  # collective: every rank, over ctx's group, whatever failed before
+        try:
             files.update(write_sharded(snap.sharded, ctx, tmp))
-        for name, tensors in snap.tensors.items():
-            if name.startswith("rank") or snap.writer:
-                files[name] = write_tensors(tmp / name, tensors)
-        for name, value in snap.json_files.items():
-            files[name] = write_json(tmp / name, value)
-        for name, data in snap.raw_files.items():
-            files[name] = write_bytes(tmp / name, data)
-        everyone = ops.gather_object(ctx, [(snap.node_rank, files)])
-        if snap.writer:
+        except Exception as exc:  # noqa: BLE001 - DCP raised it on every rank
+            failure = failure or _cause(exc)
+    if failure is None:
+        try:
+            for name, tensors in snap.tensors.items():
+                if name.startswith("rank") or snap.writer:
+                    files[name] = write_tensors(tmp / name, tensors)
+            for name, value in snap.json_files.items():
+                files[name] = write_json(tmp / name, value)
+            for name, data in snap.raw_files.items():
+                files[name] = write_bytes(tmp / name, data)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            failure = _cause(exc)
+    everyone = ops.gather_object(ctx, [(snap.node_rank, files, failure, prepared)])
+    failed = [(rank, cause) for rank, (_, _, cause, _) in enumerate(everyone) if cause is not None]
+    if failed:
+        _abandon(snap, tmp)
+        written = any(was_prepared for *_, was_prepared in everyone)
+        rank, cause = failed[0]
+        _raise(final, ctx, rank, cause, f"its partial directory {tmp} was removed" if written
+               else "nothing was written")
+    after = ""
+    if snap.writer:
+        try:
             manifest = dict(snap.manifest)
             # per node, a machine's directory holds its own ranks' files (and the shared ones)
             manifest["files"] = {
                 name: entry
-                for node, part in everyone
+                for node, part, _, _ in everyone
                 if not snap.per_node or node == snap.node_rank
                 for name, entry in part.items()
             }
@@ -211,15 +239,44 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
             write_json(tmp / f"{MANIFEST}.partial", manifest)
             (tmp / f"{MANIFEST}.partial").rename(tmp / MANIFEST)
             commit(tmp, final, MANIFEST)
-    except Exception as exc:
-        if not snap.writer:
-            raise
-        written = tmp.exists()
-        shutil.rmtree(tmp, ignore_errors=True)
-        after = f"its partial directory {tmp} was removed" if written else "nothing was written"
-        if isinstance(exc, PermissionError) or getattr(exc, "errno", None) == errno.EROFS:
-            after += "; save to a directory this process may write in"
-        raise CheckpointError(f"{final}: the save failed ({type(exc).__name__}: {exc}); {after}") from exc
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            failure, after = _cause(exc), f"its partial directory {tmp} was removed"
+            _abandon(snap, tmp)
+        else:
+            try:
+                on_commit(final)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                failure, after = _cause(exc), f"{final} was saved, but older checkpoints were not all removed"
+    if ctx.num_processes > 1:  # the closing barrier, carrying whether a writer's commit failed
+        import torch.distributed as dist
+
+        flag = torch.tensor([0 if failure is None else ctx.rank + 1], device=ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.process_group)
+        if int(flag.item()):  # only now, only on failure: the writer's cause, to every rank
+            rank = int(flag.item()) - 1
+            failure, after = ops.broadcast_object_list(ctx, [(failure, after)], from_process=rank)[0]
+            assert failure is not None, "the rank that flagged a failure sends it"
+            _raise(final, ctx, rank, failure, after)
+    elif failure is not None:
+        _raise(final, ctx, ctx.rank, failure, after)
+
+
+def _cause(exc: BaseException) -> tuple[str, str]:
+    """An error as the save reports it: its type and message, and what to do about a
+    directory this process may not write in."""
+    hint = ""
+    if isinstance(exc, PermissionError) or getattr(exc, "errno", None) == errno.EROFS:
+        hint = "; save to a directory this process may write in"
+    return f"{type(exc).__name__}: {exc}", hint
+
+
+def _abandon(snap: Snapshot, tmp: Path) -> None:
+    """A writer removes the save's temporary directory (nothing there is anyone else's)."""
     if snap.writer:
-        on_commit(final)
-    wait_for_everyone(ctx)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _raise(final: Path, ctx: DistContext, rank: int, failure: tuple[str, str], after: str) -> None:
+    where = f" on rank {rank}" if ctx.num_processes > 1 else ""
+    cause, hint = failure
+    raise CheckpointError(f"{final}: the save failed{where} ({cause}); {after}{hint}")
