@@ -143,6 +143,9 @@ def _require(state: RunState, action: str) -> tuple[nn.Module, torch.optim.Optim
     state.check_fresh(action)
     if state.model is None or state.optimizer is None or state.plan is None:
         raise ValueError(f"{action}: prepare a model and an optimizer first (fa.prepare)")
+    saves = state.resources.get("saves")
+    if saves is not None:  # an asynchronous save that failed is raised here (fnaccel/checkpoint/queue.py)
+        saves.raise_failure()
     plan = state.plan
     assert isinstance(plan, StepPlan), "a state's plan comes from fa.prepare"
     return state.model, state.optimizer, plan
