@@ -96,6 +96,18 @@ def _check_break(names: dict[str, Any], tmp: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(first, names["batch"], strict=True))
 
 
+def _check_end_epoch(names: dict[str, Any], tmp: Path) -> None:
+    # the criterion fired at every epoch's second step (of 12): 3 epochs of 2 steps, each
+    # ended early; the save resumes at the start of the next epoch
+    state = names["state"]
+    assert (state.step, state.data_position) == (6, fa.DataPosition(epoch=3))
+    assert fa.load(_make_run(), "ckpt").data_position == fa.DataPosition(epoch=3)
+
+
+def _check_default_pipeline(names: dict[str, Any], tmp: Path) -> None:
+    assert names["pipeline"].names == ("accumulate", "clip_grad_norm")  # one process, fp32: nothing else
+
+
 def _check_tracking(names: dict[str, Any], tmp: Path) -> None:
     lines = (tmp / "runs" / "classifier" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 30 and "loss" in json.loads(lines[-1])
@@ -112,6 +124,11 @@ CASES: dict[str, tuple[str, str, Callable[[], dict[str, Any]], Callable[[dict[st
     "training": ("docs/training.md", "F.cross_entropy(model(batch[0])", _reader, None),
     "data: the loop": ("docs/data.md", "even_batches=True", lambda: _reader(_ReturnsLoss()), None),
     "data: break and save": ("docs/data.md", "state.micro_step == K", lambda: _prepared(K=3), _check_break),
+    "data: end_epoch": ("docs/data.md", "state = fa.end_epoch(state)",
+                        lambda: _prepared(early_stop=lambda loss, calls=iter(range(99)): next(calls) % 2 == 1),
+                        _check_end_epoch),
+    "training: default_pipeline": ("docs/training.md", "fa.compose(fa.default_pipeline(state)", _prepared,
+                                   _check_default_pipeline),
     "data: evaluate": ("docs/data.md", "fa.evaluate(state", _prepared, None),
     "data: eval_batches": ("docs/data.md", "fa.eval_batches(state", lambda: _prepared(preds=[]), None),
     "collectives: compose": ("docs/collectives.md", "collect = fa.compose", lambda: _prepared(labels=torch.zeros(2, 3)), None),

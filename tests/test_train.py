@@ -285,6 +285,27 @@ def test_default_pipeline_follows_the_launch_precision() -> None:
     assert repr(state.pipeline) == "compose(autocast(dtype=torch.bfloat16))"
 
 
+def test_default_pipeline_nested_in_compose_adds_a_transform_and_keeps_the_launchs(tmp_path: Any) -> None:
+    """The launch asked for fp16 with a dynamo backend: adding accumulate(2) to
+    fa.default_pipeline(state) keeps both (accumulate goes before compile), fa.prepare
+    says nothing about a dropped precision, and the scaler fp16 needs is added."""
+    import warnings
+
+    config = tmp_path / "config.yaml"
+    config.write_text("dynamo_config:\n  dynamo_backend: AOT_EAGER\n")
+    state = fa.init(seed=0, cpu=True, mixed_precision="fp16", config=str(config))
+    launch = fa.default_pipeline(state)
+    assert launch.names == ("autocast", "compile")
+    model = make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                           pipeline=fa.compose(fa.default_pipeline(state), fa.accumulate(2)))
+    assert state.pipeline is not None
+    assert state.pipeline.names == ("autocast", "grad_scaler", "accumulate", "compile")
+    assert state.plan is not None and state.plan.micro_steps == 2
+
+
 def test_compile_matches_eager_bit_for_bit() -> None:
     batches = make_batches(4)
     eager_model, compiled_model = make_model(dropout=0.0), make_model(dropout=0.0)
@@ -364,6 +385,52 @@ def test_accumulate_normalised_by_items_equals_the_mean_over_all_tokens() -> Non
                      loss_fn=loss_fn, pipeline=fa.compose(fa.accumulate(2, normalize="items")))
     with pytest.raises(ValueError, match="num_items"):  # the loss function gave no item count
         fa.step(bad, make_batches(1)[0])
+
+
+def test_accumulate_by_items_reports_the_windows_per_item_loss_as_a_hand_loop_prints_it(tmp_path: Any) -> None:
+    """metrics["loss"] is the window's loss per item (what a token-normalised hand loop
+    prints), not the micro-batch's summed loss; "loss_sum" and "num_items" hold the window's
+    sum and item count so far. Device tensors; a save mid-window resumes them."""
+    batches = _token_batches(6)
+    ref = make_model(dropout=0.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    printed = []  # (loss per token so far, summed loss so far, tokens so far) after each micro-batch
+    for i in range(0, 6, 3):
+        window = batches[i : i + 3]
+        num_tokens = sum(int(mask.sum()) for _, _, mask in window)
+        summed, seen = 0.0, 0
+        for x, y, mask in window:
+            per_token = nn.functional.cross_entropy(ref(x).transpose(1, 2), y, reduction="none")
+            loss_sum = (per_token * mask).sum()
+            (loss_sum / num_tokens).backward()
+            summed, seen = summed + loss_sum.item(), seen + int(mask.sum())
+            printed.append((summed / seen, summed, seen))
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    def fresh() -> fa.RunState:
+        model = make_model(dropout=0.0)
+        return fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.5),
+                          loss_fn=token_loss_sum, pipeline=fa.compose(fa.accumulate(3, normalize="items")))
+
+    state, reported = fresh(), []
+    for i, batch in enumerate(batches):
+        state, metrics = fa.step(state, batch)
+        assert all(isinstance(metrics[key], torch.Tensor) for key in ("loss", "loss_sum", "num_items"))
+        reported.append((metrics["loss"].item(), metrics["loss_sum"].item(), metrics["num_items"].item()))
+        if i == 3:
+            fa.save(state, tmp_path / "mid_window")
+    for (loss, loss_sum, num_items), (want_loss, want_sum, want_items) in zip(reported, printed, strict=True):
+        assert num_items == want_items
+        assert loss == pytest.approx(want_loss, rel=1e-6) and loss_sum == pytest.approx(want_sum, rel=1e-6)
+    assert reported[2][0] < 10 < reported[2][1]  # per token, not the window's sum
+
+    resumed = fa.load(fresh(), tmp_path / "mid_window")
+    for i, batch in enumerate(batches[4:], start=4):
+        resumed, metrics = fa.step(resumed, batch)
+        assert (metrics["loss"].item(), metrics["loss_sum"].item(), metrics["num_items"].item()) == reported[i]
+    with pytest.raises(ValueError, match="saved loss_sum must be a finite number or null, got 'x'"):
+        resumed.transform_states["accumulate"].load_state_dict({"total": 3.0, "loss_sum": "x"})
 
 
 def test_a_model_on_the_meta_device_is_refused_before_anything_moves() -> None:

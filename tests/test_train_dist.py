@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -158,16 +159,19 @@ def test_fsdp_ends_at_the_same_parameters_as_ddp(world2: Any) -> None:
         torch.testing.assert_close(ours["norms"], theirs["norms"], rtol=1e-5, atol=1e-5)
 
 
-def train_items(state: fa.RunState) -> list[torch.Tensor]:
+def train_items(state: fa.RunState) -> tuple[list[torch.Tensor], list[tuple[float, float, float]]]:
     from tests.test_train import _token_batches, token_loss_sum
 
     mine = _token_batches(4, seed=20 + state.dist.rank)  # each rank: its own token counts
     model = make_model(dropout=0.0)
     state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.5), loss_fn=token_loss_sum,
                        pipeline=fa.compose(fa.ddp(), fa.accumulate(2, normalize="items")))
+    reported = []
     for batch in mine:
-        state, _ = fa.step(state, batch)
-    return [p.detach() for p in model.parameters()]
+        state, metrics = fa.step(state, batch)
+        if "lr" in metrics:  # an update: the window's metrics, this rank's
+            reported.append(tuple(metrics[key].item() for key in ("loss", "loss_sum", "num_items")))
+    return [p.detach() for p in model.parameters()], reported
 
 
 def test_items_normalisation_under_ddp_is_the_global_mean_over_tokens(world2: Any) -> None:
@@ -182,9 +186,13 @@ def test_items_normalisation_under_ddp_is_the_global_mean_over_tokens(world2: An
         (sum(sums) / sum(c["num_items"] for c in counts)).backward()
         opt.step()
         opt.zero_grad()
-    for params in world2.run(train_items):
+    for rank, (params, reported) in enumerate(world2.run(train_items)):
         for p, q in zip(params, ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+        windows = [per_rank[rank][i : i + 2] for i in (0, 2)]  # this rank's items, not all ranks'
+        num_items = [float(sum(mask.sum() for _, _, mask in window)) for window in windows]
+        assert [items for _, _, items in reported] == num_items
+        assert all(loss == pytest.approx(loss_sum / items, rel=1e-6) for loss, loss_sum, items in reported)
 
 
 def train_fsdp_variant(state: fa.RunState, variant: str) -> dict[str, Any]:

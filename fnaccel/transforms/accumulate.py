@@ -17,11 +17,17 @@ Loss normalisation is explicit:
     the boundary the item counts of all micro-steps and all ranks are summed
     (one all-reduce of a scalar, no host sync) and the gradients are scaled so
     that the update is the mean over every item of the global batch, however
-    the items fall across micro-steps and ranks.
+    the items fall across micro-steps and ranks. `fa.step`'s metrics then
+    describe the window so far on this rank, as a token-normalised hand loop
+    prints it: ``loss`` is its loss per item (``loss_sum / num_items``; at the
+    boundary, the whole window's), ``loss_sum`` the summed loss and
+    ``num_items`` the items (float64, as counted; device tensors: no host sync). Sum ``loss_sum``
+    and ``num_items`` over the ranks (`fa.ops.reduce`) for the global mean.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -36,15 +42,18 @@ ACCUMULATE_PHASE = 140
 
 
 class ItemCount:
-    """``normalize="items"``'s state: the items counted since the last update."""
+    """``normalize="items"``'s state: the items counted, and the summed loss, since the
+    last update (this rank's; float64 on the device)."""
 
-    __slots__ = ("ctx", "total")
+    __slots__ = ("ctx", "total", "loss_sum")
 
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = data_parallel_context(ctx)  # a tp/pp group's ranks count the same items once
         self.total: torch.Tensor | None = None
+        self.loss_sum: torch.Tensor | None = None
 
-    def add(self, aux: Any) -> None:
+    def add(self, loss: torch.Tensor, aux: Any) -> dict[str, torch.Tensor]:
+        """Count a micro-step's items and loss; the window's metrics so far."""
         count = aux.get("num_items") if isinstance(aux, dict) else None
         if count is None:
             raise ValueError(
@@ -52,21 +61,32 @@ class ItemCount:
                 "{'num_items': n}) with the number of items the summed loss covers"
             )
         count = torch.as_tensor(count, dtype=torch.float64, device=self.ctx.device)
+        summed = loss.detach().to(torch.float64)
         self.total = count if self.total is None else self.total + count
+        self.loss_sum = summed if self.loss_sum is None else self.loss_sum + summed
+        # new tensors: the boundary all-reduces self.total in place
+        return {"loss": (self.loss_sum / self.total).to(loss.dtype), "loss_sum": self.loss_sum.to(loss.dtype),
+                "num_items": self.total.clone()}
 
     def state_dict(self) -> dict[str, float | None]:
-        """For checkpoints saved between micro-steps (reads the count on the host)."""
-        return {"total": None if self.total is None else float(self.total)}
+        """For checkpoints saved between micro-steps (reads the counts on the host)."""
+        return {"total": None if self.total is None else float(self.total),
+                "loss_sum": None if self.loss_sum is None else float(self.loss_sum)}
 
     def load_state_dict(self, saved: dict[str, float | None]) -> None:
-        total = saved["total"]
-        self.total = None if total is None else torch.tensor(
-            total, dtype=torch.float64, device=self.ctx.device
-        )
+        for key in ("total", "loss_sum"):  # a checkpoint's JSON: checked before use
+            value = saved[key]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ValueError(f"accumulate(normalize='items'): the saved {key} must be a finite number "
+                                 f"or null, got {value!r}"[:300])
+        self.total, self.loss_sum = (
+            None if saved[key] is None else torch.tensor(saved[key], dtype=torch.float64, device=self.ctx.device)
+            for key in ("total", "loss_sum"))
 
     def scale_gradients(self, optimizer: Any) -> None:
         assert self.total is not None, "an update boundary without a counted micro-step"
-        total, self.total = self.total, None
+        total, self.total, self.loss_sum = self.total, None, None
         if self.ctx.num_processes > 1:
             dist.all_reduce(total, group=self.ctx.process_group)
         # DDP and FSDP2 average gradients over the ranks: undo that, then divide by all items
@@ -108,8 +128,8 @@ def accumulate(
             micro_steps=num_steps, sync_each_batch=sync_each_batch,
         )
 
-    def count(aux: Any, state: ItemCount) -> None:
-        state.add(aux)
+    def count(loss: Any, aux: Any, state: ItemCount) -> dict[str, Any]:
+        return state.add(loss, aux)
 
     def before_update(model: Any, optimizer: Any, state: ItemCount) -> dict[str, Any]:
         state.scale_gradients(optimizer)

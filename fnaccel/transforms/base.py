@@ -23,8 +23,9 @@ earlier steps learnt). A `Transform`'s hooks (every one optional):
     optimizer_step(optimizer, state) -> metrics: replaces `optimizer.step()`
         (the fp16 scaler); its metrics include ``skipped`` (a bool tensor),
         which also holds back the scheduler.
-    after_backward(aux, state): after each backward, with the loss
-        function's aux (item counting).
+    after_backward(loss, aux, state) -> metrics | None: after each backward,
+        with the loss and the loss function's aux (item counting); metrics it
+        returns replace `fa.step`'s of the same name (``loss`` included).
     after_step(state): after every micro-step (the profiler).
     forward_backward(model, batch, divisor, state) -> (loss, aux): replaces
         the loss function and backward of `fa.step` (a pipeline schedule runs
@@ -154,7 +155,7 @@ class Transform:
         default=None, compare=False
     )
     optimizer_step: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
-    after_backward: Callable[[Any, Any], None] | None = field(default=None, compare=False)
+    after_backward: Callable[[Any, Any, Any], dict[str, Any] | None] | None = field(default=None, compare=False)
     after_step: Callable[[Any], None] | None = field(default=None, compare=False)
     forward_backward: Callable[[Any, Any, Any, Any], tuple[Any, Any]] | None = field(
         default=None, compare=False
