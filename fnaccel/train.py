@@ -151,10 +151,11 @@ def _require(state: RunState, action: str) -> tuple[nn.Module, torch.optim.Optim
     return state.model, state.optimizer, plan
 
 
-def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> None:
+def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> dict[str, Any] | None:
+    """Backward as the plan says; the metrics an after_backward hook reports, if any."""
     if plan.plain_backward:  # nothing to divide, scale or call after: PyTorch's backward alone
         loss.backward(inputs=plan.backward_inputs)
-        return
+        return None
     scaled = loss / plan.micro_steps if plan.micro_steps > 1 and plan.divide_loss else loss
     for scale_loss, transform_state in plan.scale_loss:
         scaled = scale_loss(scaled, transform_state)
@@ -163,8 +164,10 @@ def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> None:
     else:  # an engine's own backward (fa.deepspeed)
         engine_backward, transform_state = plan.backward
         engine_backward(scaled, transform_state)
+    reported = None
     for after_backward, transform_state in plan.after_backward:
-        after_backward(aux, transform_state)
+        reported = after_backward(loss, aux, transform_state) or reported
+    return reported
 
 
 def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -266,15 +269,18 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
         if plan.forward_backward is None:
             out = (state.loss_fn or default_loss_fn)(model, batch)
             loss, aux = out if isinstance(out, tuple) else (out, None)
-            _backward(plan, loss, aux)
+            reported = _backward(plan, loss, aux)
         else:
             run, transform_state = plan.forward_backward
             loss, aux = run(model, batch, plan.micro_steps if plan.divide_loss else None, transform_state)
+            reported = None
         metrics = _update(state, model, optimizer, plan) if boundary else {}
         rng = rng.recapture(kinds)
     finally:
         outer.install(kinds)
     metrics["loss"] = loss.detach()
+    if reported:  # accumulate(normalize="items"): the window's loss per item, its sum and count
+        metrics.update(reported)
     if aux is not None:
         metrics["aux"] = aux
     new = state.advance(by, rng=rng, micro_step=micro_step + 1, step=state.step + boundary,
