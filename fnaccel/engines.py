@@ -108,14 +108,18 @@ class MegatronLMPlugin:
         ...
         fnaccel._errors.ConfigError: MegatronLMPlugin: Megatron-LM's engine runs on CUDA GPUs only ...
         """
-        import torch
+        raise ConfigError(f"{type(self).__name__}: {megatron_refusal()}")
 
-        cuda = ("this machine has CUDA, but this build of fnaccel does not drive Megatron-LM"
-                if torch.cuda.is_available() else "this machine has no CUDA device")
-        installed = "installed" if importlib.util.find_spec("megatron") else "not installed"
-        raise ConfigError(
-            f"{type(self).__name__}: Megatron-LM's engine runs on CUDA GPUs only ({cuda}; megatron-core "
-            f"is {installed}): its DistributedDataParallel allocates gradient buffers on "
-            "torch.cuda.current_device(), its DistributedOptimizer accepts only torch.cuda tensors and "
-            "its model and pipeline schedules use CUDA streams. Train data-parallel with fa.ddp() or "
-            "sharded with fa.fsdp()")
+
+def megatron_refusal() -> str:
+    """Why this build runs no Megatron-LM engine, and what to use instead: the one
+    message of `MegatronLMPlugin.transform` and ``fnaccel launch --use_megatron_lm``."""
+    import torch
+
+    cuda = ("this machine has CUDA, but this build of fnaccel does not drive Megatron-LM"
+            if torch.cuda.is_available() else "this machine has no CUDA device")
+    installed = "installed" if importlib.util.find_spec("megatron") else "not installed"
+    return (f"Megatron-LM's engine runs on CUDA GPUs only ({cuda}; megatron-core is {installed}): its "
+            "DistributedDataParallel allocates gradient buffers on torch.cuda.current_device(), its "
+            "DistributedOptimizer accepts only torch.cuda tensors and its model and pipeline schedules "
+            "use CUDA streams. Train data-parallel with fa.ddp() or sharded with fa.fsdp()")

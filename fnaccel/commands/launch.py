@@ -5,16 +5,29 @@ line on top), turns it into `torch.distributed.run` arguments and into the
 environment variables `fa.init` reads, and runs the agent in this process, as
 ``accelerate launch`` does. The script needs no arguments of its own: ranks
 come from torchrun's variables, everything else from ``FNACCEL_*`` ones.
+
+Around the agent, the launcher keeps three promises torchrun alone does not
+(docs/cli.md, "The launcher's own life"): every worker starts through
+`fnaccel.commands.launch_worker`, which ends it when the launcher dies, even
+by SIGKILL; the machines of a multi-machine launch meet on the launcher's
+own store first, with a line every 30 s, Ctrl-C honoured at once and one line
+when the wait times out (a port in use is refused before any worker starts);
+SIGTERM, SIGINT, SIGHUP and SIGQUIT reach the workers and end the launch with
+one line and status 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
+import socket
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -36,12 +49,27 @@ from fnaccel.config_schema import LaunchConfig
 from fnaccel.environment import patch_environment as _patched_environment
 
 __all__ = ["check_launchable", "first_failure", "launch_environment", "max_local_processes",
-           "refused_keys", "register", "resolve", "run", "run_launch", "torchrun_arguments"]
+           "refused_keys", "register", "rendezvous_timeout", "resolve", "run", "run_launch",
+           "torchrun_arguments", "worker_program"]
 
 _REFUSED_TYPES = MappingProxyType({
-    "MEGATRON_LM": "this build has no Megatron-LM engine",
     "XLA": "this build has no TPU (torch_xla) engine",
 })
+
+# What each worker runs first: it dies with the launcher, then executes the worker's program.
+WORKER_ENTRY = "fnaccel.commands.launch_worker"
+
+# Seconds between the lines a launcher prints while it waits for the other machines;
+# FNACCEL_LAUNCH_REPORT_INTERVAL overrides it (the tests wait seconds, not minutes).
+REPORT_INTERVAL_S = 30.0
+
+# torchrun's rendezvous timeouts when --rdzv_conf names none: static's (LaunchConfig's
+# default "timeout") and c10d's ("join_timeout").
+_RDZV_TIMEOUT_S = MappingProxyType({"static": 900.0, "c10d": 600.0})
+
+# The signals torchrun's agent forwards to the workers; the launcher handles them the same way
+# from its start, so one arriving before the workers exist ends it as cleanly.
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 _FSDP_ALIASES = MappingProxyType({"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"})
 
@@ -64,6 +92,10 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
     """The config file (``--config_file``, else the default file if any) with the
     flags that were given laid over it; refused engines raise `CommandError`."""
     for flag, why in refused_flags(args):
+        if "megatron" in flag:
+            from fnaccel.engines import megatron_refusal
+
+            why = megatron_refusal()
         raise CommandError(f"{flag}: {why}")
     if args.config_file is not None:
         config = load_config(args.config_file)
@@ -157,6 +189,10 @@ def check_launchable(config: LaunchConfig, *, force: bool = False) -> None:
     if config.compute_environment != "LOCAL_MACHINE":
         raise CommandError(f"{where}: compute_environment {config.compute_environment}: "
                            "this build launches on local machines only (LOCAL_MACHINE)")
+    if config.distributed_type == "MEGATRON_LM":
+        from fnaccel.engines import megatron_refusal
+
+        raise CommandError(f"{where}: distributed_type MEGATRON_LM: {megatron_refusal()}")
     if config.distributed_type in _REFUSED_TYPES:
         raise CommandError(f"{where}: distributed_type {config.distributed_type}: "
                            f"{_REFUSED_TYPES[config.distributed_type]}")
@@ -230,8 +266,17 @@ def _num_processes(args: argparse.Namespace, config: LaunchConfig) -> int:
     return config.num_processes
 
 
+def worker_program(args: argparse.Namespace) -> list[str]:
+    """What each worker runs, as torchrun would run it (``python -u [-m] script args``)."""
+    if args.no_python:
+        return [args.training_script, *args.training_script_args]
+    python = os.getenv("PYTHON_EXEC", sys.executable)  # torchrun's own override
+    return [python, "-u", *(["-m"] if args.module else []), args.training_script, *args.training_script_args]
+
+
 def torchrun_arguments(args: argparse.Namespace, config: LaunchConfig) -> list[str]:
-    """The ``torch.distributed.run`` command line for this launch."""
+    """The ``torch.distributed.run`` command line for this launch: every worker runs
+    `WORKER_ENTRY` with this process's pid, then `worker_program`."""
     num_processes = _num_processes(args, config)
     num_machines = config.num_machines
     if num_processes % num_machines:
@@ -259,11 +304,9 @@ def torchrun_arguments(args: argparse.Namespace, config: LaunchConfig) -> list[s
                         ("--tee", args.tee), ("--log_dir", args.log_dir)):
         if value is not None:
             argv += [flag, str(value)]
-    if args.module:
-        argv.append("--module")
-    if args.no_python:
-        argv.append("--no_python")
-    return [*argv, args.training_script, *args.training_script_args]
+    if args.module and args.no_python:
+        raise CommandError("-m/--module and --no_python contradict each other; pass one")
+    return [*argv, "--module", WORKER_ENTRY, str(os.getpid()), *worker_program(args)]
 
 
 def launch_environment(args: argparse.Namespace, config: LaunchConfig) -> dict[str, str]:
@@ -294,9 +337,18 @@ def _check_script(args: argparse.Namespace) -> None:
                            "with -m)")
 
 
+class _Ended(Exception):
+    """The launch ends before or instead of the agent's result: ``status``, and the one line why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def run(args: argparse.Namespace) -> int:
     """Launch ``args.training_script`` and return the run's exit status."""
     import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -305,20 +357,167 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
     _check_script(args)
     torchrun_args = torchrun.get_args_parser().parse_args(torchrun_arguments(args, config))
-    if args.quiet:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-    with _patched_environment(**launch_environment(args, config)):
+    if args.quiet:  # each of torch's elastic modules sets its own logger's level: set them all
+        for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.ERROR)
+    with _patched_environment(**launch_environment(args, config)), _signals_raise(SignalException):
         try:
-            torchrun.run(torchrun_args)
+            with _machines_met(args, config):
+                torchrun.run(torchrun_args)
+        except _Ended as exc:
+            print(exc, file=sys.stderr)
+            return exc.status
+        except SignalException as exc:
+            grace = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+            print(f"fnaccel launch: stopped by {exc.sigval.name}: the workers got it and had {grace} s "
+                  "to end (torchrun's shutdown timeout)", file=sys.stderr)
+            return 128 + int(exc.sigval)
         except ChildFailedError as exc:
             if args.debug:
                 raise
             rank, first = first_failure(exc)
-            print(f"fnaccel launch: {exc.name} failed: rank {rank} exited with code "
+            print(f"fnaccel launch: {args.training_script} failed: rank {rank} exited with code "
                   f"{first.exitcode} (its traceback is above; --debug shows the launcher's)",
                   file=sys.stderr)
             return first.exitcode if first.exitcode > 0 else 1
     return 0
+
+
+@contextlib.contextmanager
+def _signals_raise(exception: Any) -> Iterator[None]:
+    """While the launch runs, each forwarded signal raises ``exception(message, signal)``
+    (torch's `SignalException`) in the main thread, as torchrun's agent makes it do once
+    the workers run: one path ends the launch whenever the signal comes."""
+    def handler(signum: int, _frame: Any) -> None:
+        raise exception(f"fnaccel launch got {signal.Signals(signum).name}", signal.Signals(signum))
+
+    previous = {sig: signal.signal(sig, handler) for sig in _FORWARDED}
+    try:
+        yield
+    finally:
+        for sig, action in previous.items():
+            signal.signal(sig, action)
+
+
+def rendezvous_timeout(args: argparse.Namespace, config: LaunchConfig) -> float:
+    """Seconds the machines may take to meet: ``--rdzv_conf timeout=S`` (Accelerate's and
+    torchrun's spelling; c10d's ``join_timeout`` too), else torchrun's default."""
+    settings = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
+    raw = settings.get("timeout") or settings.get("join_timeout")
+    if raw is None:
+        return _RDZV_TIMEOUT_S.get(config.rdzv_backend, _RDZV_TIMEOUT_S["static"])
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise CommandError(f"--rdzv_conf: timeout must be a positive number of seconds, got {raw[:40]!r}")
+    return value
+
+
+@contextlib.contextmanager
+def _machines_met(args: argparse.Namespace, config: LaunchConfig) -> Iterator[None]:
+    """Before the agent starts: the machine of rank 0 holds the rendezvous port (a port in
+    use is refused here, before any worker starts) and, with several machines, every
+    launcher waits until all have joined, on fnaccel's own keys in that same store.
+
+    The store is created multi-tenant, as torchrun's static and c10d rendezvous create
+    theirs, so the agent's store in this process shares its server; waiting here, in
+    Python, keeps Ctrl-C and the progress lines alive where torchrun's wait blocks in C++.
+    """
+    port = config.main_process_port
+    if port is None or (config.num_machines > 1 and config.rdzv_backend not in _RDZV_TIMEOUT_S):
+        yield  # one machine on a port torchrun picks, or an etcd rendezvous: torchrun's own
+        return
+    from datetime import timedelta
+
+    from torch.distributed import DistNetworkError, TCPStore
+
+    host = config.main_process_ip or "127.0.0.1"
+    timeout = rendezvous_timeout(args, config)
+    store: Any = None
+    if config.machine_rank == 0:
+        try:
+            store = TCPStore(host, port, None, True, timedelta(seconds=timeout), wait_for_workers=False,
+                             multi_tenant=True)
+        except DistNetworkError as exc:
+            if "EADDRINUSE" not in str(exc):
+                raise
+            raise CommandError(f"--main_process_port {port} is already in use on this machine; pass a free "
+                               "port (or end what holds it)") from None
+    if config.num_machines > 1:
+        store = _join(store, host, port, config, timeout)
+    try:
+        yield
+    finally:
+        del store  # the agent's store (multi-tenant) keeps the server while the run needs it
+
+
+def _join(store: Any, host: str, port: int, config: LaunchConfig, timeout: float) -> Any:
+    """Announce this machine on the rendezvous store and wait until every machine has;
+    return the store (the server's owner must keep it). Prints a line at the start and
+    every `REPORT_INTERVAL_S`; a timeout or a forwarded signal raises `_Ended`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    rank, total = config.machine_rank, config.num_machines
+    where = f"{host}:{port}"
+    interval = float(os.environ.get("FNACCEL_LAUNCH_REPORT_INTERVAL", REPORT_INTERVAL_S))
+    keys = [f"fnaccel/launch/machine_{other}" for other in range(total)]
+    start = time.monotonic()
+    next_report = start
+    lead = f"waiting up to {timeout:g} s for the machines"
+    joined: list[int] = []
+
+    def missing() -> str:
+        return ", ".join(str(other) for other in range(total) if other not in joined)
+
+    def report(lead: str) -> str:
+        reached = (f"{len(joined)} of {total} machines joined, missing machine_rank {missing()}"
+                   if store is not None else "the machine of rank 0 does not answer")
+        return f"fnaccel launch: machine {rank}: {lead} at {where}: {reached}"
+
+    try:
+        while True:
+            if store is None and _answers(host, port):
+                store = _client_store(host, port, timeout - (time.monotonic() - start))
+            if store is not None:
+                store.set(keys[rank], socket.gethostname())
+                joined = [other for other, key in enumerate(keys) if store.check([key])]
+                if len(joined) == total:
+                    return store
+            now = time.monotonic()
+            if now - start >= timeout:
+                absent = missing() if store is not None else "0"
+                raise _Ended(1, report(f"gave up after {timeout:g} s waiting for the machines") +
+                             f"; start fnaccel launch --machine_rank {absent} there, or wait longer with "
+                             "--rdzv_conf timeout=SECONDS")
+            if now >= next_report:
+                print(report(lead), file=sys.stderr, flush=True)
+                next_report += interval
+                lead = f"still waiting ({next_report - start:.0f} s of {timeout:g} s)"
+            time.sleep(0.2)
+    except SignalException as exc:
+        raise _Ended(128 + int(exc.sigval),
+                     report(f"stopped by {exc.sigval.name} while waiting for the machines")) from None
+
+
+def _answers(host: str, port: int) -> bool:
+    """Whether something listens at ``host:port`` (a plain connect: interruptible, where
+    a store's client blocks in C++ until its timeout)."""
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
+def _client_store(host: str, port: int, timeout: float) -> Any:
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, None, False, timedelta(seconds=max(timeout, 1.0)), wait_for_workers=False)
 
 
 def first_failure(exc: Any) -> tuple[int, Any]:

@@ -1,0 +1,151 @@
+"""The launcher's own life: its workers end with it (even by SIGKILL), a signal ends the
+launch with one line and 128 + the signal's number, and waiting for machines speaks,
+hears Ctrl-C and times out with one line (docs/cli.md, "The launcher's own life")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fnaccel.commands.main import main
+from tests.commands.test_launch_failures import _alive
+
+SCRIPT = Path(__file__).with_name("_lifetime.py")
+
+
+def _start(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "fnaccel", "launch", "-q", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+def _pids(out: Path) -> list[int]:
+    return [int(path.name.split(".")[1]) for path in out.glob("pid.*")]
+
+
+def _wait_for(condition, seconds: float, launcher: subprocess.Popen[str]) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if launcher.poll() is not None:
+            pytest.fail(f"the launcher ended first ({launcher.returncode}): {launcher.communicate()[1]}")
+        if time.monotonic() > deadline:
+            pytest.fail("timed out waiting for the workers")
+        time.sleep(0.1)
+
+
+def _first_line(launcher: subprocess.Popen[str], seconds: float) -> str:
+    """The first line on the launcher's stderr, failing (not hanging) when none comes in time."""
+    import selectors
+
+    assert launcher.stderr is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(launcher.stderr, selectors.EVENT_READ)
+        if not selector.select(timeout=seconds):
+            pytest.fail(f"the launcher said nothing in {seconds} s")
+    return launcher.stderr.readline()
+
+
+def _end(launcher: subprocess.Popen[str], out: Path) -> None:
+    """Leave nothing behind: the workers run in sessions of their own, so each by its pid."""
+    launcher.kill()
+    launcher.wait()
+    for pid in _pids(out):
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    launcher.communicate(timeout=30)  # the pipes close once every worker is gone
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_worker(tmp_path: Path) -> None:
+    """Before: torchrun's workers, each in its own session, ran on forever as orphans."""
+    launcher = _start("--cpu", "--num_processes", "2", str(SCRIPT), str(tmp_path), "sleep")
+    try:
+        _wait_for(lambda: len(_pids(tmp_path)) == 2, 120, launcher)
+        launcher.kill()
+        launcher.wait()  # not communicate(): a worker left running would hold its pipes open
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in _pids(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in _pids(tmp_path) if _alive(pid)] == []
+    finally:
+        _end(launcher, tmp_path)
+
+
+def test_sigterm_reaches_the_workers_and_ends_the_launch_with_143(tmp_path: Path) -> None:
+    """Before: a 28-line traceback and exit 1. The workers exit 0 on SIGTERM, an asynchronous
+    save perhaps still writing: the checkpoint left is whole."""
+    launcher = _start("--cpu", "--num_processes", "2", str(SCRIPT), str(tmp_path), "save")
+    try:
+        _wait_for(lambda: len(_pids(tmp_path)) == 2, 240, launcher)
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=60)
+        assert launcher.returncode == 143, stderr
+        assert "Traceback" not in stderr, stderr
+        assert stderr.strip().splitlines()[-1].startswith("fnaccel launch: stopped by SIGTERM"), stderr
+        assert [pid for pid in _pids(tmp_path) if _alive(pid)] == []
+        assert sorted(path.name for path in tmp_path.glob("in_flight.*")) == ["in_flight.0", "in_flight.1"]
+    finally:
+        _end(launcher, tmp_path)
+    assert main(["checkpoint", "verify", str(tmp_path / "ckpt")]) == 0
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".")) == []  # no temporary
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_waiting_for_machines_speaks_hears_ctrl_c_and_times_out(tmp_path: Path) -> None:
+    """Before: silent for torchrun's whole timeout (900 s), deaf to Ctrl-C, then a 43-line
+    traceback. Machine 0 waits alone for 4 s; machine 1, on a port nobody serves, gets Ctrl-C."""
+    every_second = {"FNACCEL_LAUNCH_REPORT_INTERVAL": "1"}
+    machine = ["--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1"]
+    alone = _start(*machine, "--machine_rank", "0", "--main_process_port", str(_free_port()),
+                   "--rdzv_conf", "timeout=4", str(SCRIPT), str(tmp_path), "sleep", env=every_second)
+    interrupted = _start(*machine, "--machine_rank", "1", "--main_process_port", str(_free_port()),
+                         str(SCRIPT), str(tmp_path), "sleep", env=every_second)
+    try:
+        first = _first_line(interrupted, 120)
+        assert "machine 1: waiting up to 900 s for the machines at 127.0.0.1:" in first, first
+        assert "the machine of rank 0 does not answer" in first
+        interrupted.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        _, rest = interrupted.communicate(timeout=60)
+        assert time.monotonic() - sent < 20  # at once (the interpreter's own exit, on a loaded machine)
+        assert interrupted.returncode == 130 and "Traceback" not in rest, rest
+        assert rest.strip().splitlines() == [rest.strip()] and "stopped by SIGINT while waiting" in rest
+
+        _, lines = alone.communicate(timeout=120)
+        assert alone.returncode == 1 and "Traceback" not in lines, lines
+        said = lines.strip().splitlines()
+        assert "machine 0: waiting up to 4 s" in said[0] and "1 of 2 machines joined" in said[0]
+        assert any("still waiting" in line for line in said[1:-1]), said
+        assert "gave up after 4 s" in said[-1] and "missing machine_rank 1" in said[-1]
+        assert "--rdzv_conf timeout=SECONDS" in said[-1]
+        assert _pids(tmp_path) == []  # no worker ever started
+    finally:
+        for launcher in (alone, interrupted):
+            _end(launcher, tmp_path)
+
+
+def test_a_port_in_use_is_one_line_and_exit_2_before_any_worker(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status = main(["launch", "--cpu", "--num_processes", "2", "--main_process_port", str(port),
+                       str(SCRIPT), str(tmp_path), "sleep"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert f"--main_process_port {port} is already in use" in err
+    assert _pids(tmp_path) == []
