@@ -225,6 +225,17 @@ def resumed_batches(state: Any, num_samples: int, batch_size: int, stop_after: i
             "saved": saved.key, "end": state.data_position.key}
 
 
+def ended_epoch(state: Any, num_samples: int, batch_size: int, stop_after: int) -> dict[str, Any]:
+    """Step ``stop_after`` batches of epoch 0, end the epoch on every rank, read epoch 1."""
+    loader = DataLoader(Indices(num_samples), batch_size=batch_size, shuffle=True)
+    state = stepping(state, prepare_loader(loader, state.dist, seed=7))
+    state, _ = train(state, stop_after=stop_after)
+    state = fa.end_epoch(state)
+    ended = state.data_position.key
+    state, epoch_1 = train(state)
+    return {"ended": ended, "epoch_1": epoch_1, "end": state.data_position.key}
+
+
 # ------------------------------------------------------------------ the one-indexing fetch
 
 

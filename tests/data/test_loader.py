@@ -425,6 +425,15 @@ def test_end_epoch_skips_the_rest_unread_and_the_next_epoch_comes_whole(num_work
     assert state.data_position == fa.DataPosition(epoch=2) and len(data.reads()) == read_in_epoch_0 + 40
 
 
+def test_end_epoch_on_real_worlds_every_rank_reads_the_next_epoch_whole(world: Any) -> None:
+    n = world.num_processes
+    results = world.run(fns.ended_epoch, 24, 2, 1)
+    assert all(r["ended"] == (1, 0) and r["end"] == (2, 0) for r in results)
+    steps = zip(*(r["epoch_1"] for r in results))  # each step's batches, in rank order
+    assert sum((sum(step, []) for step in steps), []) == epoch_order(24, seed=7, epoch=1, shuffle=True).tolist()
+    assert len(results[0]["epoch_1"]) == 24 // (2 * n)
+
+
 def test_end_epoch_at_an_epoch_start_never_skips_that_epoch() -> None:
     state = _stepping(_prepare(DataLoader(Indices(4), batch_size=2)))
     state, _ = train(state)  # the whole epoch: the state moved to the start of the next
