@@ -8,6 +8,7 @@ __all__ = [
     "ConfigError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "DistributedOperationException",
     "CheckpointError",
 ]
 
@@ -24,8 +25,19 @@ class ConfigError(FnaccelError, ValueError):
     """A launch configuration (YAML file, environment or argument) is invalid."""
 
 
-class CollectiveMismatchError(FnaccelError):
-    """Ranks entered a collective with different shapes, dtypes or structures."""
+class DistributedOperationException(Exception):
+    """Accelerate's name for a collective that cannot run with the tensors the ranks gave it.
+
+    fnaccel raises its subclass `CollectiveMismatchError`, so an ``except
+    DistributedOperationException`` written for Accelerate catches fnaccel's.
+    """
+
+
+class CollectiveMismatchError(FnaccelError, DistributedOperationException):
+    """Ranks entered a collective with different shapes, dtypes or structures.
+
+    Also Accelerate's `DistributedOperationException` (``fnaccel.utils``).
+    """
 
 
 class CollectiveTimeoutError(FnaccelError, RuntimeError):

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import operator
 import os
+import platform
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -26,7 +28,9 @@ from typing import Any, Literal, overload
 import torch
 
 __all__ = [
+    "check_os_kernel",
     "clear_environment",
+    "convert_dict_to_env_variables",
     "is_bf16_available",
     "is_bitsandbytes_available",
     "is_bnb_available",
@@ -48,6 +52,8 @@ __all__ = [
     "patch_environment",
     "str_to_bool",
 ]
+
+_LOG = logging.getLogger(__name__)
 
 _OPERATIONS: Mapping[str, Callable[[Any, Any], bool]] = MappingProxyType({
     "<": operator.lt, "<=": operator.le, "==": operator.eq,
@@ -352,3 +358,59 @@ def parse_flag_from_env(key: str, default: bool = False) -> bool:
         return str_to_bool(value, to_bool=True)
     except ValueError as error:
         raise ValueError(f"environment variable {key}={value!r} is not a flag: {error}") from None
+
+
+MIN_KERNEL_VERSION = (5, 5, 0)  # older Linux kernels can hang a distributed run (Accelerate's issue #1929)
+
+
+def check_os_kernel() -> None:
+    """Log a warning (logger ``fnaccel.environment``) when this machine runs a Linux kernel
+    older than 5.5.0, which can make a process hang; elsewhere, and on newer kernels, nothing.
+
+    Accelerate's name; it logs on its main process only, read from its global state.
+    fnaccel has none, so every process that calls this logs.
+
+    >>> check_os_kernel()  # quiet on this machine's kernel
+    """
+    info = platform.uname()
+    found = re.search(r"\d+(?:\.\d+){0,2}", info.release)
+    if info.system != "Linux" or found is None:
+        return
+    version = tuple(int(part) for part in found.group().split("."))
+    version += (0,) * (3 - len(version))
+    if version < MIN_KERNEL_VERSION:
+        minimum = ".".join(map(str, MIN_KERNEL_VERSION))
+        _LOG.warning(
+            "Detected kernel version %s, which is below the recommended minimum of %s: processes can hang "
+            "in collectives on it; upgrade the kernel to %s or newer.", found.group(), minimum, minimum,
+        )
+
+
+_UNSAFE_IN_ENV_LINE = (";", "\n", "<", ">", " ")
+
+
+def convert_dict_to_env_variables(current_env: Mapping[str, str]) -> list[str]:
+    """The items of ``current_env`` as ``"KEY=VALUE\\n"`` lines for an environment file,
+    leaving out (with a warning on the logger ``fnaccel.environment``) each item whose key
+    or value is empty or holds a character a shell would read (``;``, a newline, ``<``,
+    ``>``, a space). Accelerate's name and rule.
+
+    Raises:
+        TypeError: a key or value is not a string.
+
+    >>> convert_dict_to_env_variables({"FNACCEL_DEBUG_MODE": "1", "BAD": "<x", "OTHER": "2"})
+    ['FNACCEL_DEBUG_MODE=1\\n', 'OTHER=2\\n']
+    """
+    lines = []
+    for key, value in current_env.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(
+                f"convert_dict_to_env_variables: {key!r}={value!r} is not a str=str item; "
+                "environment variables are strings: convert the value with str()"
+            )
+        if key and value and not any(char in key + value for char in _UNSAFE_IN_ENV_LINE):
+            lines.append(f"{key}={value}\n")
+        else:
+            _LOG.warning("Skipping %s=%s: an empty key or value, or one of ; < > a space or a newline in it",
+                         key, value)
+    return lines

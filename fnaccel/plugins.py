@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from fnaccel._errors import ConfigError
 from fnaccel.environment import str_to_bool
+from fnaccel.kwargs_handler import KwargsHandler
 
 __all__ = [
     "FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "TorchDynamoPlugin", "require_count",
@@ -271,11 +272,14 @@ class FullyShardedDataParallelPlugin:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class TorchDynamoPlugin:
-    """Accelerate's TorchDynamo settings, carried out by `fa.compile`.
+class TorchDynamoPlugin(KwargsHandler):
+    """Accelerate's TorchDynamo settings, carried out by `fa.compile`; a `KwargsHandler`
+    whose `to_kwargs()` gives ``torch.compile``'s arguments, as Accelerate's does.
 
     >>> TorchDynamoPlugin.from_config({"dynamo_backend": "AOT_EAGER", "dynamo_use_fullgraph": True}).transform()
     compile(backend='aot_eager', fullgraph=True)
+    >>> TorchDynamoPlugin(backend="INDUCTOR", mode="max-autotune").to_kwargs()
+    {'backend': 'inductor', 'mode': 'max-autotune'}
     """
 
     backend: str = "NO"
@@ -336,6 +340,18 @@ class TorchDynamoPlugin:
         if self.options:
             raise _refuse("options", source, "backend options are not passed on by fa.compile; "
                           "call torch.compile yourself for them")
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The fields changed from their defaults, as ``torch.compile(model, **kwargs)``
+        takes them: the backend in torch's lowercase spelling, left out when it is NO."""
+        kwargs = KwargsHandler.to_kwargs(self)
+        if "backend" in kwargs:
+            backend = str(kwargs["backend"]).lower()
+            if backend == "no":
+                del kwargs["backend"]
+            else:
+                kwargs["backend"] = backend
+        return kwargs
 
     def transform(self) -> Any:
         """The `fa.compile` transform, or None when the backend is NO or ``disable`` is set."""

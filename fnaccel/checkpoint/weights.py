@@ -279,12 +279,14 @@ def write_configs(module: nn.Module, path: Path) -> list[str]:
     ...     write_configs(model, Path(path)), (Path(path) / "config.json").read_text()
     (['config.json'], '{"architectures": ["Linear"]}')
     """
-    configs = [(config, name) for attribute, name in (("config", "config.json"),
-                                                      ("generation_config", "generation_config.json"))
-               if _is_config(config := getattr(module, attribute, None))]
+    configs: list[tuple[Any, str]] = []
+    for attribute, name in (("config", "config.json"), ("generation_config", "generation_config.json")):
+        config = getattr(module, attribute, None)
+        if _is_config(config):
+            configs.append((config, name))
     if not configs:
         return []
-    if hasattr(configs[0][0], "architectures"):
+    if configs[0][1] == "config.json" and hasattr(configs[0][0], "architectures"):
         # FSDP2 shards in place under a class named "FSDP<name>"; the checkpoint names the user's class
         cls_name = type(module).__name__
         configs[0][0].architectures = [cls_name.removeprefix("FSDP") if is_sharded(module) else cls_name]

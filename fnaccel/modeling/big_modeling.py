@@ -8,11 +8,13 @@
   execution device when it runs and stays there until the next model of the
   chain starts (or the user calls `UserCpuOffloadHook.offload`).
 - `has_offloaded_params` / `align_module_device`: reach an offloaded
-  module's real weights outside its forward.
+  module's real weights outside its forward; `get_state_dict_offloaded_model`
+  all of them at once, on the CPU.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -42,8 +44,11 @@ __all__ = [
     "cpu_offload_with_hook",
     "default_execution_device",
     "disk_offload",
+    "get_state_dict_offloaded_model",
     "has_offloaded_params",
 ]
+
+_LOG = logging.getLogger(__name__)
 
 
 def default_execution_device() -> torch.device:
@@ -234,6 +239,41 @@ def has_offloaded_params(module: nn.Module) -> bool:
     (False, True)
     """
     return any(isinstance(h, AlignDevicesHook) and h.offload for h in _flat(getattr(module, "_hf_hook", None)))
+
+
+def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of ``model``, offloaded weights included, every tensor on the CPU.
+
+    Each module whose weights are offloaded (`cpu_offload`, `disk_offload`,
+    `dispatch_model` with ``"cpu"`` / ``"disk"``) loads them onto the CPU in turn,
+    as for a forward, so the CPU must hold the whole model. A tensor that is still
+    on the meta device (never loaded, and offloaded nowhere) is left out, with a
+    warning on the logger ``fnaccel.modeling.big_modeling``, as Accelerate does.
+    The keys are ``model.state_dict()``'s, root tensors included (Accelerate's
+    leaves out those of the model's own module).
+
+    >>> model = cpu_offload(torch.nn.Sequential(torch.nn.Linear(2, 1)), "cpu")
+    >>> {name: t.device.type for name, t in get_state_dict_offloaded_model(model).items()}
+    {'0.weight': 'cpu', '0.bias': 'cpu'}
+    """
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if not has_offloaded_params(module) or not any(state[key].is_meta for key in _keys(module, name)):
+            continue
+        with align_module_device(module, "cpu"):
+            for key, tensor in module.state_dict(prefix=f"{name}." if name else "").items():
+                if state[key].is_meta:
+                    state[key] = tensor
+    on_meta = [key for key, tensor in state.items() if tensor.is_meta]
+    if on_meta:
+        _LOG.warning("get_state_dict_offloaded_model: %s are still on the meta device (their weights were "
+                     "never loaded nor offloaded), so they are left out", on_meta)
+    return {key: tensor.detach().to("cpu") for key, tensor in state.items() if not tensor.is_meta}
+
+
+def _keys(module: nn.Module, name: str) -> Iterator[str]:
+    prefix = f"{name}." if name else ""
+    return (prefix + key for key in module.state_dict(keep_vars=True))
 
 
 @contextmanager

@@ -19,6 +19,7 @@ a layer on disk: so '1' does not fit next to '0', nor '2' next to '1'.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -50,6 +51,8 @@ __all__ = [
     "infer_auto_device_map",
     "resolve_device_map",
 ]
+
+_LOG = logging.getLogger(__name__)
 
 Entry = tuple[str, "nn.Module | torch.Tensor"]
 
@@ -225,6 +228,7 @@ def infer_auto_device_map(
 
     device_map: dict[str, Device] = {}
     peak: dict[Device, int] = {}  # bytes used plus the reserve kept, by device
+    unfilled: dict[Device, int] = {}  # devices left empty: the bytes their first module needed
     offloaded_buffers = 0
     to_treat = top_level_entries(model)
     reserve_size, reserve_names = get_max_layer_size(to_treat, sizes, no_split)
@@ -259,6 +263,8 @@ def infer_auto_device_map(
                 to_treat.insert(1, (name, module))
             elif to_split is None:
                 say("It cannot be split, going to the next device.")
+                if used == 0:
+                    unfilled[device] = needed + reserve
                 peak[device] = used + reserve
                 index, used = index + 1, 0
                 to_treat.insert(0, (name, module))
@@ -291,6 +297,15 @@ def infer_auto_device_map(
                 "but do not fit in any GPU's remaining memory; pass offload_buffers=True to offload them too",
                 stacklevel=2,
             )
+    if unfilled:
+        # Accelerate's channel and words, which callers match on: INFO, "insufficient memory"
+        _LOG.info(
+            "Based on the current allocation process, no modules could be assigned to the following devices "
+            "due to insufficient memory:\n%s\nThese minimums are specific to this allocation: give these "
+            "devices at least that much memory, or pass fallback_allocation=True to put a smaller module "
+            "there first.",
+            "\n".join(f"  - {device}: {size} bytes required" for device, size in unfilled.items()),
+        )
     return clean_device_map(device_map) if clean_result else device_map
 
 

@@ -19,11 +19,12 @@ from torch import nn
 
 from fnaccel.modeling.hooks import ModelHook, add_hook_to_module
 
-__all__ = ["LayerwiseCastingHook", "attach_layerwise_casting_hooks"]
+__all__ = ["LayerwiseCastingHook", "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING", "attach_layerwise_casting_hooks"]
 
-# The layers whose weights are cast: those that only read their weights in forward.
-CASTABLE_LAYERS: tuple[type[nn.Module], ...] = (
-    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+# The layers whose weights are cast: those that only read their weights in forward (Accelerate's
+# name and order).
+SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING: tuple[type[nn.Module], ...] = (
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear,
 )
 
 
@@ -74,7 +75,8 @@ def attach_layerwise_casting_hooks(
     skip_modules_classes: Sequence[type[nn.Module]] | None = None,
     non_blocking: bool = False,
 ) -> None:
-    """Hook every ``Linear`` and convolution of ``module`` with a `LayerwiseCastingHook`.
+    """Hook every ``Linear`` and convolution (`SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING`) of ``module``
+    with a `LayerwiseCastingHook`.
 
     Args:
         module: the model, changed in place.
@@ -104,7 +106,7 @@ def _attach(module: nn.Module, name: str, storage_dtype: torch.dtype, compute_dt
             patterns: list[str], classes: tuple[type[nn.Module], ...], non_blocking: bool) -> None:
     if isinstance(module, classes) or any(re.search(pattern, name) for pattern in patterns):
         return
-    if isinstance(module, CASTABLE_LAYERS):
+    if isinstance(module, SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING):
         add_hook_to_module(module, LayerwiseCastingHook(storage_dtype, compute_dtype, non_blocking), append=True)
         return
     for child_name, child in module.named_children():

@@ -270,10 +270,12 @@ def _check_fit(
     filled = {id(targets[name]) for name in shapes if name in targets}
     missing = [name for name, target in targets.items() if id(target) not in filled]
     if missing or unexpected:
-        message = (
-            f"load_checkpoint_in_model: {checkpoint} does not fit {type(module).__name__}: "
-            f"missing from the checkpoint: {missing}; unexpected in it: {unexpected}"
-        )
+        cls_name = type(module).__name__
+        # Accelerate's words for unexpected weights, which a ported test or log filter may look for
+        parts = [f"missing from the checkpoint: {missing}"] if missing else []
+        parts += [f"unexpected in it, so some weights of the model checkpoint were not used when "
+                  f"initializing {cls_name}: {unexpected}"] if unexpected else []
+        message = f"load_checkpoint_in_model: {checkpoint} does not fit {cls_name}: " + "; ".join(parts)
         if strict:
             raise CheckpointError(message)
         _LOG.warning("%s (strict=True raises)", message)

@@ -20,8 +20,11 @@ __all__ = [
     "concatenate",
     "convert_outputs_to_fp32",
     "convert_to_fp32",
+    "find_device",
+    "is_namedtuple",
     "is_torch_tensor",
     "listify",
+    "pad_input_tensors",
     "recursively_apply",
     "send_to_device",
     "slice_tensors",
@@ -43,8 +46,18 @@ def _rebuild_mapping(data: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
     return rebuild(items)
 
 
-def _is_namedtuple(data: Any) -> bool:
-    return isinstance(data, tuple) and hasattr(data, "_fields")
+def is_namedtuple(data: Any) -> bool:
+    """Whether ``data`` is a named tuple (`collections.namedtuple`, `typing.NamedTuple`, or a
+    subclass of one): a tuple with ``_fields`` and ``_asdict``, as Accelerate tells them.
+
+    The tree functions rebuild a named tuple with its own type, field by field; other
+    tuples (a ``torch.return_types`` structseq among them) are rebuilt from one iterable.
+
+    >>> from collections import namedtuple
+    >>> is_namedtuple(namedtuple("Point", "x y")(1, 2)), is_namedtuple((1, 2))
+    (True, False)
+    """
+    return isinstance(data, tuple) and hasattr(data, "_fields") and hasattr(data, "_asdict")
 
 
 def recursively_apply(
@@ -74,7 +87,7 @@ def recursively_apply(
     def apply(node: Any) -> Any:
         if test_type(node):
             return func(node, *args, **kwargs)
-        if _is_namedtuple(node):
+        if is_namedtuple(node):
             return type(node)(*(apply(v) for v in node))
         if isinstance(node, (list, tuple)):
             return type(node)(apply(v) for v in node)
@@ -84,10 +97,11 @@ def recursively_apply(
             changes = {f.name: apply(getattr(node, f.name)) for f in dataclasses.fields(node) if f.init}
             return dataclasses.replace(node, **changes)
         if error_on_other_type:
+            # the first sentence is Accelerate's, word for word: code ported from it may match on it
             raise TypeError(
-                f"cannot apply {getattr(func, '__name__', 'the function')} to a "
-                f"{type(node).__name__}: only nested lists, tuples, dicts and dataclasses "
-                "of tensors are supported"
+                f"Unsupported types ({type(node)}) passed to `{getattr(func, '__name__', func)}`. "
+                "Only nested lists, tuples, dicts and dataclasses of objects that are valid for "
+                f"`{getattr(test_type, '__name__', test_type)}` are supported."
             )
         return node
 
@@ -112,7 +126,7 @@ def tree_paths(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) ->
     def walk(node: Any, path: str) -> None:
         if test_type(node):
             paths.append(path)
-        elif _is_namedtuple(node):
+        elif is_namedtuple(node):
             for name, value in zip(node._fields, node):
                 walk(value, f"{path}.{name}")
         elif isinstance(node, (list, tuple)):
@@ -204,6 +218,61 @@ def send_to_device(
         return node.to(device)
 
     return recursively_apply(move, tensor, test_type=is_target)
+
+
+def find_device(data: Any) -> torch.device | None:
+    """The device of the first tensor in ``data`` (a tensor or a tree of them), or None
+    when it holds none; the other tensors are assumed to be on the same device.
+
+    >>> find_device([1, "a", {"x": torch.ones(1)}]), find_device([1, "a"])
+    (device(type='cpu'), None)
+    """
+    if isinstance(data, torch.Tensor):  # the common case, without walking a tree
+        return data.device
+    first = next(iter(tree_leaves(data)), None)
+    return None if first is None else first.device
+
+
+def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:
+    """Pad every tensor of a tree along ``dim`` with zeros, from ``batch_size`` to the next
+    multiple of ``num_processes`` (at least ``num_processes``), so the batch splits evenly.
+
+    Accelerate's name and arguments (it pads inputs before splitting them over pipeline
+    stages). Accelerate's arithmetic reaches the next multiple only in some cases (8 on 2
+    processes gives it 10); fnaccel always pads to it, and a batch that already splits
+    evenly comes back unchanged.
+
+    Args:
+        tensor: a tensor or a tree of them; any other leaf is a `TypeError`.
+        batch_size: the length of the batch along ``dim``.
+        num_processes: what the padded length must be a multiple of.
+        dim: the dimension to pad.
+
+    Raises:
+        ValueError: ``num_processes`` is not a positive int, or a tensor is longer than
+            ``batch_size`` along ``dim``.
+
+    >>> pad_input_tensors(torch.tensor([1, 2, 3]), batch_size=3, num_processes=2)
+    tensor([1, 2, 3, 0])
+    """
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"pad_input_tensors: num_processes must be a positive int, got {num_processes!r}")
+    target = max(num_processes, -(-batch_size // num_processes) * num_processes)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        length = t.shape[dim]
+        if length > batch_size:
+            raise ValueError(
+                f"pad_input_tensors: a tensor of shape {tuple(t.shape)} is longer than batch_size="
+                f"{batch_size} along dim {dim}; pass the batch's real length as batch_size"
+            )
+        if length == target:
+            return t
+        shape = list(t.shape)
+        shape[dim] = target - length
+        return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+    return recursively_apply(pad, tensor, error_on_other_type=True)
 
 
 def listify(data: Any) -> Any:

@@ -6,6 +6,7 @@ layers in fnaccel/README.md); every name comes from the module that owns it.
 
 from types import MappingProxyType
 
+from fnaccel._errors import DistributedOperationException
 from fnaccel._lazy import lazy_attributes
 from fnaccel.constants import (
     MODEL_NAME,
@@ -30,7 +31,9 @@ from fnaccel.constants import (
     SageMakerDistributedType,
 )
 from fnaccel.environment import (
+    check_os_kernel,
     clear_environment,
+    convert_dict_to_env_variables,
     is_bf16_available,
     is_bitsandbytes_available,
     is_bnb_available,
@@ -81,6 +84,7 @@ from fnaccel.ops import (
     send_to_device,
     slice_tensors,
 )
+from fnaccel.ops.tree import find_device, is_namedtuple, pad_input_tensors
 from fnaccel.process import (
     local_main_process_first,
     main_process_first,
@@ -128,9 +132,9 @@ _LAZY = MappingProxyType({
                      "attach_execution_device_hook"), "fnaccel.modeling.attach"),
     **dict.fromkeys((
         "CpuOffload", "UserCpuOffloadHook", "align_module_device", "cpu_offload", "cpu_offload_with_hook",
-        "disk_offload", "has_offloaded_params"), "fnaccel.modeling.big_modeling"),
-    **dict.fromkeys(("LayerwiseCastingHook", "attach_layerwise_casting_hooks"),
-                    "fnaccel.modeling.layerwise_casting"),
+        "disk_offload", "get_state_dict_offloaded_model", "has_offloaded_params"), "fnaccel.modeling.big_modeling"),
+    **dict.fromkeys(("LayerwiseCastingHook", "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING",
+                     "attach_layerwise_casting_hooks"), "fnaccel.modeling.layerwise_casting"),
     **dict.fromkeys((
         "clear_device_cache", "find_executable_batch_size", "release_memory",
         "should_reduce_batch_size"), "fnaccel.modeling.memory"),
@@ -167,7 +171,7 @@ __all__ = [
     "ComputeEnvironment", "DDPCommunicationHookType", "DistributedType", "DynamoBackend",
     "LoggerType", "PrecisionType", "RNGType", "SageMakerDistributedType",
     # environment
-    "clear_environment", "is_bf16_available", "is_bitsandbytes_available", "is_bnb_available",
+    "check_os_kernel", "clear_environment", "convert_dict_to_env_variables", "is_bf16_available", "is_bitsandbytes_available", "is_bnb_available",
     "is_cuda_available", "is_deepspeed_available", "is_ipex_available", "is_mps_available",
     "is_msamp_available", "is_npu_available", "is_numpy_available", "is_tensorboard_available",
     "is_torch_version", "is_torch_xla_available", "is_torchao_available", "is_tpu_available",
@@ -179,9 +183,10 @@ __all__ = [
     # data loading
     "DataLoaderConfiguration",
     # data operations
-    "CannotPadNestedTensorWarning", "broadcast", "broadcast_object_list", "concatenate", "convert_outputs_to_fp32",
-    "convert_to_fp32", "gather", "gather_for_metrics", "gather_object", "listify",
-    "pad_across_processes", "recursively_apply", "reduce", "send_to_device", "slice_tensors",
+    "CannotPadNestedTensorWarning", "DistributedOperationException", "broadcast", "broadcast_object_list",
+    "concatenate", "convert_outputs_to_fp32", "convert_to_fp32", "find_device", "gather", "gather_for_metrics",
+    "gather_object", "is_namedtuple", "listify", "pad_across_processes", "pad_input_tensors",
+    "recursively_apply", "reduce", "send_to_device", "slice_tensors",
     # processes and random
     "local_main_process_first", "main_process_first", "on_local_main_process",
     "on_main_process", "on_process", "print_on_main", "split_between_processes",
