@@ -380,9 +380,10 @@ def check_os_kernel() -> None:
     version += (0,) * (3 - len(version))
     if version < MIN_KERNEL_VERSION:
         minimum = ".".join(map(str, MIN_KERNEL_VERSION))
+        # formatted here, not by the logger: handlers and tests that read `record.msg` see the versions
         _LOG.warning(
-            "Detected kernel version %s, which is below the recommended minimum of %s: processes can hang "
-            "in collectives on it; upgrade the kernel to %s or newer.", found.group(), minimum, minimum,
+            f"Detected kernel version {found.group()}, which is below the recommended minimum of {minimum}: "
+            f"processes can hang in collectives on it; upgrade the kernel to {minimum} or newer."
         )
 
 

@@ -97,11 +97,11 @@ def recursively_apply(
             changes = {f.name: apply(getattr(node, f.name)) for f in dataclasses.fields(node) if f.init}
             return dataclasses.replace(node, **changes)
         if error_on_other_type:
-            # the first sentence is Accelerate's, word for word: code ported from it may match on it
+            # Accelerate's message, word for word (dataclasses are walked too): ported code matches on it
             raise TypeError(
                 f"Unsupported types ({type(node)}) passed to `{getattr(func, '__name__', func)}`. "
-                "Only nested lists, tuples, dicts and dataclasses of objects that are valid for "
-                f"`{getattr(test_type, '__name__', test_type)}` are supported."
+                "Only nested list/tuple/dicts of objects that are valid for "
+                f"`{getattr(test_type, '__name__', test_type)}` should be passed."
             )
         return node
 
