@@ -9,7 +9,8 @@
 - `config`: `DataLoaderConfiguration` (re-exported by `fnaccel.utils`).
 - `loader`: `prepare_loader`, which rebuilds a user's loader as a `PreparedLoader`.
 - `prepared`: the live `PreparedLoader`, a cache behind the state's
-  `DataPosition`, and `batches` (`fa.batches`), which positions it from the state.
+  `DataPosition`, `batches` (`fa.batches`), which positions it from the state,
+  and `end_epoch` (`fa.end_epoch`), which skips the rest of an epoch unread.
 - `evaluation`: `eval_batches` (`fa.eval_batches`), the ordered split (padded
   across processes, never on one) that makes `gather_for_metrics` exact.
 

@@ -382,7 +382,8 @@ def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
     The position is the state's (`RunState.data_position`); `fa.step` advances
     it when it steps a batch from here. A batch fetched and not stepped (a
     ``break`` right after the fetch) comes again from the next ``fa.batches``,
-    in this process or after `fa.load` in a new one.
+    in this process or after `fa.load` in a new one; `fa.end_epoch` before the
+    ``break`` skips the rest of the epoch instead (early stopping).
 
     Args:
         state: a `RunState` whose ``loader`` was prepared (`fa.prepare`).
