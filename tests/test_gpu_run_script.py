@@ -4,11 +4,16 @@ or a compile recorded as skipped with the reason, the suite's CUDA files listed)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,3 +50,24 @@ def test_the_tiny_run_writes_every_figure_and_the_suite_selection(tmp_path: Path
     suite = (tmp_path / "suite.log").read_text().splitlines()
     assert "tests/test_tracking_throughput.py" in suite and "tests/checkpoint/test_weights.py" in suite
     assert "tests/test_tracking.py" not in suite  # CPU-only: not part of the device run
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_run", ROOT / "benchmarks" / "gpu" / "run.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    path = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path  # it puts the checkout and benchmarks/ first on the path
+    return module
+
+
+def test_unknown_rows_and_a_missing_device_are_refused_with_the_choices() -> None:
+    script = _script()
+    with pytest.raises(SystemExit, match=r"unknown sections or rows \['bogus'\]: sections are"):
+        script.main(["--tiny", "--device", "cpu", "--rows", "eager,bogus"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA device here"):
+            script.main([])

@@ -168,11 +168,12 @@ def step_row(row: str, shape: gpu_step.Shape, device: torch.device, args: argpar
         hand = hand_block(run_hand, fused_adamw(hand_model), batches, device)
         state = fa.init(seed=0, cpu=device.type == "cpu")
         state = fa.prepare(state, model, fused_adamw(model), loss_fn=gpu_step.loss_fn, pipeline=fa.compose(*parts))
-        ours, _ = fnaccel_block(state, batches)
+        ours, holder = fnaccel_block(state, batches)
         hand_s, ours_s = gpu_step.measure(hand, ours, args.rounds, device)
         tokens = args.steps * shape.batch * shape.seq
         diff = max((a.float() - b.float()).abs().max().item()
                    for a, b in zip(hand_model.parameters(), model.parameters()))
+        fa.shutdown(holder[0])
     result: dict[str, Any] = {
         "section": "step", "row": row, "hand_tokens_per_second": tokens / hand_s, "fnaccel_tokens_per_second": tokens / ours_s,
         "throughput_ratio": hand_s / ours_s, "flops_per_batch": flops, "max_weight_difference": diff,
