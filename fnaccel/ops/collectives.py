@@ -28,7 +28,7 @@ from fnaccel.ops._shapes import (
 )
 # re-exported: seeding, checkpoint.weights and the transforms import them from here
 from fnaccel.ops.objects import broadcast_object_list, gather_object
-from fnaccel.ops.tree import recursively_apply, tree_leaves, tree_unflatten
+from fnaccel.ops.tree import _is_other_leaf, tree_leaves, tree_paths, tree_unflatten
 
 __all__ = [
     "REDUCTIONS",
@@ -56,11 +56,15 @@ def _tensor_leaves(
     if isinstance(tree, torch.Tensor):  # the common case, without walking a tree
         leaves = [tree]
     else:
-        # error_on_other_type: a collective over a tree with a string leaf is a mistake
-        try:
-            recursively_apply(lambda t: t, tree, error_on_other_type=True)
-        except TypeError as exc:
-            return [], TypeError(f"{op}: {exc}")
+        # a collective over a tree with a string leaf is a mistake: name the leaf
+        others = tree_leaves(tree, test_type=_is_other_leaf)
+        if others:
+            path = tree_paths(tree, test_type=_is_other_leaf)[0]
+            what = f"the leaf {path} of the tree is" if path else "got"
+            return [], TypeError(
+                f"{op}: {what} a {type(others[0]).__name__}; a collective sends tensors, alone or in "
+                "nested lists, tuples, dicts and dataclasses: make it a tensor or leave it out"
+            )
         leaves = tree_leaves(tree)
     if not nested_ok and any(t.is_nested for t in leaves):
         return [], TypeError(
