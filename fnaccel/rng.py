@@ -147,7 +147,7 @@ def installed(rng: RNGState) -> Iterator[_Captured]:
     """Run a block with every generator of ``rng`` installed; capture the states
     it leaves behind, and give the process its own states back when the block
     ends (normally or by an exception). A training step swaps only
-    ``state.step_rng_types``, inline, without restoring (see fnaccel/train.py).
+    ``state.step_rng_types``, the same way but inline (see fnaccel/train.py).
 
     >>> with installed(RNGState.seeded(0)) as cap:
     ...     first = torch.rand(1)

@@ -2,24 +2,26 @@
 
 None of these touch a generator another run could see: they return a new
 `RunState` whose `rng` field holds the new values, and `with_rng` installs
-the state's generators only for the duration of one call.
+the state's generators only for the duration of one call. The one exception
+is asked for by name: ``set_seed(seed)`` (an int first, Accelerate's call)
+seeds the process's own generators, for the code outside the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from types import MappingProxyType
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import torch
 
 from fnaccel.ops.collectives import broadcast_object_list
 from fnaccel.rng import RNGState, installed
 from fnaccel.constants import RNGType
+from fnaccel.state import RunState
 
-if TYPE_CHECKING:
-    from fnaccel.state import RunState
 
 __all__ = ["set_seed", "synchronize_rng_states", "with_rng"]
 
@@ -34,25 +36,68 @@ _FIELDS = MappingProxyType({
 })
 
 
-def set_seed(state: RunState, seed: int, device_specific: bool = False) -> RunState:
-    """The state with its generators set as if seeded with ``seed``.
+@overload
+def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None: ...
+@overload
+def set_seed(state: RunState, seed: int, device_specific: bool = False) -> RunState: ...
+def set_seed(*args: Any, **kwargs: Any) -> RunState | None:
+    """Seed the process's generators (Accelerate's call), or return a run's state reseeded.
 
-    Python's, NumPy's and torch's process generators are left alone: the new
-    values live in the returned state and are installed around its steps.
+    Two forms, told apart by the first argument:
 
-    Args:
-        state: the run's state (it is not consumed).
-        seed: the seed.
-        device_specific: add the process's rank to the seed, so each rank
-            draws differently (dropout masks differ across data-parallel ranks).
+    - ``set_seed(seed, device_specific=False, deterministic=False)``, as
+      Accelerate's: seeds the *process's* generators (Python's ``random``,
+      NumPy's, torch's CPU one and every CUDA device's), which code outside a
+      run draws from: building the model, splitting the data. No run sees it:
+      a run draws from its own generators, seeded by ``fa.init(seed=...)``, or
+      copied from the process's at ``fa.init()`` without a seed.
+      ``device_specific`` adds the process's global rank (``RANK``, as the
+      launcher sets it; 0 without one); ``deterministic`` also calls
+      ``torch.use_deterministic_algorithms(True)``, for the whole process.
+    - ``set_seed(state, seed, device_specific=False)``: the *run's* generators
+      (dropout in its steps) as if seeded with ``seed``, in a new state (the
+      old one is not consumed); the process's generators are left alone.
+      ``device_specific`` adds the run's rank, so each rank draws differently.
 
-    >>> import fnaccel as fa
-    >>> state = fa.utils.set_seed(fa.init(cpu=True), 42)
+    >>> import random, fnaccel as fa
+    >>> fa.set_seed(3); first = random.random()
+    >>> fa.set_seed(3); first == random.random()
+    True
+    >>> state = fa.set_seed(fa.init(cpu=True), 42)
     >>> state.seed
     42
     """
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"set_seed: seed must be an int, got {type(seed).__name__}")
+    first = args[0] if args else kwargs.get("state", kwargs.get("seed"))
+    if isinstance(first, RunState):
+        return _seed_run(*args, **kwargs)
+    if _is_seed(first):
+        _seed_process(*args, **kwargs)
+        return None
+    raise TypeError(f"set_seed: got a {type(first).__name__} first; set_seed(seed) seeds the process's "
+                    "generators (as Accelerate's), set_seed(state, seed) the run's (seed an int)")
+
+
+def _is_seed(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _seed_process(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
+    if device_specific:
+        rank = os.environ.get("RANK", "0")
+        if not rank.isdigit():
+            raise ValueError(f"set_seed: device_specific adds the process's rank, but RANK={rank!r} is not one; "
+                             "unset it or launch with fnaccel launch / torchrun")
+        seed += int(rank)
+    seeded = RNGState.seeded(seed)
+    seeded.install()
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def _seed_run(state: RunState, seed: int, device_specific: bool = False) -> RunState:
+    if not _is_seed(seed):
+        raise TypeError(f"set_seed: seed must be an int, got {type(seed).__name__}; set_seed(seed) seeds the "
+                        "process's generators, set_seed(state, seed) the run's")
     if device_specific:
         seed += state.dist.rank
     return state.replace(rng=RNGState.seeded(seed), seed=seed)

@@ -236,3 +236,54 @@ def test_two_interleaved_runs_each_equal_the_run_alone() -> None:
         b, metrics = fa.step(b, batch_b)
         got_b.append(metrics["loss"].item())
     assert got_a == expected_a and got_b == expected_b and expected_a != expected_b
+
+
+def _draws() -> tuple[Any, ...]:
+    return random.random(), np.random.rand(2).tolist(), torch.rand(2).tolist()
+
+
+def test_set_seed_with_a_seed_seeds_the_process_generators_as_accelerates_does() -> None:
+    fa.set_seed(11)
+    ours = _draws()
+    random.seed(11), np.random.seed(11), torch.manual_seed(11)
+    assert ours == _draws()
+    accelerate_utils = pytest.importorskip("accelerate.utils", reason="accelerate is not installed")
+    accelerate_utils.set_seed(11)
+    assert ours == _draws()
+
+
+def test_set_seed_device_specific_adds_the_launchers_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "2")
+    fa.utils.set_seed(5, device_specific=True)
+    ours = _draws()
+    fa.utils.set_seed(7)
+    assert ours == _draws()
+    monkeypatch.setenv("RANK", "two")
+    with pytest.raises(ValueError, match="RANK='two'"):
+        fa.set_seed(5, device_specific=True)
+
+
+def test_set_seed_deterministic_turns_on_deterministic_algorithms() -> None:
+    try:
+        fa.set_seed(0, deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_a_literal_port_seeds_the_process_then_a_seedless_run_starts_from_it() -> None:
+    """Accelerate's order (seed, then build): ``set_seed(s)`` then ``fa.init()`` without a seed
+    gives the run a copy of the seeded generators, so the run is reproducible too."""
+    fa.set_seed(21)
+    state = fa.init(cpu=True)
+    assert torch.equal(state.rng.torch, fa.RNGState.seeded(21).torch) and state.rng.python == random.getstate()
+    model = _model_from_process()  # draws from the process, not from the run
+    assert torch.equal(state.rng.torch, fa.RNGState.seeded(21).torch)
+    assert model is not None
+
+
+def test_set_seed_says_which_two_calls_exist_when_given_neither() -> None:
+    with pytest.raises(TypeError, match=r"set_seed\(seed\) seeds the process's generators .* set_seed\(state, seed\) the run's"):
+        fa.set_seed("42")  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="seed must be an int"):
+        fa.set_seed(fa.init(cpu=True), 4.5)  # type: ignore[call-overload]
