@@ -120,6 +120,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
         log,
     )
     from fnaccel.train import (
+        SchedulerConfiguration,
         apply_gradients,
         backward,
         step,
@@ -227,6 +228,7 @@ _LAZY = MappingProxyType({
     "get_tracker": "fnaccel.tracking.run",
     "init_trackers": "fnaccel.tracking.run",
     "log": "fnaccel.tracking.run",
+    "SchedulerConfiguration": "fnaccel.train",
     "apply_gradients": "fnaccel.train",
     "backward": "fnaccel.train",
     "step": "fnaccel.train",
@@ -282,6 +284,7 @@ __all__ = [
     "end_epoch",
     "default_pipeline",
     "DataLoaderConfiguration",
+    "SchedulerConfiguration",
     # evaluation
     "evaluate",
     "eval_batches",

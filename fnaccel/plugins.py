@@ -375,8 +375,9 @@ def _built(cls: type[T], values: Mapping[str, Any], source: str) -> T:
 class GradientAccumulationPlugin:
     """Accelerate's gradient accumulation settings, carried out by `fa.accumulate`.
 
-    fnaccel steps the scheduler once per optimizer step, which is what
-    ``adjust_scheduler=True`` asks for. Accumulation boundaries run across
+    `fa.step` steps the scheduler only at optimizer updates, never on the
+    micro-steps between (``adjust_scheduler=True``; how many steps per update:
+    `fnaccel.train.SchedulerConfiguration`). Accumulation boundaries run across
     epoch ends (every ``num_steps`` batches), so ``sync_with_dataloader``
     defaults to False here and True is refused rather than ignored.
 
@@ -397,7 +398,7 @@ class GradientAccumulationPlugin:
             raise _refuse("num_steps", source, f"must be a positive int, got {self.num_steps!r}")
         if not self.adjust_scheduler:
             raise _refuse("adjust_scheduler", source, "false is not supported: fa.step steps the "
-                          "scheduler once per optimizer step")
+                          "scheduler only at optimizer updates, never between")
         if self.sync_with_dataloader:
             raise _refuse("sync_with_dataloader", source, "true is not built: boundaries fall every "
                           "num_steps batches across epoch ends; pick num_steps dividing an epoch")

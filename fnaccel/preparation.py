@@ -24,7 +24,7 @@ from torch import nn
 
 from fnaccel.dist import data_parallel, mesh_dim
 from fnaccel.state import RunState
-from fnaccel.train import StepPlan, training_transforms
+from fnaccel.train import StepPlan, scheduler_steps, training_transforms
 from fnaccel.transforms.base import Collective, EngineRequest, Pipeline, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.precision import autocast, fp8, grad_scaler, precision_dtype
@@ -250,7 +250,8 @@ def prepare(
                 "kwargs_handlers=[DataLoaderConfiguration(shard=False)] to fa.init")
         changes["loader"] = prepare_loader(loader, ctx, seed=state.seed or 0, config=config)
     changes["transform_states"] = transform_states
-    plan = StepPlan.of(pipeline, transform_states)
+    plan = StepPlan.of(pipeline, transform_states, scheduler_steps(
+        ctx, changes.get("loader", state.loader), state.kwargs_handlers))
     held = changes.get("optimizer", state.optimizer)
     if held is not None and "fsdp" not in pipeline.names and plan.backward is None:
         # FSDP2 computes gradients on unsharded copies of the parameters, not on these

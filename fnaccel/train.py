@@ -36,10 +36,60 @@ from typing import Any
 import torch
 from torch import nn
 
+from fnaccel.dist import DistContext, data_parallel
+from fnaccel.kwargs_handler import KwargsHandler
 from fnaccel.state import RunState
 from fnaccel.transforms.base import Pipeline, Transform
 
-__all__ = ["StepPlan", "apply_gradients", "backward", "step"]
+__all__ = ["SchedulerConfiguration", "StepPlan", "apply_gradients", "backward", "scheduler_steps", "step"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchedulerConfiguration(KwargsHandler):
+    """How far `fa.step` advances the scheduler passed to `fa.prepare` at each optimizer update.
+
+    Pass it to ``fa.init(kwargs_handlers=[SchedulerConfiguration(...)])``.
+
+    Args:
+        step_per_process: advance the scheduler once per process the loader's
+            batches are cut across (Accelerate's rule: ``num_processes`` steps
+            per update, one when ``split_batches``), so that a schedule sized
+            from the loader before `fa.prepare` (``len(loader) * epochs``)
+            ends with the run on any number of processes. False: one step per
+            update, for a schedule sized in updates
+            (``len(state.loader) * epochs // accumulation``).
+
+    >>> SchedulerConfiguration(step_per_process=False).to_kwargs()
+    {'step_per_process': False}
+    """
+
+    step_per_process: bool = True
+
+
+def scheduler_steps(ctx: DistContext, loader: Any, kwargs_handlers: Mapping[str, Any]) -> int:
+    """The scheduler steps one optimizer update takes (`SchedulerConfiguration`).
+
+    With a prepared loader, the ranks each global batch is cut across (its layout's
+    ``num_shards``): the factor by which the loader's own length overstates the
+    updates of an epoch, which is Accelerate's ``num_processes`` under data
+    parallelism; 1 when batches are split, or the loader is not sharded by fnaccel
+    (its length is already this rank's). Without one, the data-parallel processes,
+    1 under ``DataLoaderConfiguration(split_batches=True)``.
+
+    >>> scheduler_steps(DistContext(num_processes=2, rank=0), None, {})
+    2
+    >>> scheduler_steps(DistContext(num_processes=2, rank=0), None,
+    ...                 {"SchedulerConfiguration": SchedulerConfiguration(step_per_process=False)})
+    1
+    """
+    config = kwargs_handlers.get("SchedulerConfiguration")
+    if config is not None and not config.step_per_process:
+        return 1
+    layout = getattr(loader, "layout", None)
+    if layout is not None:
+        return 1 if layout.split_batches else int(layout.num_shards)
+    data_config = kwargs_handlers.get("DataLoaderConfiguration")
+    return 1 if data_config is not None and data_config.split_batches else data_parallel(ctx)[1]
 
 
 def default_loss_fn(model: nn.Module, batch: Any) -> Any:
@@ -78,6 +128,7 @@ class StepPlan:
     `fa.prepare` so that a step runs tuples instead of searching the pipeline."""
 
     micro_steps: int = 1
+    scheduler_steps: int = 1  # per optimizer update (`scheduler_steps`)
     sync_each_batch: bool = False
     divide_loss: bool = True
     scale_loss: tuple[tuple[Callable[..., Any], Any], ...] = ()
@@ -102,7 +153,7 @@ class StepPlan:
         _set(self, "plain_update", not self.before_update and self.optimizer_step is None)
 
     @classmethod
-    def of(cls, pipeline: Pipeline, transform_states: Mapping[str, Any]) -> StepPlan:
+    def of(cls, pipeline: Pipeline, transform_states: Mapping[str, Any], scheduler_steps: int = 1) -> StepPlan:
         ts = training_transforms(pipeline)
 
         def bound(hook: str) -> tuple[tuple[Callable[..., Any], Any], ...]:
@@ -117,6 +168,7 @@ class StepPlan:
         backward = bound("backward")
         return cls(
             micro_steps=next((t.micro_steps for t in ts if t.micro_steps > 1), 1),
+            scheduler_steps=scheduler_steps,
             sync_each_batch=any(t.sync_each_batch for t in ts),
             divide_loss=not any(t.sums_items for t in ts),
             after_backward=bound("after_backward"),
@@ -176,7 +228,7 @@ def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]  # the rate this update used
         if state.scheduler is not None:
-            state.scheduler.step()
+            _step_scheduler(state.scheduler, plan.scheduler_steps)
         return {"lr": lr}
     metrics: dict[str, Any] = {}
     for before_update, transform_state in plan.before_update:
@@ -189,8 +241,23 @@ def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
     metrics["lr"] = optimizer.param_groups[0]["lr"]  # the rate this update used
     skipped = metrics.get("skipped")
     if state.scheduler is not None and (skipped is None or not bool(skipped)):
-        state.scheduler.step()
+        _step_scheduler(state.scheduler, plan.scheduler_steps)
     return metrics
+
+
+def _step_scheduler(scheduler: Any, steps: int) -> None:
+    if steps == 1:
+        scheduler.step()
+        return
+    # Several steps per update: the last update of a run whose ranks pad the last batch
+    # can overshoot a schedule sized from the loader by part of an update; a
+    # scheduler that refuses to step past its end (OneCycleLR's total_steps) stays
+    # there, as under Accelerate.
+    total = getattr(scheduler, "total_steps", None)
+    for _ in range(steps):
+        if total is not None and scheduler.last_epoch >= total:
+            return
+        scheduler.step()
 
 
 def _start_window(state: RunState, optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:

@@ -54,6 +54,6 @@ def test_gradient_accumulation_plugin() -> None:
         "accumulate(num_steps=2, sync_each_batch=True)")
     for kwargs, message in (({}, "'num_steps': must be a positive int"),
                             ({"num_steps": 2, "sync_with_dataloader": True}, "across epoch ends"),
-                            ({"num_steps": 2, "adjust_scheduler": False}, "once per optimizer step")):
+                            ({"num_steps": 2, "adjust_scheduler": False}, "only at optimizer updates")):
         with pytest.raises(fa.ConfigError, match=message):
             GradientAccumulationPlugin(**kwargs)  # type: ignore[arg-type]
