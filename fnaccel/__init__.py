@@ -158,8 +158,10 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
         pp,
         profile,
         reduce,
+        skip_nonfinite,
         tp,
     )
+    from fnaccel.transforms.nonfinite import NonFiniteUpdateError
     from fnaccel import utils
 
 __version__ = "0.1.0"
@@ -258,6 +260,8 @@ _LAZY = MappingProxyType({
     "pp": "fnaccel.transforms",
     "profile": "fnaccel.transforms.profile",
     "reduce": "fnaccel.transforms",
+    "skip_nonfinite": "fnaccel.transforms.nonfinite",
+    "NonFiniteUpdateError": "fnaccel.transforms.nonfinite",
     "tp": "fnaccel.transforms",
     "utils": "fnaccel.utils",
 })
@@ -317,6 +321,7 @@ __all__ = [
     "accumulate",
     "clip_grad_norm",
     "clip_grad_value",
+    "skip_nonfinite",
     "compile",
     "profile",
     "fp16",
@@ -369,6 +374,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CheckpointError",
+    "NonFiniteUpdateError",
     "ResumeDriftWarning",
     # modules
     "ops",

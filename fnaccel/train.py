@@ -14,9 +14,10 @@ A step is a fixed sequence; transforms contribute through named hooks
                then set_sync hooks for the *next* micro-step
     window:    zero_grad(set_to_none=True) at an accumulation window's first
                micro-step (gradients from another run never count)
-    boundary:  before_update hooks (unscale, clip) -> optimizer_step hook or
-               optimizer.step() -> scheduler.step() unless skipped ->
-               after_step hooks
+    boundary:  before_update hooks (unscale, clip) -> optimizer_step hook ->
+               check_update hook (may hold the update back) -> optimizer.step()
+               unless a hook stepped or held it -> scheduler.step() unless
+               skipped -> after_step hooks
     position:  the data position moves past the batch `fa.batches` fetched last
 
 A transform with a forward_backward hook (`pp`'s pipeline schedule) replaces
@@ -134,6 +135,7 @@ class StepPlan:
     scale_loss: tuple[tuple[Callable[..., Any], Any], ...] = ()
     before_update: tuple[tuple[Callable[..., Any], Any], ...] = ()
     optimizer_step: tuple[Callable[..., Any], Any] | None = None
+    check_update: tuple[Callable[..., Any], Any] | None = None
     after_backward: tuple[tuple[Callable[..., Any], Any], ...] = ()
     set_sync: tuple[Callable[..., Any], ...] = ()
     after_step: tuple[tuple[Callable[..., Any], Any], ...] = ()
@@ -150,7 +152,8 @@ class StepPlan:
     def __post_init__(self) -> None:
         _set(self, "plain_backward", (self.micro_steps == 1 or not self.divide_loss) and not self.scale_loss
              and self.backward is None and not self.after_backward)
-        _set(self, "plain_update", not self.before_update and self.optimizer_step is None)
+        _set(self, "plain_update", not self.before_update and self.optimizer_step is None
+             and self.check_update is None)
 
     @classmethod
     def of(cls, pipeline: Pipeline, transform_states: Mapping[str, Any], scheduler_steps: int = 1) -> StepPlan:
@@ -163,6 +166,7 @@ class StepPlan:
             )
 
         steppers = bound("optimizer_step")
+        checkers = bound("check_update")
         runners = bound("forward_backward")
         taken = frozenset().union(*(t.takes_over for t in ts))
         backward = bound("backward")
@@ -177,6 +181,7 @@ class StepPlan:
                                 if t.before_update is not None and t.name not in taken),
             backward=backward[0] if backward else None,
             optimizer_step=steppers[0] if steppers else None,
+            check_update=checkers[0] if checkers else None,
             set_sync=tuple(t.set_sync for t in ts if t.set_sync is not None),
             after_step=bound("after_step"),
             forward_backward=runners[0] if runners else None,
@@ -223,7 +228,7 @@ def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> dict[str, Any] | 
 
 
 def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
-            plan: StepPlan) -> dict[str, Any]:
+            plan: StepPlan, position: Any) -> dict[str, Any]:
     if plan.plain_update:  # no hook can skip the update or add metrics
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]  # the rate this update used
@@ -233,14 +238,21 @@ def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
     metrics: dict[str, Any] = {}
     for before_update, transform_state in plan.before_update:
         metrics.update(before_update(model, optimizer, transform_state))
-    if plan.optimizer_step is None:
-        optimizer.step()
-    else:
+    if plan.optimizer_step is not None:  # it skips a non-finite update itself (the fp16 scaler)
         optimizer_step, transform_state = plan.optimizer_step
         metrics.update(optimizer_step(optimizer, transform_state))
+    if plan.check_update is not None:  # it decides, from the metrics so far (fa.skip_nonfinite)
+        check_update, transform_state = plan.check_update
+        skip = check_update(model, optimizer, metrics, transform_state, state.step, position)
+        if skip:
+            _clear_grads(optimizer)
+    else:
+        skipped = metrics.get("skipped")
+        skip = skipped is not None and bool(skipped)
+    if plan.optimizer_step is None and not skip:
+        optimizer.step()
     metrics["lr"] = optimizer.param_groups[0]["lr"]  # the rate this update used
-    skipped = metrics.get("skipped")
-    if state.scheduler is not None and (skipped is None or not bool(skipped)):
+    if state.scheduler is not None and not skip:
         _step_scheduler(state.scheduler, plan.scheduler_steps)
     return metrics
 
@@ -330,6 +342,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     _start_window(state, optimizer, plan)
     # The run's generators in, the step, their new values out, and the process's own
     # back, also when the step raises (inline: a context manager costs more than the swap).
+    consumed = _consumed(state)
     outer = rng.recapture(kinds)
     rng.install(kinds)
     try:
@@ -341,7 +354,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
             run, transform_state = plan.forward_backward
             loss, aux = run(model, batch, plan.micro_steps if plan.divide_loss else None, transform_state)
             reported = None
-        metrics = _update(state, model, optimizer, plan) if boundary else {}
+        metrics = _update(state, model, optimizer, plan, consumed) if boundary else {}
         rng = rng.recapture(kinds)
     finally:
         outer.install(kinds)
@@ -351,7 +364,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     if aux is not None:
         metrics["aux"] = aux
     new = state.advance(by, rng=rng, micro_step=micro_step + 1, step=state.step + boundary,
-                        data_position=_consumed(state))
+                        data_position=consumed)
     if plan.set_sync:
         plan.set_sync_for(model, new.micro_step)
     if plan.after_step:
@@ -393,7 +406,7 @@ def apply_gradients(state: RunState) -> tuple[RunState, dict[str, Any]]:
     outer = rng.recapture(kinds)
     rng.install(kinds)
     try:
-        metrics = _update(state, model, optimizer, plan)
+        metrics = _update(state, model, optimizer, plan, state.data_position)
         rng = rng.recapture(kinds)
     finally:
         outer.install(kinds)

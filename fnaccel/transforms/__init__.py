@@ -17,6 +17,7 @@ from fnaccel.transforms.collectives import (
 from fnaccel.transforms.parallel import ddp, fsdp
 from fnaccel.transforms.deepspeed import deepspeed
 from fnaccel.transforms.local_sgd import local_sgd
+from fnaccel.transforms.nonfinite import skip_nonfinite
 from fnaccel.transforms.pipelining import pp
 from fnaccel.transforms.precision import autocast, bf16, fp8, fp16, fp32, grad_scaler
 from fnaccel.transforms.profile import profile
@@ -40,6 +41,7 @@ __all__ = [
     "fsdp",
     "grad_scaler",
     "profile",
+    "skip_nonfinite",
     "tp",
     "CallInfo",
     "Collective",

@@ -23,6 +23,12 @@ earlier steps learnt). A `Transform`'s hooks (every one optional):
     optimizer_step(optimizer, state) -> metrics: replaces `optimizer.step()`
         (the fp16 scaler); its metrics include ``skipped`` (a bool tensor),
         which also holds back the scheduler.
+    check_update(model, optimizer, metrics, state, step, position) -> bool:
+        at an update boundary, after before_update and any optimizer_step hook
+        (``metrics`` holds theirs: ``grad_norm``, ``skipped``); True holds the
+        update back: no optimizer step (without an optimizer_step hook) and no
+        scheduler step, gradients cleared. It may add metrics to ``metrics``.
+        ``step`` and ``position`` are the update's (`UpdateCheckFn`).
     after_backward(loss, aux, state) -> metrics | None: after each backward,
         with the loss and the loss function's aux (item counting); metrics it
         returns replace `fa.step`'s of the same name (``loss`` included).
@@ -81,6 +87,17 @@ class TransformInitFn(Protocol):
     def __call__(self, ctx: DistContext) -> Any: ...
 
 
+class UpdateCheckFn(Protocol):
+    """Whether an update is held back (`Transform.check_update`, `fa.skip_nonfinite`).
+
+    ``step`` is the run's update count before this update; ``position`` the
+    data position once the update's batches are consumed (for error messages).
+    """
+
+    def __call__(self, model: Any, optimizer: Any, metrics: dict[str, Any], state: Any,
+                 step: int, position: Any) -> bool: ...
+
+
 class TransformApplyFn(Protocol):
     """Applies a collective step to a tree."""
 
@@ -135,8 +152,8 @@ class Transform:
         sums_items: the loss is a sum over items, normalised at the update
             (``accumulate(normalize="items")``): backward does not divide it.
         prepare_model, set_sync, scale_loss, before_update, optimizer_step,
-            after_step, forward_backward: the training hooks listed in the
-            module docstring.
+            check_update, after_step, forward_backward: the training hooks
+            listed in the module docstring.
     """
 
     name: str
@@ -155,6 +172,7 @@ class Transform:
         default=None, compare=False
     )
     optimizer_step: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
+    check_update: UpdateCheckFn | None = field(default=None, compare=False)
     after_backward: Callable[[Any, Any, Any], dict[str, Any] | None] | None = field(default=None, compare=False)
     after_step: Callable[[Any], None] | None = field(default=None, compare=False)
     forward_backward: Callable[[Any, Any, Any, Any], tuple[Any, Any]] | None = field(

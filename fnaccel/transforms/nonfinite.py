@@ -1,0 +1,171 @@
+"""`skip_nonfinite(max_consecutive)`: an update whose loss or gradients are not
+finite is skipped on every rank, counted, and tolerated up to a limit.
+
+The ranks must agree without a collective of their own, so the verdict is
+taken from what the data-parallel reduction already made equal on every rank:
+
+- A loss is local to its rank. Before backward (``scale_loss``) a non-finite
+  loss multiplies itself by NaN (a finite one by 1.0, which changes no bit),
+  so its gradients are NaN; `ddp`'s all-reduce, or `fsdp`'s reduce-scatter,
+  carries the NaN to every rank. Under `accumulate` the NaN stays in this
+  rank's accumulated gradients until the boundary's reduction.
+- At the update (``check_update``), after unscaling and clipping, one fused
+  check: the global norm `clip_grad_norm` computed when it is in the pipeline
+  (no second reduction), else the max-norm of every gradient in one
+  ``torch._foreach_norm``; NaN and inf propagate through both. Gradients
+  sharded as DTensors (`fsdp`, `tp`) have their norms reduced over the mesh,
+  as clipping does: one scalar all-reduce per update when no clipping has
+  already paid for it. Reading the verdict is the update's one host sync.
+- Under an ``optimizer_step`` hook (`grad_scaler`, which unscales and checks
+  every gradient for inf/NaN and skips the step itself), its ``skipped``
+  verdict is taken as it is: no second check, and the scaler keeps lowering its
+  scale on overflows. Its skips count, loss-scale search included: each halves
+  the scale, so from the default ``init_scale`` of 2**16 at most 16 come in a
+  row for gradients that fit fp16 at scale 1.
+
+A skipped update takes no optimizer or scheduler step and clears the
+gradients; ``metrics["skipped"]`` says so at every update, and
+`SkipNonfiniteState` (checkpointed with the run) counts skips in all and in a
+row. The ``max_consecutive``-th skip in a row raises `NonFiniteUpdateError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fnaccel._errors import FnaccelError
+from fnaccel.dist import DistContext
+from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.clip import global_grad_norm
+
+__all__ = ["NonFiniteUpdateError", "SkipNonfiniteState", "skip_nonfinite"]
+
+SKIP_NONFINITE_PHASE = 155  # after clipping (150), whose norm it reads; before compile (160)
+
+
+class NonFiniteUpdateError(FnaccelError, RuntimeError):
+    """`skip_nonfinite` skipped ``max_consecutive`` updates in a row: the loss or
+    gradients stayed NaN or inf. The message names the last skipped update's step
+    and data position. Also a ``RuntimeError``, as torch's anomaly errors are."""
+
+
+class SkipNonfiniteState:
+    """`skip_nonfinite`'s state: ``num_skipped`` updates skipped in all,
+    ``num_consecutive`` of them in a row up to the last update (0 after a
+    finite one). Saved and restored by `fa.save` / `fa.load`.
+
+    >>> SkipNonfiniteState().state_dict()
+    {'num_skipped': 0, 'num_consecutive': 0}
+    """
+
+    __slots__ = ("num_skipped", "num_consecutive")
+
+    def __init__(self) -> None:
+        self.num_skipped = 0
+        self.num_consecutive = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_skipped": self.num_skipped, "num_consecutive": self.num_consecutive}
+
+    def load_state_dict(self, saved: dict[str, int]) -> None:
+        skipped, consecutive = saved["num_skipped"], saved["num_consecutive"]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (skipped, consecutive)) \
+                or consecutive > skipped:
+            raise ValueError(f"skip_nonfinite: saved counts must be integers with 0 <= num_consecutive <= "
+                             f"num_skipped, got num_skipped={skipped!r}, num_consecutive={consecutive!r}")
+        self.num_skipped, self.num_consecutive = skipped, consecutive
+
+
+def _poison_nonfinite(loss: torch.Tensor, state: SkipNonfiniteState) -> torch.Tensor:
+    """``loss`` times 1.0 when finite (bit for bit the same), times NaN otherwise, so
+    that this rank's gradients, and after the reduction everyone's, are NaN."""
+    factor = torch.where(torch.isfinite(loss.detach()), 1.0, torch.nan)
+    return loss * factor
+
+
+def _nonfinite(optimizer: Any, metrics: dict[str, Any]) -> torch.Tensor:
+    """A bool tensor: the gradients' norm is NaN or inf (one fused check)."""
+    norm = metrics.get("grad_norm")  # clip_grad_norm's global norm: already reduced
+    if norm is None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return torch.tensor(False)
+        norm = global_grad_norm(grads, float("inf"))
+    return ~torch.isfinite(norm)
+
+
+def skip_nonfinite(max_consecutive: int = 20) -> Transform:
+    """Skip, on every rank, an update whose loss or gradients are NaN or inf.
+
+    A skipped update takes no optimizer or scheduler step and its gradients are
+    cleared; the ranks decide alike from the reduced gradients, with no
+    collective of their own (see `fnaccel.transforms.nonfinite`). Metrics at
+    an update gain ``skipped`` (a bool tensor); the run's count is
+    ``state.transform_states["skip_nonfinite"]`` (`SkipNonfiniteState`).
+    Under `grad_scaler` the scaler's own skips (inf gradients while it searches
+    its scale) are the verdict and count too.
+
+    Args:
+        max_consecutive: the number of skips in a row that ends the run: the
+            last of them raises `NonFiniteUpdateError` naming its step and data
+            position (a bad batch there, or a learning rate that diverged).
+
+    Raises:
+        ValueError: ``max_consecutive`` is not a positive integer.
+        NonFiniteUpdateError: in `fa.step` / `fa.apply_gradients`, at the
+            ``max_consecutive``-th skip in a row.
+
+    >>> import fnaccel as fa, torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), 0.1),
+    ...                    loss_fn=lambda m, b: m(b).pow(2).mean(),
+    ...                    pipeline=fa.compose(fa.skip_nonfinite(max_consecutive=3)))
+    >>> state, metrics = fa.step(state, torch.full((4, 2), float("nan")))
+    >>> bool(metrics["skipped"]), state.step, state.transform_states["skip_nonfinite"].num_skipped
+    (True, 1, 1)
+    >>> bool(torch.isfinite(model.weight).all())
+    True
+    """
+    if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) or max_consecutive < 1:
+        raise ValueError(f"skip_nonfinite: max_consecutive must be a positive int (the skips in a row "
+                         f"that end the run), got {max_consecutive!r}")
+
+    def init(ctx: DistContext) -> SkipNonfiniteState:
+        return SkipNonfiniteState()
+
+    def check_update(model: Any, optimizer: Any, metrics: dict[str, Any], state: SkipNonfiniteState,
+                     step: int, position: Any) -> bool:
+        flag = metrics.get("skipped")  # an optimizer_step hook (the fp16 scaler) already decided
+        if flag is None:
+            flag = metrics["skipped"] = _nonfinite(optimizer, metrics)
+        if not bool(flag):  # the update's one host sync
+            state.num_consecutive = 0
+            return False
+        state.num_skipped += 1
+        state.num_consecutive += 1
+        if state.num_consecutive >= max_consecutive:
+            raise NonFiniteUpdateError(
+                f"skip_nonfinite: {state.num_consecutive} updates in a row had a NaN or inf loss or "
+                f"gradients (max_consecutive={max_consecutive}); the last was update {step} "
+                f"(state.step), whose last batch ends at data position {position}. Inspect the data there "
+                "(fa.load a checkpoint from before it and step its batches), lower the learning rate, "
+                "or raise max_consecutive"
+            )
+        return True
+
+    return Transform(
+        name="skip_nonfinite",
+        options=options(max_consecutive=max_consecutive) if max_consecutive != 20 else (),
+        phase=SKIP_NONFINITE_PHASE,
+        conflicts=frozenset({"deepspeed", "pp", "local_sgd"}),
+        conflict_fix=(
+            "skip_nonfinite decides from gradients reduced alike on every rank: an engine that owns "
+            "its step (deepspeed), a pipeline whose stages each hold their own gradients (pp) or "
+            "local SGD (no gradient reduction) would let ranks disagree; drop skip_nonfinite"
+        ),
+        init=init,
+        scale_loss=_poison_nonfinite,
+        check_update=check_update,
+    )
