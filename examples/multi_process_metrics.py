@@ -66,16 +66,14 @@ def main() -> None:
     fa.print_on_main(state, f"fa.evaluate: {len(outputs['label'])} samples, accuracy {accuracy:.4f}, "
                             f"F1 {f1_score(outputs['prediction'], outputs['label']):.4f}")
 
-    # 2. The hand-written loop: eval mode and no_grad are yours to set, padding is dropped by num_valid.
-    predictions, labels = [], []
-    state.model.eval()
+    # 2. The hand-written loop: eval mode and no_grad are yours to set, num_valid drops the padding.
+    batches = []
+    model.eval()
     with torch.no_grad():
         for (x, y), num_valid in fa.eval_batches(state, evaluation):
-            gathered = fa.ops.gather_for_metrics(state, (state.model(x).argmax(1), y), num_valid=num_valid)
-            predictions.append(gathered[0])
-            labels.append(gathered[1])
-    state.model.train()
-    predictions, labels = torch.cat(predictions), torch.cat(labels)
+            batches.append(fa.ops.gather_for_metrics(state, (model(x).argmax(1), y), num_valid=num_valid))
+    model.train()
+    predictions, labels = (torch.cat(column) for column in zip(*batches))
     accuracy = (predictions == labels).float().mean().item()
     fa.print_on_main(state, f"eval_batches + gather_for_metrics: {len(labels)} samples, accuracy {accuracy:.4f}, "
                             f"F1 {f1_score(predictions, labels):.4f}")

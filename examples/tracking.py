@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,10 +31,10 @@ class PrintTracker:
     name = "print"
     tracker = None  # the object underneath, for `fa.get_tracker(..., unwrap=True)`
 
-    def store_init_configuration(self, values: dict[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
         print(f"[print tracker] config {values}")
 
-    def log(self, values: dict[str, Any], step: int | None) -> None:
+    def log(self, values: Mapping[str, Any], step: int) -> None:
         print(f"[print tracker] step {step}: {values}")  # plain Python values: tensors already read
 
     def finish(self) -> None:

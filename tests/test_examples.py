@@ -1,18 +1,24 @@
-"""The main job (examples/train_classifier.py) runs and learns."""
+"""The examples run and do what they say: the main job (examples/train_classifier.py) learns, every
+other example runs at its --tiny size, and none uses a name docs/api.md does not list."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 
 
+@pytest.mark.multiprocess
 def test_the_classifier_example_trains_on_two_processes_and_writes_its_weights(tmp_path: Path) -> None:
     """The README's main job: `fnaccel launch --cpu --num_processes 2 examples/train_classifier.py`."""
     output = tmp_path / "weights.safetensors"
@@ -32,18 +38,215 @@ def test_the_classifier_example_trains_on_two_processes_and_writes_its_weights(t
     assert round(logged[-1]["test_accuracy"], 3) == accuracy
 
 
-def test_examples_import_only_documented_public_modules() -> None:
-    """An example is what users copy: it may import `fnaccel` and the modules docs/api.md
-    documents, never an implementation module (`fnaccel.data.sharding`, ...)."""
+def _documented_names() -> dict[str, set[str]]:
+    """What an example may use: each docs/api.md section's names, and of `fnaccel.utils` (which
+    api.md lists as a module of Accelerate's utilities) the names its docs pages document."""
+    import fnaccel.utils
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    names = {module: set(re.findall(r"^- `(\w+)`", body, re.M))
+             for module, body in re.findall(r"^## `(fnaccel[\w.]*)`\n(.*?)(?=^## |\Z)", api, re.M | re.S)}
+    documented = {word for page in (ROOT / "docs").glob("*.md") for word in re.findall(r"`(\w+)", page.read_text())}
+    names["fnaccel.utils"] = set(fnaccel.utils.__all__) & documented
+    return names
+
+
+def _undocumented_uses(source: str, names: dict[str, set[str]]) -> list[str]:
+    """Every `fa.X`, `fa.ops.X`, `from fnaccel... import X` of `source` that `names` lacks."""
     import ast
 
-    root = Path(__file__).resolve().parents[1]
-    public = set(re.findall(r"^## `(fnaccel[\w.]*)`", (root / "docs" / "api.md").read_text(), re.M))
-    assert "fnaccel" in public
-    for example in sorted((root / "examples").glob("*.py")):
-        for node in ast.walk(ast.parse(example.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            for name in names:
-                if name.split(".")[0] == "fnaccel":
-                    assert name in public, f"{example.name}:{node.lineno} imports {name}, not in docs/api.md"
+    tree, aliases, bad = ast.parse(source), {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for imported in (a for a in node.names if a.name.split(".")[0] == "fnaccel"):
+                if imported.name not in names:  # `import fnaccel.data.sharding`
+                    bad.append(f"line {node.lineno}: import {imported.name}")
+                aliases[imported.asname or "fnaccel"] = imported.asname and imported.name or "fnaccel"
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fnaccel":
+            for imported in node.names:
+                if f"{node.module}.{imported.name}" in names:  # a module (`from fnaccel import ops`)
+                    aliases[imported.asname or imported.name] = f"{node.module}.{imported.name}"
+                elif imported.name not in names.get(node.module or "", ()):
+                    bad.append(f"line {node.lineno}: from {node.module} import {imported.name}")
+    for node in ast.walk(tree):
+        chain: list[str] = []
+        while isinstance(node, ast.Attribute):
+            chain.insert(0, node.attr)
+            node = node.value
+        if not (isinstance(node, ast.Name) and node.id in aliases and chain):
+            continue
+        module = aliases[node.id]
+        for attribute in chain:
+            if f"{module}.{attribute}" in names:
+                module = f"{module}.{attribute}"
+                continue
+            if attribute not in names.get(module, ()):
+                bad.append(f"line {node.lineno}: {module}.{attribute}")
+            break
+    return sorted(set(bad))  # `fa.x.y` is walked as `fa.x.y`, then as `fa.x`
+
+
+def test_examples_use_only_the_names_docs_api_md_lists() -> None:
+    """An example uses the public surface only: each `fa.X`, `fa.ops.X`, `fa.utils.X` and
+    `from fnaccel... import X` is a name docs/api.md lists (for `fnaccel.utils`: one its docs
+    document), never an implementation detail a user could not look up."""
+    names = _documented_names()
+    bad = {path.name: found for path in sorted(EXAMPLES.glob("*.py"))
+           if (found := _undocumented_uses(path.read_text(), names))}
+    assert not bad
+    # and the check sees what it must
+    assert _undocumented_uses("import fnaccel as fa\nfa.ops.gather\nfa.fsdp()\nfa.utils.save", names) == []
+    assert _undocumented_uses(
+        "import fnaccel as fa\nfrom fnaccel import ops as o\nfrom fnaccel.utils import nothing\n"
+        "fa.latest_checkpoint(x)\nfa.ops.gather_all\no.nope\nfa.utils.u.v\nimport fnaccel.data.sharding\n"
+        "from fnaccel.data import loader", names) == [
+        "line 3: from fnaccel.utils import nothing", "line 4: fnaccel.latest_checkpoint",
+        "line 5: fnaccel.ops.gather_all", "line 6: fnaccel.ops.nope", "line 7: fnaccel.utils.u",
+        "line 8: import fnaccel.data.sharding", "line 9: from fnaccel.data import loader"]
+
+# ---------------------------------------------------------------------------------------------
+# Every example of examples/ runs, at its --tiny size, in two processes' worth of launches.
+#
+# Starting Python with torch costs seconds per process (torch, and torch._dynamo, which the
+# first optimizer imports), and a 2-process `fnaccel launch` several more, so the examples are
+# not started one process each: one `python` process runs the one-process examples in turn,
+# each as `python examples/<x>.py` runs it (`runpy`, `__name__ == "__main__"`, its own argv),
+# and one `fnaccel launch --num_processes 2` runs the distributed ones the same way on each
+# rank. That several runs share a process is itself the contract (a run leaves nothing behind
+# in the process: DESIGN.md, principle 1; `fa.init` after `fa.shutdown` works, any number of
+# times). The markers in the output tell which example broke.
+
+
+_DRIVER = """\
+import json, os, runpy, sys
+for script, argv in json.loads(sys.argv[1]):
+    if os.environ.get("RANK", "0") == "0":  # one marker per run, from the launch's rank 0
+        print("=== " + " ".join([script, *argv]), flush=True)
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit:  # argparse's and the examples' own exits
+        if exit.code not in (None, 0):
+            raise
+"""
+
+# Examples that other tests run: train_classifier.py above, loss_spike.py in
+# tests/debug/test_loss_spike_example.py.
+_TESTED_ELSEWHERE = {"train_classifier.py", "loss_spike.py"}
+
+
+def _run_examples(runs: list[tuple[str, list[str]]], tmp_path: Path, launch: list[str]) -> dict[str, str]:
+    """Runs the examples in one process (or one launch), returns each run's output by its marker."""
+    driver = tmp_path / "run_examples.py"
+    driver.write_text(_DRIVER)
+    runs = [(str(EXAMPLES / script), ["--tiny", *argv]) for script, argv in runs]
+    result = subprocess.run(
+        [sys.executable, *launch, str(driver), json.dumps(runs)], capture_output=True, text=True,
+        timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},  # in order
+    )
+    sections = re.split(r"^=== (.*)$", result.stdout, flags=re.M)
+    outputs = {Path(key.split()[0]).name + " " + " ".join(key.split()[2:]): text
+               for key, text in zip(sections[1::2], sections[2::2])}
+    failed = list(outputs)[-1] if outputs else "(none started)"
+    assert result.returncode == 0, f"{failed} failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+    return {key.strip(): text for key, text in outputs.items()}
+
+
+def _one_process_runs(out: Path) -> list[tuple[str, list[str]]]:
+    return [
+        ("checkpointing.py", ["--output", str(out / "ckpt_whole")]),
+        ("checkpointing.py", ["--output", str(out / "ckpt_cut"), "--stop-after", "7"]),
+        ("checkpointing.py", ["--output", str(out / "ckpt_cut")]),
+        ("tracking.py", ["--output", str(out / "tracking")]),
+        ("gradient_accumulation.py", []),
+        ("gradient_accumulation_causal_lm.py", []),
+        ("batch_size_search.py", []),
+        ("early_stopping.py", ["--output", str(out / "early")]),
+        ("early_stopping.py", ["--output", str(out / "early"), "--target-loss", "0.2"]),
+        ("profiler.py", ["--output", str(out / "profiler")]),
+        ("char_gpt.py", ["--output", str(out / "gpt"), "--save-every", "5", "--stop-after", "12"]),
+        ("char_gpt.py", ["--output", str(out / "gpt"), "--save-every", "5"]),
+        ("deepspeed_with_config.py", ["--output", str(out / "deepspeed")]),  # starts 2 processes itself
+    ]
+
+
+def _two_process_runs(out: Path) -> list[tuple[str, list[str]]]:
+    return [
+        ("local_sgd.py", ["--local-sgd-steps", "4"]),
+        ("ddp_comm_hook.py", ["--comm-hook", "power_sgd", "--comm-wrapper", "fp16"]),
+        ("multi_process_metrics.py", []),
+        ("fsdp_peak_memory.py", ["--output", str(out / "fsdp")]),
+        ("cross_validation.py", []),
+        ("gan.py", []),
+    ]
+
+
+def test_every_example_is_run_by_a_test(tmp_path: Path) -> None:
+    run = {script for script, _ in _one_process_runs(tmp_path) + _two_process_runs(tmp_path)}
+    assert run | _TESTED_ELSEWHERE == {path.name for path in EXAMPLES.glob("*.py")}
+
+
+@pytest.mark.multiprocess
+def test_the_one_process_examples_run_and_do_what_they_say(tmp_path: Path) -> None:
+    out = _run_examples(_one_process_runs(tmp_path), tmp_path, launch=[])
+
+    def line(key: str, pattern: str) -> re.Match[str]:
+        match = re.search(pattern, out[key])
+        assert match, f"{key}: no {pattern!r} in:\n{out[key]}"
+        return match
+
+    # an interrupted and resumed run ends with the weights of the uninterrupted one, bit for bit
+    whole = line(f"checkpointing.py --output {tmp_path / 'ckpt_whole'}", r"fingerprint (\w+)")[1]
+    line(f"checkpointing.py --output {tmp_path / 'ckpt_cut'} --stop-after 7", r"stopped after step 7")
+    resumed_key = f"checkpointing.py --output {tmp_path / 'ckpt_cut'}"
+    line(resumed_key, r"resumed from .*: epoch 0, step 5")
+    assert line(resumed_key, r"fingerprint (\w+)")[1] == whole
+
+    logged = (tmp_path / "tracking" / "tracking" / "metrics.jsonl").read_text().splitlines()
+    assert len(logged) == int(line(f"tracking.py --output {tmp_path / 'tracking'}", r"(\d+) lines logged")[1])
+    line("gradient_accumulation.py", r"36 batches, 9 optimizer updates")
+    per_token = float(line("gradient_accumulation_causal_lm.py", r"epoch 3: .* loss per token ([\d.]+)")[1])
+    assert per_token < 3.0  # a mean per token (chance: log 17 = 2.8), not the window's sum
+    line("batch_size_search.py", r"batch 32 fits \(tried \[128, 64, 32\]\); 4 accumulation steps")
+
+    first = f"early_stopping.py --output {tmp_path / 'early'}"
+    line(first, r"smoothed loss .*: stopping")
+    next_epoch = line(first, r"a resume starts at epoch (\d+)")[1]
+    line(f"{first} --target-loss 0.2", rf"resumed at the start of epoch {next_epoch} ")
+
+    line(f"profiler.py --output {tmp_path / 'profiler'}", r"ProfilerStep")
+    assert (tmp_path / "profiler" / "profile_0.json").stat().st_size > 0
+
+    gpt = f"char_gpt.py --output {tmp_path / 'gpt'} --save-every 5"
+    line(f"{gpt} --stop-after 12", r"stopped after step 12")
+    line(gpt, r"resumed from .* at step 10 ")
+    line(gpt, r"It writes:\nI\n\nFrom fairest")  # the prompt, then what it learnt
+
+    line(f"deepspeed_with_config.py --output {tmp_path / 'deepspeed'}",
+         r"pipeline from the config: compose\(deepspeed\(gradient_accumulation_steps=2, gradient_clipping=1.0, "
+         r"zero_stage=2")
+    assert {p.name for p in (tmp_path / "deepspeed" / "checkpoint").glob("rank*.zero.safetensors")} == {
+        "rank0.zero.safetensors", "rank1.zero.safetensors"}
+
+
+@pytest.mark.multiprocess
+def test_the_distributed_examples_run_on_two_processes(tmp_path: Path) -> None:
+    launch = ["-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", "2", "--num_cpu_threads_per_process", "1"]
+    out = _run_examples(_two_process_runs(tmp_path), tmp_path, launch=launch)
+
+    def lines(key: str, pattern: str) -> list[Any]:
+        found = re.findall(pattern, out[key])
+        assert found, f"{key}: no {pattern!r} in:\n{out[key]}"
+        return found
+
+    spread = lines("local_sgd.py --local-sgd-steps 4", r"step (\d+): .* differ by up to ([\d.e+-]+)")
+    assert len(spread) > 4 and all((float(by) == 0) == (int(step) % 4 == 0) for step, by in spread), spread
+    # the replicas agree right after each average, and only then
+    lines("ddp_comm_hook.py --comm-hook power_sgd --comm-wrapper fp16", r"epoch 2 \(power_sgd hook, fp16 wrapper\)")
+    counts = lines("multi_process_metrics.py", r": (\d+) samples, accuracy ([\d.]+)")
+    assert counts[0] == counts[1] and counts[0][0] == "103"  # both forms count every sample once
+    held = lines(f"fsdp_peak_memory.py --output {tmp_path / 'fsdp'}", r"rank (\d) epoch 1: .* holds parameters")
+    assert sorted(held) == ["0", "1"] and (tmp_path / "fsdp" / "model.safetensors").exists()
+    initial = lines("cross_validation.py", r"fold \d: initial weight\[0, 0\] ([-+.\d]+)")
+    assert len(initial) == 2 and initial[0] != initial[1]  # each fold's model from the process generator
+    lines("gan.py", r"epoch 1: .* modes covered")
