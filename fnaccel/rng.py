@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ALL_KINDS", "STEP_KINDS", "RNGState", "installed"]
+__all__ = ["ALL_KINDS", "STEP_KINDS", "RNGState", "installed", "put_back", "swap_in", "swap_out"]
 
 ALL_KINDS = ("python", "torch", "cuda", "numpy")
 # What a training step swaps in and out: the generators tensors draw from
@@ -121,6 +121,53 @@ class RNGState:
             np = _numpy()
             if np is not None:
                 np.random.set_state(self.numpy)
+
+
+def swap_in(rng: RNGState, kinds: Collection[str]) -> Any:
+    """Put ``rng``'s generators of ``kinds`` into the process's; return what those held,
+    for `swap_out` (or `put_back` when the block between raised).
+
+    A step's default (torch's CPU generator, no CUDA device) is one read and one
+    write of the 5 KB state, without building a record around it.
+    """
+    if kinds is STEP_KINDS and not rng.cuda:
+        cpu = _CPU.get_state()
+        _CPU.set_state(rng.torch)
+        return cpu
+    held = rng.recapture(kinds)
+    rng.install(kinds)
+    return held
+
+
+def swap_out(rng: RNGState, kinds: Collection[str], held: Any) -> RNGState:
+    """``rng`` with ``kinds`` replaced by the process generators' current states, and the
+    process's own (``held``, from `swap_in`) put back.
+
+    >>> run = RNGState.seeded(0)
+    >>> before = torch.get_rng_state()
+    >>> held = swap_in(run, STEP_KINDS); x = torch.rand(2); run = swap_out(run, STEP_KINDS, held)
+    >>> bool(torch.equal(torch.get_rng_state(), before)), bool(torch.equal(run.torch, RNGState.seeded(0).torch))
+    (True, False)
+    """
+    if type(held) is Tensor:
+        new = object.__new__(RNGState)
+        _set(new, "torch", _CPU.get_state())
+        _set(new, "cuda", rng.cuda)
+        _set(new, "python", rng.python)
+        _set(new, "numpy", rng.numpy)
+        _CPU.set_state(held)
+        return new
+    new = rng.recapture(kinds)
+    held.install(kinds)
+    return new
+
+
+def put_back(kinds: Collection[str], held: Any) -> None:
+    """The process's own states (``held``, from `swap_in`) back, the run's discarded."""
+    if type(held) is Tensor:
+        _CPU.set_state(held)
+    else:
+        held.install(kinds)
 
 
 def _numpy_state() -> tuple[Any, ...] | None:

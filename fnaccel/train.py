@@ -39,6 +39,7 @@ from torch import nn
 
 from fnaccel.dist import DistContext, data_parallel
 from fnaccel.kwargs_handler import KwargsHandler
+from fnaccel.rng import put_back, swap_in, swap_out
 from fnaccel.state import RunState
 from fnaccel.transforms.base import Pipeline, Transform
 
@@ -343,8 +344,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     # The run's generators in, the step, their new values out, and the process's own
     # back, also when the step raises (inline: a context manager costs more than the swap).
     consumed = _consumed(state)
-    outer = rng.recapture(kinds)
-    rng.install(kinds)
+    held = swap_in(rng, kinds)
     try:
         if plan.forward_backward is None:
             out = (state.loss_fn or default_loss_fn)(model, batch)
@@ -355,9 +355,10 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
             loss, aux = run(model, batch, plan.micro_steps if plan.divide_loss else None, transform_state)
             reported = None
         metrics = _update(state, model, optimizer, plan, consumed) if boundary else {}
-        rng = rng.recapture(kinds)
-    finally:
-        outer.install(kinds)
+    except BaseException:
+        put_back(kinds, held)
+        raise
+    rng = swap_out(rng, kinds, held)
     metrics["loss"] = loss.detach()
     if reported:  # accumulate(normalize="items"): the window's loss per item, its sum and count
         metrics.update(reported)
@@ -403,13 +404,13 @@ def apply_gradients(state: RunState) -> tuple[RunState, dict[str, Any]]:
     if state.micro_step // plan.micro_steps <= state.step:
         return state.advance(by), {}
     kinds, rng = state.step_rng_types, state.rng
-    outer = rng.recapture(kinds)
-    rng.install(kinds)
+    held = swap_in(rng, kinds)
     try:
         metrics = _update(state, model, optimizer, plan, state.data_position)
-        rng = rng.recapture(kinds)
-    finally:
-        outer.install(kinds)
+    except BaseException:
+        put_back(kinds, held)
+        raise
+    rng = swap_out(rng, kinds, held)
     new = state.advance(by, rng=rng, step=state.step + 1)
     _after(plan)
     return new, metrics

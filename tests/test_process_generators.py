@@ -157,7 +157,8 @@ def test_a_call_leaves_the_process_generators_where_they_were(call: str, tmp_pat
     assert _snapshot() == before, f"fa.{call} moved the process's generators"
 
 
-def test_a_step_that_raises_gives_the_process_its_generators_back() -> None:
+@pytest.mark.parametrize("kinds", [None, ("torch", "cuda", "python", "numpy")], ids=["default", "all"])
+def test_a_step_that_raises_gives_the_process_its_generators_back(kinds: tuple[str, ...] | None) -> None:
     def failing(model: nn.Module, batch: Any) -> torch.Tensor:
         torch.rand(5)  # the run's generator, then the error
         raise RuntimeError("boom")
@@ -165,6 +166,8 @@ def test_a_step_that_raises_gives_the_process_its_generators_back() -> None:
     model = _model()
     state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
                        loss_fn=failing, pipeline=fa.compose())
+    if kinds is not None:
+        state = state.replace(step_rng_types=kinds)
     _seed_process()
     before = _snapshot()
     with pytest.raises(RuntimeError, match="boom"):
