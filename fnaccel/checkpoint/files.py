@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LEFTOVER_MARKER",
+    "LOCK_MARKER",
     "NAME_MAX",
     "check_checksum",
     "commit",
@@ -68,6 +69,7 @@ __all__ = [
     "read_verified",
     "regular_size",
     "remove_leftovers",
+    "SaveLock",
     "safe_relative",
     "sibling_stem",
     "temporary_sibling",
@@ -131,14 +133,15 @@ def make_temporary(final: Path, token: str) -> Path:
     return tmp
 
 
-def remove_leftovers(parent: Path, names: str) -> list[Path]:
+def remove_leftovers(parent: Path, names: str, *, holding: SaveLock | None = None) -> list[Path]:
     """Delete what fnaccel's own crashed or failed saves left in ``parent``.
 
     Only hidden directories named ``.<name>.tmp-<32 hex>`` or ``.<name>.old-<32 hex>``,
     ``<name>`` matching the regular expression ``names``, that hold a
     `LEFTOVER_MARKER` regular file are removed: a directory with the right name
-    but no marker (or a symbolic link) is someone else's and is kept. Returns
-    the directories removed.
+    but no marker (or a symbolic link) is someone else's and is kept, and so is
+    one whose name's `SaveLock` a live save holds (it is that save's), unless
+    the caller is that save (``holding``). Returns the directories removed.
     """
     pattern = re.compile(r"\.(" + names + r")\.(tmp|old)-[0-9a-f]{32}")
     removed: list[Path] = []
@@ -147,16 +150,109 @@ def remove_leftovers(parent: Path, names: str) -> list[Path]:
     except FileNotFoundError:
         return removed
     for entry in entries:
-        if not (pattern.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+        match = pattern.fullmatch(entry.name)
+        if not (match and entry.is_dir(follow_symlinks=False)):
             continue
         try:
             marked = stat.S_ISREG(os.lstat(Path(entry.path) / LEFTOVER_MARKER).st_mode)
         except OSError:
             marked = False
-        if marked:
+        lock = parent / f".{match.group(1)}.lock"
+        if marked and (holding is not None and holding.path == lock or not _locked(lock)):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
     return removed
+
+
+LOCK_MARKER = b"fnaccel: a save to this checkpoint is in progress\n"
+
+
+class SaveLock:
+    """The lock a save holds on its target from its start until it is committed: the file
+    ``.<name>.lock`` beside the checkpoint, starting with `LOCK_MARKER`, then the owner
+    (pid, host, start) as JSON, held with ``flock``, which the kernel releases when the
+    owner dies, so a crashed owner's lock file is taken over by the next save."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @staticmethod
+    def take(final: Path) -> SaveLock | str:
+        """The lock on ``final`` (its parent directories are made), or why not: another live
+        save holds it (named), or the lock's name holds something fnaccel did not write."""
+        import fcntl
+        import socket
+        import time
+
+        path = final.parent / f".{sibling_stem(final.name)}.lock"
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"{final}: cannot create its directory {final.parent} ({exc.strerror})"
+        for _ in range(3):  # the path may be unlinked by its owner between our open and our flock
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                return f"{final}: cannot create the save's lock file {path} ({exc.strerror})"
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return f"{final}: {path} is not a regular file; fnaccel keeps its save lock there: remove it"
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    owner = os.pread(fd, 4096, 0).removeprefix(LOCK_MARKER).decode(errors="replace").strip()
+                    return (f"{final}: another save to this path is in progress ({owner or 'starting'}); two "
+                            "runs saving to one path would replace each other's checkpoints: save elsewhere, "
+                            "or wait for it to end")
+                content = os.pread(fd, len(LOCK_MARKER), 0)
+                if content and content != LOCK_MARKER:
+                    return f"{final}: {path} is not fnaccel's save lock, and fnaccel keeps its lock there: move it"
+                try:
+                    current = os.stat(path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    current = False
+                if current:
+                    owner = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                        "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, LOCK_MARKER + owner.encode() + b"\n", 0)
+                    lock, fd = SaveLock(path, fd), -1
+                    return lock
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+        return f"{final}: its save lock {path} kept being replaced by other saves; save elsewhere"
+
+    def release(self) -> None:
+        """Remove the lock file (while still holding it: the next save locks a new one), then unlock."""
+        if self._fd is None:
+            return
+        try:
+            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _locked(path: Path) -> bool:
+    """Whether a live save holds the lock file ``path``."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def safe_relative(name: object, where: str) -> str:

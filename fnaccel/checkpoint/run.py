@@ -37,6 +37,7 @@ it restores anything, so a checkpoint that does not fit leaves the state fresh.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -49,7 +50,7 @@ from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.checks import check_like, check_tensors
 from fnaccel.checkpoint.codec import check_kind, optimizer_state, rng_from
-from fnaccel.checkpoint.files import read_json, read_tensors, verify_file
+from fnaccel.checkpoint.files import SaveLock, read_json, read_tensors, verify_file
 from fnaccel.checkpoint.hooks import check_unsharded, loaded_weights
 from fnaccel.checkpoint.manifest import read_manifest, target_problem
 from fnaccel.checkpoint.runinfo import ResumeDriftWarning, resume_drift
@@ -66,6 +67,7 @@ from fnaccel.checkpoint.sharded import is_sharded, load_sharded
 from fnaccel.checkpoint.tied import retie
 from fnaccel.checkpoint.writer import take_snapshot, write_snapshot
 from fnaccel.checkpoint.zero import load_zero, read_zero, zero_engine
+from fnaccel.dist import DistContext
 from fnaccel.state import DataPosition, RunState
 from fnaccel.transforms.parallel import unwrap_model
 
@@ -141,14 +143,24 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
     module = _module(state)
     ctx = state.dist
     writer = ctx.is_main_process or (project.save_on_each_node and ctx.is_local_main_process)
-    # one exchange: rank 0's token for the temporary directory, and every writer's verdict on the target
-    votes = ops.gather_object(ctx, [(uuid.uuid4().hex if ctx.is_main_process else None,
-                                     target_problem(final) if writer else None)])
+    problem, lock = None, None
+    if writer:  # a target it may not replace or write in, or one another live save holds, is refused
+        problem = target_problem(final)
+        taken = SaveLock.take(final) if problem is None else None
+        problem, lock = (taken, None) if isinstance(taken, str) else (problem, taken)
+        problem = None if problem is None else f"fa.save: {problem}"
+    try:  # every rank (a ZeRO-3 snapshot is collective); a value it cannot store is this rank's problem
+        snap = take_snapshot(state, module, writer, project.save_on_each_node, None if blocking else saves)
+    except CheckpointError as exc:
+        problem = problem or str(exc)
+    # one exchange: rank 0's token for the temporary directory, and every rank's verdict
+    votes = ops.gather_object(ctx, [(uuid.uuid4().hex if ctx.is_main_process else None, problem)])
     token = votes[0][0]
     problem = next((problem for _, problem in votes if problem is not None), None)
     if problem is not None:
-        raise CheckpointError(f"fa.save: {problem}")
-    snap = take_snapshot(state, module, writer, project.save_on_each_node, None if blocking else saves)
+        if lock is not None:
+            lock.release()
+        raise CheckpointError(problem)
 
     def on_commit(committed: Path) -> None:
         automatic = project_dir is not None and committed.parent == project_dir / "checkpoints"
@@ -156,11 +168,18 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
             assert project_dir is not None
             rotate(project_dir, project.total_limit, committed)
 
+    def write(on: DistContext) -> None:
+        try:
+            write_snapshot(snap, on, final, token, on_commit, lock)
+        finally:
+            if lock is not None:
+                lock.release()
+
     if blocking:
-        write_snapshot(snap, ctx, final, token, on_commit)
+        write(ctx)
         return SaveHandle(final)
     background = saves.background_ctx(ctx)
-    return saves.start(final, lambda: write_snapshot(snap, background, final, token, on_commit))
+    return saves.start(final, lambda: write(background))
 
 
 def _model_weights(state: RunState, module: torch.nn.Module, directory: Path,
@@ -254,6 +273,95 @@ def _check_drift(state: RunState, directory: Path, manifest: dict[str, Any], str
                       f"{'; '.join(map(str, drift))}", ResumeDriftWarning, stacklevel=3)
 
 
+def _read(state: RunState, directory: Path, allow_global_batch_change: bool, strict: bool) -> tuple[Any, ...]:
+    """Everything `load` restores, read from ``directory`` and checked; nothing is changed."""
+    manifest = read_manifest(directory)
+    module = _module(state)
+    # a sharded checkpoint loads through DCP into a sharded or a replicated model
+    sharded = is_stored_sharded(manifest) and module is not None
+    into_shards = is_sharded(state.model) and not sharded  # a replicated checkpoint into an fsdp() run
+    if sharded or into_shards:
+        check_unsharded(state)  # save/load hooks never see sharded weights: refused, not skipped
+    # read and check everything first: nothing below changes until all of it fits
+    zero = zero_engine(state.model)
+    weights = None
+    if module is not None and not sharded and zero is None:
+        weights = _model_weights(state, module, directory, manifest)
+    elif zero is not None:  # the masters hold the weights; the consolidated file is checked, not used
+        verify_file(directory, "model.safetensors", manifest)
+    zero_parts = None if zero is None else read_zero(state, zero, directory, manifest)
+    optimizer_sd = None
+    if state.optimizer is not None and not sharded and zero is None:
+        assert module is not None, "an optimizer without a model"
+        optimizer_sd = optimizer_state(
+            state.optimizer, dict(module.named_parameters()),
+            read_tensors(directory, "optimizer.safetensors", manifest),
+            read_json(directory, "optimizer.json", manifest),
+            str(directory / "optimizer.json"),
+        )
+    scheduler_sd = None
+    if state.scheduler is not None:
+        saved = read_json(directory, "scheduler.json", manifest)
+        source = str(directory / "scheduler.json")
+        check_kind(saved, state.scheduler, source)
+        if set(saved) != {"kind", "state_dict"}:
+            raise CheckpointError(f"{source}: must hold exactly the keys 'kind' and 'state_dict'")
+        check_like(saved["state_dict"], state.scheduler.state_dict(), f"{source}: state_dict")
+        scheduler_sd = saved["state_dict"]
+    own, grads, rng, position = _rank_files(state, module, directory, manifest, sharded,
+                                            allow_global_batch_change, strict)
+    if into_shards and grads:
+        raise CheckpointError(f"{directory}: saved between accumulation micro-steps by a replicated run; an "
+                              "fsdp() run cannot take those gradients: save after an optimizer step")
+    extras: dict[str, Any] = {}
+    if state.extras:
+        trees = read_json(directory, "extras.json", manifest)
+        extra_tensors = read_tensors(directory, "extras.safetensors", manifest)
+        source = str(directory / "extras.json")
+        for name, obj in state.extras.items():
+            if not isinstance(trees, dict) or name not in trees:
+                raise CheckpointError(f"{source}: nothing saved for registered object {name!r}")
+            live = obj.state_dict()
+            extras[name] = (extras_codec.join(trees[name], extra_tensors, f"{source}: {name}")
+                            if manifest["schema_version"] >= 5 else
+                            extras_codec.join_legacy(trees[name], extra_tensors, f"{source}: {name}", live))
+            check_like(extras[name], live, f"{source}: {name}", strict=False)
+    _check_drift(state, directory, manifest, strict)  # reads config.yaml and run.json, verified
+    return (manifest, module, sharded, into_shards, zero, weights, zero_parts, optimizer_sd, scheduler_sd, own, grads, rng, position, extras)
+
+_READ_ATTEMPTS = 3
+
+
+def _identity(directory: Path) -> tuple[int, int] | None:
+    """Which directory ``directory`` names now (a save replaces it by an atomic exchange)."""
+    try:
+        found = os.stat(directory)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+def _read_stable(state: RunState, directory: Path, allow_global_batch_change: bool, strict: bool
+                 ) -> tuple[Any, ...]:
+    """`_read`, again when a save replaced the checkpoint while it was read (files of the new
+    one checked against the old manifest fail, though neither is corrupt); a checkpoint
+    replaced at every try is refused as being replaced, never called corrupt."""
+    error: CheckpointError | None = None
+    for attempt in range(_READ_ATTEMPTS):
+        before = _identity(directory)
+        try:
+            return _read(state, directory, allow_global_batch_change, strict)
+        except CheckpointError as exc:
+            if before is None or _identity(directory) == before:
+                raise  # nothing replaced it: the error is the checkpoint's own
+            error = exc
+            time.sleep(0.05 * (attempt + 1))  # let the save that replaced it finish deleting the old one
+    raise CheckpointError(
+        f"{directory}: being replaced by a save while it was read, {_READ_ATTEMPTS} times in a row; load it "
+        f"once that save is done (the last read: {error})"
+    )
+
+
 def load(state: RunState, path: str | Path, *, allow_global_batch_change: bool = False,
          strict: bool = True) -> RunState:
     """Consumes ``state``: restore the checkpoint at ``path`` into its live objects.
@@ -319,58 +427,7 @@ def load(state: RunState, path: str | Path, *, allow_global_batch_change: bool =
     if not isinstance(allow_global_batch_change, bool):
         raise TypeError(f"fa.load: allow_global_batch_change must be True or False, got {allow_global_batch_change!r}")
     directory = Path(path).absolute()
-    manifest = read_manifest(directory)
-    module = _module(state)
-    # a sharded checkpoint loads through DCP into a sharded or a replicated model
-    sharded = is_stored_sharded(manifest) and module is not None
-    into_shards = is_sharded(state.model) and not sharded  # a replicated checkpoint into an fsdp() run
-    if sharded or into_shards:
-        check_unsharded(state)  # save/load hooks never see sharded weights: refused, not skipped
-    # read and check everything first: nothing below changes until all of it fits
-    zero = zero_engine(state.model)
-    weights = None
-    if module is not None and not sharded and zero is None:
-        weights = _model_weights(state, module, directory, manifest)
-    elif zero is not None:  # the masters hold the weights; the consolidated file is checked, not used
-        verify_file(directory, "model.safetensors", manifest)
-    zero_parts = None if zero is None else read_zero(state, zero, directory, manifest)
-    optimizer_sd = None
-    if state.optimizer is not None and not sharded and zero is None:
-        assert module is not None, "an optimizer without a model"
-        optimizer_sd = optimizer_state(
-            state.optimizer, dict(module.named_parameters()),
-            read_tensors(directory, "optimizer.safetensors", manifest),
-            read_json(directory, "optimizer.json", manifest),
-            str(directory / "optimizer.json"),
-        )
-    scheduler_sd = None
-    if state.scheduler is not None:
-        saved = read_json(directory, "scheduler.json", manifest)
-        source = str(directory / "scheduler.json")
-        check_kind(saved, state.scheduler, source)
-        if set(saved) != {"kind", "state_dict"}:
-            raise CheckpointError(f"{source}: must hold exactly the keys 'kind' and 'state_dict'")
-        check_like(saved["state_dict"], state.scheduler.state_dict(), f"{source}: state_dict")
-        scheduler_sd = saved["state_dict"]
-    own, grads, rng, position = _rank_files(state, module, directory, manifest, sharded,
-                                            allow_global_batch_change, strict)
-    if into_shards and grads:
-        raise CheckpointError(f"{directory}: saved between accumulation micro-steps by a replicated run; an "
-                              "fsdp() run cannot take those gradients: save after an optimizer step")
-    extras: dict[str, Any] = {}
-    if state.extras:
-        trees = read_json(directory, "extras.json", manifest)
-        extra_tensors = read_tensors(directory, "extras.safetensors", manifest)
-        source = str(directory / "extras.json")
-        for name, obj in state.extras.items():
-            if not isinstance(trees, dict) or name not in trees:
-                raise CheckpointError(f"{source}: nothing saved for registered object {name!r}")
-            live = obj.state_dict()
-            extras[name] = (extras_codec.join(trees[name], extra_tensors, f"{source}: {name}")
-                            if manifest["schema_version"] >= 5 else
-                            extras_codec.join_legacy(trees[name], extra_tensors, f"{source}: {name}", live))
-            check_like(extras[name], live, f"{source}: {name}", strict=False)
-    _check_drift(state, directory, manifest, strict)  # reads config.yaml and run.json, verified
+    (manifest, module, sharded, into_shards, zero, weights, zero_parts, optimizer_sd, scheduler_sd, own, grads, rng, position, extras) = _read_stable(state, directory, allow_global_batch_change, strict)
     # restore
     if sharded:  # model and optimizer from sharded/ (torch.distributed.checkpoint)
         load_sharded(state, directory, manifest)

@@ -33,6 +33,7 @@ from fnaccel.checkpoint.checks import kind_of
 from fnaccel.checkpoint.codec import optimizer_payload, rng_payload
 from fnaccel.checkpoint.hooks import check_unsharded, saved_weights
 from fnaccel.checkpoint.files import (
+    SaveLock,
     commit,
     json_copy,
     make_temporary,
@@ -167,12 +168,13 @@ def take_snapshot(
 
 
 def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
-                   on_commit: Callable[[Path], None]) -> None:
+                   on_commit: Callable[[Path], None], lock: SaveLock | None) -> None:
     """Write ``snap`` into a temporary sibling of ``final`` and move it into place.
 
     Collective over ``ctx``: every rank calls it. Writers (rank 0, or each
     machine's first process with ``save_on_each_node``) first remove what
-    crashed saves to ``final`` left, create the marked temporary directory,
+    crashed saves to ``final`` left (they hold its `SaveLock`, ``lock``: no live
+    save to ``final`` is writing one), create the marked temporary directory,
     write the shared files and the manifest, commit, then call
     ``on_commit(final)`` (rotation).
 
@@ -192,7 +194,7 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
     if snap.writer:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            remove_leftovers(final.parent, re.escape(sibling_stem(final.name)))
+            remove_leftovers(final.parent, re.escape(sibling_stem(final.name)), holding=lock)
             make_temporary(final, token)
             prepared = True
         except Exception as exc:  # noqa: BLE001 - reported to every rank below, not here
