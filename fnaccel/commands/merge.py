@@ -132,6 +132,29 @@ def _dcp_reader(source: Path) -> Any:
             self.metadata = metadata
             return metadata
 
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            """DCP's own read, one file at a time, so that a file torch cannot read is named
+            (torch's own error names none, and advises unpickling it with weights_only=False).
+            DCP records no checksum: a flipped byte that still unpickles is not seen."""
+            import dataclasses
+
+            from torch.futures import Future
+
+            per_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            for name, items in per_file.items():
+                try:
+                    super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                except CheckpointError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - whatever torch.load raises on damaged bytes
+                    raise CheckpointError(f"{source / name}: corrupt (torch cannot read a tensor stored in it: "
+                                          f"{type(exc).__name__}); the file was damaged after it was written") from None
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
     return _Reader(source)
 
 
@@ -235,6 +258,10 @@ def _load_model_tensors(metadata: Any, reader: Any) -> dict[str, torch.Tensor]:
             if full:
                 dcp.load(full, storage_reader=reader, planner=DefaultLoadPlanner(), no_dist=True)
     except CheckpointException as exc:  # DCP wraps what the reader raised
+        own = [f[0] if isinstance(f, tuple) else f for f in (getattr(exc, "failures", {}) or {}).values()]
+        named = next((f for f in own if isinstance(f, CheckpointError)), None)
+        if named is not None:  # it names its file; one process read everything: no rank to name
+            raise CheckpointError(str(named)) from None
         raise checkpoint_error(exc, "merge-weights") from None
     return {names[key]: tensor for key, tensor in full.items()}
 

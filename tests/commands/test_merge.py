@@ -369,3 +369,18 @@ def test_a_hostile_fnaccel_sharded_index_is_refused(
         assert main(command) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "sharded/metadata.json" in err and expected in err, (command, err)
+
+
+def test_a_torch_dcp_shard_with_a_flipped_byte_is_one_line_naming_the_file(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _copy(saved / "dcp", tmp_path / "dcp")
+    shard = sorted(source.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF  # the first stored tensor's archive header: torch.load cannot read it
+    shard.write_bytes(bytes(data))
+    assert main(["merge-weights", str(source), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"fnaccel merge-weights: error: {shard}: corrupt (torch cannot read a tensor "
+                                "stored in it: UnpicklingError); the file was damaged after it was written"], err
+    assert "weights_only" not in err and not (tmp_path / "out").exists()
