@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test typecheck train bench clean
+.PHONY: setup test typecheck docs train bench clean
 
 # Every pip call below, and the isolated environments pip builds sdists in (DeepSpeed is one: its
 # build imports torch), sees torch pinned to the local CPU wheel: nothing replaces it with a CUDA
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	# is then already satisfied and pulls no CUDA packages.
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -30,6 +30,12 @@ typecheck: $(STAMP)
 test: typecheck
 	$(BIN)/python -m pytest -q tests
 	$(BIN)/python -m pytest -q --doctest-modules fnaccel
+
+# The documentation site in build/site: the guide (docs/*.md) and the API reference generated from
+# the docstrings, built strictly (a broken link or anchor, or a public name without a docstring,
+# fails). `make test` builds it too, through tests/test_docs_build.py.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 # The main job: train the example classifier on 2 gloo processes.
 train: $(STAMP)
