@@ -59,7 +59,7 @@ def main() -> None:
         return tried[-1] // 2
 
     @find_executable_batch_size(starting_batch_size=args.batch_size, reduce_batch_size_fn=halve)
-    def train(batch_size: int) -> float:
+    def train(batch_size: int) -> None:
         tried.append(batch_size)
         accumulation = max(1, args.batch_size // batch_size)
         state = fa.init(seed=0)
@@ -73,13 +73,12 @@ def main() -> None:
             fa.print_on_main(state, f"trying batch {batch_size} x {accumulation} accumulation steps")
             for batch in fa.batches(state, epochs=args.epochs):
                 state, metrics = fa.step(state, batch)
-            return metrics["loss"].item()
+            fa.print_on_main(state, f"batch {batch_size} fits (tried {tried}); {accumulation} accumulation steps; "
+                                    f"final loss {metrics['loss'].item():.4f}")
         finally:
             fa.shutdown(state)  # also after an out-of-memory error: the next try starts a new run
 
-    loss = train()  # the decorator passes the batch size
-    print(f"batch {tried[-1]} fits (tried {tried}); {args.batch_size // tried[-1]} accumulation steps; "
-          f"final loss {loss:.4f}")
+    train()  # the decorator passes the batch size
 
 
 if __name__ == "__main__":

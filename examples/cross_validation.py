@@ -72,13 +72,15 @@ def main() -> None:
         fa.print_on_main(state, f"fold {fold}: initial weight[0, 0] {initial_weight:+.4f}, "
                                 f"held-out accuracy {(predicted == held_out_labels).float().mean().item():.3f}")
         test_probabilities.append(fa.evaluate(state, test, probabilities))
+        main_process = state.dist.is_main_process
         fa.shutdown(state)  # the fold's run ends here, process group included
 
     test_labels = test_set.tensors[1]
     ensemble = torch.stack(test_probabilities).mean(dim=0).argmax(1)
     alone = [(p.argmax(1) == test_labels).float().mean().item() for p in test_probabilities]
-    print(f"test accuracy of each fold's model {[round(a, 3) for a in alone]}, "
-          f"of their ensemble {(ensemble == test_labels).float().mean().item():.3f}")
+    if main_process:
+        print(f"test accuracy of each fold's model {[round(a, 3) for a in alone]}, "
+              f"of their ensemble {(ensemble == test_labels).float().mean().item():.3f}")
 
 
 if __name__ == "__main__":
