@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--output", default="runs/char_gpt")
     parser.add_argument("--tiny", action="store_true", help="a few steps of a smaller model, for tests")
     args = parser.parse_args()
-    context, dim, depth = (16, 32, 1) if args.tiny else (64, 96, 3)
+    context, dim, depth = (16, 32, 1) if args.tiny else (64, 64, 2)
     if args.tiny:
         args.epochs = 1
 

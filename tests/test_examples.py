@@ -188,7 +188,12 @@ def test_every_example_is_run_by_a_test(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_the_one_process_examples_run_and_do_what_they_say(tmp_path: Path) -> None:
-    out = _run_examples(_one_process_runs(tmp_path), tmp_path, launch=[])
+    import importlib.util
+
+    runs = _one_process_runs(tmp_path)
+    has_deepspeed = importlib.util.find_spec("deepspeed") is not None  # in the test extra
+    out = _run_examples([run for run in runs if has_deepspeed or run[0] != "deepspeed_with_config.py"],
+                        tmp_path, launch=[])
 
     def line(key: str, pattern: str) -> re.Match[str]:
         match = re.search(pattern, out[key])
@@ -222,6 +227,9 @@ def test_the_one_process_examples_run_and_do_what_they_say(tmp_path: Path) -> No
     line(gpt, r"resumed from .* at step 10 ")
     line(gpt, r"It writes:\nI\n\nFrom fairest")  # the prompt, then what it learnt
 
+    if not has_deepspeed:
+        pytest.skip("deepspeed is not installed (pip install 'fnaccel[deepspeed]'): the others ran, "
+                    "deepspeed_with_config.py did not")
     line(f"deepspeed_with_config.py --output {tmp_path / 'deepspeed'}",
          r"pipeline from the config: compose\(deepspeed\(gradient_accumulation_steps=2, gradient_clipping=1.0, "
          r"zero_stage=2")
