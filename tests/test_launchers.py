@@ -28,6 +28,7 @@ def train(num_steps: int) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
+@pytest.mark.multiprocess
 def test_two_processes_train_as_one_process_on_the_whole_batch() -> None:
     # this process runs OpenMP's thread pool first, as a notebook kernel has: the forked workers still compute
     threads = torch.get_num_threads()
@@ -51,6 +52,7 @@ def _world_facts(tag: str) -> tuple[str, int, int, str, str]:
     return facts
 
 
+@pytest.mark.multiprocess
 def test_debug_launcher_runs_cpu_gloo_ranks_and_passes_the_precision() -> None:
     assert debug_launcher(_world_facts, ("x",), num_processes=3) == [
         ("x", r, 3, "gloo", "no") for r in range(3)]
@@ -69,6 +71,7 @@ def _fails_on_rank_one(where: str) -> None:
 
 
 @pytest.mark.parametrize("where", ["collective", "sleeping"])
+@pytest.mark.multiprocess
 def test_one_failing_rank_ends_every_rank_within_seconds(where: str) -> None:
     start = time.monotonic()
     with pytest.raises(ProcessFailedError, match="rank 1 failed first: ValueError: rank one gives up") as info:
@@ -87,6 +90,7 @@ def _exits_hard() -> None:
     time.sleep(600)
 
 
+@pytest.mark.multiprocess
 def test_a_rank_that_dies_without_raising_is_named() -> None:
     with pytest.raises(ProcessFailedError, match="rank 0 failed first: exited with code 3"):
         debug_launcher(_exits_hard)

@@ -177,6 +177,7 @@ if sys.argv[2] == "shutdown":
 
 
 @pytest.mark.parametrize("ending", ["shutdown", "exit"])
+@pytest.mark.multiprocess
 def test_under_torchrun_a_run_ends_without_abort(tmp_path: Path, ending: str) -> None:
     """Real torchrun, a DCP save, then a clean end whether or not shutdown is called."""
     script = tmp_path / "job.py"
@@ -282,6 +283,7 @@ if sys.argv[2] == "shutdown":
 
 
 @pytest.mark.parametrize("ending", ["shutdown", "exit"])
+@pytest.mark.multiprocess
 def test_an_fsdp_run_with_a_save_ends_without_abort(tmp_path: Path, ending: str) -> None:
     """The clean end still settles before the group goes (the loop of 60 such launches
     in the fail-fast work aborted 0 times; one of each ending here)."""

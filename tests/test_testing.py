@@ -45,6 +45,7 @@ def test_an_exception_is_reraised_with_its_rank(world: Any) -> None:
     assert world.run(_rank_times, 1) == list(range(world.num_processes))
 
 
+@pytest.mark.multiprocess
 def test_a_hung_rank_and_a_dead_rank_tear_the_world_down() -> None:
     with World(2, timeout=4) as world:
         started = time.monotonic()

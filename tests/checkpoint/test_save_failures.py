@@ -50,6 +50,7 @@ def test_a_failed_asynchronous_save_is_raised_by_the_next_call_or_ends_the_proce
     assert sorted(os.listdir(tmp_path)) == []
 
 
+@pytest.mark.multiprocess
 def test_a_lost_asynchronous_failure_ends_a_two_process_launch(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", "2", str(ASYNC_JOB),

@@ -108,6 +108,7 @@ def test_config_update_converts_an_older_file(tmp_path: Path, text: str) -> None
     assert load_config(path).num_processes == 2
 
 
+@pytest.mark.multiprocess
 def test_an_older_file_runs(tmp_path: Path) -> None:
     """A real launch of 2 processes from the 0.12-era file."""
     path = tmp_path / "default_config.yaml"

@@ -65,6 +65,7 @@ def test_config_file_values_reach_the_script_and_flags_win(uninterrupted: Path) 
         assert seen["pipeline"] == "compose(ddp())" and seen["steps"] == 16
 
 
+@pytest.mark.multiprocess
 def test_config_default_then_launch_uses_its_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU config, even on a GPU box
     config = tmp_path / "default.yaml"
@@ -87,6 +88,7 @@ def test_config_default_then_launch_uses_its_values(tmp_path: Path, monkeypatch:
         assert not set(ranks[0]["affinity"]) & set(ranks[1]["affinity"])
 
 
+@pytest.mark.multiprocess
 def test_an_accelerate_hybrid_shard_config_with_a_parallelism_section_trains(tmp_path: Path) -> None:
     """Accelerate's HYBRID_SHARD (refused before meshes) runs as HSDP on a 2x2 mesh."""
     config = tmp_path / "hsdp.yaml"
@@ -134,6 +136,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.multiprocess
 def test_two_machines_form_one_world(tmp_path: Path, uninterrupted: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -157,6 +160,7 @@ def test_two_machines_form_one_world(tmp_path: Path, uninterrupted: Path) -> Non
     assert_same_weights(out, uninterrupted)  # the same training as 2 processes on one machine
 
 
+@pytest.mark.multiprocess
 def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path: Path, uninterrupted: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -169,6 +173,7 @@ def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path: Path, 
     assert_same_weights(out, uninterrupted)
 
 
+@pytest.mark.multiprocess
 def test_a_failing_script_gives_its_exit_status(tmp_path: Path) -> None:
     script = tmp_path / "fails.py"
     script.write_text("import sys\nsys.exit(3)\n")
@@ -183,6 +188,7 @@ def test_a_failing_script_gives_its_exit_status(tmp_path: Path) -> None:
     ("num_processes: two\n", "key 'num_processes' must be int"),
     ("fsdp_config: {fsdp_sharding_strategy: 9}\ndistributed_type: FSDP\n", "key 'fsdp_sharding_strategy'"),
 ])
+@pytest.mark.multiprocess
 def test_bad_config_files_give_one_line_and_exit_2(tmp_path: Path, text: str, message: str) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text(text)

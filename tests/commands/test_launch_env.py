@@ -8,6 +8,7 @@ import sys
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from fnaccel.config import LAUNCH_VARIABLES, LaunchConfig, launch_env, with_launch_env
@@ -26,6 +27,7 @@ fa.shutdown(state)
 """
 
 
+@pytest.mark.multiprocess
 def test_the_run_records_the_resolved_config_and_warns_once(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text("mixed_precision: fp16\nnum_processes: 2\n")

@@ -29,6 +29,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("ending", ["plain", "finally"])
 @pytest.mark.parametrize("where", ["init", "step"])
+@pytest.mark.multiprocess
 def test_a_raising_rank_ends_the_launch_within_seconds(tmp_path: Path, where: str, ending: str) -> None:
     """Rank 1 raises (after fa.init, or mid-step under ddp()) while rank 0 waits in a
     collective: before, the job hung for the 30-minute process-group timeout."""

@@ -64,6 +64,7 @@ def _end(launcher: subprocess.Popen[str], out: Path) -> None:
     launcher.communicate(timeout=30)  # the pipes close once every worker is gone
 
 
+@pytest.mark.multiprocess
 def test_a_launcher_killed_with_sigkill_leaves_no_worker(tmp_path: Path) -> None:
     """Before: torchrun's workers, each in its own session, ran on forever as orphans."""
     launcher = _start("--cpu", "--num_processes", "2", str(SCRIPT), str(tmp_path), "sleep")
@@ -79,6 +80,7 @@ def test_a_launcher_killed_with_sigkill_leaves_no_worker(tmp_path: Path) -> None
         _end(launcher, tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_sigterm_reaches_the_workers_and_ends_the_launch_with_143(tmp_path: Path) -> None:
     """Before: a 28-line traceback and exit 1. The workers exit 0 on SIGTERM, an asynchronous
     save perhaps still writing: the checkpoint left is whole."""
@@ -104,6 +106,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.multiprocess
 def test_waiting_for_machines_speaks_hears_ctrl_c_and_times_out(tmp_path: Path) -> None:
     """Before: silent for torchrun's whole timeout (900 s), deaf to Ctrl-C, then a 43-line
     traceback. Machine 0 waits alone for 4 s; machine 1, on a port nobody serves, gets Ctrl-C."""

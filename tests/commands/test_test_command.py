@@ -40,8 +40,10 @@ def test_the_script_passes_every_check_in_a_world_of_one(capsys: pytest.CaptureF
     assert test_script.main() == 0
     lines = _report_lines(capsys.readouterr().out)
     assert set(lines) == set(NAMES)
-    assert all(outcome.startswith("ok") for name, outcome in lines.items() if name != "mixed precision")
+    skipped = {"mixed precision", "resume on 1 process"}
+    assert all(outcome.startswith("ok") for name, outcome in lines.items() if name not in skipped)
     assert lines["mixed precision"].startswith("skipped: not configured")
+    assert lines["resume on 1 process"].startswith("skipped: one process; launch with --num_processes 2")
     assert lines["training vs PyTorch"] == "ok (4 steps, parameters bit-identical to plain PyTorch)"
 
 
@@ -52,7 +54,7 @@ def test_mixed_precision_is_checked_when_the_launch_configures_it(
     assert test_script.main() == 0
     out = capsys.readouterr().out
     assert _report_lines(out)["mixed precision"].startswith("ok (compose(autocast(dtype=torch.bfloat16))")
-    assert out.rstrip().endswith("All 11 checks passed.")
+    assert out.rstrip().endswith("All 11 checks passed (1 skipped).")
 
 
 def test_a_failing_check_is_reported_and_the_exit_status_is_1(
@@ -65,9 +67,33 @@ def test_a_failing_check_is_reported_and_the_exit_status_is_1(
     captured = capsys.readouterr()
     lines = _report_lines(captured.out)
     assert lines["mixed precision"].startswith("FAILED: ") and "did not change" in lines["mixed precision"]
-    assert all(lines[name].startswith("ok") for name in NAMES if name != "mixed precision")
-    assert captured.out.rstrip().endswith("1 of 11 checks FAILED.")
+    assert all(lines[name].startswith(("ok", "skipped")) for name in NAMES if name != "mixed precision")
+    assert captured.out.rstrip().endswith("1 of 12 checks FAILED.")
     assert "[rank 0] check 'mixed precision' failed:" in captured.err and "Traceback" in captured.err
+
+
+class OwnGeneratorDropout(torch.nn.Module):
+    """A dropout drawing from a generator of its own, which no checkpoint holds: the planted bug."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p, self.noise = p, torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand(x.shape, generator=self.noise) >= self.p
+        return x * keep / (1 - self.p) if self.training else x
+
+
+def test_a_generator_not_restored_fails_the_resume_check_naming_the_resume(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.nn, "Dropout", OwnGeneratorDropout)  # the check's model is built from torch.nn
+    assert test_script.main() == 1
+    lines = _report_lines(capsys.readouterr().out)
+    assert lines["resume x3 in an epoch"].startswith(
+        "FAILED: CheckFailed: verify_resume: resume 1 of 3 (at batch 2, on 1 process(es)): batch 3 after "
+        "resuming at batch 2 has loss"), lines
+    assert lines["training vs PyTorch"].startswith("ok")
 
 
 def _fails() -> str:
@@ -115,6 +141,7 @@ def test_a_failure_on_one_rank_is_reported_on_every_rank(world2: Any) -> None:
         assert group.status == "ok" and "2 processes" in group.detail
 
 
+@pytest.mark.multiprocess
 def test_the_script_passes_every_check_under_torchrun() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)],
@@ -125,6 +152,7 @@ def test_the_script_passes_every_check_under_torchrun() -> None:
     assert set(lines) == set(NAMES), result.stdout
     assert all(lines[name].startswith("ok") for name in NAMES if name != "mixed precision"), result.stdout
     assert lines["process group"] == "ok (2 processes on 1 machine(s), backend gloo, device cpu)"
+    assert "atol=1e-05, rtol=0.0001" in lines["resume on 1 process"]
     assert result.stdout.count("fnaccel installation check") == 1  # the main process reports
 
 
@@ -180,6 +208,7 @@ def test_help_says_where_other_flags_go(capsys: pytest.CaptureFixture[str]) -> N
     assert "--config_file" in out and "fnaccel launch" in out
 
 
+@pytest.mark.multiprocess
 def test_fnaccel_test_end_to_end_on_two_cpu_processes(tmp_path: Path) -> None:
     """Needs `fnaccel.commands.launch.run_launch`."""
     result = subprocess.run(
@@ -187,6 +216,7 @@ def test_fnaccel_test_end_to_end_on_two_cpu_processes(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300, env={**os.environ, **ENV}, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "All 10 checks passed (1 skipped)." in result.stdout
+    assert "All 11 checks passed (1 skipped)." in result.stdout
+    assert "resume on 1 process ...... ok (2 processes, resumed on 1, then on 2" in result.stdout
     assert "ok (2 processes on 1 machine(s), backend gloo, device cpu)" in result.stdout
     assert "Test is a success! You are ready for your distributed training!" in result.stdout

@@ -150,6 +150,7 @@ def test_two_models_each_with_its_own_engine_train_as_each_would_alone(worlds: A
     assert interleaved[0] == pytest.approx(alone[0], abs=1e-6) and interleaved[1] == pytest.approx(alone[1], abs=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_an_accelerate_deepspeed_yaml_launches_trains_and_resumes_in_fresh_processes(tmp_path: Path) -> None:
     config = tmp_path / "ds.yaml"
     config.write_text(
