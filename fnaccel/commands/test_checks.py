@@ -4,8 +4,9 @@ A check takes the run's `RunState`, runs on every rank, and returns a detail
 for the report; it raises `CheckFailed` on a wrong result, `CheckSkipped` when
 it does not apply to this launch. `CHECKS` lists them in the order they run:
 the process group, each collective, the data loader's sharding, training steps
-through `fa.step` against a hand-written PyTorch loop, a checkpoint round trip
-that must resume bit for bit, and mixed precision when the launch configures it.
+through `fa.step` against a hand-written PyTorch loop, three resumes within an
+epoch that must be bit for bit, a resume on one process and back (equal within
+float tolerance), and mixed precision when the launch configures it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "check_pad_across_processes",
     "check_process_group",
     "check_reduce",
+    "check_resume_world_size",
     "check_training",
     "kwargs_handlers",
 ]
@@ -169,10 +171,10 @@ def check_broadcast_object_list(state: fa.RunState) -> str:
 # ---- training --------------------------------------------------------------------------------
 
 
-def _model() -> nn.Sequential:
+def _model(dropout: bool = True) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):  # the same weights on every rank, the process RNG untouched
         torch.manual_seed(SEED)
-        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4))
+        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1 if dropout else 0.0), nn.Linear(32, 4))
 
 
 def _fp8_model() -> nn.Sequential:
@@ -283,11 +285,23 @@ def _checkpoint_root(state: fa.RunState) -> Path:
     return Path(next(path for node, path in everyone if node == ctx.node_rank and path is not None))
 
 
-def check_checkpoint(state: fa.RunState) -> str:
-    """`fnaccel.testing.verify_resume`: save at batch 3, load into a fresh run, train 3 more:
-    the losses and the whole final state equal the uninterrupted run's, bit for bit."""
-    ctx = state.dist
+def _verify_resume(state: fa.RunState, make_state: Callable[[], fa.RunState], **options: Any) -> None:
+    """`fnaccel.testing.verify_resume` in a fresh directory on each machine; a difference fails the check."""
     root = _checkpoint_root(state)
+    try:
+        verify_resume(make_state, directory=root / "checkpoints", **options)
+    except AssertionError as exc:
+        raise CheckFailed(str(exc)) from None
+    finally:
+        fa.wait_for_everyone(state)  # nobody still reads the files
+        if state.dist.is_local_main_process:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def check_checkpoint(state: fa.RunState) -> str:
+    """`fnaccel.testing.verify_resume` with 3 resumes in one epoch of 8 batches, under accumulate(3):
+    every batch read, every loss and the whole final state equal the uninterrupted run's, bit for bit."""
+    ctx = state.dist
     project = ProjectConfiguration(save_on_each_node=ctx.num_nodes > 1)
 
     def make_state() -> fa.RunState:
@@ -295,19 +309,42 @@ def check_checkpoint(state: fa.RunState) -> str:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         loader = DataLoader(TensorDataset(*_data(8 * BATCH_SIZE * ctx.num_processes)),
-                            batch_size=BATCH_SIZE, shuffle=True)
+                            batch_size=BATCH_SIZE, shuffle=True)  # 8 batches an epoch on each rank
+        pipeline = fa.compose(_pipeline(ctx), fa.accumulate(3))
         return fa.prepare(_fresh_run(state, project), model, optimizer, loader, scheduler, loss_fn=_loss,
-                          pipeline=_pipeline(ctx))
+                          pipeline=pipeline)
 
-    try:
-        verify_resume(make_state, steps=3, directory=root / "checkpoint")
-    except AssertionError as exc:
-        raise CheckFailed(str(exc)) from None
-    finally:
-        fa.wait_for_everyone(state)  # nobody still reads the files
-        if ctx.is_local_main_process:
-            shutil.rmtree(root, ignore_errors=True)
-    return "saved at step 3, loaded into a fresh run, the next 3 steps and the final state identical bit for bit"
+    _verify_resume(state, make_state, steps=2, resumes=3)
+    return ("saved at batches 2, 4 and 6 of an epoch of 8 under accumulate(3) (twice between micro-steps), "
+            "each loaded into a fresh run: every batch and the final state identical bit for bit")
+
+
+def check_resume_world_size(state: fa.RunState) -> str:
+    """`verify_resume` on another number of processes: N processes, rank 0 alone, N again (DESIGN
+    principle 5): the same global batches, the losses and final state equal within float tolerance."""
+    ctx = state.dist
+    n = ctx.num_processes
+    if n == 1:
+        raise CheckSkipped("one process; launch with --num_processes 2 or more to check a resume on another "
+                           "number of processes")
+    if ctx.num_nodes > 1:
+        raise CheckSkipped("several machines: the one-process part would save on the first machine only; "
+                           "run fnaccel test on one machine with several processes to check it")
+    global_batch = BATCH_SIZE * n
+
+    def make_state() -> fa.RunState:
+        run = _fresh_run(state)
+        model = _model(dropout=False)  # a rank's dropout stream has no counterpart on another world size
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = DataLoader(TensorDataset(*_data(6 * global_batch)),
+                            batch_size=global_batch // run.dist.num_processes, shuffle=True)
+        pipeline = fa.compose(_pipeline(run.dist), fa.accumulate(2))
+        return fa.prepare(run, model, optimizer, loader, loss_fn=_loss, pipeline=pipeline)
+
+    atol, rtol = 1e-5, 1e-4
+    _verify_resume(state, make_state, steps=2, resumes=2, num_processes=(1, n), atol=atol, rtol=rtol)
+    return (f"{n} processes, resumed on 1, then on {n} under accumulate(2): the same global batches, the losses "
+            f"and final state equal within atol={atol:g}, rtol={rtol:g}")
 
 
 # ---- mixed precision -------------------------------------------------------------------------
@@ -367,6 +404,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("broadcast_object_list", check_broadcast_object_list),
     ("data loader sharding", check_data_loader),
     ("training vs PyTorch", check_training),
-    ("checkpoint round trip", check_checkpoint),
+    ("resume x3 in an epoch", check_checkpoint),
+    ("resume on 1 process", check_resume_world_size),
     ("mixed precision", check_mixed_precision),
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -136,3 +137,118 @@ def test_a_ddp_checkpoint_diffs_against_a_sharded_one_by_the_same_names(world2: 
     fresh = inspect_in_a_new_process(tmp_path / "fsdp", "--json")
     assert fresh["code"] == 0 and fresh["modules"] == [], fresh
     assert json.loads(fresh["out"]) == sharded.to_dict()
+
+
+# ---- repeated resumes and another number of processes, against planted bugs --------------------
+
+
+class BlockShuffledStream(torch.utils.data.IterableDataset[torch.Tensor]):
+    """A stream read through a shuffle buffer: blocks of 16 rows, each shuffled by the block's seed.
+    Its state_dict holds the right position, but the shuffle's seed counts the blocks since the last
+    load (the bug: it should be the block's index), so a resume inside the first block is right and a
+    resume in a later block, the second one here, reads another order."""
+
+    def __init__(self) -> None:
+        self.data = torch.randn(64, 4, generator=torch.Generator().manual_seed(3))
+        self.start = self.position = 0
+
+    def __iter__(self) -> Any:
+        self.position = self.start
+        first = self.start // 16
+        for block in range(first, 4):
+            order = torch.randperm(16, generator=torch.Generator().manual_seed(block - first))
+            for i in order[self.position - 16 * block:].tolist():
+                self.position += 1
+                yield self.data[16 * block + i]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"start": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["start"]
+
+
+def stream_state() -> fa.RunState:
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    return fa.prepare(fa.init(seed=0, cpu=True), module, torch.optim.AdamW(module.parameters(), lr=1e-2),
+                      DataLoader(BlockShuffledStream(), batch_size=4), pipeline=fa.compose(fa.accumulate(3)),
+                      loss_fn=lambda m, b: m(b).pow(2).mean())
+
+
+def test_a_position_lost_on_the_second_resume_passes_one_resume_and_fails_the_second() -> None:
+    verify_resume(stream_state, steps=2)
+    with pytest.raises(AssertionError, match=r"resume 2 of 3 \(at batch 4, on 1 process\(es\)\): batch 5 reads "
+                                             r"other data than the uninterrupted run: the data position was not"):
+        verify_resume(stream_state, steps=2, resumes=3)
+
+
+class WarmupState:
+    """A user transform's state: how many updates ran. Its load_state_dict restores nothing."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass  # the bug: self.count = state["count"]
+
+
+def warmup() -> fa.Transform:
+    """Scales the loss up over the first updates (a user-written transform with state)."""
+    return fa.Transform(name="warmup", init=lambda ctx: WarmupState(),
+                        scale_loss=lambda loss, s: loss * min(1.0, (s.count + 1) / 8),
+                        after_step=lambda s: setattr(s, "count", s.count + 1))
+
+
+class NoisyLinear(nn.Linear):
+    """Adds noise from a generator of its own, which no checkpoint holds."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 1)
+        self.noise = torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.1 * torch.randn(x.shape[0], 1, generator=self.noise)
+
+
+def test_a_transform_state_or_a_generator_not_restored_is_named() -> None:
+    with pytest.raises(AssertionError, match=r"(?s)resume 1 of 3 .*batch 4 after resuming at batch 2 has loss .*"
+                                             r"the loaded state differs from the one that saved it:.*"
+                                             r"rank0/transforms/warmup/count: 2 != 0"):
+        verify_resume(lambda: make_state(pipeline=fa.compose(warmup())), steps=2, resumes=3)
+    with pytest.raises(AssertionError, match=r"resume 1 of 3 .*batch 3 after resuming at batch 2 has loss .*the "
+                                             r"batches are the same and the loaded state equals the saved one"):
+        verify_resume(lambda: make_state(NoisyLinear), steps=2, resumes=3)
+
+
+def global_batch_state(loss: str) -> fa.RunState:
+    """A step that draws no random numbers, the global batch of 8 kept on any number of processes."""
+    state = fa.init(seed=0, cpu=True)
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    data = TensorDataset(torch.randn(48, 4, generator=torch.Generator().manual_seed(2)))  # 6 steps an epoch
+    reduce = torch.mean if loss == "mean" else torch.sum  # "sum": the bug, gradients scale with the local batch
+    return fa.prepare(state, module, torch.optim.AdamW(module.parameters(), lr=1e-2),
+                      DataLoader(data, batch_size=8 // state.dist.num_processes, shuffle=True),
+                      pipeline=fa.compose(fa.ddp(), fa.accumulate(2)), loss_fn=lambda m, b: reduce(m(b[0]).pow(2)))
+
+
+def resume_on_one_and_back(state: fa.RunState, loss: str) -> str:
+    """Runs on each rank: 2 processes, then rank 0 alone, then 2 again, within one epoch."""
+    try:
+        verify_resume(lambda: global_batch_state(loss), steps=2, resumes=2, num_processes=(1, 2))
+    except AssertionError as exc:
+        return str(exc)
+    return "ok"
+
+
+def test_another_number_of_processes_compares_within_tolerance_and_names_a_planted_bug(world2: Any) -> None:
+    assert world2.run(resume_on_one_and_back, "mean") == ["ok", "ok"]
+    failed = world2.run(resume_on_one_and_back, "sum")
+    assert failed[0] == failed[1], failed  # every rank raises, naming the same difference
+    assert re.match(r"verify_resume: resume 1 of 2 \(at batch 2, on 1 process\(es\)\): batch 3 after resuming at "
+                    r"batch 2 has loss .*, the uninterrupted run's mean over its ranks \(compared within "
+                    r"atol=1e-05, rtol=0.0001\)", failed[0]), failed[0]
