@@ -114,36 +114,40 @@ def _start_process_group(
         return group, GroupOwner(group, is_default=False)
     kwargs: dict[str, Any] = {
         "backend": backend,
-        "init_method": options.get("init_method", "env://"),
         "rank": env["rank"],
         "world_size": env["num_processes"],
         "timeout": timeout,
+        "store": _group_store(options.get("init_method", "env://"), env["rank"], env["num_processes"],
+                              timeout),
     }
     if device.type == "cuda":
         kwargs["device_id"] = device
-    if "init_method" not in options and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        del kwargs["init_method"]
-        kwargs["store"] = _attempt_store(env["num_processes"], timeout)
     dist.init_process_group(**kwargs)
     group = dist.group.WORLD
     return group, GroupOwner(group, is_default=True)
 
 
-def _attempt_store(num_processes: int, timeout: timedelta) -> Any:
-    """The elastic agent's store, seen through a prefix private to this attempt.
+def _group_store(init_method: str, rank: int, num_processes: int, timeout: timedelta) -> Any:
+    """The rendezvous store of a new default group, seen under keys no earlier group used.
 
-    torchrun's agent keeps one store for the whole job and its workers form
-    their group on it without a prefix, so after a restart (``--max_restarts``)
-    the new workers find the dead ones' gloo addresses under the same keys and
-    hang or fail to connect (pytorch issue 135712). Keys under the restart
-    count keep each attempt to itself.
+    A store outlives the groups formed on it: torchrun's agent keeps one for the
+    whole job (``TORCHELASTIC_USE_AGENT_STORE``), and torch forms every default
+    group under the same keys (its name starts again at "0" once the last group
+    is destroyed). A group formed after `fa.shutdown` in the same process then
+    read the ended group's gloo addresses and hung or was refused a connection,
+    and after a restart (``--max_restarts``) the new workers read the dead ones'
+    (pytorch issue 135712). So every group gets keys of its own: under the
+    restart count, then under the count of groups formed before it in this
+    attempt. That count is read from the store itself, each rank adding one as
+    it joins: no rank can join the next group before every rank joined this one
+    (a group forms only once all have), so the joins of one group are one
+    contiguous block of ``num_processes`` and every rank computes the same count.
     """
-    store = dist.TCPStore(
-        host_name=os.environ["MASTER_ADDR"], port=_env_int("MASTER_PORT", 29500),
-        world_size=num_processes, is_master=False,
-        timeout=timeout,
-    )
-    return dist.PrefixStore(f"fnaccel/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    store, _, _ = next(dist.rendezvous(init_method, rank, num_processes, timeout=timeout))
+    store.set_timeout(timeout)
+    attempt = dist.PrefixStore(f"fnaccel/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    joined = attempt.add("joined", 1)
+    return dist.PrefixStore(f"group_{(joined - 1) // num_processes}", attempt)
 
 
 def _handlers_by_name(kwargs_handlers: Iterable[KwargsHandler]) -> dict[str, KwargsHandler]:
