@@ -300,9 +300,10 @@ def verify_resume(make_state: Callable[[], RunState], *, steps: int, resumes: in
             root = Path(directory)
         whole, losses, read = _train(whole, (resumes + 1) * steps)
         chain = _Chain(whole, losses, read, steps, resumes, atol, rtol, any(s != n for s in sizes))
-        current: RunState | None = make_state()
-        states.append(current)
-        current, _ = train_steps(current, steps)
+        first = make_state()
+        states.append(first)
+        current: RunState | None
+        current, _ = train_steps(first, steps)
         save(current, root / "resume_1")
         previous_size = n
         for resume, size in enumerate(sizes, 1):
