@@ -4,11 +4,21 @@ Starting a world (processes that import torch and join a process group) is
 the expensive part of a distributed test, so one 2-rank and one 3-rank world
 serve the whole session; a test that breaks a world gets it rebuilt for the
 next one.
+
+Every test that starts a process group carries the ``multiprocess`` marker, so
+that ``pytest -m "not multiprocess"`` is the fast loop (README, "Contributing"):
+tests using the world fixtures get it here; any other test that starts one
+(a `World` of its own, ``fnaccel launch``/torchrun, `notebook_launcher`) marks
+itself, and `multiprocess_marker_is_set` fails a test that starts one unmarked.
 """
 
 from __future__ import annotations
 
+import multiprocessing.process
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +29,59 @@ _LAUNCH_VARS = (
     "MASTER_ADDR", "MASTER_PORT", "FNACCEL_CONFIG_FILE", "FNACCEL_MIXED_PRECISION",
     "FNACCEL_USE_CPU", "FNACCEL_DEBUG_MODE", "TORCHELASTIC_USE_AGENT_STORE",
 )
+
+
+WORLD_FIXTURES = frozenset({"world", "world2", "worlds"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if WORLD_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.multiprocess)
+
+
+def group_command(argv: Any) -> bool:
+    """True when a command line starts a process group (a launcher, or `fnaccel test` which launches)."""
+    words = [Path(str(a)).name for a in ([argv] if isinstance(argv, (str, bytes, Path)) else argv)]
+    words = [w for word in words for w in word.split()]  # a shell command is one string
+    return any(w in ("torchrun", "torch.distributed.run")
+               or (w in ("fnaccel", "accelerate") and words[i + 1:i + 2] in (["launch"], ["test"]))
+               for i, w in enumerate(words))
+
+
+@pytest.fixture(autouse=True)
+def multiprocess_marker_is_set(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail an unmarked test that started a process group: it would slow the fast loop.
+
+    Seen here: a `multiprocessing` process other than a DataLoader worker (`World`, `mp.spawn`,
+    `notebook_launcher`, torchrun's agent in this process) and a subprocess whose command line is
+    a launcher. Not seen: a group started by a script that a test runs as a plain subprocess, or
+    by a module- or session-scoped fixture (set up before this one).
+    """
+    if request.node.get_closest_marker("multiprocess") is not None:
+        yield
+        return
+    started: list[str] = []
+    start, popen_init = multiprocessing.process.BaseProcess.start, subprocess.Popen.__init__
+
+    def checked_start(process: Any) -> None:
+        target = getattr(process, "_target", None)
+        where = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}"
+        if not where.startswith(("torch.utils.data.", "torchdata.")):  # DataLoader workers (torchdata's too)
+            started.append(f"a process running {where}")
+        start(process)
+
+    def checked_popen(popen: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
+        if group_command(args):
+            started.append(f"the command {args!r}")
+        popen_init(popen, args, *rest, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", checked_start)
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
+    yield
+    if started:
+        pytest.fail(f"this test started {started[0]} but is not marked: add @pytest.mark.multiprocess "
+                    "(or pytestmark = pytest.mark.multiprocess for the module)", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -215,6 +215,7 @@ def _init_with_file_rendezvous(rank: int, rendezvous: str, results: Any) -> None
     results.put((rank, timeout, total, second, dist.is_initialized()))
 
 
+@pytest.mark.multiprocess
 def test_init_method_and_timeout_are_honoured(tmp_path: Path) -> None:
     """No MASTER_ADDR: the handler's file:// rendezvous says where to meet."""
     import multiprocessing as mp

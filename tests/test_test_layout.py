@@ -166,3 +166,68 @@ def test_the_check_fails_on_a_module_without_tests_and_on_a_stale_entry(tmp_path
 def test_each_entry_says_why_in_one_short_line(entries: dict[str, tuple[str, str]]) -> None:
     long = [module for module, (_, why) in entries.items() if len(why) > 100 or "\n" in why]
     assert not long, long
+
+
+GUARDED = '''
+import multiprocessing, os, subprocess, sys
+
+import pytest
+
+LAUNCH = [sys.executable, "-c", "", "fnaccel", "launch"]  # a launcher's command line, that exits at once
+
+
+@pytest.fixture
+def world2():  # the real fixture's name, without its processes
+    return None
+
+
+def test_unmarked_launch():
+    subprocess.run(LAUNCH, check=True)
+
+
+def test_unmarked_process():
+    process = multiprocessing.get_context("fork").Process(target=os.getpid)
+    process.start()
+    process.join()
+
+
+def test_unmarked_plain_subprocess():
+    subprocess.run([sys.executable, "-c", ""], check=True)
+
+
+@pytest.mark.multiprocess
+def test_marked_launch():
+    subprocess.run(LAUNCH, check=True)
+
+
+def test_marked_by_its_fixture(world2):
+    subprocess.run(LAUNCH, check=True)
+'''
+
+
+def test_an_unmarked_test_starting_a_group_fails_and_the_fast_loop_skips_marked_ones(tmp_path: Path) -> None:
+    """What tests/conftest.py does for the ``multiprocess`` marker, on a planted test file run as
+    `pytest -m "not multiprocess"` is (the guard and the marker come from the real conftest)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('suite_conftest', {str(TESTS / 'conftest.py')!r})\n"
+        "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
+        "multiprocess_marker_is_set = suite.multiprocess_marker_is_set\n"
+        "pytest_collection_modifyitems = suite.pytest_collection_modifyitems\n")
+    (tmp_path / "test_planted.py").write_text(GUARDED)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers = multiprocess: starts a process group\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m",
+                           "not multiprocess", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    out = done.stdout
+    assert done.returncode == 1, out
+    # the two marked tests (one by its world fixture) are deselected; the unmarked ones run, and
+    # those that started a group fail at teardown
+    assert "3 passed, 2 deselected, 2 errors" in out, out
+    assert ("this test started the command [" in out and "'fnaccel', 'launch'] but is not marked: "
+            "add @pytest.mark.multiprocess") in out, out
+    assert "this test started a process running posix.getpid but is not marked" in out, out
+    assert "ERROR test_planted.py::test_unmarked_plain_subprocess" not in out, out

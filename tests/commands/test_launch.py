@@ -56,6 +56,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.multiprocess
 def test_config_file_values_reach_the_script_and_flags_win(uninterrupted: Path) -> None:
     ranks = report(uninterrupted)
     assert [r["rank"] for r in ranks] == [0, 1]

@@ -651,6 +651,7 @@ def _two_ranks(tmp_path: Path, scenario: str) -> list[tuple[float, tuple[str, ..
                 proc.join()
 
 
+@pytest.mark.multiprocess
 def test_a_collective_timeout_names_the_collective_and_the_setting(tmp_path: Path) -> None:
     """InitProcessGroupKwargs(timeout=2 s) bounds the wait for a rank that never comes."""
     [(elapsed, outcome)] = _two_ranks(tmp_path, "absent")
@@ -660,6 +661,7 @@ def test_a_collective_timeout_names_the_collective_and_the_setting(tmp_path: Pat
     assert 1.5 < elapsed < 60, elapsed  # the 2 s given, not fnaccel's 10 min default
 
 
+@pytest.mark.multiprocess
 def test_ranks_out_of_step_get_errors_never_a_result(tmp_path: Path) -> None:
     """A repeated gather meeting another rank's header exchange of the same size:
     gloo moves the bytes, the padding rank finds no mark in the gather's row and

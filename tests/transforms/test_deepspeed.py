@@ -178,6 +178,7 @@ def test_an_accelerate_deepspeed_yaml_launches_trains_and_resumes_in_fresh_proce
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
+@pytest.mark.multiprocess
 def test_mixed_precision_fp8_from_the_launch_trains(tmp_path: Path) -> None:
     pytest.importorskip("torchao", reason="torchao is not installed (pip install 'fnaccel[fp8]')")
     result = subprocess.run(
