@@ -30,7 +30,7 @@ from pathlib import Path
 
 
 def _tcp_sockets() -> int:
-    """The TCP sockets (listening or connected) this process holds."""
+    """The TCP sockets this process holds listening or connected (not those still closing)."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -42,7 +42,8 @@ def _tcp_sockets() -> int:
     count = 0
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         with open(table, encoding="ascii") as file:
-            count += sum(line.split()[9] in inodes for line in file.read().splitlines()[1:])
+            rows = [line.split() for line in file.read().splitlines()[1:]]
+            count += sum(row[9] in inodes and row[3] in ("01", "0A") for row in rows)  # ESTABLISHED, LISTEN
     return count
 
 
