@@ -18,7 +18,7 @@ past ``timeout`` or dies gets the world torn down and a clear error. The
 functions must be importable by the workers (defined at module level).
 
 Debugging helpers live here too: `verify_resume` (does a user's setup
-resume bit for bit?) and `find_divergence` (where do two runs part?), see
+resume bit for bit, resume after resume, and on one process?) and `find_divergence` (where do two runs part?), see
 docs/debugging.md.
 
 The rendezvous follows torchrun: this process hosts the TCP store and the
