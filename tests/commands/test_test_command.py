@@ -16,7 +16,13 @@ import fnaccel as fa
 from fnaccel.commands import launch, test_script
 from fnaccel.commands.main import main
 from fnaccel.commands.test import SCRIPT
-from fnaccel.commands.test_checks import CheckFailed, CheckSkipped, check_process_group
+from fnaccel.commands.test_checks import (
+    CheckFailed,
+    CheckSkipped,
+    check_checkpoint,
+    check_process_group,
+    check_resume_world_size,
+)
 from fnaccel.commands.test_script import CheckResult, run_checks
 
 NAMES = [name for name, _ in test_script.CHECKS]
@@ -94,6 +100,28 @@ def test_a_generator_not_restored_fails_the_resume_check_naming_the_resume(
         "FAILED: CheckFailed: verify_resume: resume 1 of 3 (at batch 2, on 1 process(es)): batch 3 after "
         "resuming at batch 2 has loss"), lines
     assert lines["training vs PyTorch"].startswith("ok")
+
+
+def _resume_checks_with_a_summed_loss(state: fa.RunState) -> list[CheckResult]:
+    """Runs on each rank: both resume checks, with a loss summed over the local batch planted
+    (its gradients change with the world size; the run on its own number of processes resumes fine)."""
+    mean = torch.nn.functional.cross_entropy
+    torch.nn.functional.cross_entropy = lambda *a, **k: mean(*a, **k, reduction="sum")  # type: ignore[assignment]
+    try:
+        return run_checks(state, [("resume x3 in an epoch", check_checkpoint),
+                                  ("resume on 1 process", check_resume_world_size)])
+    finally:
+        torch.nn.functional.cross_entropy = mean
+
+
+def test_a_loss_that_depends_on_the_world_size_fails_the_resume_on_one_process(world2: Any) -> None:
+    for repeated, other_size in world2.run(_resume_checks_with_a_summed_loss):
+        assert repeated.status == "ok", repeated
+        assert other_size.status == "FAILED" and other_size.detail.startswith(
+            "CheckFailed: verify_resume: resume 1 of 2 (at batch 2, on 1 process(es)): batch 3 after resuming at "
+            "batch 2 has loss "), other_size
+        assert "the uninterrupted run's mean over its ranks (compared within atol=1e-05, rtol=0.0001)" in (
+            other_size.detail)
 
 
 def _fails() -> str:

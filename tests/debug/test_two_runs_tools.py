@@ -245,6 +245,22 @@ def resume_on_one_and_back(state: fa.RunState, loss: str) -> str:
     return "ok"
 
 
+def resume_alone_between_micro_steps(state: fa.RunState) -> str:
+    """Runs on each rank: a save between accumulate(2)'s micro-steps, loaded on rank 0 alone."""
+    try:
+        verify_resume(lambda: global_batch_state("mean"), steps=1, num_processes=(1,))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def test_a_failure_of_rank_0_alone_raises_on_every_rank(world2: Any) -> None:
+    alone, waiting = world2.run(resume_alone_between_micro_steps)
+    assert alone.startswith("CheckpointError: ") and "between accumulation micro-steps" in alone, alone
+    assert waiting.startswith("AssertionError: verify_resume: resume 1 of 1 (at batch 1, on 1 process(es)): "
+                              "CheckpointError: "), waiting
+
+
 def test_another_number_of_processes_compares_within_tolerance_and_names_a_planted_bug(world2: Any) -> None:
     assert world2.run(resume_on_one_and_back, "mean") == ["ok", "ok"]
     failed = world2.run(resume_on_one_and_back, "sum")
