@@ -4,6 +4,7 @@ the uninterrupted 2-process run ends (replicated and fsdp() checkpoints)."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -44,7 +45,11 @@ def _prepared(state: fa.RunState, kind: str, batch_size: int) -> fa.RunState:
     pipelines = {"fsdp": fa.compose(fa.fsdp()), "accumulate": fa.compose(fa.ddp(), fa.accumulate(2))}
     pipeline = pipelines.get(kind)  # None: ddp() on several processes
     loader = DataLoader(Ids(), batch_size=batch_size, shuffle=True)
-    return fa.prepare(state, model, optimizer, loader, scheduler, pipeline=pipeline, loss_fn=loss_fn)
+    # The schedule is sized in updates, which another number of processes keeps; under
+    # Accelerate's rule (steps per update = processes) the rate per update would change with them.
+    handlers = {**state.kwargs_handlers, "SchedulerConfiguration": fa.SchedulerConfiguration(step_per_process=False)}
+    return fa.prepare(state.replace(kwargs_handlers=MappingProxyType(handlers)), model, optimizer, loader, scheduler,
+                      pipeline=pipeline, loss_fn=loss_fn)
 
 
 def job(state: fa.RunState, kind: str, batch_size: int, *, save_to: str | None = None,
