@@ -47,8 +47,9 @@ def register(subparsers: Any) -> None:
             "test",
             help="Check that fnaccel works on this system, end to end.",
             description="Launch fnaccel's installation check with `fnaccel launch`: the process "
-                        "group, every collective, training steps against plain PyTorch, a "
-                        "checkpoint round trip and mixed precision. Prints one line per check.",
+                        "group, every collective, training steps against plain PyTorch, "
+                        "three resumes within an epoch and one on one process, and mixed precision. "
+                        "Prints one line per check.",
             epilog="Any other flag goes to `fnaccel launch`, e.g. `fnaccel test --cpu "
                    "--num_processes 2` or `fnaccel test --mixed_precision bf16`.",
             allow_abbrev=False,  # a prefix of a launch flag must not turn into --config_file

@@ -38,7 +38,6 @@ __all__ = [
     "CheckSkipped",
     "check_broadcast",
     "check_broadcast_object_list",
-    "check_checkpoint",
     "check_data_loader",
     "check_gather",
     "check_gather_object",
@@ -46,6 +45,7 @@ __all__ = [
     "check_pad_across_processes",
     "check_process_group",
     "check_reduce",
+    "check_repeated_resumes",
     "check_resume_world_size",
     "check_training",
     "kwargs_handlers",
@@ -298,7 +298,7 @@ def _verify_resume(state: fa.RunState, make_state: Callable[[], fa.RunState], **
             shutil.rmtree(root, ignore_errors=True)
 
 
-def check_checkpoint(state: fa.RunState) -> str:
+def check_repeated_resumes(state: fa.RunState) -> str:
     """`fnaccel.testing.verify_resume` with 3 resumes in one epoch of 8 batches, under accumulate(3):
     every batch read, every loss and the whole final state equal the uninterrupted run's, bit for bit."""
     ctx = state.dist
@@ -404,7 +404,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("broadcast_object_list", check_broadcast_object_list),
     ("data loader sharding", check_data_loader),
     ("training vs PyTorch", check_training),
-    ("resume x3 in an epoch", check_checkpoint),
+    ("resume x3 in an epoch", check_repeated_resumes),
     ("resume on 1 process", check_resume_world_size),
     ("mixed precision", check_mixed_precision),
 )

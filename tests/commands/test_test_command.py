@@ -19,7 +19,7 @@ from fnaccel.commands.test import SCRIPT
 from fnaccel.commands.test_checks import (
     CheckFailed,
     CheckSkipped,
-    check_checkpoint,
+    check_repeated_resumes,
     check_process_group,
     check_resume_world_size,
 )
@@ -108,7 +108,7 @@ def _resume_checks_with_a_summed_loss(state: fa.RunState) -> list[CheckResult]:
     mean = torch.nn.functional.cross_entropy
     torch.nn.functional.cross_entropy = lambda *a, **k: mean(*a, **k, reduction="sum")  # type: ignore[assignment]
     try:
-        return run_checks(state, [("resume x3 in an epoch", check_checkpoint),
+        return run_checks(state, [("resume x3 in an epoch", check_repeated_resumes),
                                   ("resume on 1 process", check_resume_world_size)])
     finally:
         torch.nn.functional.cross_entropy = mean
