@@ -61,6 +61,7 @@ __all__ = [
     "commit",
     "discard",
     "json_copy",
+    "locked",
     "make_temporary",
     "open_inside",
     "read_bounded",
@@ -158,7 +159,7 @@ def remove_leftovers(parent: Path, names: str, *, holding: SaveLock | None = Non
         except OSError:
             marked = False
         lock = parent / f".{match.group(1)}.lock"
-        if marked and (holding is not None and holding.path == lock or not _locked(lock)):
+        if marked and (holding is not None and holding.path == lock or not locked(lock)):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
     return removed
@@ -238,7 +239,7 @@ class SaveLock:
             self._fd = None
 
 
-def _locked(path: Path) -> bool:
+def locked(path: Path) -> bool:
     """Whether a live save holds the lock file ``path``."""
     import fcntl
 
