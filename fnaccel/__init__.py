@@ -22,6 +22,10 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
         FnaccelError,
         StaleStateError,
     )
+    from fnaccel.checkpoint.latest import (
+        SkippedCheckpointWarning,
+        latest_checkpoint,
+    )
     from fnaccel.checkpoint.project import (
         ProjectConfiguration,
     )
@@ -186,6 +190,8 @@ _LAZY = MappingProxyType({
     "save": "fnaccel.checkpoint.run",
     "save_model": "fnaccel.checkpoint.weights",
     "LaunchConfig": "fnaccel.config_schema",
+    "latest_checkpoint": "fnaccel.checkpoint.latest",
+    "SkippedCheckpointWarning": "fnaccel.checkpoint.latest",
     "diff": "fnaccel.debug.diff",
     "ResumeDriftWarning": "fnaccel.checkpoint.runinfo",
     "DistributedType": "fnaccel.constants",
@@ -299,6 +305,7 @@ __all__ = [
     "ProjectConfiguration",
     # debugging
     "diff",
+    "latest_checkpoint",
     # tracking and progress
     "init_trackers",
     "log",
@@ -380,3 +387,4 @@ __all__ = [
     "ops",
     "utils",
 ]
+    "SkippedCheckpointWarning",
