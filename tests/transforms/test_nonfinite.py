@@ -137,6 +137,34 @@ def test_a_nan_on_one_rank_skips_the_update_on_both_as_a_hand_loop_that_skips_it
     assert all(torch.isfinite(p).all() for p in results[0]["params"])
 
 
+def train_fsdp_with_one_nan_element(state: fa.RunState) -> dict[str, Any]:
+    """fsdp(): gradients are sharded, so a NaN in one element lands on one rank's shard
+    only (planted after fa.backward's reduce-scatter, on rank 0); both ranks must skip."""
+    rank, group = state.dist.rank, state.dist.process_group
+    expected = _hand_loop(rank, "ddp", 1, group)
+    model = make_model(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.9**n)
+    state = fa.prepare(state, model, opt, scheduler=sched, pipeline=fa.compose(fa.fsdp(), fa.skip_nonfinite()))
+    skipped = []
+    for update, (x, y) in enumerate(_batches(rank, NUM_UPDATES)):
+        state = fa.backward(state, _loss(state.model, x, y))  # type: ignore[arg-type]
+        if update == BAD and rank == 0:
+            grad = next(p.grad for p in model.parameters() if p.grad.to_local().numel())  # type: ignore[union-attr]
+            grad.to_local().view(-1)[0] = NAN  # type: ignore[union-attr]
+        state, metrics = fa.apply_gradients(state)
+        skipped.append(bool(metrics["skipped"]))
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[operator]
+    return {"skipped": skipped, "params": full, "expected": expected["params"]}
+
+
+def test_under_fsdp_a_nan_in_one_shard_skips_the_update_on_every_rank(world2: Any) -> None:
+    for result in world2.run(train_fsdp_with_one_nan_element):
+        assert result["skipped"] == [update == BAD for update in range(NUM_UPDATES)]
+        for ours, hand in zip(result["params"], result["expected"], strict=True):
+            torch.testing.assert_close(ours, hand, rtol=1e-6, atol=1e-6)  # FSDP's sums in another order
+
+
 def train_until_the_limit(state: fa.RunState) -> str:
     """A prepared loader; rank 1's loss NaN from its 4th batch on: updates 3, 4, 5 skip
     and the third in a row raises."""
