@@ -280,3 +280,29 @@ def test_bad_arguments_and_combinations_are_refused_with_the_fix() -> None:
                        pipeline=fa.compose(fa.skip_nonfinite()))
     with pytest.raises(ValueError, match="num_consecutive"):
         state.transform_states["skip_nonfinite"].load_state_dict({"num_skipped": 1, "num_consecutive": 2})
+
+
+def test_a_save_inside_the_window_keeps_its_nan_and_the_resumed_run_skips_that_update(tmp_path: Path) -> None:
+    def run() -> fa.RunState:
+        model = make_model(dropout=0.0)
+        return fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                          DataLoader(_nan_rows({2}), batch_size=4),
+                          pipeline=fa.compose(fa.accumulate(2), fa.skip_nonfinite()),
+                          loss_fn=lambda m, b: _loss(m, *b))
+
+    def updates(state: fa.RunState, save_at: int | None = None) -> tuple[fa.RunState, list[bool]]:
+        skipped = []
+        for batch in fa.batches(state):
+            state, metrics = fa.step(state, batch)
+            if "skipped" in metrics:
+                skipped.append(bool(metrics["skipped"]))
+            if state.micro_step == save_at:  # after the NaN batch, before its window's update
+                fa.save(state, tmp_path / "ckpt")
+        return state, skipped
+
+    whole, skipped = updates(run(), save_at=3)
+    assert skipped == [False, True, False, False, False]
+    resumed, rest = updates(fa.load(run(), tmp_path / "ckpt"))
+    assert rest == skipped[1:]
+    assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters(),  # type: ignore[union-attr]
+                                                  strict=True))
