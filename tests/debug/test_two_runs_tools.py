@@ -225,14 +225,17 @@ def test_a_transform_state_or_a_generator_not_restored_is_named() -> None:
 
 
 def global_batch_state(loss: str) -> fa.RunState:
-    """A step that draws no random numbers, the global batch of 8 kept on any number of processes."""
-    state = fa.init(seed=0, cpu=True)
+    """A step that draws no random numbers, the global batch of 8 kept on any number of processes,
+    a schedule sized in updates (Accelerate's per-process rule steps it once per process)."""
+    state = fa.init(seed=0, cpu=True, kwargs_handlers=[fa.SchedulerConfiguration(step_per_process=False)])
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
     data = TensorDataset(torch.randn(48, 4, generator=torch.Generator().manual_seed(2)))  # 6 steps an epoch
     reduce = torch.mean if loss == "mean" else torch.sum  # "sum": the bug, gradients scale with the local batch
-    return fa.prepare(state, module, torch.optim.AdamW(module.parameters(), lr=1e-2),
-                      DataLoader(data, batch_size=8 // state.dist.num_processes, shuffle=True),
+    return fa.prepare(state, module, optimizer, DataLoader(data, batch_size=8 // state.dist.num_processes,
+                                                           shuffle=True),
+                      torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
                       pipeline=fa.compose(fa.ddp(), fa.accumulate(2)), loss_fn=lambda m, b: reduce(m(b[0]).pow(2)))
 
 
