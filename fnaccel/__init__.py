@@ -78,6 +78,9 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
     from fnaccel.profile_kwargs import (
         ProfileKwargs,
     )
+    from fnaccel.preemption import (
+        PreemptionKwargs,
+    )
     from fnaccel import ops
     from fnaccel.preparation import (
         default_pipeline,
@@ -209,6 +212,7 @@ _LAZY = MappingProxyType({
     "GradScalerKwargs": "fnaccel.kwargs",
     "InitProcessGroupKwargs": "fnaccel.kwargs",
     "ProfileKwargs": "fnaccel.profile_kwargs",
+    "PreemptionKwargs": "fnaccel.preemption",
     "ops": "fnaccel.ops",
     "prepare": "fnaccel.preparation",
     "default_pipeline": "fnaccel.preparation",
@@ -372,6 +376,7 @@ __all__ = [
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "ProfileKwargs",
+    "PreemptionKwargs",
     "DistributedType",
     "PrecisionType",
     # errors

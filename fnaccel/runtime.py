@@ -23,6 +23,7 @@ from fnaccel.config import resolve_config
 from fnaccel.config_schema import LaunchConfig
 from fnaccel.dist import DistContext
 from fnaccel.parallelism import ParallelismConfig, build_mesh
+from fnaccel.preemption import PreemptionKwargs, check_main_thread, install
 from fnaccel.resources import GroupOwner, Resources
 from fnaccel.rng import RNGState
 from fnaccel.state import RunState
@@ -227,6 +228,10 @@ def init(
     """
     launch_config = resolve_config(config)
     handlers = _handlers_by_name(kwargs_handlers)
+    preemption = handlers.get("PreemptionKwargs")
+    if preemption is not None:
+        assert isinstance(preemption, PreemptionKwargs)
+        check_main_thread()  # before any group starts: signal handlers need the main thread
     pg_handler = handlers.get("InitProcessGroupKwargs", InitProcessGroupKwargs())
     assert isinstance(pg_handler, InitProcessGroupKwargs)
     env = _read_launch_env(launch_config, pg_handler.init_method or "env://")
@@ -273,6 +278,8 @@ def init(
     precision = _resolve_precision(mixed_precision, launch_config)
     if env["rank"] != 0 and env["num_processes"] > 1:
         _quiet_repeated_warnings()
+    if preemption is not None:
+        install(resources, preemption, ctx)  # fa.shutdown puts the previous handlers back
     return RunState(
         dist=ctx,
         rng=RNGState.capture() if seed is None else RNGState.seeded(seed),

@@ -176,6 +176,16 @@ class RunState:
         return self.resources.get("trackers", ())
 
     @property
+    def preempted(self) -> str | None:
+        """The signal that ended the run's `fa.batches` on every rank (``"SIGTERM"``), or None.
+
+        Set with `PreemptionKwargs` at `fa.init`, at the same micro-step on every
+        rank; read from the run's live resources, so every state of the run says
+        it (like `trackers`). See docs/training.md, "Preemption".
+        """
+        return getattr(self.resources.get("preemption"), "reason", None)
+
+    @property
     def is_spent(self) -> bool:
         """True once a call has advanced this state; it can only be read now."""
         return self._lease.by is not None

@@ -385,6 +385,11 @@ def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
     in this process or after `fa.load` in a new one; `fa.end_epoch` before the
     ``break`` skips the rest of the epoch instead (early stopping).
 
+    With `PreemptionKwargs` at `fa.init`, the batches end early on every rank,
+    at the same update boundary, once any rank received a watched signal
+    (``state.preempted`` says which); this assumes each batch is stepped with
+    `fa.step`, as in the loop below.
+
     Args:
         state: a `RunState` whose ``loader`` was prepared (`fa.prepare`).
         epochs: run through the end of epoch ``epochs - 1``, starting each new
@@ -412,7 +417,11 @@ def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
         raise ValueError(f"fa.batches: epochs must be an int >= 0 or None, got {epochs!r}")
     position = state.data_position
     loader.seek(position)
-    return loader.read(position.epoch + 1 if epochs is None else epochs)
+    batches = loader.read(position.epoch + 1 if epochs is None else epochs)
+    watch = state.resources.get("preemption")  # fa.init(kwargs_handlers=[PreemptionKwargs()])
+    if watch is None:
+        return batches
+    return watch.guard(batches, state.micro_step, state.plan.micro_steps if state.plan else 1)
 
 
 def end_epoch(state: Any) -> Any:

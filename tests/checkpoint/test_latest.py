@@ -170,3 +170,35 @@ def test_doctest_shape_of_the_answer(tmp_path: Path) -> None:
     fa.save(state, tmp_path / "a" / "ckpt")
     found = fa.latest_checkpoint(os.path.relpath(tmp_path / "a"))
     assert isinstance(found, Path) and found == Path(os.path.relpath(tmp_path / "a")) / "ckpt"
+
+
+def test_the_two_tier_block_of_the_docs_runs_and_resumes_from_ram(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/checkpoints.md's two-tier loop, run twice as written: the second run starts
+    from the RAM tier's checkpoint of the first."""
+    import shutil
+    import uuid
+
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tests.test_docs_snippets import _block
+
+    code = _block("docs/checkpoints.md", "fa.latest_checkpoint(ram,")
+    job = f"fnaccel-test-{uuid.uuid4().hex}"
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    monkeypatch.chdir(tmp_path)
+    data = TensorDataset(torch.randn(48, 8), torch.randn(48, 2))
+    try:
+        steps = []
+        for _ in range(2):
+            model = nn.Linear(8, 2)
+            names = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+                     "loader": DataLoader(data, batch_size=4),
+                     "loss_fn": lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])}
+            exec(code, names)
+            steps.append((names["found"], names["state"].step))
+            fa.shutdown(names["state"])
+        assert steps == [(None, 36), (Path(f"/dev/shm/{job}/latest"), 36)]
+    finally:
+        shutil.rmtree(f"/dev/shm/{job}", ignore_errors=True)

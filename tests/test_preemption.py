@@ -1,0 +1,151 @@
+"""Preemption-aware loops (`fa.PreemptionKwargs`, docs/training.md "Preemption"): a signal
+ends `fa.batches` at the same update boundary on every rank, the run saves and resumes
+bit for bit, and the signal handlers are the run's: `fa.shutdown` puts the previous back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fnaccel as fa
+from tests.commands.test_launch_failures import _alive
+
+SCRIPT = Path(__file__).with_name("_preemption_script.py")
+
+
+def test_the_handlers_are_the_runs_and_fa_shutdown_puts_the_previous_back() -> None:
+    def own(_signum: int, _frame: Any) -> None: ...
+
+    before_term = signal.getsignal(signal.SIGTERM)
+    before_usr1 = signal.signal(signal.SIGUSR1, own)
+    try:
+        state = fa.init(cpu=True, kwargs_handlers=[fa.PreemptionKwargs()])
+        assert signal.getsignal(signal.SIGTERM) not in (before_term, own)
+        assert signal.getsignal(signal.SIGUSR1) not in (before_usr1, own)
+        fa.shutdown(state)
+        assert signal.getsignal(signal.SIGTERM) == before_term
+        assert signal.getsignal(signal.SIGUSR1) == own
+        fa.shutdown(state)  # twice: nothing left to put back
+        assert signal.getsignal(signal.SIGUSR1) == own
+    finally:
+        signal.signal(signal.SIGUSR1, before_usr1)
+
+
+def test_one_process_ends_the_loop_at_the_next_update_boundary() -> None:
+    """No collective in one process: the signal is seen before the next batch, and the
+    loop ends once the accumulation window is complete (micro-step 6 of windows of 2)."""
+    model = nn.Linear(2, 1)
+    data = DataLoader(TensorDataset(torch.randn(40, 2)), batch_size=2)
+    state = fa.prepare(fa.init(seed=0, cpu=True, kwargs_handlers=[fa.PreemptionKwargs(signals=("SIGUSR1",))]),
+                       model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                       pipeline=fa.compose(fa.accumulate(2)), loss_fn=lambda m, b: m(b[0]).mean())
+    try:
+        for batch in fa.batches(state, epochs=3):
+            state, _ = fa.step(state, batch)
+            if state.micro_step == 5:
+                os.kill(os.getpid(), signal.SIGUSR1)
+        assert (state.micro_step, state.step, state.preempted) == (6, 3, "SIGUSR1")
+        assert state.data_position.key == (0, 6)
+        assert list(fa.batches(state)) == []  # the run stays preempted: it saves and exits
+    finally:
+        fa.shutdown(state)
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+def test_handlers_outside_the_main_thread_and_bad_signals_are_refused() -> None:
+    errors: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            fa.init(cpu=True, kwargs_handlers=[fa.PreemptionKwargs()])
+        except BaseException as exc:
+            errors.append(exc)
+
+    before = signal.getsignal(signal.SIGTERM)
+    thread = threading.Thread(target=init, name="loader-thread")
+    thread.start()
+    thread.join()
+    assert isinstance(errors[0], RuntimeError) and "main thread" in str(errors[0])
+    assert "'loader-thread'" in str(errors[0])
+    assert signal.getsignal(signal.SIGTERM) == before
+    with pytest.raises(ValueError, match="SIGKILL and SIGSTOP cannot be caught"):
+        fa.PreemptionKwargs(signals=("SIGKILL",))
+    with pytest.raises(ValueError, match="signals must be"):
+        fa.PreemptionKwargs(signals=("SIGTERMM",))
+    with pytest.raises(ValueError, match="check_every must be an int >= 1"):
+        fa.PreemptionKwargs(check_every=0)
+
+
+def _launch(out: Path, mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", "2",
+         str(SCRIPT), str(out), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _end(launcher: subprocess.Popen[str], out: Path) -> None:
+    """Leave nothing behind: the workers run in sessions of their own, so each by its pid."""
+    launcher.kill()
+    launcher.wait()
+    for path in out.glob("pid.*"):
+        pid = int(path.name.split(".")[1])
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    launcher.communicate(timeout=30)
+
+
+def _run(out: Path, mode: str) -> None:
+    launcher = _launch(out, mode)
+    try:
+        _, stderr = launcher.communicate(timeout=240)
+        assert launcher.returncode == 0, stderr
+    finally:
+        _end(launcher, out)
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    full.mkdir(), cut.mkdir()
+    _run(full, "full")
+    launcher = _launch(cut, "preempt")
+    try:
+        deadline = time.monotonic() + 240
+        while not (cut / "running").exists():
+            assert launcher.poll() is None, launcher.communicate()[1]
+            assert time.monotonic() < deadline, "the run never reached step 3"
+            time.sleep(0.05)
+        sent = time.time()
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        _end(launcher, cut)
+    assert launcher.returncode == 143, stderr
+    stops = [json.loads((cut / f"stop.{rank}.json").read_text()) for rank in (0, 1)]
+    # the loop left and the checkpoint written (not the interpreters' exit, which a loaded
+    # machine can stretch to several seconds more: the launch's end is bounded above)
+    took = max(stop.pop("saved_at") for stop in stops) - sent
+    assert took < 10, f"the ranks had saved {took:.1f} s after SIGTERM"
+    assert stops[0] == stops[1], stops  # every rank left the loop at the same step
+    assert stops[0]["preempted"] == "SIGTERM" and stops[0]["micro_step"] % 2 == 0, stops
+    assert 3 <= stops[0]["step"] < 32 and stops[0]["epoch"] == 0, stops  # mid-epoch: 32 updates an epoch
+    _run(cut, "resume")
+    for rank in (0, 1):
+        resumed = torch.load(cut / f"resumed.{rank}.pt")
+        expected = torch.load(full / f"full.{rank}.pt")
+        for name, tensor in expected.items():
+            assert torch.equal(resumed[name], tensor), name
