@@ -333,13 +333,17 @@ def check_resume_world_size(state: fa.RunState) -> str:
     global_batch = BATCH_SIZE * n
 
     def make_state() -> fa.RunState:
-        run = _fresh_run(state)
+        # a schedule sized in updates: Accelerate's rule steps it once per process, so another number of
+        # processes would step it another number of times (docs/training.md)
+        run = fa.init(seed=SEED, cpu=ctx.device.type == "cpu", mixed_precision="no",
+                      kwargs_handlers=(*kwargs_handlers(), fa.SchedulerConfiguration(step_per_process=False)))
         model = _model(dropout=False)  # a rank's dropout stream has no counterpart on another world size
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         loader = DataLoader(TensorDataset(*_data(6 * global_batch)),
                             batch_size=global_batch // run.dist.num_processes, shuffle=True)
         pipeline = fa.compose(_pipeline(run.dist), fa.accumulate(2))
-        return fa.prepare(run, model, optimizer, loader, loss_fn=_loss, pipeline=pipeline)
+        return fa.prepare(run, model, optimizer, loader, scheduler, loss_fn=_loss, pipeline=pipeline)
 
     atol, rtol = 1e-5, 1e-4
     _verify_resume(state, make_state, steps=2, resumes=2, num_processes=(1, n), atol=atol, rtol=rtol)
