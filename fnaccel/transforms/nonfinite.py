@@ -43,6 +43,8 @@ from fnaccel.transforms.clip import _dtensor_class, global_grad_norm
 __all__ = ["NonFiniteUpdateError", "SkipNonfiniteState", "skip_nonfinite"]
 
 SKIP_NONFINITE_PHASE = 155  # after clipping (150), whose norm it reads; before compile (160)
+# Above the fp16 scaler's longest start-up run of skips from its default scale (16, see above).
+DEFAULT_MAX_CONSECUTIVE = 20
 
 
 class NonFiniteUpdateError(FnaccelError, RuntimeError):
@@ -112,7 +114,7 @@ def _nonfinite(optimizer: Any, metrics: dict[str, Any]) -> torch.Tensor:
     return first.bool()
 
 
-def skip_nonfinite(max_consecutive: int = 20) -> Transform:
+def skip_nonfinite(max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> Transform:
     """Skip, on every rank, an update whose loss or gradients are NaN or inf.
 
     A skipped update takes no optimizer or scheduler step and its gradients are
@@ -173,7 +175,7 @@ def skip_nonfinite(max_consecutive: int = 20) -> Transform:
 
     return Transform(
         name="skip_nonfinite",
-        options=options(max_consecutive=max_consecutive) if max_consecutive != 20 else (),
+        options=options(max_consecutive=max_consecutive) if max_consecutive != DEFAULT_MAX_CONSECUTIVE else (),
         phase=SKIP_NONFINITE_PHASE,
         conflicts=frozenset({"deepspeed", "pp", "local_sgd"}),
         conflict_fix=(
