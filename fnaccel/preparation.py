@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fnaccel import dryrun
 from fnaccel.dist import data_parallel, mesh_dim
 from fnaccel.state import RunState
 from fnaccel.train import StepPlan, scheduler_steps, training_transforms
@@ -261,6 +262,8 @@ def prepare(
     new = state.advance(by, **changes)
     if new.model is not None:
         plan.set_sync_for(new.model, new.micro_step)
+    if dryrun.active() and new.model is not None and new.optimizer is not None:
+        dryrun.finish(new)  # `fnaccel launch --dry_run`: one step, this rank's figures, exit
     return new
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from fnaccel._errors import ConfigError
 from fnaccel.config import resolve_config
 from fnaccel.config_schema import LaunchConfig
+from fnaccel import dryrun
 from fnaccel.dist import DistContext
 from fnaccel.parallelism import ParallelismConfig, build_mesh
 from fnaccel.preemption import PreemptionKwargs, check_main_thread, install
@@ -237,7 +238,8 @@ def init(
     env = _read_launch_env(launch_config, pg_handler.init_method or "env://")
     if launch_config.enable_cpu_affinity:
         _pin_to_cpus(env["local_rank"], env["num_local_processes"])
-    use_cpu = cpu or launch_config.use_cpu
+    dry_run = dryrun.active()  # a simulated rank of `fnaccel launch --dry_run`: fake group, CPU
+    use_cpu = cpu or launch_config.use_cpu or dry_run
     if not use_cpu and torch.cuda.is_available():
         device = torch.device("cuda", env["local_rank"])
         torch.cuda.set_device(device)
@@ -250,10 +252,11 @@ def init(
     backend: str | None = None
     distributed_type = DistributedType.NO
     if env["num_processes"] > 1:
-        backend = pg_handler.to_kwargs().get("backend") or (
+        backend = "fake" if dry_run else pg_handler.to_kwargs().get("backend") or (
             "nccl" if device.type == "cuda" else "gloo"
         )
-        group, owner = _start_process_group(pg_handler, backend, device, env)
+        group, owner = (dryrun.start_fake_group(env["rank"], env["num_processes"]) if dry_run
+                        else _start_process_group(pg_handler, backend, device, env))
         distributed_type = (
             DistributedType.FSDP if launch_config.distributed_type == "FSDP"
             else DistributedType.DEEPSPEED if launch_config.distributed_type == "DEEPSPEED"

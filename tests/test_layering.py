@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("state", ("fnaccel.state",)),
     ("parts", ("fnaccel.transforms", "fnaccel.ops", "fnaccel.seeding", "fnaccel.process", "fnaccel.plugins",
                "fnaccel.mixed_precision", "fnaccel.trigger", "fnaccel.autocasting")),
-    ("loop", ("fnaccel.preparation", "fnaccel.train", "fnaccel.data", "fnaccel.runtime",
+    ("loop", ("fnaccel.preparation", "fnaccel.train", "fnaccel.data", "fnaccel.runtime", "fnaccel.dryrun",
               "fnaccel.evaluation")),
     ("services", ("fnaccel.checkpoint", "fnaccel.tracking", "fnaccel.modeling", "fnaccel.launchers",
                   "fnaccel.engines", "fnaccel.debug", "fnaccel.testing")),

@@ -81,6 +81,11 @@ def register(subparsers: Any) -> None:
                     "Values come from the config file; flags given here win.",
     )
     add_launch_arguments(parser)
+    parser.add_argument("--dry_run", action="store_true",
+                        help="Check the launch on this machine instead: the script runs as the first and last "
+                             "rank of the configured world on torch's fake process group (CPU) up to its "
+                             "fa.prepare and one step; prints the mesh, each rank's bytes, the checkpoint "
+                             "layout (docs/cli.md).")
     parser.set_defaults(handler=run, command_name="launch")
 
 
@@ -356,6 +361,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise CommandError(str(exc)) from None
     _check_script(args)
+    if args.dry_run:
+        from fnaccel.commands.dry_run import dry_run
+
+        return dry_run(config, _num_processes(args, config), args.training_script, worker_program(args),
+                       launch_environment(args, config))
     torchrun_args = torchrun.get_args_parser().parse_args(torchrun_arguments(args, config))
     if args.quiet:  # each of torch's elastic modules sets its own logger's level: set them all
         for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
