@@ -19,6 +19,14 @@ Four measurements, each a ratio against a baseline taken in the same run:
     The same on 2 gloo processes (`fnaccel.testing.World`): a hand-written
     ``DistributedDataParallel`` loop against ``fa.step`` with ``fa.ddp()``;
     a block's time is the max over the ranks.
+``ddp loop``
+    The same with data: a hand DDP loop over a ``DistributedSampler``'s
+    ``DataLoader`` against ``fa.batches`` + ``fa.step`` with ``fa.ddp()``,
+    each rank reading 200 batches.
+``ddp preempt/K``
+    What watching for preemption adds (`fa.PreemptionKwargs`, one
+    asynchronous all-reduce every K steps; ``--preemption K ...``, default 8):
+    the ``ddp loop``'s fnaccel loop as the baseline, the same loop watched.
 ``import``
     ``python -c "import torch"`` against ``python -c "import torch, fnaccel"``
     in fresh interpreters, alternating, median of the wall times.
@@ -26,6 +34,7 @@ Four measurements, each a ratio against a baseline taken in the same run:
 Run from the repository root::
 
     python benchmarks/step_overhead.py [--rounds 21] [--clock cpu] [--skip-ddp] [--skip-import]
+        [--preemption K ...]
 """
 
 from __future__ import annotations
@@ -157,6 +166,60 @@ def ddp_worker(state: fa.RunState, rounds: int) -> dict[str, list[float]]:
     return _time_blocks(hand, fnaccel, rounds, barrier=lambda: dist.barrier(group=group))
 
 
+def ddp_loop_worker(state: fa.RunState, rounds: int, check_every: int | None) -> dict[str, list[float]]:
+    """The ``ddp loop`` rows: `fa.batches` + `fa.step` with ``fa.ddp()``, each rank reading
+    ``STEPS`` batches, against a hand DDP loop over a ``DistributedSampler`` (``check_every``
+    None); or, with ``check_every``, the same fnaccel loop with a `fa.PreemptionKwargs` watch
+    (one asynchronous all-reduce every ``check_every`` steps) against it without."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    from fnaccel.preemption import install
+    from fnaccel.resources import Resources
+
+    torch.set_num_threads(1)
+    group = state.dist.process_group
+    g = torch.Generator().manual_seed(0)
+    n = STEPS * 16 * state.dist.num_processes
+    dataset = TensorDataset(torch.randn(n, 32, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+    def fnaccel_loop(resources: Resources) -> Any:
+        model = make_model()
+        holder = [fa.prepare(state.replace(resources=resources), model,
+                             torch.optim.SGD(model.parameters(), lr=0.01),
+                             DataLoader(dataset, batch_size=16, shuffle=True), loss_fn=loss_fn,
+                             pipeline=fa.compose(fa.ddp()))]
+
+        def loop() -> None:
+            s = holder[0]
+            for batch in fa.batches(s):
+                s, _ = fa.step(s, batch)
+            holder[0] = s
+
+        return loop
+
+    if check_every is None:
+        sampler = DistributedSampler(dataset, state.dist.num_processes, state.dist.rank, seed=0)
+        hand_loader = DataLoader(dataset, batch_size=16, sampler=sampler)
+        hand_model = nn.parallel.DistributedDataParallel(make_model(), process_group=group)
+        hand_opt = torch.optim.SGD(hand_model.parameters(), lr=0.01)
+
+        def hand() -> None:
+            for batch in hand_loader:
+                loss = loss_fn(hand_model, batch)
+                loss.backward()
+                hand_opt.step()
+                hand_opt.zero_grad(set_to_none=True)
+
+        return _time_blocks(hand, fnaccel_loop(Resources()), rounds, barrier=lambda: dist.barrier(group=group))
+    watched = Resources()
+    install(watched, fa.PreemptionKwargs(check_every=check_every), state.dist)
+    try:
+        return _time_blocks(fnaccel_loop(Resources()), fnaccel_loop(watched), rounds,
+                            barrier=lambda: dist.barrier(group=group))
+    finally:
+        watched.close()  # the watch's handlers go back
+
+
 def import_times(rounds: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"baseline": [], "fnaccel": []}
     commands = {"baseline": "import torch", "fnaccel": "import torch, fnaccel"}
@@ -181,6 +244,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--skip-ddp", action="store_true")
     parser.add_argument("--skip-import", action="store_true")
+    parser.add_argument("--preemption", type=int, nargs="*", default=[8], metavar="K",
+                        help="ddp preempt/K rows: the ddp loop watching for preemption, agreeing every K steps")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: this process's CPU time (robust on a loaded machine; not for ddp)")
     args = parser.parse_args(argv)
@@ -193,9 +258,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if not args.skip_ddp:
         with World(2) as world:
             per_rank = world.run(ddp_worker, args.rounds)
-        slowest = {name: [max(r[name][i] for r in per_rank) for i in range(args.rounds)]
-                   for name in ("baseline", "fnaccel")}
-        rows.append(_row("ddp step", slowest, 1e6, "us"))
+            slowest = {name: [max(r[name][i] for r in per_rank) for i in range(args.rounds)]
+                       for name in ("baseline", "fnaccel")}
+            rows.append(_row("ddp step", slowest, 1e6, "us"))
+            for label, check_every in [("ddp loop", None)] + [(f"ddp preempt/{k}", k)
+                                                               for k in args.preemption]:
+                per_rank = world.run(ddp_loop_worker, args.rounds, check_every)
+                slowest = {name: [max(r[name][i] for r in per_rank) for i in range(args.rounds)]
+                           for name in ("baseline", "fnaccel")}
+                rows.append(_row(label, slowest, 1e6, "us"))
     if not args.skip_import:
         rows.append(_row("import", import_times(max(5, args.rounds // 2)), 1e3, "ms"))
     return rows

@@ -149,3 +149,26 @@ def test_sigterm_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit
         expected = torch.load(full / f"full.{rank}.pt")
         for name, tensor in expected.items():
             assert torch.equal(resumed[name], tensor), name
+
+
+@pytest.mark.multiprocess
+def test_sigusr1_to_the_launcher_reaches_the_workers(tmp_path: Path) -> None:
+    """Slurm's ``--signal=USR1@90``: before, SIGUSR1's default action ended the launcher and,
+    with it, every worker unsaved; now the workers stop at one step, save, and the launch
+    ends with 128 + 10."""
+    launcher = _launch(tmp_path, "preempt")
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "running").exists():
+            assert launcher.poll() is None, launcher.communicate()[1]
+            assert time.monotonic() < deadline, "the run never reached step 3"
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGUSR1)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        _end(launcher, tmp_path)
+    assert launcher.returncode == 138, stderr
+    assert "stopped by SIGUSR1" in stderr.strip().splitlines()[-1], stderr
+    stops = [json.loads((tmp_path / f"stop.{rank}.json").read_text()) for rank in (0, 1)]
+    assert stops[0]["preempted"] == stops[1]["preempted"] == "SIGUSR1", stops
+    assert (tmp_path / "ckpt").is_dir()

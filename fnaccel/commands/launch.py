@@ -12,8 +12,8 @@ Around the agent, the launcher keeps three promises torchrun alone does not
 by SIGKILL; the machines of a multi-machine launch meet on the launcher's
 own store first, with a line every 30 s, Ctrl-C honoured at once and one line
 when the wait times out (a port in use is refused before any worker starts);
-SIGTERM, SIGINT, SIGHUP and SIGQUIT reach the workers and end the launch with
-one line and status 128 + the signal's number.
+SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 reach the workers and end the
+launch with one line and status 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -67,9 +67,11 @@ REPORT_INTERVAL_S = 30.0
 # default "timeout") and c10d's ("join_timeout").
 _RDZV_TIMEOUT_S = MappingProxyType({"static": 900.0, "c10d": 600.0})
 
-# The signals torchrun's agent forwards to the workers; the launcher handles them the same way
-# from its start, so one arriving before the workers exist ends it as cleanly.
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+# The signals torchrun's agent forwards to the workers, and SIGUSR1 (Slurm's early warning,
+# `--signal=USR1@90`, whose default action ended the launcher and so every worker, unsaved);
+# the launcher handles them the same way from its start, so one arriving before the workers
+# exist ends it as cleanly.
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 _FSDP_ALIASES = MappingProxyType({"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"})
 
