@@ -55,23 +55,29 @@ def _coordinate(layout: ParallelismConfig, rank: int, dims: tuple[str, ...]) -> 
     return [coords[name] for name in dims]
 
 
-def _bytes(tensors: list[torch.Tensor], layout: ParallelismConfig, rank: int) -> int:
-    """Bytes ``rank`` holds of ``tensors``: all of a plain tensor, a DTensor's shard at
-    ``rank``'s coordinate (a tensor on a sub-mesh lives on ``rank``'s own copy of it)."""
+def _bytes(tensors: list[torch.Tensor], layout: ParallelismConfig, world: int) -> list[int]:
+    """Bytes each rank of the world holds of ``tensors``: all of a plain tensor, a
+    DTensor's shard at the rank's coordinate (a tensor on a sub-mesh lives on each
+    rank's own copy of it)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    total = 0
+    totals = [0] * world
+    numels: dict[tuple[Any, ...], int] = {}  # a transformer's layers repeat the same shapes
     for t in tensors:
-        numel = t.numel()
-        if isinstance(t, DTensor):
-            mesh = t.device_mesh
-            shape, _ = _compute_local_shape_and_global_offset(
-                t.shape, tuple(mesh.mesh.shape), _coordinate(layout, rank, mesh.mesh_dim_names or ()),
-                t.placements)
-            numel = torch.Size(shape).numel()
-        total += numel * t.element_size()
-    return total
+        if not isinstance(t, DTensor):
+            totals = [total + t.numel() * t.element_size() for total in totals]
+            continue
+        dims, mesh_shape = t.device_mesh.mesh_dim_names or (), tuple(t.device_mesh.shape)
+        full, placements, size = tuple(t.shape), tuple(t.placements), t.element_size()
+        for rank in range(world):
+            coordinate = _coordinate(layout, rank, dims)
+            key = (full, mesh_shape, placements, tuple(coordinate))
+            if key not in numels:
+                shape, _ = _compute_local_shape_and_global_offset(full, mesh_shape, coordinate, placements)
+                numels[key] = torch.Size(shape).numel()
+            totals[rank] += numels[key] * size
+    return totals
 
 
 def _held(tensor: torch.Tensor) -> int:
@@ -103,8 +109,9 @@ def figures(state: RunState) -> dict[str, Any]:
         "rank": state.dist.rank,
         "measured": {"parameters": sum(map(_held, params)), "gradients": sum(map(_held, trainable)),
                      "optimizer": sum(map(_held, moments))},
-        "ranks": [{"parameters": _bytes(params, layout, r), "gradients": _bytes(trainable, layout, r),
-                   "optimizer": _bytes(moments, layout, r)} for r in range(world)],
+        "ranks": [dict(zip(("parameters", "gradients", "optimizer"), figures, strict=True)) for figures in zip(
+            _bytes(params, layout, world), _bytes(trainable, layout, world), _bytes(moments, layout, world),
+            strict=True)],
         "layout": [{"name": name, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."),
                     "placements": _placements(p)} for name, p in model.named_parameters()],
         "parallelism": state.dist.parallelism.sizes,
