@@ -35,7 +35,11 @@ REPORT_ENV = "FNACCEL_DRY_RUN_REPORT"
 
 
 def active() -> bool:
-    """Whether this process is a dry-run worker (``FNACCEL_DRY_RUN=1``)."""
+    """Whether this process is a dry-run worker (``FNACCEL_DRY_RUN=1``).
+
+    >>> active()
+    False
+    """
     return os.environ.get(DRY_RUN_ENV) == "1"
 
 

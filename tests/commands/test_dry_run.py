@@ -1,0 +1,84 @@
+"""`fnaccel launch --dry_run`: a 64-process FSDP x TP launch checked on this machine.
+
+Each test is one real `fnaccel launch --dry_run` of tests/commands/_dry_run_script.py
+(a small transformer, fa.tp + fa.fsdp on a dp_shard=8 x tp=8 mesh over 8 machines);
+the refusals are compared with what the real code raises in a one-process run and
+with what the real launcher says.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = Path(__file__).with_name("_dry_run_script.py")
+WORLD = ("--cpu", "--num_machines", "8", "--num_processes", "64", "--parallelism_config_tp_size", "8")
+
+
+def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fnaccel", "launch", "-q", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes_within_a_minute() -> None:
+    started = time.monotonic()
+    done = launch("--dry_run", *WORLD, str(SCRIPT))
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "64 processes on 8 machine(s)" in out and "mesh: dp_shard=8 x tp=8" in out
+    assert "step: one fa.step taken" in out
+    # the 250-row embedding splits 32 x 7 + 26 over dp_shard: the last dp_shard coordinate
+    # (ranks 56-63) holds less; the rows group identical ranks
+    rows = dict(re.findall(r"│\s+(\d+-\d+)\s+│\s+([\d.]+ KB)", out))
+    assert rows == {"0-55": "56.98 KB", "56-63": "50.96 KB"}, out
+    # the last rank's own measurement is what rank 0 computed for it
+    assert "rank 0 measured" in out and "rank 63 measured" in out and out.count("as computed") == 2
+    assert "sharded/rank<r>.safetensors for r in 0-63" in out
+    assert re.search(r"blocks\.0\.q\.weight\s+│\s+128x128\s+│\s+float32\s+│\s+dp_shard:_S\(0, 8\) tp:S\(0\)", out)
+    assert elapsed < 60, f"the dry run took {elapsed:.0f} s"
+
+
+def _one_process_refusal() -> str:
+    """What fa.tp raises for the planted plan in a real one-process run of the same script."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FNACCEL_", "RANK", "WORLD_SIZE"))}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--wrong_plan"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode != 0
+    return done.stderr.strip().splitlines()[-1]
+
+
+def test_a_wrong_tp_plan_is_refused_with_the_real_runs_exception_and_message() -> None:
+    done = launch("--dry_run", *WORLD, str(SCRIPT), "--wrong_plan")
+    assert done.returncode == 1
+    expected = _one_process_refusal()
+    assert expected.startswith("ValueError: fa.prepare: tp plan names 'blocks.*.mlp.up'")
+    assert expected in done.stderr
+    assert "failed as rank 0 of 64 (exit code 1)" in done.stderr
+    assert "Bytes held per rank" not in done.stdout
+
+
+def test_an_impossible_mesh_is_refused_as_the_real_launch_refuses_it() -> None:
+    dry = launch("--dry_run", "--cpu", "--num_machines", "8", "--num_processes", "64",
+                 "--parallelism_config_tp_size", "3", str(SCRIPT))
+    real = launch("--cpu", "--num_machines", "8", "--num_processes", "64",
+                  "--parallelism_config_tp_size", "3", str(SCRIPT))
+    assert dry.returncode == real.returncode != 0
+    assert "tp_size=3 = 3 does not divide the 64 processes" in dry.stderr
+    assert dry.stderr == real.stderr
+
+
+def test_a_script_without_a_prepare_is_said_to_be_checked_up_to_its_init(tmp_path: Path) -> None:
+    script = tmp_path / "init_only.py"
+    script.write_text("import fnaccel as fa\nfa.shutdown(fa.init())\n")
+    done = launch("--dry_run", "--cpu", "--num_processes", "4", str(script))
+    assert done.returncode == 1
+    assert "ended without an fa.prepare holding a model and an optimizer" in done.stderr
