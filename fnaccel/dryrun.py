@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def _coordinate(layout: ParallelismConfig, rank: int, dims: tuple[str, ...]) -> 
     return [coords[name] for name in dims]
 
 
-def _bytes(tensors: list[torch.Tensor], layout: ParallelismConfig, world: int) -> list[int]:
+def _bytes(tensors: Sequence[torch.Tensor], layout: ParallelismConfig, world: int) -> list[int]:
     """Bytes each rank of the world holds of ``tensors``: all of a plain tensor, a
     DTensor's shard at the rank's coordinate (a tensor on a sub-mesh lives on each
     rank's own copy of it)."""
@@ -118,7 +119,7 @@ def figures(state: RunState) -> dict[str, Any]:
             strict=True)],
         "layout": [{"name": name, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."),
                     "placements": _placements(p)} for name, p in model.named_parameters()],
-        "parallelism": state.dist.parallelism.sizes,
+        "parallelism": layout.sizes,
     }
 
 
