@@ -168,8 +168,10 @@ def _settle(group: Any) -> None:
               file=sys.stderr)
 
 
-def _destroy_group(holder: list[Any], meshes: dict[str, Any], is_default: bool) -> None:
-    """End the group: on a clean end, settle then destroy it while the interpreter
+def _destroy_group(holder: list[Any], meshes: dict[str, Any], releases: list[Callable[[], None]],
+                   is_default: bool) -> None:
+    """End the group: on a clean end, settle, let the group's C++ holders go (the
+    ``releases`` of `GroupOwner.release_before_destroy`), then destroy it while the interpreter
     is fully alive (left to finalization, gloo's threads releasing tensors take
     the GIL of a dying interpreter and the process aborts); while an exception
     propagates, wait for no one: record the failure and leave the group to the
@@ -189,6 +191,8 @@ def _destroy_group(holder: list[Any], meshes: dict[str, Any], is_default: bool) 
         _record_failure()
         return
     _settle(group)
+    while releases:
+        releases.pop()()
     if not is_default:
         for mesh_group in mesh_groups:
             dist.destroy_process_group(mesh_group)
@@ -251,7 +255,7 @@ class GroupOwner:
     group or a context, which would keep the group alive).
     """
 
-    __slots__ = ("_holder", "_meshes", "_finalizer", "agreed", "__weakref__")
+    __slots__ = ("_holder", "_meshes", "_releases", "_finalizer", "agreed", "__weakref__")
 
     def __init__(self, group: Any, *, is_default: bool) -> None:
         import atexit
@@ -259,7 +263,9 @@ class GroupOwner:
         self.agreed: Any = None
         self._holder = [group]
         self._meshes: dict[str, Any] = {}
-        self._finalizer = weakref.finalize(self, _destroy_group, self._holder, self._meshes, is_default)
+        self._releases: list[Callable[[], None]] = []
+        self._finalizer = weakref.finalize(self, _destroy_group, self._holder, self._meshes,
+                                           self._releases, is_default)
         # once per process, however many groups: unregister first; atexit runs it before
         # the finalizer above (handlers run last-registered first)
         atexit.unregister(_collect_cycles_at_exit)
@@ -273,6 +279,20 @@ class GroupOwner:
     def hold_meshes(self, meshes: dict[str, Any]) -> None:
         """Keep the run's device mesh and its named sub-meshes (`fnaccel.parallelism.build_mesh`)."""
         self._meshes.update(meshes)
+
+    def release_before_destroy(self, release: Callable[[], None]) -> None:
+        """Call ``release`` on a clean end, after the settle and before the group is
+        destroyed: for an object that holds the group from C++ and would otherwise be
+        its last holder (`fnaccel.transforms.parallel.ddp`'s reducer).
+
+        Whoever drops the last reference to a gloo group joins its worker threads. A
+        Python reference lets the GIL go while joining; a C++ holder freed from Python
+        (DDP's ``Reducer``) does not, and a worker still releasing a finished
+        collective's tensors waits for the GIL: a deadlock. Letting such holders go
+        here, while this owner still holds the group, makes the group's last holder
+        a Python reference. Release functions run last registered first.
+        """
+        self._releases.append(release)
 
     def mesh(self, name: str) -> Any:
         """The mesh (``"mesh"``) or sub-mesh called ``name``; None when there is none or once closed."""

@@ -91,6 +91,40 @@ def test_accumulate_under_ddp_equals_the_big_batch_without_early_reductions(worl
         assert result["step"] == 2
 
 
+def _after_shutdown(state: fa.RunState) -> dict[str, Any]:
+    rank, world = state.dist.rank, state.dist.num_processes
+    run = fa.init(seed=0, cpu=True)  # a run of its own, with a group of its own: shut down below
+    model = make_model(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    run = fa.prepare(run, model, opt, loss_fn=loss_fn)
+    first, second = global_batches(2)
+    run, _ = fa.step(run, my_part(first, rank, world))
+    wrapper = run.model
+    fa.shutdown(run)
+    held = sorted(name for name in ("reducer", "logger") if name in vars(wrapper))
+    opt.zero_grad()  # the user's model goes on alone, on the whole batch
+    loss_fn(model, second).backward()
+    opt.step()
+    return {"held": held, "params": [p.detach() for p in model.parameters()]}
+
+
+def test_shutdown_lets_the_ddp_reducer_go_and_the_model_goes_on_alone(world2: Any) -> None:
+    """The reducer holds the group from C++; as its last holder it would join gloo's
+    threads holding the GIL, and a thread still releasing a collective's tensors waits
+    for the GIL forever (a rare hang at the end of a cycle, docs/state.md). After
+    fa.shutdown it is gone, and the module trains on as a hand-written loop does."""
+    model = make_model(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for batch in global_batches(2):
+        loss_fn(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    for result in world2.run(_after_shutdown):
+        assert result["held"] == []
+        for p, q in zip(result["params"], model.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-6)
+
+
 def _no_ddp(state: fa.RunState) -> str:
     model = nn.Linear(2, 2)
     try:

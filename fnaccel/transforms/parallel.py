@@ -13,6 +13,8 @@ it: a hand-written forward runs with the right setting too.
 from __future__ import annotations
 
 import sys
+import weakref
+from functools import partial
 from typing import Any
 
 import torch
@@ -72,6 +74,8 @@ def ddp(*, find_unused: bool | None = None, **kwargs: Any) -> Transform:
             **handler.to_kwargs(),
         )
         handler.register_comm_hook(wrapped)
+        if ctx.group_owner is not None:
+            ctx.group_owner.release_before_destroy(partial(_release_reducer, weakref.ref(wrapped)))
         return wrapped
 
     def set_sync(model: Any, enabled: bool) -> None:
@@ -91,6 +95,18 @@ def ddp(*, find_unused: bool | None = None, **kwargs: Any) -> Transform:
         prepare_model=prepare_model,
         set_sync=set_sync,
     )
+
+
+def _release_reducer(ref: weakref.ref[DistributedDataParallel]) -> None:
+    """At `fa.shutdown`: drop the wrapper's ``Reducer`` (and the ``Logger`` holding it)
+    while the run still holds the group, so that the reducer is never the group's last
+    holder (see `fnaccel.resources.GroupOwner.release_before_destroy`). The wrapper
+    then communicates no more (a forward with gradients enabled fails); its module,
+    the user's model, is untouched and trains on alone, without the reducer's hooks."""
+    wrapped = ref()
+    if wrapped is not None:
+        for name in ("logger", "reducer"):
+            wrapped.__dict__.pop(name, None)
 
 
 def _wrap_targets(
