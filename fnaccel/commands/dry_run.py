@@ -98,8 +98,10 @@ def _print_report(reports: Mapping[int, dict[str, Any]], world: int, machines: i
     print(_table(("ranks", "parameters", "gradients", "optimizer", "total"), rows, "Bytes held per rank"))
     for rank, report in sorted(reports.items()):
         computed = first["ranks"][rank]
-        verdict = "as computed" if report["measured"] == computed else f"but rank 0 computed {computed}"
-        print(f"rank {rank} measured {report['measured']} {verdict}")
+        shown = ", ".join(f"{report['measured'][k]} B" for k in _KINDS)
+        verdict = ("as computed" if report["measured"] == computed
+                   else "but rank 0 computed " + ", ".join(f"{computed[k]} B" for k in _KINDS))
+        print(f"rank {rank} measured {shown} (parameters, gradients, optimizer) {verdict}")
     sharded = any(entry["placements"] != "whole on every rank" for entry in first["layout"])
     print("checkpoint (fa.save) layout: " + (
         f"sharded/rank<r>.safetensors for r in 0-{world - 1} (each rank's shards of the parameters and "

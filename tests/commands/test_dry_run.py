@@ -40,8 +40,15 @@ def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes_with
     # (ranks 56-63) holds less; the rows group identical ranks
     rows = dict(re.findall(r"│\s+(\d+-\d+)\s+│\s+([\d.]+ KB)", out))
     assert rows == {"0-55": "56.98 KB", "56-63": "50.96 KB"}, out
-    # the last rank's own measurement is what rank 0 computed for it
-    assert "rank 0 measured" in out and "rank 63 measured" in out and out.count("as computed") == 2
+    # by hand: per block, the tp-split q/k/v (weight and bias), o.weight, up and down.weight
+    # (197504 elements) over 64 ranks is 3086, the rest (norms, o.bias, down.bias: 768) over
+    # dp_shard 96; the embedding and head rows over dp_shard: 32 rows on ranks 0-55, 26 on
+    # 56-63, the head's bias likewise. Rank 0: 2 x 3182 + 2 x 32 x 128 + 32 = 14588 floats;
+    # rank 63: 2 x 3182 + 2 x 26 x 128 + 26 = 13046. AdamW: two moments per element and a
+    # 4-byte step per parameter (35). Each simulated rank measured what rank 0 computed.
+    for rank, floats in ((0, 14588), (63, 13046)):
+        assert (f"rank {rank} measured {4 * floats} B, {4 * floats} B, {8 * floats + 4 * 35} B "
+                "(parameters, gradients, optimizer) as computed") in out, out
     assert "sharded/rank<r>.safetensors for r in 0-63" in out
     assert re.search(r"blocks\.0\.q\.weight\s+│\s+128x128\s+│\s+float32\s+│\s+dp_shard:_S\(0, 8\) tp:S\(0\)", out)
     assert elapsed < 60, f"the dry run took {elapsed:.0f} s"
