@@ -142,6 +142,7 @@ except ProcessFailedError as error:
 ]
 
 
+@pytest.mark.multiprocess  # the notebook's kernel starts the group: the guard cannot see it
 def test_a_real_notebook_trains_two_processes_and_fails_fast(tmp_path: Path) -> None:
     nbformat = pytest.importorskip("nbformat", reason="needs nbformat (the test extra)")
     nbclient = pytest.importorskip("nbclient", reason="needs nbclient (the test extra)")
