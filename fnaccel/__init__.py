@@ -190,11 +190,11 @@ _LAZY = MappingProxyType({
     "StaleStateError": "fnaccel._errors",
     "ProjectConfiguration": "fnaccel.checkpoint.project",
     "load": "fnaccel.checkpoint.run",
+    "latest_checkpoint": "fnaccel.checkpoint.latest",
+    "SkippedCheckpointWarning": "fnaccel.checkpoint.latest",
     "save": "fnaccel.checkpoint.run",
     "save_model": "fnaccel.checkpoint.weights",
     "LaunchConfig": "fnaccel.config_schema",
-    "latest_checkpoint": "fnaccel.checkpoint.latest",
-    "SkippedCheckpointWarning": "fnaccel.checkpoint.latest",
     "diff": "fnaccel.debug.diff",
     "ResumeDriftWarning": "fnaccel.checkpoint.runinfo",
     "DistributedType": "fnaccel.constants",
@@ -305,11 +305,11 @@ __all__ = [
     # checkpoints
     "save",
     "load",
+    "latest_checkpoint",
     "save_model",
     "ProjectConfiguration",
     # debugging
     "diff",
-    "latest_checkpoint",
     # tracking and progress
     "init_trackers",
     "log",
@@ -388,8 +388,8 @@ __all__ = [
     "CheckpointError",
     "NonFiniteUpdateError",
     "ResumeDriftWarning",
+    "SkippedCheckpointWarning",
     # modules
     "ops",
     "utils",
 ]
-    "SkippedCheckpointWarning",
