@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fnaccel.dist import DistContext, data_parallel, data_parallel_context
 from fnaccel.transforms.base import Transform, options
 from fnaccel.kwargs import DistributedDataParallelKwargs
+from fnaccel.resources import GroupOwner
 
 __all__ = ["ddp", "fsdp", "unwrap_compiled", "unwrap_model"]
 
@@ -74,7 +75,7 @@ def ddp(*, find_unused: bool | None = None, **kwargs: Any) -> Transform:
             **handler.to_kwargs(),
         )
         handler.register_comm_hook(wrapped)
-        if ctx.group_owner is not None:
+        if isinstance(ctx.group_owner, GroupOwner):  # not a World's borrowed group: the World ends it
             ctx.group_owner.release_before_destroy(partial(_release_reducer, weakref.ref(wrapped)))
         return wrapped
 
