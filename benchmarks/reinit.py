@@ -115,9 +115,12 @@ def check(out: Path, cycles: int, num_processes: int = 2) -> list[str]:
                  for r in records if r["initialized_after_shutdown"]]
     for rank in range(num_processes):
         # torch's DistributedDataParallel keeps the first group it was built on alive for
-        # the process's life (three sockets); nothing else may stay after a shutdown
+        # the process's life (three sockets); nothing else may stay after a shutdown. A leak
+        # accumulates over the cycles; one socket still being closed (seen once in 30 launches,
+        # back the next cycle: docs/state.md) is not one, so the later half's median is judged
         held = [r["tcp_sockets"] for r in records if r["rank"] == rank]
-        if held and max(held) > held[0]:
+        later = sorted(held[len(held) // 2:])
+        if held and later[len(later) // 2] > held[0]:
             problems.append(f"rank {rank}: TCP sockets held after each shutdown grow: {held}")
     return problems
 
