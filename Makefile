@@ -28,7 +28,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: typecheck
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 	$(BIN)/python -m pytest -q --doctest-modules fnaccel
 
 # The documentation site in build/site: the guide (docs/*.md) and the API reference generated from
