@@ -98,9 +98,9 @@ def test_examples_use_only_the_names_docs_api_md_lists() -> None:
     assert _undocumented_uses("import fnaccel as fa\nfa.ops.gather\nfa.fsdp()\nfa.utils.save", names) == []
     assert _undocumented_uses(
         "import fnaccel as fa\nfrom fnaccel import ops as o\nfrom fnaccel.utils import nothing\n"
-        "fa.latest_checkpoint(x)\nfa.ops.gather_all\no.nope\nfa.utils.u.v\nimport fnaccel.data.sharding\n"
+        "fa.no_such_name(x)\nfa.ops.gather_all\no.nope\nfa.utils.u.v\nimport fnaccel.data.sharding\n"
         "from fnaccel.data import loader", names) == [
-        "line 3: from fnaccel.utils import nothing", "line 4: fnaccel.latest_checkpoint",
+        "line 3: from fnaccel.utils import nothing", "line 4: fnaccel.no_such_name",
         "line 5: fnaccel.ops.gather_all", "line 6: fnaccel.ops.nope", "line 7: fnaccel.utils.u",
         "line 8: import fnaccel.data.sharding", "line 9: from fnaccel.data import loader"]
 
