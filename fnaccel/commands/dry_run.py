@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fnaccel.commands.estimate import _human_size, _table
+from fnaccel.commands.estimate import human_size, box_table
 from fnaccel.commands.main import CommandError
 from fnaccel.config_schema import LaunchConfig
 from fnaccel.dryrun import DRY_RUN_ENV, REPORT_ENV
@@ -93,9 +93,9 @@ def _print_report(reports: Mapping[int, dict[str, Any]], world: int, machines: i
     by_figures: dict[tuple[int, ...], list[int]] = {}
     for rank, figures in enumerate(first["ranks"]):
         by_figures.setdefault(tuple(figures[k] for k in _KINDS), []).append(rank)
-    rows = [(_spans(ranks), *(_human_size(b) for b in key), _human_size(sum(key)))
+    rows = [(_spans(ranks), *(human_size(b) for b in key), human_size(sum(key)))
             for key, ranks in by_figures.items()]
-    print(_table(("ranks", "parameters", "gradients", "optimizer", "total"), rows, "Bytes held per rank"))
+    print(box_table(("ranks", "parameters", "gradients", "optimizer", "total"), rows, "Bytes held per rank"))
     for rank, report in sorted(reports.items()):
         computed = first["ranks"][rank]
         shown = ", ".join(f"{report['measured'][k]} B" for k in _KINDS)
@@ -110,7 +110,7 @@ def _print_report(reports: Mapping[int, dict[str, Any]], world: int, machines: i
         + f"rank<r>.json and rank<r>.safetensors for r in 0-{world - 1}, config.yaml, run.json, "
         "fnaccel.json; the tensors:")
     rows = [(e["name"], "x".join(map(str, e["shape"])), e["dtype"], e["placements"]) for e in first["layout"]]
-    print(_table(("tensor", "full shape", "dtype", "held as (mesh dimension: placement)"), rows,
+    print(box_table(("tensor", "full shape", "dtype", "held as (mesh dimension: placement)"), rows,
                  "Model tensors"))
 
 

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     """Build the empty model and print the table."""
     model = create_empty_model(args.model_name, args.library_name, args.trust_remote_code)
     rows = _rows(model, args.dtypes)
-    print(_table(HEADERS, rows, f"Memory Usage for loading `{args.model_name}`"))
+    print(box_table(HEADERS, rows, f"Memory Usage for loading `{args.model_name}`"))
     return 0
 
 
@@ -236,12 +236,12 @@ def _rows(model: nn.Module, dtypes: Sequence[str]) -> list[tuple[str, str, str, 
     for dtype in dtypes:
         largest, total = _sizes_as(model, dtype)
         peak = _ADAM_PEAK.get(dtype)
-        training = "N/A" if peak is None else _human_size(peak * float32_total)
-        rows.append((dtype, _human_size(largest), _human_size(total), training))
+        training = "N/A" if peak is None else human_size(peak * float32_total)
+        rows.append((dtype, human_size(largest), human_size(total), training))
     return rows
 
 
-def _human_size(size: float) -> str:
+def human_size(size: float) -> str:
     """``size`` bytes in the largest unit (of 1024) under which it stays at least 1."""
     if size < 1024:
         return f"{int(size)} bytes"
@@ -252,7 +252,7 @@ def _human_size(size: float) -> str:
     return f"{size / 1024:.2f} PB"
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: str) -> str:
+def box_table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: str) -> str:
     """A box-drawn table, centred cells, the title across the top (Accelerate's layout)."""
     widths = [max(len(cell) for cell in column) + 2 for column in zip(headers, *rows)]
     inner = sum(widths) + len(widths) - 1

@@ -28,7 +28,7 @@ from fnaccel.ops._shapes import (
 )
 # re-exported: seeding, checkpoint.weights and the transforms import them from here
 from fnaccel.ops.objects import broadcast_object_list, gather_object
-from fnaccel.ops.tree import _is_other_leaf, tree_leaves, tree_paths, tree_unflatten
+from fnaccel.ops.tree import is_other_leaf, tree_leaves, tree_paths, tree_unflatten
 
 __all__ = [
     "REDUCTIONS",
@@ -57,9 +57,9 @@ def _tensor_leaves(
         leaves = [tree]
     else:
         # a collective over a tree with a string leaf is a mistake: name the leaf
-        others = tree_leaves(tree, test_type=_is_other_leaf)
+        others = tree_leaves(tree, test_type=is_other_leaf)
         if others:
-            path = tree_paths(tree, test_type=_is_other_leaf)[0]
+            path = tree_paths(tree, test_type=is_other_leaf)[0]
             what = f"the leaf {path} of the tree is" if path else "got"
             return [], TypeError(
                 f"{op}: {what} a {type(others[0]).__name__}; a collective sends tensors, alone or in "

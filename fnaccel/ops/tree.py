@@ -365,8 +365,8 @@ def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
                 f"concatenate: tree {i} is not shaped like tree 0 (different containers, keys "
                 "or number of tensors); every tree must have the same structure"
             )
-    others = [tree_leaves(tree, test_type=_is_other_leaf) for tree in data]
-    paths = tree_paths(data[0], test_type=_is_other_leaf)
+    others = [tree_leaves(tree, test_type=is_other_leaf) for tree in data]
+    paths = tree_paths(data[0], test_type=is_other_leaf)
     for i, leaves in enumerate(others[1:], start=1):
         for path, mine, theirs in zip(paths, others[0], leaves):
             if not _same_value(mine, theirs):
@@ -379,7 +379,7 @@ def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
     return tree_unflatten(data[0], [torch.cat(list(parts), dim=dim) for parts in zip(*columns)])
 
 
-def _is_other_leaf(node: Any) -> bool:
+def is_other_leaf(node: Any) -> bool:
     """A leaf that is not a tensor (nor a container `recursively_apply` walks into)."""
     return not (
         isinstance(node, (torch.Tensor, list, tuple, Mapping))

@@ -24,7 +24,7 @@ def _parameters(model: Any, optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
-def _dtensor_class() -> Any:
+def dtensor_class() -> Any:
     dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless it was loaded
     return getattr(dtensor, "DTensor", ())
 
@@ -37,7 +37,7 @@ def global_grad_norm(grads: list[Any], norm_type: float = 2.0) -> torch.Tensor:
     >>> global_grad_norm([torch.tensor([3.0]), torch.tensor([4.0])])
     tensor(5.)
     """
-    kind = _dtensor_class()
+    kind = dtensor_class()
     plain = [g for g in grads if not isinstance(g, kind)]
     groups: dict[Any, list[Any]] = {}
     for g in grads:
@@ -57,7 +57,7 @@ def _clip(model: Any, params: list[torch.Tensor], max_norm: float, norm_type: fl
     of one mesh as under fsdp()) goes through torch's norm and clipping, with the norm
     taken over every stage of a `pp` pipeline; a mix (tp(), fsdp() + tp()) scales each
     gradient's local part by the global norm."""
-    kind = _dtensor_class()
+    kind = dtensor_class()
     meshes = {getattr(p.grad, "device_mesh", None) for p in params if isinstance(p.grad, kind)}
     if len(meshes) + any(not isinstance(p.grad, kind) for p in params) <= 1:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)

@@ -38,7 +38,7 @@ import torch
 from fnaccel._errors import FnaccelError
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
-from fnaccel.transforms.clip import _dtensor_class, global_grad_norm
+from fnaccel.transforms.clip import dtensor_class, global_grad_norm
 
 __all__ = ["NonFiniteUpdateError", "SkipNonfiniteState", "skip_nonfinite"]
 
@@ -95,7 +95,7 @@ def _nonfinite(optimizer: Any, metrics: dict[str, Any]) -> torch.Tensor:
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return torch.tensor(False)
-    if any(isinstance(g, _dtensor_class()) for g in grads):  # sharded: a rank sees its shards only
+    if any(isinstance(g, dtensor_class()) for g in grads):  # sharded: a rank sees its shards only
         return ~torch.isfinite(global_grad_norm(grads, float("inf")))
     # torch's fused check, the grad scaler's own: one kernel per device and dtype that sets
     # ``found`` on a NaN or inf (and multiplies by 1.0: no bit changes); on the CPU a
