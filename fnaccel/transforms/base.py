@@ -57,13 +57,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from types import MappingProxyType
 from typing import Any, Protocol
 
 from fnaccel.dist import DistContext, as_dist
 from fnaccel.ops._shapes import ShapeTable
 
-__all__ = ["CallInfo", "Collective", "EngineRequest", "Pipeline", "Transform", "compose"]
+__all__ = ["CallInfo", "Capability", "Collective", "EngineRequest", "Pipeline", "Transform", "compose"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +103,24 @@ class TransformApplyFn(Protocol):
     """Applies a collective step to a tree."""
 
     def __call__(self, ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]: ...
+
+
+class Capability(Enum):
+    """What a training transform does, declared on it (`Transform.capabilities`).
+
+    `fa.prepare`, `fa.step` and the checkpoint layer ask a pipeline for these,
+    never for a transform's name, so a transform written outside fnaccel (a
+    data-parallel wrapper of one's own) takes part as fnaccel's own do.
+    """
+
+    AVERAGES_GRADIENTS = "averages the data-parallel replicas' gradients"
+    SHARDS_PARAMETERS = "holds the model's parameters as shards (DTensor) across ranks"
+    SPLITS_MODEL = "keeps only part of the model on each rank (pipeline stages)"
+    RUNS_FORWARD_BACKWARD = "runs the forward and backward passes itself"
+    SAME_BATCH_ACROSS_RANKS = "needs every rank of its group to read the same batches"
+    TENSOR_PARALLEL = "splits layers over the mesh's tensor-parallel dimension"
+    SCALES_LOSS = "scales the loss before backward (fp16)"
+    OWNS_OPTIMIZER_STEP = "runs the optimizer step itself (an engine)"
 
 
 def _describe(name: str, options: tuple[tuple[str, Any], ...]) -> str:
@@ -146,6 +165,7 @@ class Transform:
         conflicts: names of transforms it cannot be composed with.
         conflict_fix: what `compose` tells the user when a conflict is found
             (the generic advice when empty).
+        capabilities: what it does (`Capability`), asked instead of its name.
         init: builds its state record, or None when it has none.
         micro_steps: batches per optimizer update (`accumulate`); 1 otherwise.
         sync_each_batch: communicate gradients on every micro-step anyway.
@@ -161,6 +181,7 @@ class Transform:
     phase: int = 0
     conflicts: frozenset[str] = frozenset()
     conflict_fix: str = field(default="", compare=False)
+    capabilities: frozenset[Capability] = frozenset()
     init: TransformInitFn | None = field(default=None, compare=False)
     micro_steps: int = 1
     sync_each_batch: bool = False
