@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +20,20 @@ from fnaccel.modeling.memory import (
 REFUSED_BYTES = (
     2**52
 )  # 4 PiB: past every 64-bit machine's user address space, refused whatever the overcommit
+
+
+@pytest.fixture(autouse=True)
+def frozen_heap() -> Iterator[None]:
+    """Every retry runs a full `gc.collect()`, whose cost grows with everything the test
+    process holds (torch, and in the suite every module the earlier tests imported: over a
+    second a test here). The heap from before the test is frozen (left out of collections);
+    what the function under test allocates is collected as ever, the freed-before-the-next-try
+    check included."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _simulated(limit: int, tried: list[int]) -> Any:
