@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test typecheck docs train bench clean
+.PHONY: setup test typecheck stubs docs train bench clean
 
 # Every pip call below, and the isolated environments pip builds sdists in (DeepSpeed is one: its
 # build imports torch), sees torch pinned to the local CPU wheel: nothing replaces it with a CUDA
@@ -26,6 +26,12 @@ setup: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/ruff check fnaccel tests benchmarks examples
 	$(BIN)/mypy
+
+# The facades' type stubs (fnaccel/__init__.pyi, fnaccel/utils/__init__.pyi), from their tables of
+# public names: run after adding or moving a public name (tests/test_exported_members.py checks).
+stubs: $(STAMP)
+	$(BIN)/python -c 'import pathlib, fnaccel, fnaccel.utils, fnaccel._lazy as lazy; \
+		[pathlib.Path(m.__file__).with_suffix(".pyi").write_text(lazy.stub(m)) for m in (fnaccel, fnaccel.utils)]'
 
 test: typecheck
 	$(BIN)/python -m pytest -q --durations=30 tests

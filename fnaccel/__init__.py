@@ -9,387 +9,131 @@ and nothing inside the package depends on this file.
 """
 
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 from fnaccel._lazy import lazy_attributes
 
-if TYPE_CHECKING:  # what type checkers and editors see; at run time, `_LAZY`
-    from fnaccel._errors import (
-        CheckpointError,
-        CollectiveMismatchError,
-        CollectiveTimeoutError,
-        ConfigError,
-        FnaccelError,
-        StaleStateError,
-    )
-    from fnaccel.checkpoint.latest import (
-        SkippedCheckpointWarning,
-        latest_checkpoint,
-    )
-    from fnaccel.checkpoint.project import (
-        ProjectConfiguration,
-    )
-    from fnaccel.checkpoint.run import (
-        load,
-        save,
-    )
-    from fnaccel.checkpoint.weights import (
-        save_model,
-    )
-    from fnaccel.config_schema import (
-        LaunchConfig,
-    )
-    from fnaccel.checkpoint.runinfo import (
-        ResumeDriftWarning,
-    )
-    from fnaccel.debug.diff import (
-        diff,
-    )
-    from fnaccel.constants import (
-        DistributedType,
-        PrecisionType,
-    )
-    from fnaccel.data.config import (
-        DataLoaderConfiguration,
-    )
-    from fnaccel.data.evaluation import (
-        eval_batches,
-    )
-    from fnaccel.data.prepared import (
-        batches,
-        end_epoch,
-    )
-    from fnaccel.dist import (
-        DistContext,
-    )
-    from fnaccel.evaluation import (
-        evaluate,
-    )
-    from fnaccel.parallelism import (
-        ParallelismConfig,
-    )
-    from fnaccel.kwargs import (
-        AutocastKwargs,
-        DistributedDataParallelKwargs,
-        FP8RecipeKwargs,
-        GradScalerKwargs,
-        InitProcessGroupKwargs,
-    )
-    from fnaccel.profile_kwargs import (
-        ProfileKwargs,
-    )
-    from fnaccel.preemption import (
-        PreemptionKwargs,
-    )
-    from fnaccel import ops
-    from fnaccel.preparation import (
-        default_pipeline,
-        prepare,
-    )
-    from fnaccel.process import (
-        local_main_process_first,
-        main_process_first,
-        on_main_process,
-        print_on_main,
-        split_between_processes,
-        wait_for_everyone,
-    )
-    from fnaccel.rng import (
-        RNGState,
-    )
-    from fnaccel.runtime import (
-        init,
-        shutdown,
-    )
-    from fnaccel.seeding import (
-        set_seed,
-        synchronize_rng_states,
-        with_rng,
-    )
-    from fnaccel.state import (
-        DataPosition,
-        RunState,
-    )
-    from fnaccel.tracking.progress import (
-        progress,
-    )
-    from fnaccel.tracking.throughput import (
-        ThroughputMeter,
-        count_flops,
-        device_peak_flops,
-        throughput,
-        throughput_meter,
-    )
-    from fnaccel.tracking.run import (
-        end_training,
-        get_tracker,
-        init_trackers,
-        log,
-    )
-    from fnaccel.train import (
-        SchedulerConfiguration,
-        apply_gradients,
-        backward,
-        step,
-    )
-    from fnaccel.autocasting import autocast_context
-    from fnaccel.data.skip import skip_first_batches
-    from fnaccel.launchers import debug_launcher, notebook_launcher
-    from fnaccel.trigger import check_trigger, set_trigger
-    from fnaccel.transforms import (
-        fp8,
-        local_sgd,
-        Collective,
-        Pipeline,
-        Transform,
-        accumulate,
-        autocast,
-        bf16,
-        broadcast,
-        broadcast_object_list,
-        checkpoint_activations,
-        clip_grad_norm,
-        clip_grad_value,
-        compile,
-        compose,
-        ddp,
-        deepspeed,
-        fp16,
-        fp32,
-        fsdp,
-        gather,
-        gather_for_metrics,
-        gather_object,
-        grad_scaler,
-        pad_across_processes,
-        pp,
-        profile,
-        reduce,
-        skip_nonfinite,
-        tp,
-    )
-    from fnaccel.transforms.nonfinite import NonFiniteUpdateError
-    from fnaccel import utils
-
 __version__ = "0.1.0"
 
-_LAZY = MappingProxyType({
-    "autocast_context": "fnaccel.autocasting",
-    "check_trigger": "fnaccel.trigger",
-    "set_trigger": "fnaccel.trigger",
-    "skip_first_batches": "fnaccel.data.skip",
-    "debug_launcher": "fnaccel.launchers",
-    "notebook_launcher": "fnaccel.launchers",
-    "local_sgd": "fnaccel.transforms.local_sgd",
-    "fp8": "fnaccel.transforms.precision",
-    "CheckpointError": "fnaccel._errors",
-    "CollectiveMismatchError": "fnaccel._errors",
-    "CollectiveTimeoutError": "fnaccel._errors",
-    "ConfigError": "fnaccel._errors",
-    "FnaccelError": "fnaccel._errors",
-    "StaleStateError": "fnaccel._errors",
-    "ProjectConfiguration": "fnaccel.checkpoint.project",
-    "load": "fnaccel.checkpoint.run",
-    "latest_checkpoint": "fnaccel.checkpoint.latest",
-    "SkippedCheckpointWarning": "fnaccel.checkpoint.latest",
-    "save": "fnaccel.checkpoint.run",
-    "save_model": "fnaccel.checkpoint.weights",
+# The public names, each with the module that defines it, in docs/api.md's order: the one list of
+# them. `__all__` and the loading on first use come from it, and so does __init__.pyi, what type
+# checkers read (`make stubs` writes it); tests/test_exported_members.py keeps the three identical.
+# A name defined in a package's submodule of the same name is read from that submodule
+# (`fa.compile`: fnaccel.transforms.compile), since importing it replaces the package's attribute.
+_PUBLIC = MappingProxyType({
+    # The run
+    "RunState": "fnaccel.state",
+    "DataPosition": "fnaccel.state",
+    "DistContext": "fnaccel.dist",
+    "RNGState": "fnaccel.rng",
     "LaunchConfig": "fnaccel.config_schema",
-    "diff": "fnaccel.debug.diff",
-    "ResumeDriftWarning": "fnaccel.checkpoint.runinfo",
-    "DistributedType": "fnaccel.constants",
-    "PrecisionType": "fnaccel.constants",
-    "DataLoaderConfiguration": "fnaccel.data.config",
-    "eval_batches": "fnaccel.data.evaluation",
+    "ParallelismConfig": "fnaccel.parallelism",
+    "init": "fnaccel.runtime",
+    "shutdown": "fnaccel.runtime",
+    "with_rng": "fnaccel.seeding",
+    # Training
+    "prepare": "fnaccel.preparation",
+    "step": "fnaccel.train",
+    "backward": "fnaccel.train",
+    "apply_gradients": "fnaccel.train",
     "batches": "fnaccel.data.prepared",
     "end_epoch": "fnaccel.data.prepared",
-    "DistContext": "fnaccel.dist",
+    "default_pipeline": "fnaccel.preparation",
+    "DataLoaderConfiguration": "fnaccel.data.config",
+    "SchedulerConfiguration": "fnaccel.train",
+    # Evaluation
     "evaluate": "fnaccel.evaluation",
-    "ParallelismConfig": "fnaccel.parallelism",
+    "eval_batches": "fnaccel.data.evaluation",
+    # The loop's helpers and launching from a notebook
+    "autocast_context": "fnaccel.autocasting",
+    "skip_first_batches": "fnaccel.data.skip",
+    "set_trigger": "fnaccel.trigger",
+    "check_trigger": "fnaccel.trigger",
+    "notebook_launcher": "fnaccel.launchers",
+    "debug_launcher": "fnaccel.launchers",
+    # Checkpoints
+    "save": "fnaccel.checkpoint.run",
+    "load": "fnaccel.checkpoint.run",
+    "ProjectConfiguration": "fnaccel.checkpoint.project",
+    "latest_checkpoint": "fnaccel.checkpoint.latest",
+    "save_model": "fnaccel.checkpoint.weights",
+    # Debugging
+    "diff": "fnaccel.debug.diff",
+    # Tracking and progress
+    "init_trackers": "fnaccel.tracking.run",
+    "log": "fnaccel.tracking.run",
+    "get_tracker": "fnaccel.tracking.run",
+    "end_training": "fnaccel.tracking.run",
+    "progress": "fnaccel.tracking.progress",
+    "count_flops": "fnaccel.tracking.throughput",
+    "throughput_meter": "fnaccel.tracking.throughput",
+    "throughput": "fnaccel.tracking.throughput",
+    "ThroughputMeter": "fnaccel.tracking.throughput",
+    "device_peak_flops": "fnaccel.tracking.throughput",
+    # Training transforms
+    "autocast": "fnaccel.transforms",
+    "grad_scaler": "fnaccel.transforms",
+    "ddp": "fnaccel.transforms",
+    "fsdp": "fnaccel.transforms",
+    "tp": "fnaccel.transforms",
+    "checkpoint_activations": "fnaccel.transforms",
+    "deepspeed": "fnaccel.transforms.deepspeed",
+    "accumulate": "fnaccel.transforms.accumulate",
+    "clip_grad_norm": "fnaccel.transforms",
+    "clip_grad_value": "fnaccel.transforms",
+    "skip_nonfinite": "fnaccel.transforms.nonfinite",
+    "compile": "fnaccel.transforms.compile",
+    "profile": "fnaccel.transforms.profile",
+    "fp16": "fnaccel.transforms",
+    "bf16": "fnaccel.transforms",
+    "fp32": "fnaccel.transforms",
+    "fp8": "fnaccel.transforms.precision",
+    "local_sgd": "fnaccel.transforms.local_sgd",
+    "pp": "fnaccel.transforms",
+    # Collective transforms
+    "Transform": "fnaccel.transforms",
+    "Collective": "fnaccel.transforms",
+    "Pipeline": "fnaccel.transforms",
+    "compose": "fnaccel.transforms",
+    "gather": "fnaccel.transforms",
+    "reduce": "fnaccel.transforms",
+    "broadcast": "fnaccel.transforms",
+    "pad_across_processes": "fnaccel.transforms",
+    "gather_object": "fnaccel.transforms",
+    "broadcast_object_list": "fnaccel.transforms",
+    "gather_for_metrics": "fnaccel.transforms",
+    # Process and random helpers
+    "wait_for_everyone": "fnaccel.process",
+    "main_process_first": "fnaccel.process",
+    "local_main_process_first": "fnaccel.process",
+    "on_main_process": "fnaccel.process",
+    "split_between_processes": "fnaccel.process",
+    "print_on_main": "fnaccel.process",
+    "set_seed": "fnaccel.seeding",
+    "synchronize_rng_states": "fnaccel.seeding",
+    # Kwargs handlers and enums
     "AutocastKwargs": "fnaccel.kwargs",
     "DistributedDataParallelKwargs": "fnaccel.kwargs",
     "FP8RecipeKwargs": "fnaccel.kwargs",
     "GradScalerKwargs": "fnaccel.kwargs",
     "InitProcessGroupKwargs": "fnaccel.kwargs",
-    "ProfileKwargs": "fnaccel.profile_kwargs",
+    "ProfileKwargs": "fnaccel.kwargs",
     "PreemptionKwargs": "fnaccel.preemption",
-    "ops": "fnaccel.ops",
-    "prepare": "fnaccel.preparation",
-    "default_pipeline": "fnaccel.preparation",
-    "local_main_process_first": "fnaccel.process",
-    "main_process_first": "fnaccel.process",
-    "on_main_process": "fnaccel.process",
-    "print_on_main": "fnaccel.process",
-    "split_between_processes": "fnaccel.process",
-    "wait_for_everyone": "fnaccel.process",
-    "RNGState": "fnaccel.rng",
-    "init": "fnaccel.runtime",
-    "shutdown": "fnaccel.runtime",
-    "set_seed": "fnaccel.seeding",
-    "synchronize_rng_states": "fnaccel.seeding",
-    "with_rng": "fnaccel.seeding",
-    "DataPosition": "fnaccel.state",
-    "RunState": "fnaccel.state",
-    "progress": "fnaccel.tracking.progress",
-    "ThroughputMeter": "fnaccel.tracking.throughput",
-    "count_flops": "fnaccel.tracking.throughput",
-    "device_peak_flops": "fnaccel.tracking.throughput",
-    "throughput": "fnaccel.tracking.throughput",
-    "throughput_meter": "fnaccel.tracking.throughput",
-    "end_training": "fnaccel.tracking.run",
-    "get_tracker": "fnaccel.tracking.run",
-    "init_trackers": "fnaccel.tracking.run",
-    "log": "fnaccel.tracking.run",
-    "SchedulerConfiguration": "fnaccel.train",
-    "apply_gradients": "fnaccel.train",
-    "backward": "fnaccel.train",
-    "step": "fnaccel.train",
-    "Collective": "fnaccel.transforms",
-    "Pipeline": "fnaccel.transforms",
-    "Transform": "fnaccel.transforms",
-    "accumulate": "fnaccel.transforms.accumulate",
-    "autocast": "fnaccel.transforms",
-    "bf16": "fnaccel.transforms",
-    "broadcast": "fnaccel.transforms",
-    "broadcast_object_list": "fnaccel.transforms",
-    "checkpoint_activations": "fnaccel.transforms",
-    "clip_grad_norm": "fnaccel.transforms",
-    "clip_grad_value": "fnaccel.transforms",
-    "compile": "fnaccel.transforms.compile",
-    "compose": "fnaccel.transforms",
-    "ddp": "fnaccel.transforms",
-    "fp16": "fnaccel.transforms",
-    "fp32": "fnaccel.transforms",
-    "fsdp": "fnaccel.transforms",
-    "deepspeed": "fnaccel.transforms.deepspeed",
-    "gather": "fnaccel.transforms",
-    "gather_for_metrics": "fnaccel.transforms",
-    "gather_object": "fnaccel.transforms",
-    "grad_scaler": "fnaccel.transforms",
-    "pad_across_processes": "fnaccel.transforms",
-    "pp": "fnaccel.transforms",
-    "profile": "fnaccel.transforms.profile",
-    "reduce": "fnaccel.transforms",
-    "skip_nonfinite": "fnaccel.transforms.nonfinite",
+    "DistributedType": "fnaccel.constants",
+    "PrecisionType": "fnaccel.constants",
+    # Errors, all subclasses of `FnaccelError`
+    "FnaccelError": "fnaccel._errors",
+    "StaleStateError": "fnaccel._errors",
+    "ConfigError": "fnaccel._errors",
+    "CollectiveMismatchError": "fnaccel._errors",
+    "CollectiveTimeoutError": "fnaccel._errors",
+    "CheckpointError": "fnaccel._errors",
     "NonFiniteUpdateError": "fnaccel.transforms.nonfinite",
-    "tp": "fnaccel.transforms",
+    "ResumeDriftWarning": "fnaccel.checkpoint.runinfo",
+    "SkippedCheckpointWarning": "fnaccel.checkpoint.latest",
+    # Modules
+    "ops": "fnaccel.ops",
     "utils": "fnaccel.utils",
 })
 
-__getattr__, __dir__ = lazy_attributes("fnaccel", _LAZY, globals())
-
-__all__ = [
-    # the run
-    "RunState",
-    "DataPosition",
-    "DistContext",
-    "RNGState",
-    "LaunchConfig",
-    "ParallelismConfig",
-    "init",
-    "shutdown",
-    "with_rng",
-    # training
-    "prepare",
-    "step",
-    "backward",
-    "apply_gradients",
-    "batches",
-    "end_epoch",
-    "default_pipeline",
-    "DataLoaderConfiguration",
-    "SchedulerConfiguration",
-    # evaluation
-    "evaluate",
-    "eval_batches",
-    # checkpoints
-    "save",
-    "load",
-    "latest_checkpoint",
-    "save_model",
-    "ProjectConfiguration",
-    # debugging
-    "diff",
-    # tracking and progress
-    "init_trackers",
-    "log",
-    "get_tracker",
-    "end_training",
-    "progress",
-    "count_flops",
-    "throughput_meter",
-    "throughput",
-    "ThroughputMeter",
-    "device_peak_flops",
-    # training transforms
-    "autocast",
-    "grad_scaler",
-    "ddp",
-    "fsdp",
-    "tp",
-    "checkpoint_activations",
-    "deepspeed",
-    "accumulate",
-    "clip_grad_norm",
-    "clip_grad_value",
-    "skip_nonfinite",
-    "compile",
-    "profile",
-    "fp16",
-    "bf16",
-    "fp32",
-    "fp8",
-    "local_sgd",
-    "pp",
-    # transforms and collectives
-    "Transform",
-    "Collective",
-    "Pipeline",
-    "compose",
-    "gather",
-    "reduce",
-    "broadcast",
-    "pad_across_processes",
-    "gather_object",
-    "broadcast_object_list",
-    "gather_for_metrics",
-    # the loop's helpers and launching from a notebook
-    "autocast_context",
-    "skip_first_batches",
-    "set_trigger",
-    "check_trigger",
-    "notebook_launcher",
-    "debug_launcher",
-    # process and random helpers
-    "wait_for_everyone",
-    "main_process_first",
-    "local_main_process_first",
-    "on_main_process",
-    "split_between_processes",
-    "print_on_main",
-    "set_seed",
-    "synchronize_rng_states",
-    # kwargs handlers and enums
-    "AutocastKwargs",
-    "DistributedDataParallelKwargs",
-    "FP8RecipeKwargs",
-    "GradScalerKwargs",
-    "InitProcessGroupKwargs",
-    "ProfileKwargs",
-    "PreemptionKwargs",
-    "DistributedType",
-    "PrecisionType",
-    # errors
-    "FnaccelError",
-    "StaleStateError",
-    "ConfigError",
-    "CollectiveMismatchError",
-    "CollectiveTimeoutError",
-    "CheckpointError",
-    "NonFiniteUpdateError",
-    "ResumeDriftWarning",
-    "SkippedCheckpointWarning",
-    # modules
-    "ops",
-    "utils",
-]
+__all__ = list(_PUBLIC)
+__getattr__, __dir__ = lazy_attributes("fnaccel", _PUBLIC, globals())

@@ -1,108 +1,58 @@
 """Accelerate's utilities under Accelerate's names, adapted to take the run's state.
 
 A facade: it defines nothing and nothing inside fnaccel imports it (see the
-layers in fnaccel/README.md); every name comes from the module that owns it.
+layers in fnaccel/README.md); every name loads on first use from the module
+that owns it.
 """
 
 from types import MappingProxyType
 
-from fnaccel._errors import DistributedOperationException
 from fnaccel._lazy import lazy_attributes
-from fnaccel.constants import (
-    MODEL_NAME,
-    OPTIMIZER_NAME,
-    PROFILE_PATTERN_NAME,
-    RNG_STATE_NAME,
-    SAFE_MODEL_NAME,
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    SAMPLER_NAME,
-    SCALER_NAME,
-    SCHEDULER_NAME,
-    WEIGHTS_INDEX_NAME,
-    WEIGHTS_NAME,
-    ComputeEnvironment,
-    DDPCommunicationHookType,
-    DistributedType,
-    DynamoBackend,
-    LoggerType,
-    PrecisionType,
-    RNGType,
-    SageMakerDistributedType,
-)
-from fnaccel.environment import (
-    check_os_kernel,
-    clear_environment,
-    convert_dict_to_env_variables,
-    is_bf16_available,
-    is_bitsandbytes_available,
-    is_bnb_available,
-    is_cuda_available,
-    is_deepspeed_available,
-    is_ipex_available,
-    is_mps_available,
-    is_msamp_available,
-    is_npu_available,
-    is_numpy_available,
-    is_tensorboard_available,
-    is_torch_version,
-    is_torch_xla_available,
-    is_torchao_available,
-    is_tpu_available,
-    is_transformer_engine_available,
-    is_xpu_available,
-    parse_flag_from_env,
-    patch_environment,
-    str_to_bool,
-)
-from fnaccel.kwargs import (
-    AutocastKwargs,
-    DistributedDataParallelKwargs,
-    FP8RecipeKwargs,
-    GradScalerKwargs,
-    InitProcessGroupKwargs,
-)
-from fnaccel.kwargs_handler import KwargsHandler
-from fnaccel.profile_kwargs import ProfileKwargs
 
-# isort: split
-from fnaccel.data.config import DataLoaderConfiguration
-from fnaccel.ops import (
-    CannotPadNestedTensorWarning,
-    broadcast,
-    broadcast_object_list,
-    concatenate,
-    convert_outputs_to_fp32,
-    convert_to_fp32,
-    gather,
-    gather_for_metrics,
-    gather_object,
-    listify,
-    pad_across_processes,
-    recursively_apply,
-    reduce,
-    send_to_device,
-    slice_tensors,
-)
-from fnaccel.ops.tree import find_device, is_namedtuple, pad_input_tensors
-from fnaccel.process import (
-    local_main_process_first,
-    main_process_first,
-    on_local_main_process,
-    on_main_process,
-    on_process,
-    print_on_main,
-    split_between_processes,
-    wait_for_everyone,
-)
-from fnaccel.seeding import set_seed, synchronize_rng_states
-from fnaccel.checkpoint.project import ProjectConfiguration
-from fnaccel.config import write_basic_config
-
-# The plugins, engines' configs and memory and modelling utilities load on first
-# use: most training scripts never touch them, and importing them all would add
-# to every `import fnaccel`.
-_LAZY = MappingProxyType({
+# The public names, each with the module that defines it: the one list of them. `__all__` and the
+# loading on first use come from it (most training scripts never touch the plugins, the engines'
+# configs or the memory and modelling utilities, and importing them all would add to every
+# `import fnaccel`), and so does __init__.pyi, what type checkers read (`make stubs` writes it;
+# tests/test_exported_members.py checks it).
+_PUBLIC = MappingProxyType({
+    # constants and enums
+    **dict.fromkeys((
+        "MODEL_NAME", "OPTIMIZER_NAME", "PROFILE_PATTERN_NAME", "RNG_STATE_NAME",
+        "SAFE_MODEL_NAME", "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "SAMPLER_NAME",
+        "SCALER_NAME", "SCHEDULER_NAME", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME",
+        "ComputeEnvironment", "DDPCommunicationHookType", "DistributedType", "DynamoBackend",
+        "LoggerType", "PrecisionType", "RNGType", "SageMakerDistributedType"), "fnaccel.constants"),
+    # environment
+    **dict.fromkeys((
+        "check_os_kernel", "clear_environment", "convert_dict_to_env_variables", "is_bf16_available",
+        "is_bitsandbytes_available", "is_bnb_available", "is_cuda_available", "is_deepspeed_available",
+        "is_ipex_available", "is_mps_available", "is_msamp_available", "is_npu_available",
+        "is_numpy_available", "is_tensorboard_available", "is_torch_version", "is_torch_xla_available",
+        "is_torchao_available", "is_tpu_available", "is_transformer_engine_available", "is_xpu_available",
+        "parse_flag_from_env", "patch_environment", "str_to_bool"), "fnaccel.environment"),
+    # kwargs handlers
+    **dict.fromkeys((
+        "AutocastKwargs", "DistributedDataParallelKwargs", "FP8RecipeKwargs", "GradScalerKwargs",
+        "InitProcessGroupKwargs", "KwargsHandler", "ProfileKwargs"), "fnaccel.kwargs"),
+    # data loading
+    "DataLoaderConfiguration": "fnaccel.data.config",
+    # data operations
+    "CannotPadNestedTensorWarning": "fnaccel.ops",
+    "DistributedOperationException": "fnaccel._errors",
+    **dict.fromkeys((
+        "broadcast", "broadcast_object_list", "concatenate", "convert_outputs_to_fp32", "convert_to_fp32",
+        "gather", "gather_for_metrics", "gather_object", "listify", "pad_across_processes",
+        "recursively_apply", "reduce", "send_to_device", "slice_tensors"), "fnaccel.ops"),
+    **dict.fromkeys(("find_device", "is_namedtuple", "pad_input_tensors"), "fnaccel.ops.tree"),
+    # processes and random
+    **dict.fromkeys((
+        "local_main_process_first", "main_process_first", "on_local_main_process", "on_main_process",
+        "on_process", "print_on_main", "split_between_processes", "wait_for_everyone"), "fnaccel.process"),
+    **dict.fromkeys(("set_seed", "synchronize_rng_states"), "fnaccel.seeding"),
+    # checkpoints
+    "ProjectConfiguration": "fnaccel.checkpoint.project",
+    # configs, plugins, memory and modelling
+    "write_basic_config": "fnaccel.config",
     **dict.fromkeys(("FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "TorchDynamoPlugin"),
                     "fnaccel.plugins"),
     **dict.fromkeys(("DeepSpeedPlugin", "MegatronLMPlugin"), "fnaccel.engines"),
@@ -140,7 +90,7 @@ _LAZY = MappingProxyType({
         "should_reduce_batch_size"), "fnaccel.modeling.memory"),
     "extract_model_from_parallel": "fnaccel.modeling.unwrap",
     **dict.fromkeys(("BnbQuantizationConfig", "load_and_quantize_model"), "fnaccel.modeling.quantization"),
-    "merge_fsdp_weights": "fnaccel.commands.merge",
+    "merge_fsdp_weights": "fnaccel.checkpoint.merge",
     **dict.fromkeys(("get_grad_scaler", "get_mixed_precision_context_manager"), "fnaccel.mixed_precision"),
     **dict.fromkeys(("override_numa_affinity", "set_numa_affinity"), "fnaccel.numa"),
     **dict.fromkeys(("purge_accelerate_environment", "purge_fnaccel_environment"), "fnaccel.purge"),
@@ -160,41 +110,5 @@ _LAZY = MappingProxyType({
     **dict.fromkeys(("AimTracker", "DVCLiveTracker", "MLflowTracker"), "fnaccel.tracking.stores"),
 })
 
-
-__getattr__, __dir__ = lazy_attributes("fnaccel.utils", _LAZY, globals())
-
-__all__ = [
-    # constants and enums
-    "MODEL_NAME", "OPTIMIZER_NAME", "PROFILE_PATTERN_NAME", "RNG_STATE_NAME",
-    "SAFE_MODEL_NAME", "SAFE_WEIGHTS_INDEX_NAME", "SAFE_WEIGHTS_NAME", "SAMPLER_NAME",
-    "SCALER_NAME", "SCHEDULER_NAME", "WEIGHTS_INDEX_NAME", "WEIGHTS_NAME",
-    "ComputeEnvironment", "DDPCommunicationHookType", "DistributedType", "DynamoBackend",
-    "LoggerType", "PrecisionType", "RNGType", "SageMakerDistributedType",
-    # environment
-    "check_os_kernel", "clear_environment", "convert_dict_to_env_variables", "is_bf16_available", "is_bitsandbytes_available", "is_bnb_available",
-    "is_cuda_available", "is_deepspeed_available", "is_ipex_available", "is_mps_available",
-    "is_msamp_available", "is_npu_available", "is_numpy_available", "is_tensorboard_available",
-    "is_torch_version", "is_torch_xla_available", "is_torchao_available", "is_tpu_available",
-    "is_transformer_engine_available", "is_xpu_available", "parse_flag_from_env",
-    "patch_environment", "str_to_bool",
-    # kwargs handlers
-    "AutocastKwargs", "DistributedDataParallelKwargs", "FP8RecipeKwargs", "GradScalerKwargs",
-    "InitProcessGroupKwargs", "KwargsHandler", "ProfileKwargs",
-    # data loading
-    "DataLoaderConfiguration",
-    # data operations
-    "CannotPadNestedTensorWarning", "DistributedOperationException", "broadcast", "broadcast_object_list",
-    "concatenate", "convert_outputs_to_fp32", "convert_to_fp32", "find_device", "gather", "gather_for_metrics",
-    "gather_object", "is_namedtuple", "listify", "pad_across_processes", "pad_input_tensors",
-    "recursively_apply", "reduce", "send_to_device", "slice_tensors",
-    # processes and random
-    "local_main_process_first", "main_process_first", "on_local_main_process",
-    "on_main_process", "on_process", "print_on_main", "split_between_processes",
-    "wait_for_everyone", "set_seed", "synchronize_rng_states",
-    # checkpoints
-    "ProjectConfiguration",
-    # configs and plugins
-    "write_basic_config",
-    # plugins, memory and modelling (loaded on first use)
-    *_LAZY,
-]
+__all__ = list(_PUBLIC)
+__getattr__, __dir__ = lazy_attributes("fnaccel.utils", _PUBLIC, globals())
