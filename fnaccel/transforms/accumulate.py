@@ -34,11 +34,10 @@ import torch
 import torch.distributed as dist
 
 from fnaccel.dist import DistContext, data_parallel_context
-from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.base import Accumulation, Transform, options
+from fnaccel.transforms.phases import Phase
 
 __all__ = ["ItemCount", "accumulate"]
-
-ACCUMULATE_PHASE = 140
 
 
 class ItemCount:
@@ -124,8 +123,9 @@ def accumulate(
     )
     if normalize == "mean":
         return Transform(
-            name="accumulate", options=opts, phase=ACCUMULATE_PHASE,
+            name="accumulate", options=opts, phase=Phase.ACCUMULATE,
             micro_steps=num_steps, sync_each_batch=sync_each_batch,
+            settings=Accumulation(micro_steps=num_steps, sync_each_batch=sync_each_batch),
         )
 
     def count(loss: Any, aux: Any, state: ItemCount) -> dict[str, Any]:
@@ -136,7 +136,8 @@ def accumulate(
         return {}
 
     return Transform(
-        name="accumulate", options=opts, phase=ACCUMULATE_PHASE,
+        name="accumulate", options=opts, phase=Phase.ACCUMULATE,
         micro_steps=num_steps, sync_each_batch=sync_each_batch, sums_items=True,
+        settings=Accumulation(micro_steps=num_steps, sync_each_batch=sync_each_batch, sums_items=True),
         init=ItemCount, after_backward=count, before_update=before_update,
     )

@@ -18,10 +18,9 @@ from torch import nn
 
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.phases import Phase
 
 __all__ = ["checkpoint_activations"]
-
-CHECKPOINT_PHASE = 128  # after tp (126), before ddp/fsdp (130)
 
 
 class CheckpointedForward:
@@ -87,5 +86,5 @@ def checkpoint_activations(*classes: str | type) -> Transform:
         return model
 
     opts = options(classes=tuple(map(_name, classes))) if classes else ()
-    return Transform(name="checkpoint_activations", options=opts, phase=CHECKPOINT_PHASE,
+    return Transform(name="checkpoint_activations", options=opts, phase=Phase.CHECKPOINT_ACTIVATIONS,
                      prepare_model=prepare_model)

@@ -12,12 +12,11 @@ from typing import Any
 
 import torch
 
-from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.base import Capability, GradientClipping, Transform, options
 from fnaccel.transforms.pipelining import reduce_norm
+from fnaccel.transforms.phases import Phase
 
 __all__ = ["clip_grad_norm", "clip_grad_value", "global_grad_norm"]
-
-CLIP_PHASE = 150
 
 
 def _parameters(model: Any, optimizer: Any) -> list[torch.Tensor]:
@@ -91,8 +90,10 @@ def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> Transform:
 
     opts = options(max_norm=max_norm) + (options(norm_type=norm_type) if norm_type != 2.0 else ())
     return Transform(
-        name="clip_grad_norm", options=opts, phase=CLIP_PHASE,
+        name="clip_grad_norm", options=opts, phase=Phase.CLIP,
         conflicts=frozenset({"clip_grad_value"}), before_update=before_update,
+        capabilities=frozenset({Capability.CLIPS_GRADIENTS}),
+        settings=GradientClipping(max_norm=max_norm, norm_type=norm_type),
     )
 
 
@@ -111,6 +112,7 @@ def clip_grad_value(value: float) -> Transform:
         return {}
 
     return Transform(
-        name="clip_grad_value", options=options(value=value), phase=CLIP_PHASE,
+        name="clip_grad_value", options=options(value=value), phase=Phase.CLIP,
         conflicts=frozenset({"clip_grad_norm"}), before_update=before_update,
+        capabilities=frozenset({Capability.CLIPS_GRADIENTS}),
     )

@@ -1,8 +1,8 @@
 """Collectives as transforms: ``fa.compose(fa.pad_across_processes(dim=1), fa.gather())``.
 
 Each factory returns a stateless `Collective` whose ``apply`` hook calls the
-matching function of `fnaccel.ops`. Padding (phase 10) comes before the one
-communicating step (phase 20); two communicating steps conflict. When padding
+matching function of `fnaccel.ops`. Padding (`Phase.PAD`) comes before the one
+communicating step (`Phase.COMMUNICATE`); two communicating steps conflict. When padding
 precedes a gather, the shapes padding exchanged are handed on, so the gather
 checks the padded shapes without another collective.
 """
@@ -18,6 +18,7 @@ from fnaccel.ops import collectives as ops
 from fnaccel.ops.metrics import gather_for_metrics as _gather_for_metrics
 from fnaccel.ops.tree import tree_leaves
 from fnaccel.transforms.base import CallInfo, Collective, options
+from fnaccel.transforms.phases import Phase
 
 __all__ = [
     "broadcast",
@@ -29,7 +30,6 @@ __all__ = [
     "reduce",
 ]
 
-_PAD, _COMMUNICATE = 10, 20
 _COMMUNICATING = frozenset(
     {"gather", "reduce", "broadcast", "gather_for_metrics", "gather_object", "broadcast_object_list"}
 )
@@ -39,7 +39,7 @@ def _communicating(name: str, opts: tuple[tuple[str, Any], ...], apply: Any) -> 
     return Collective(
         name=name,
         options=opts,
-        phase=_COMMUNICATE,
+        phase=Phase.COMMUNICATE,
         conflicts=_COMMUNICATING - {name},
         apply=apply,
     )
@@ -136,4 +136,4 @@ def pad_across_processes(dim: int = 0, pad_index: int = 0, pad_first: bool = Fal
         + (options(pad_index=pad_index) if pad_index != 0 else ())
         + (options(pad_first=True) if pad_first else ())
     )
-    return Collective(name="pad_across_processes", options=opts, phase=_PAD, apply=apply)
+    return Collective(name="pad_across_processes", options=opts, phase=Phase.PAD, apply=apply)

@@ -9,11 +9,11 @@ import torch
 
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.phases import Phase
 from fnaccel.constants import DynamoBackend
 
 __all__ = ["compile"]
 
-COMPILE_PHASE = 160
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -49,4 +49,4 @@ def compile(  # noqa: A001 - Accelerate's and torch's name for it
         + (options(fullgraph=True) if fullgraph else ())
         + (options(dynamic=dynamic) if dynamic is not None else ())
     )
-    return Transform(name="compile", options=opts, phase=COMPILE_PHASE, prepare_model=prepare_model)
+    return Transform(name="compile", options=opts, phase=Phase.COMPILE, prepare_model=prepare_model)

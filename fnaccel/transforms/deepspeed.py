@@ -30,9 +30,11 @@ from typing import Any
 import torch
 
 from fnaccel.dist import DistContext
-from fnaccel.transforms.base import EngineRequest, Transform, options
+from fnaccel.constants import PrecisionType
+from fnaccel.transforms.base import (Accumulation, Capability, EngineRequest, GradientClipping, Precision,
+                                     Transform, options)
 from fnaccel.transforms.deepspeed_config import DeepSpeedPlugin, EngineSettings, resolve_ds_config
-from fnaccel.transforms.parallel import PARALLEL_PHASE
+from fnaccel.transforms.phases import Phase
 
 __all__ = ["DeepSpeedState", "deepspeed", "deepspeed_engine", "gathered_parameters", "master_partitions",
            "optimizer_over_partitions", "refresh_parameters", "zero_init"]
@@ -65,8 +67,9 @@ def _settings(request: EngineRequest) -> EngineSettings:
     """What the pipeline says about the settings a DeepSpeed config also holds; the
     combinations the engine cannot run are refused here, naming the fix."""
     pipeline = request.pipeline
-    accumulate, clip, cast = (pipeline.get(name) for name in ("accumulate", "clip_grad_norm", "autocast"))
-    assert accumulate is None or isinstance(accumulate, Transform), "fa.prepare refused collectives"
+    accumulate = pipeline.settings(Accumulation)
+    clip = pipeline.settings(GradientClipping)
+    cast = pipeline.settings(Precision)
     if accumulate is not None:
         if accumulate.sums_items:
             raise ValueError("fa.deepspeed: accumulate(normalize='items') scales the gradients by the item "
@@ -77,21 +80,17 @@ def _settings(request: EngineRequest) -> EngineSettings:
                              "reduce every backward, ZeRO-0/1 at the boundary; drop sync_each_batch")
     max_norm = None
     if clip is not None:
-        opts = dict(clip.options)
-        if opts.get("norm_type", 2.0) != 2.0:
-            raise ValueError(f"fa.deepspeed: DeepSpeed clips the 2-norm only, not {clip!r}; use "
-                             "fa.clip_grad_norm(max_norm)")
-        max_norm = float(opts["max_norm"])
+        if clip.norm_type != 2.0:
+            raise ValueError(f"fa.deepspeed: DeepSpeed clips the 2-norm only, not the {clip.norm_type}-norm; "
+                             "use fa.clip_grad_norm(max_norm)")
+        max_norm = float(clip.max_norm)
     precision = None
     if cast is not None:
-        dtype = dict(cast.options)["dtype"]
-        if dtype == torch.bfloat16:
-            precision = "bf16"
-        elif dtype == torch.float16:
-            precision = "fp16"
-        elif dtype != torch.float32:
-            raise ValueError(f"fa.deepspeed: {cast!r} is not a DeepSpeed precision; use fa.autocast(fa.bf16) "
-                             "or fa.autocast(fa.fp16), or fp8 with fa.ddp() or fa.fsdp()")
+        if cast.precision is PrecisionType.FP8:
+            raise ValueError("fa.deepspeed: fa.autocast(fa.fp8) is not a DeepSpeed precision; use "
+                             "fa.autocast(fa.bf16) or fa.autocast(fa.fp16), or fp8 with fa.ddp() or fa.fsdp()")
+        if cast.precision is not PrecisionType.NO:
+            precision = cast.precision.value  # "bf16" or "fp16"
     if precision == "fp16" and request.ctx.device.type == "cpu":
         raise ValueError("fa.deepspeed: DeepSpeed's CPU accelerator has no fp16 training; use "
                          "fa.autocast(fa.bf16) (or train on CUDA)")
@@ -229,14 +228,16 @@ def deepspeed(**settings: Any) -> Transform:
     return Transform(
         name="deepspeed",
         options=options(**shown),
-        phase=PARALLEL_PHASE,
+        phase=Phase.DATA_PARALLEL,
         conflicts=frozenset({"ddp", "fsdp", "grad_scaler", "clip_grad_value", "local_sgd", "compile"}),
+        capabilities=frozenset({Capability.AVERAGES_GRADIENTS, Capability.SCALES_LOSS,
+                                Capability.OWNS_OPTIMIZER_STEP}),
         init=DeepSpeedState,
         micro_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1 else 1,
         prepare_engine=lambda request: _prepare_engine(plugin, request),
         backward=_backward,
         optimizer_step=_optimizer_step,
-        takes_over=frozenset({"clip_grad_norm"}),
+        takes_over=frozenset({Capability.CLIPS_GRADIENTS}),
     )
 
 

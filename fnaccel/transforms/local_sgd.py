@@ -21,10 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
 from fnaccel.transforms.parallel import unwrap_compiled
+from fnaccel.transforms.phases import Phase
 
 __all__ = ["LocalSGDState", "local_sgd"]
-
-LOCAL_SGD_PHASE = 135  # after ddp() has wrapped the model (130), before accumulate (140)
 
 
 class LocalSGDState:
@@ -115,7 +114,7 @@ def local_sgd(local_sgd_steps: int) -> Transform:
     return Transform(
         name="local_sgd",
         options=options(local_sgd_steps=local_sgd_steps),
-        phase=LOCAL_SGD_PHASE,
+        phase=Phase.LOCAL_SGD,
         conflicts=frozenset({"fsdp"}),
         init=init,
         prepare_model=prepare_model,

@@ -39,10 +39,10 @@ from fnaccel._errors import FnaccelError
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
 from fnaccel.transforms.clip import dtensor_class, global_grad_norm
+from fnaccel.transforms.phases import Phase
 
 __all__ = ["NonFiniteUpdateError", "SkipNonfiniteState", "skip_nonfinite"]
 
-SKIP_NONFINITE_PHASE = 155  # after clipping (150), whose norm it reads; before compile (160)
 # Above the fp16 scaler's longest start-up run of skips from its default scale (16, see above).
 DEFAULT_MAX_CONSECUTIVE = 20
 
@@ -176,7 +176,7 @@ def skip_nonfinite(max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> Transform:
     return Transform(
         name="skip_nonfinite",
         options=options(max_consecutive=max_consecutive) if max_consecutive != DEFAULT_MAX_CONSECUTIVE else (),
-        phase=SKIP_NONFINITE_PHASE,
+        phase=Phase.SKIP_NONFINITE,
         conflicts=frozenset({"deepspeed", "pp", "local_sgd"}),
         conflict_fix=(
             "skip_nonfinite decides from gradients reduced alike on every rank: an engine that owns "

@@ -22,13 +22,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fnaccel.dist import DistContext, data_parallel, data_parallel_context
-from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.base import Capability, Transform, options
+from fnaccel.transforms.phases import Phase
 from fnaccel.kwargs import DistributedDataParallelKwargs
 from fnaccel.resources import GroupOwner
 
 __all__ = ["ddp", "fsdp", "unwrap_compiled", "unwrap_model"]
-
-PARALLEL_PHASE = 130
 
 
 def unwrap_compiled(model: Any) -> Any:
@@ -91,8 +90,9 @@ def ddp(*, find_unused: bool | None = None, **kwargs: Any) -> Transform:
     return Transform(
         name="ddp",
         options=options(**shown),
-        phase=PARALLEL_PHASE,
+        phase=Phase.DATA_PARALLEL,
         conflicts=frozenset({"fsdp"}),
+        capabilities=frozenset({Capability.AVERAGES_GRADIENTS}),
         prepare_model=prepare_model,
         set_sync=set_sync,
     )
@@ -239,8 +239,9 @@ def fsdp(
     return Transform(
         name="fsdp",
         options=opts,
-        phase=PARALLEL_PHASE,
+        phase=Phase.DATA_PARALLEL,
         conflicts=frozenset({"ddp"}),
+        capabilities=frozenset({Capability.AVERAGES_GRADIENTS, Capability.SHARDS_PARAMETERS}),
         prepare_model=prepare_model,
         set_sync=set_sync,
     )

@@ -35,14 +35,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fnaccel.dist import DistContext, mesh_dim
-from fnaccel.transforms.base import Transform, options
+from fnaccel.dist import DistContext, data_parallel, mesh_dim
+from fnaccel.transforms.base import Capability, Pipeline, Transform, options
 from fnaccel.transforms.parallel import unwrap_compiled
 from fnaccel.transforms.precision import AutocastForward
+from fnaccel.transforms.phases import Phase
 
 __all__ = ["InOrder", "PipelinedModel", "SCHEDULES", "pp", "reduce_norm", "split_stages", "stage_group"]
 
-PP_PHASE = 125  # after autocast (its forward moves onto each stage), before ddp/fsdp
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
 
@@ -328,18 +328,30 @@ def pp(
         assert isinstance(inner, PipelinedModel), "fa.pp's prepare_model built it"
         return inner.run(batch, divisor), None
 
+    def check_pipeline(pipeline: Pipeline, ctx: DistContext) -> Pipeline:
+        num_replicas = data_parallel(ctx)[1]
+        if num_replicas > 1 and mesh_dim(ctx, "pp") is not None:
+            raise ValueError(
+                f"fa.prepare: fa.pp next to {num_replicas} data-parallel replicas is not built (each stage's "
+                "gradients would need averaging over its replicas); use pp_size equal to the number of "
+                "processes (dp_replicate_size=dp_shard_size=1)")
+        return pipeline
+
     opts = (options(schedule=schedule, num_microbatches=num_microbatches)
             + (options(num_stages=num_stages) if num_stages is not None else ())
             + (options(split_points=points) if points else ()))
     return Transform(
         name="pp",
         options=opts,
-        phase=PP_PHASE,
+        phase=Phase.PIPELINE_PARALLEL,
         conflicts=frozenset({"ddp", "fsdp", "grad_scaler", "local_sgd", "compile"}),
         conflict_fix=(
             "fa.pp spans every process (each holds other layers), so there is no data-parallel "
             "dimension for ddp/fsdp/local_sgd to average over, and its schedule runs the stages "
             "itself (no compile of the whole model, no fp16 loss scaling); drop the other transform"),
+        capabilities=frozenset({Capability.SPLITS_MODEL, Capability.RUNS_FORWARD_BACKWARD,
+                                Capability.SAME_BATCH_ACROSS_RANKS}),
+        check_pipeline=check_pipeline,
         prepare_model=prepare_model,
         forward_backward=forward_backward,
     )

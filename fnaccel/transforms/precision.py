@@ -24,8 +24,9 @@ import torch
 
 from fnaccel.dist import DistContext
 from fnaccel.ops.tree import convert_to_fp32
-from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.base import Capability, Pipeline, Precision, Transform, compose, options
 from fnaccel.transforms.fp8 import check_fp8_recipe, convert_to_fp8
+from fnaccel.transforms.phases import Phase
 from fnaccel.constants import PrecisionType
 from fnaccel.kwargs import FP8RecipeKwargs, GradScalerKwargs
 
@@ -41,8 +42,7 @@ _BY_NAME = MappingProxyType({
     "fp16": fp16, "float16": fp16, "bf16": bf16, "bfloat16": bf16,
     "fp32": fp32, "float32": fp32, "no": fp32,
 })
-
-AUTOCAST_PHASE, SCALER_PHASE = 110, 120
+_PRECISION_OF = MappingProxyType({fp16: PrecisionType.FP16, bf16: PrecisionType.BF16, fp32: PrecisionType.NO})
 
 
 def precision_dtype(precision: torch.dtype | str | PrecisionType) -> torch.dtype:
@@ -127,7 +127,23 @@ def autocast(dtype: torch.dtype | str, cache_enabled: bool | None = None, *,
     opts = options(dtype=str(fp8) if is_fp8 else resolved) + (
         options(cache_enabled=cache_enabled) if cache_enabled is not None else ()
     ) + (options(recipe=recipe) if recipe is not None else ())
-    return Transform(name="autocast", options=opts, phase=AUTOCAST_PHASE, prepare_model=prepare_model)
+    def check_pipeline(pipeline: Pipeline, ctx: DistContext) -> Pipeline:
+        if resolved is not fp16 or Capability.SCALES_LOSS in pipeline.capabilities:
+            return pipeline  # only fp16 needs scaling; DeepSpeed scales fp16 losses itself
+        # in its canonical place: after autocast, before ddp/fsdp and the rest
+        return compose(*sorted([*pipeline.transforms, grad_scaler()], key=lambda t: t.phase))
+
+    precision = fp8 if is_fp8 else _PRECISION_OF[resolved]
+    return Transform(name="autocast", options=opts, phase=Phase.AUTOCAST, prepare_model=prepare_model,
+                     settings=Precision(precision=precision, dtype=resolved, cache_enabled=cache_enabled),
+                     check_pipeline=check_pipeline)
+
+
+def _check_scaled_precision(pipeline: Pipeline, ctx: DistContext) -> Pipeline:
+    precision = pipeline.settings(Precision)
+    if precision is None or precision.precision is not PrecisionType.FP16:
+        raise ValueError("fa.prepare: grad_scaler() only makes sense with autocast(fa.fp16)")
+    return pipeline
 
 
 def grad_scaler(**kwargs: Any) -> Transform:
@@ -165,7 +181,9 @@ def grad_scaler(**kwargs: Any) -> Transform:
     return Transform(
         name="grad_scaler",
         options=options(**handler.to_kwargs()),
-        phase=SCALER_PHASE,
+        phase=Phase.GRAD_SCALER,
+        capabilities=frozenset({Capability.SCALES_LOSS}),
+        check_pipeline=_check_scaled_precision,
         init=init,
         scale_loss=scale_loss,
         before_update=before_update,

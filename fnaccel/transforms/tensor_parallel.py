@@ -19,11 +19,10 @@ from typing import Any
 from torch import nn
 
 from fnaccel.dist import DistContext, mesh_dim
-from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.base import Capability, Transform, options
+from fnaccel.transforms.phases import Phase
 
 __all__ = ["tp"]
-
-TP_PHASE = 126  # after autocast and the scaler (110, 120), before checkpointing (128) and ddp/fsdp (130)
 
 Plan = Mapping[str, Any] | Callable[[nn.Module, Any], nn.Module]
 
@@ -90,6 +89,7 @@ def tp(plan: Plan) -> Transform:
         return out
 
     shown = list(plan) if isinstance(plan, Mapping) else getattr(plan, "__name__", repr(plan))
-    return Transform(name="tp", options=options(plan=shown), phase=TP_PHASE,
+    return Transform(name="tp", options=options(plan=shown), phase=Phase.TENSOR_PARALLEL,
                      conflicts=frozenset({"ddp"}), prepare_model=prepare_model,
+                     capabilities=frozenset({Capability.TENSOR_PARALLEL}),
                      conflict_fix="ddp() replicates whole parameters; use fa.fsdp() with fa.tp() (FSDP + TP)")
