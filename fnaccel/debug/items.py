@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.files import read_json
@@ -36,10 +37,10 @@ from fnaccel.checkpoint.headers import TensorFile
 from fnaccel.checkpoint.manifest import read_manifest
 from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
 from fnaccel.checkpoint.shardindex import METADATA, VALUES
-from fnaccel.checkpoint.dcpstore import metadata_from
 from fnaccel.checkpoint.tensorfile import torch_dtype
+from fnaccel.checkpoint.layouts import layout_for
+from fnaccel.checkpoint.sharded import ShardedSnapshot
 from fnaccel.checkpoint.writer import take_snapshot
-from fnaccel.transforms.parallel import unwrap_model
 
 __all__ = ["TensorItem", "items_of_directory", "items_of_state"]
 
@@ -122,11 +123,8 @@ def items_of_state(state: Any) -> dict[str, Any]:
     Reads the state; consumes nothing. A sharded (``fsdp()``) state's tensors
     are gathered one at a time when compared: every rank must compare.
     """
-    import yaml
-
     state.check_fresh("fa.diff")  # a consumed state's model and optimizer have moved on: a lie about it
-    module = None if state.model is None else unwrap_model(state.model)
-    snap = take_snapshot(state, module, writer=True, per_node=False, staging=None)
+    snap = take_snapshot(state, layout_for(state), writer=True, per_node=False, staging=None)
     out: dict[str, Any] = {key: snap.manifest[key] for key in _COUNTERS}
     for name, value in snap.json_files.items():
         _json_file(name, value, out)
@@ -134,13 +132,14 @@ def items_of_state(state: Any) -> dict[str, Any]:
     for name, tensors in snap.tensors.items():
         prefix = _tensor_prefix(name)
         out.update({f"{prefix}/{key}": _thunk(t) for key, t in tensors.items()})
-    if snap.sharded is not None:
+    sharded = snap.captured
+    if isinstance(sharded, ShardedSnapshot):  # the shards the sharded layout writes itself
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-        flat, _ = flatten_state_dict(dict(snap.sharded.tensors))
+        flat, _ = flatten_state_dict(dict(sharded.tensors))
         out.update({_sharded_name(key): _thunk(t) for key, t in flat.items()})
-        _json_file(VALUES, {"kind": snap.sharded.kind, "param_groups": snap.sharded.param_groups,
-                            "values": snap.sharded.values}, out)
+        _json_file(VALUES, {"kind": sharded.kind, "param_groups": sharded.param_groups,
+                            "values": sharded.values}, out)
     return out
 
 
@@ -204,7 +203,9 @@ def items_of_directory(directory: Path, ranks: set[int] | None = None) -> dict[s
     if "config.yaml" in files:
         _flatten("config", saved_config(directory, manifest), out)
     if METADATA in files:
-        metadata, storage = metadata_from(read_json(directory, METADATA, manifest), files,
+        from fnaccel.checkpoint import dcpstore  # imports DCP: only a sharded checkpoint's items need it
+
+        metadata, storage = dcpstore.metadata_from(read_json(directory, METADATA, manifest), files,
                                           str(directory / METADATA))
         for fqn, item in metadata.state_dict_metadata.items():
             out[_sharded_name(fqn)] = _chunked(directory, manifest, fqn, item, storage)

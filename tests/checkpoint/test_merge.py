@@ -1,4 +1,4 @@
-"""``fnaccel merge-weights``: sharded checkpoints (fnaccel's fsdp() layout and torch DCP) to safetensors."""
+"""Merging sharded checkpoints (fnaccel's fsdp() layout and torch DCP) to safetensors, and `fnaccel merge-weights`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import nn
 
 import fnaccel as fa
 from fnaccel.modeling.loading import load_checkpoint_in_model
-from fnaccel.commands import merge
+from fnaccel.checkpoint import merge
 from fnaccel.commands.main import build_parser, main
 from tests.checkpoint.test_resume import fresh_run, train
 
