@@ -4,7 +4,8 @@
 outside it, a second model called by hand, or an evaluation helper runs in
 full precision unless it enters this context (Accelerate's
 ``accelerator.autocast()``). The precision is the pipeline's `autocast`
-transform's when it has one, else the run's ``mixed_precision``.
+transform's (its `Precision` settings) when it has one, else the run's
+``mixed_precision``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from contextlib import AbstractContextManager, contextmanager
 import torch
 
 from fnaccel.state import RunState
+from fnaccel.transforms.base import Pipeline, Precision
 from fnaccel.transforms.precision import precision_dtype
 from fnaccel.constants import PrecisionType
 from fnaccel.kwargs import AutocastKwargs
@@ -74,10 +76,10 @@ def _run_precision(state: RunState) -> tuple[torch.dtype, bool | None]:
 
     fp8 runs compute their non-fp8 operations in bf16, as Accelerate's do.
     """
-    cast = None if state.pipeline is None else state.pipeline.get("autocast")
+    pipeline = state.pipeline
+    cast = pipeline.settings(Precision) if isinstance(pipeline, Pipeline) else None
     if cast is not None:
-        options = dict(cast.options)
-        return options["dtype"], options.get("cache_enabled")
+        return cast.dtype, cast.cache_enabled
     if state.mixed_precision is PrecisionType.FP8:
         return torch.bfloat16, None
     return precision_dtype(state.mixed_precision), None

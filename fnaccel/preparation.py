@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from fnaccel import dryrun
-from fnaccel.dist import data_parallel, mesh_dim
+from fnaccel.dist import data_parallel
 from fnaccel.state import RunState
 from fnaccel.train import StepPlan, scheduler_steps, training_transforms
-from fnaccel.transforms.base import Collective, EngineRequest, Pipeline, compose
+from fnaccel.transforms.base import Capability, Collective, EngineRequest, Pipeline, Precision, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
-from fnaccel.transforms.precision import autocast, fp8, grad_scaler, precision_dtype
+from fnaccel.transforms.precision import autocast, fp8, grad_scaler
 from fnaccel.constants import PrecisionType
 
 __all__ = ["default_pipeline", "prepare"]
@@ -105,7 +105,8 @@ def _section(config: Any, key: str) -> str:
 
 
 def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
-    """Check a training pipeline and add what it implies (the fp16 scaler)."""
+    """Check a training pipeline against the run's world and mesh, then let each
+    transform check its own place in it and add what it implies (the fp16 scaler)."""
     collectives = [t for t in pipeline.transforms if isinstance(t, Collective)]
     if collectives:
         raise ValueError(
@@ -113,29 +114,22 @@ def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
             "pipeline (collect = fa.compose(...); collect(state, tree))"
         )
     num_replicas = data_parallel(state.dist)[1]
-    if num_replicas > 1 and not {"ddp", "fsdp", "pp", "deepspeed"} & set(pipeline.names):
+    capabilities = pipeline.capabilities
+    # a split model's stages hold different layers: nothing to average over (pp checks its mesh itself)
+    if num_replicas > 1 and not {Capability.AVERAGES_GRADIENTS, Capability.SPLITS_MODEL} & capabilities:
         raise ValueError(
             f"fa.prepare: {pipeline!r} has no fa.ddp() or fa.fsdp() (nor fa.pp(...)) but this run has "
             f"{num_replicas} data-parallel processes; without one the replicas' gradients are "
             "never averaged. Add fa.ddp() (a no-op in a world of one)."
         )
-    if "pp" in pipeline.names and num_replicas > 1 and mesh_dim(state.dist, "pp") is not None:
-        raise ValueError(
-            f"fa.prepare: fa.pp next to {num_replicas} data-parallel replicas is not built (each stage's "
-            "gradients would need averaging over its replicas); use pp_size equal to the number of "
-            "processes (dp_replicate_size=dp_shard_size=1)")
     layout = state.dist.parallelism
-    if layout is not None and layout.tp_size > 1 and "tp" not in pipeline.names:
+    if layout is not None and layout.tp_size > 1 and Capability.TENSOR_PARALLEL not in capabilities:
         raise ValueError(
             f"fa.prepare: the mesh has tp_size={layout.tp_size} but {pipeline!r} has no fa.tp(plan); "
             "add fa.tp({'module.name': ColwiseParallel(), ...}) to the pipeline, or set tp_size=1")
-    cast = pipeline.get("autocast")
-    if cast is not None and dict(cast.options)["dtype"] is torch.float16 and not pipeline.get("grad_scaler") \
-            and not pipeline.get("deepspeed"):  # DeepSpeed scales fp16 losses itself
-        # in its canonical place: after autocast, before ddp/fsdp and the rest
-        pipeline = compose(*sorted([*pipeline.transforms, grad_scaler()], key=lambda t: t.phase))
-    if pipeline.get("grad_scaler") and (cast is None or dict(cast.options)["dtype"] is not torch.float16):
-        raise ValueError("fa.prepare: grad_scaler() only makes sense with autocast(fa.fp16)")
+    for t in training_transforms(pipeline):
+        if t.check_pipeline is not None:
+            pipeline = t.check_pipeline(pipeline, state.dist)
     return pipeline
 
 
@@ -207,7 +201,7 @@ def prepare(
             state.resources.register(f"transform:{name}", value)  # a profiler run: fa.shutdown closes it
 
     changes: dict[str, Any] = {"pipeline": pipeline}
-    engine = next((t for t in training_transforms(pipeline) if t.prepare_engine is not None), None)  # fa.deepspeed
+    engine = pipeline.engine  # fa.deepspeed
     if model is not None:
         if state.model is not None:
             raise ValueError("fa.prepare: this state already holds a prepared model")
@@ -217,7 +211,7 @@ def prepare(
         for t in training_transforms(pipeline):
             if t.prepare_model is not None:
                 model = t.prepare_model(ctx, model, transform_states.get(t.name))
-        if engine is not None and engine.prepare_engine is not None:
+        if engine is not None:
             model, optimizer = engine.prepare_engine(EngineRequest(
                 ctx=ctx, pipeline=pipeline, model=model, optimizer=optimizer,
                 micro_batch_size=getattr(loader, "batch_size", None), state=transform_states.get(engine.name)))
@@ -228,13 +222,14 @@ def prepare(
         raise ValueError(f"fa.prepare: {pipeline!r} builds an engine from the model and the optimizer "
                          "together; pass both in the same fa.prepare call")
     if optimizer is not None:
-        if model is None and state.model is not None and {"fsdp", "pp"} & set(pipeline.names):
+        if model is None and state.model is not None \
+                and {Capability.SHARDS_PARAMETERS, Capability.SPLITS_MODEL} & pipeline.capabilities:
             _check_optimizer_params(optimizer, state.model)
         changes["optimizer"] = optimizer
     if scheduler is not None:
         changes["scheduler"] = scheduler
     if loss_fn is not None:
-        if "pp" in pipeline.names:
+        if Capability.RUNS_FORWARD_BACKWARD in pipeline.capabilities:  # fa.pp computes its loss itself
             raise ValueError("fa.prepare: under fa.pp the loss is computed at the last stage by "
                              "fa.pp(loss_fn=lambda output, target: ...); drop fa.prepare's loss_fn")
         changes["loss_fn"] = loss_fn
@@ -242,7 +237,8 @@ def prepare(
         from fnaccel.data.loader import prepare_loader  # the data path's own module
 
         config = state.kwargs_handlers.get("DataLoaderConfiguration")
-        if ("pp" in pipeline.names and ctx.num_processes > 1 and mesh_dim(ctx, "pp") is None
+        # the loader shards over the data-parallel ranks: all of them without a mesh
+        if (Capability.SAME_BATCH_ACROSS_RANKS in pipeline.capabilities and data_parallel(ctx)[1] > 1
                 and (config is None or config.shard is not False)):
             raise ValueError(
                 "fa.prepare: every stage of fa.pp must read the same batches, but the loader would be "
@@ -254,7 +250,7 @@ def prepare(
     plan = StepPlan.of(pipeline, transform_states, scheduler_steps(
         ctx, changes.get("loader", state.loader), state.kwargs_handlers))
     held = changes.get("optimizer", state.optimizer)
-    if held is not None and "fsdp" not in pipeline.names and plan.backward is None:
+    if held is not None and Capability.SHARDS_PARAMETERS not in pipeline.capabilities and plan.backward is None:
         # FSDP2 computes gradients on unsharded copies of the parameters, not on these
         plan = dataclasses.replace(plan, backward_inputs=tuple(
             p for group in held.param_groups for p in group["params"] if p.requires_grad))
@@ -272,27 +268,26 @@ def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
     when the launch asked for a precision or FSDP that the pipeline leaves out."""
     import warnings
 
-    cast = pipeline.get("autocast")
-    dtype = dict(cast.options)["dtype"] if cast is not None else None
-    low = state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16)
-    wanted: Any = precision_dtype(state.mixed_precision) if low else None
-    if state.mixed_precision == PrecisionType.FP8:
-        wanted = str(fp8)  # what autocast(fa.fp8) records as its dtype
+    cast = pipeline.settings(Precision)
+    wanted = state.mixed_precision if state.mixed_precision in (fp8, PrecisionType.FP16, PrecisionType.BF16) \
+        else None
     handler = state.kwargs_handlers.get("AutocastKwargs")
     if handler is not None and not handler.enabled:
         wanted = None  # the default pipeline would leave autocast out too
-    if wanted is not None and dtype != wanted:
+    if wanted is not None and (cast is None or cast.precision is not wanted):
         warnings.warn(
             f"fa.prepare: the launch asked for mixed_precision {state.mixed_precision.value} but the "
             f"pipeline passed in is {pipeline!r}; the pipeline wins. Leave pipeline out to follow the "
             "launch, or add fa.autocast to it", UserWarning, stacklevel=3)
-    if state.config.distributed_type == "DEEPSPEED" and "deepspeed" not in pipeline.names:
+    capabilities = pipeline.capabilities
+    # what the launch's engine (fa.deepspeed) and sharding (fa.fsdp) declare, as default_pipeline builds them
+    if state.config.distributed_type == "DEEPSPEED" and Capability.OWNS_OPTIMIZER_STEP not in capabilities:
         warnings.warn(
             f"fa.prepare: the launch asked for DeepSpeed but the pipeline passed in is {pipeline!r}; the "
             "pipeline wins. Leave pipeline out to follow the launch, or add fa.deepspeed to it",
             UserWarning, stacklevel=3)
     if state.config.distributed_type == "FSDP" and state.dist.num_processes > 1 \
-            and "fsdp" not in pipeline.names:
+            and Capability.SHARDS_PARAMETERS not in capabilities:
         warnings.warn(
             f"fa.prepare: the launch asked for FSDP but the pipeline passed in is {pipeline!r}; the "
             "pipeline wins. Leave pipeline out to follow the launch, or add fa.fsdp to it",

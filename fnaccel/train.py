@@ -38,10 +38,10 @@ import torch
 from torch import nn
 
 from fnaccel.dist import DistContext, data_parallel
-from fnaccel.kwargs_handler import KwargsHandler
+from fnaccel.kwargs.base import KwargsHandler
 from fnaccel.rng import put_back, swap_in, swap_out
 from fnaccel.state import RunState
-from fnaccel.transforms.base import Pipeline, Transform
+from fnaccel.transforms.base import Accumulation, Pipeline, Transform
 
 __all__ = ["SchedulerConfiguration", "StepPlan", "apply_gradients", "backward", "scheduler_steps", "step"]
 
@@ -169,18 +169,22 @@ class StepPlan:
         steppers = bound("optimizer_step")
         checkers = bound("check_update")
         runners = bound("forward_backward")
-        taken = frozenset().union(*(t.takes_over for t in ts))
-        backward = bound("backward")
+        engine = pipeline.engine
+        taken = engine.takes_over if engine is not None else frozenset()
+        accumulation = pipeline.settings(Accumulation)
+        if accumulation is None:  # every batch updates, unless an engine's own configuration accumulates
+            accumulation = Accumulation(micro_steps=engine.micro_steps if engine is not None else 1)
         return cls(
-            micro_steps=next((t.micro_steps for t in ts if t.micro_steps > 1), 1),
+            micro_steps=accumulation.micro_steps,
             scheduler_steps=scheduler_steps,
-            sync_each_batch=any(t.sync_each_batch for t in ts),
-            divide_loss=not any(t.sums_items for t in ts),
+            sync_each_batch=accumulation.sync_each_batch,
+            divide_loss=not accumulation.sums_items,
             after_backward=bound("after_backward"),
             scale_loss=bound("scale_loss"),
             before_update=tuple((t.before_update, transform_states.get(t.name)) for t in ts
-                                if t.before_update is not None and t.name not in taken),
-            backward=backward[0] if backward else None,
+                                if t.before_update is not None and not t.capabilities & taken),
+            backward=None if engine is None or engine.backward is None else (
+                engine.backward, transform_states.get(engine.name)),
             optimizer_step=steppers[0] if steppers else None,
             check_update=checkers[0] if checkers else None,
             set_sync=tuple(t.set_sync for t in ts if t.set_sync is not None),

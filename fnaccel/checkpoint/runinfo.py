@@ -1,11 +1,11 @@
 """How a run was set up, recorded beside its checkpoint (``run.json``), and drift on resume.
 
 A checkpoint's ``run.json`` (rank 0's, listed and checksummed in the manifest
-like every file) holds the pipeline (each transform's name and options), the
+like every file) holds the pipeline (each transform's name, options and
+capabilities), the
 precision the model computes in, the accumulation count, and the fnaccel and
 torch versions that wrote it; ``config.yaml`` holds the resolved launch
-config. A checkpoint written before ``run.json`` existed has only the
-manifest's ``pipeline`` text, which is compared instead.
+config.
 
 `resume_drift` compares them with the run that loads: each difference is
 named (``pipeline/clip_grad_norm/max_norm: 1.0 -> 0.5``). `fa.load` warns once
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fnaccel._errors import CheckpointError
+from fnaccel.constants import PrecisionType
 from fnaccel.checkpoint.files import read_json, read_verified
 
 __all__ = ["RUN_FILE", "Drift", "ResumeDriftWarning", "describe_run", "resume_drift", "saved_config"]
@@ -39,7 +40,6 @@ RUN_FILE = "run.json"
 # where a machine is, not how it trains (differs between the machines and launches of one run),
 # and the world's size, which fa.load itself checks (another size is resharded or refused there)
 _NOT_COMPARED = frozenset({"machine_rank", "main_process_ip", "main_process_port", "num_processes", "num_machines"})
-_LAYOUT_ITEMS = frozenset({"pipeline/ddp", "pipeline/fsdp"})
 
 
 class ResumeDriftWarning(UserWarning):
@@ -59,7 +59,7 @@ def describe_run(state: Any) -> dict[str, Any]:
     >>> import fnaccel as fa
     >>> run = describe_run(fa.prepare(fa.init(cpu=True), pipeline=fa.compose(fa.accumulate(2))))
     >>> run["pipeline"], run["precision"], run["micro_steps"]
-    ([{'name': 'accumulate', 'options': {'num_steps': '2'}}], 'fp32', 2)
+    ([{'name': 'accumulate', 'options': {'num_steps': '2'}, 'capabilities': []}], 'fp32', 2)
     """
     import torch  # here, not at the top: reading run.json (`fnaccel checkpoint inspect`) needs no torch
 
@@ -68,21 +68,20 @@ def describe_run(state: Any) -> dict[str, Any]:
 
 def _setup(state: Any) -> dict[str, Any]:
     """The part of `describe_run` a load compares (the versions are only recorded)."""
-    transforms = () if state.pipeline is None else getattr(state.pipeline, "transforms", ())
-    pipeline = [{"name": t.name, "options": {key: repr(value) for key, value in t.options}} for t in transforms]
-    autocast = next((entry for entry in pipeline if entry["name"] == "autocast"), None)
-    precision = "fp32" if autocast is None else _precision_name(autocast["options"].get("dtype", "fp32"))
+    from fnaccel.transforms.base import Pipeline, Precision, Transform  # with torch: a run is live here
+
+    held = state.pipeline.transforms if isinstance(state.pipeline, Pipeline) else ()
+    transforms = [t for t in held if isinstance(t, Transform)]  # fa.prepare refuses collectives
+    pipeline = [{"name": t.name, "options": {key: repr(value) for key, value in t.options},
+                 "capabilities": sorted(c.name for c in t.capabilities)} for t in transforms]
+    cast = state.pipeline.settings(Precision) if isinstance(state.pipeline, Pipeline) else None
+    precision = "fp32" if cast is None or cast.precision is PrecisionType.NO else cast.precision.value
     return {
         "pipeline": pipeline,
         "precision": precision,
         "mixed_precision": str(getattr(state.mixed_precision, "value", state.mixed_precision)),
         "micro_steps": 1 if state.plan is None else int(state.plan.micro_steps),
     }
-
-
-def _precision_name(text: str) -> str:
-    names = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
-    return names.get(text, text.strip("'\""))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,6 +117,14 @@ def _pipeline_drift(saved: list[dict[str, Any]], now: list[dict[str, Any]]) -> l
     return out
 
 
+def _averages_gradients(entry: dict[str, Any]) -> bool:
+    """Whether a recorded transform declared `Capability.AVERAGES_GRADIENTS`."""
+    from fnaccel.transforms.base import Capability  # with torch: a run is live here
+
+    recorded = entry.get("capabilities")
+    return isinstance(recorded, list) and Capability.AVERAGES_GRADIENTS.name in recorded
+
+
 def saved_config(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """The checkpoint's ``config.yaml`` (verified), as a mapping."""
     import yaml
@@ -136,24 +143,24 @@ def resume_drift(state: Any, directory: Path, manifest: dict[str, Any]) -> list[
     """Every difference between the run that saved ``directory`` and ``state``, which loads it."""
     now = _setup(state)
     out: list[Drift] = []
-    if RUN_FILE in manifest["files"]:
-        saved = read_json(directory, RUN_FILE, manifest)
-        if not isinstance(saved, dict) or not isinstance(saved.get("pipeline"), list) or not all(
-            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("options"), dict)
-            for t in saved["pipeline"]
-        ):
-            raise CheckpointError(f"{directory / RUN_FILE}: key 'pipeline' must be a list of "
-                                  "{'name': ..., 'options': {...}}")
-        drift = _pipeline_drift(saved["pipeline"], now["pipeline"])
-        if manifest["num_processes"] != state.dist.num_processes:
-            # another number of processes: fa.load reshards between ddp, fsdp and a world of one
-            drift = [d for d in drift if d.item not in _LAYOUT_ITEMS]
-        out += drift
-        for key in ("precision", "mixed_precision", "micro_steps"):
-            if saved.get(key) != now[key]:
-                out.append(Drift(item=key, saved=saved.get(key), now=now[key], exact=key != "micro_steps"))
-    elif manifest["pipeline"] != repr(state.pipeline):  # written before run.json: the text is all there is
-        out.append(Drift(item="pipeline", saved=manifest["pipeline"], now=repr(state.pipeline), exact=True))
+    saved = read_json(directory, RUN_FILE, manifest)
+    if not isinstance(saved, dict) or not isinstance(saved.get("pipeline"), list) or not all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("options"), dict)
+        for t in saved["pipeline"]
+    ):
+        raise CheckpointError(f"{directory / RUN_FILE}: key 'pipeline' must be a list of "
+                              "{'name': ..., 'options': {...}}")
+    drift = _pipeline_drift(saved["pipeline"], now["pipeline"])
+    if manifest["num_processes"] != state.dist.num_processes:
+        # another number of processes: fa.load reshards between data-parallel layouts (ddp, fsdp,
+        # a world of one), so a data-parallel transform present on one side only is expected
+        data_parallel = {f"pipeline/{t['name']}" for t in [*saved["pipeline"], *now["pipeline"]]
+                         if _averages_gradients(t)}
+        drift = [d for d in drift if d.item not in data_parallel]
+    out += drift
+    for key in ("precision", "mixed_precision", "micro_steps"):
+        if saved.get(key) != now[key]:
+            out.append(Drift(item=key, saved=saved.get(key), now=now[key], exact=key != "micro_steps"))
     config, live = saved_config(directory, manifest), state.config.to_dict()
     for key in sorted({*config, *live} - _NOT_COMPARED):
         a, b = config.get(key), live.get(key)

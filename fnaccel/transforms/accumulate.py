@@ -124,7 +124,6 @@ def accumulate(
     if normalize == "mean":
         return Transform(
             name="accumulate", options=opts, phase=Phase.ACCUMULATE,
-            micro_steps=num_steps, sync_each_batch=sync_each_batch,
             settings=Accumulation(micro_steps=num_steps, sync_each_batch=sync_each_batch),
         )
 
@@ -137,7 +136,6 @@ def accumulate(
 
     return Transform(
         name="accumulate", options=opts, phase=Phase.ACCUMULATE,
-        micro_steps=num_steps, sync_each_batch=sync_each_batch, sums_items=True,
         settings=Accumulation(micro_steps=num_steps, sync_each_batch=sync_each_batch, sums_items=True),
         init=ItemCount, after_backward=count, before_update=before_update,
     )

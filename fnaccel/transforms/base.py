@@ -11,43 +11,24 @@ pipeline, and keys each transform's state by the transform's name (optax's
 ``named_chain``), so saved states survive reordering.
 
 A `Collective`'s ``call`` is the `CallInfo` passed along the chain (what
-earlier steps learnt). A `Transform`'s hooks (every one optional):
-    init(ctx) -> state: the transform's own state (None for stateless ones).
-    Training hooks, used by `fa.prepare` / `fa.step` (see fnaccel/preparation.py, fnaccel/train.py):
-    prepare_model(ctx, model, state) -> model: wrap or shard the model once.
-    set_sync(model, enabled): switch gradient communication for the next
-        backward (accumulation's non-boundary micro-steps turn it off).
-    scale_loss(loss, state) -> loss: before backward (the fp16 scaler).
-    before_update(model, optimizer, state) -> metrics: at an update boundary,
-        before the optimizer steps (unscaling, clipping).
-    optimizer_step(optimizer, state) -> metrics: replaces `optimizer.step()`
-        (the fp16 scaler); its metrics include ``skipped`` (a bool tensor),
-        which also holds back the scheduler.
-    check_update(model, optimizer, metrics, state, step, position) -> bool:
-        at an update boundary, after before_update and any optimizer_step hook
-        (``metrics`` holds theirs: ``grad_norm``, ``skipped``); True holds the
-        update back: no optimizer step (without an optimizer_step hook) and no
-        scheduler step, gradients cleared. It may add metrics to ``metrics``.
-        ``step`` and ``position`` are the update's (`UpdateCheckFn`).
-    after_backward(loss, aux, state) -> metrics | None: after each backward,
-        with the loss and the loss function's aux (item counting); metrics it
-        returns replace `fa.step`'s of the same name (``loss`` included).
-    after_step(state): after every micro-step (the profiler).
-    forward_backward(model, batch, divisor, state) -> (loss, aux): replaces
-        the loss function and backward of `fa.step` (a pipeline schedule runs
-        both); gradients are divided by ``divisor`` (`accumulate`'s count, or
-        None when the loss is a sum normalised at the update).
-    Engine hooks, for a transform that hands the model and optimizer to an
-    engine of its own (`fa.deepspeed`):
-    prepare_engine(request) -> (model, optimizer): build the engine from an
-        `EngineRequest` (the model after every prepare_model hook, the
-        optimizer, the pipeline); the model becomes the state's.
-    backward(loss, state): replaces ``loss.backward()``.
-    ``takes_over`` names transforms whose update hooks the engine runs itself
-    (DeepSpeed clips inside its step): their ``before_update`` is skipped.
+earlier steps learnt). A `Transform`'s hooks are optional fields, each typed
+by a Protocol that says when it runs and what it gets (`PrepareModelFn`,
+`ScaleLossFn`, `BeforeUpdateFn`, ...; fnaccel/train.py lists the step's fixed
+sequence). What only an engine needs (``prepare_engine``, its own
+``backward``, the capabilities whose hooks it runs itself) lives on the
+subtype `EngineTransform` (`fa.deepspeed`).
 
-Every transform has a ``phase``; a pipeline lists phases in non-decreasing
-order (padding before gathering), and ``conflicts`` names the transforms it
+A transform declares what it is, so that nothing outside it asks its name:
+``capabilities`` (`Capability`: averages gradients, shards parameters, scales
+the loss, ...), ``settings`` (a typed record other code reads: `Precision`,
+`GradientClipping`, `Accumulation`; found with `Pipeline.settings`), and
+``check_pipeline(pipeline, ctx) -> pipeline``, run by `fa.prepare`, which
+checks the transform's combination with the rest of the pipeline and the
+run's mesh (raising ValueError with the fix) or completes the pipeline with
+what the transform implies (``autocast(fa.fp16)`` adds a ``grad_scaler()``).
+
+Every transform has a ``phase`` (`fnaccel.transforms.phases.Phase`, the one
+table of the order); a pipeline lists phases in non-decreasing order, and ``conflicts`` names the transforms it
 cannot be combined with (``conflict_fix`` says why and what to do instead).
 `compose` enforces both, and rejects duplicates, with a message that names
 the transforms and the fix.
@@ -55,16 +36,28 @@ the transforms and the fix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from fnaccel.constants import PrecisionType
 from fnaccel.dist import DistContext, as_dist
 from fnaccel.ops._shapes import ShapeTable
+from fnaccel.protocols import CheckpointLayout
 
-__all__ = ["CallInfo", "Capability", "Collective", "EngineRequest", "Pipeline", "Transform", "compose"]
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from fnaccel.state import DataPosition
+
+__all__ = ["Accumulation", "CallInfo", "Capability", "Collective", "EngineRequest", "EngineTransform",
+           "GradientClipping",
+           "Pipeline", "PipelineCheckFn", "Precision", "Transform", "compose"]
+
+S = TypeVar("S")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,20 +76,144 @@ class CallInfo:
 
 
 class TransformInitFn(Protocol):
-    """Builds a transform's state record for a run."""
+    """``Transform.init``: builds the transform's state record for a run.
 
-    def __call__(self, ctx: DistContext) -> Any: ...
+    `fa.prepare` calls it once per run (a state prepared in parts keeps the
+    record it has); the record is stored under the transform's name in
+    ``state.transform_states``, saved with checkpoints, and handed to each
+    of the transform's hooks as ``state``. A record with ``close()`` (a
+    profiler run) is closed by `fa.shutdown`.
+    """
+
+    def __call__(self, ctx: DistContext, /) -> Any: ...
+
+
+class PrepareModelFn(Protocol):
+    """``Transform.prepare_model``: wraps, shards or converts the model, once, at `fa.prepare`.
+
+    Called in pipeline order on the model already on the run's device, each
+    on what the one before returned (so the earliest wraps innermost); the
+    last result becomes ``state.model``. ``state`` is the transform's own.
+    """
+
+    def __call__(self, ctx: DistContext, model: nn.Module, state: Any, /) -> nn.Module: ...
+
+
+class SetSyncFn(Protocol):
+    """``Transform.set_sync``: switches gradient communication on or off for the next backward.
+
+    `fa.prepare`, `fa.load` and every micro-step call it with ``enabled`` True only
+    when the next micro-step ends an accumulation window (or the pipeline's
+    `Accumulation` syncs each batch): DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync``.
+    """
+
+    def __call__(self, model: nn.Module, enabled: bool, /) -> None: ...
+
+
+class ScaleLossFn(Protocol):
+    """``Transform.scale_loss``: the loss backward runs on, from the loss before it.
+
+    Runs on every backward, after the division by the accumulation count
+    (the fp16 scaler multiplies by its scale; `fa.skip_nonfinite` makes a
+    non-finite loss's gradients non-finite on every rank).
+    """
+
+    def __call__(self, loss: torch.Tensor, state: Any, /) -> torch.Tensor: ...
+
+
+class BeforeUpdateFn(Protocol):
+    """``Transform.before_update``: works on the gradients at an update boundary, before the optimizer steps.
+
+    In pipeline order (the scaler unscales, accumulation normalises by the
+    items, clipping clips); returns metrics for `fa.step` (``grad_norm``),
+    tensors left on the device. An engine that takes over a capability the
+    transform declares (`EngineTransform.takes_over`) skips it.
+    """
+
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any,
+                 /) -> dict[str, torch.Tensor]: ...
+
+
+class OptimizerStepFn(Protocol):
+    """``Transform.optimizer_step``: replaces ``optimizer.step()`` at an update boundary.
+
+    The first transform with one steps (the fp16 scaler, an engine). Its
+    metrics go into `fa.step`'s; a ``skipped`` bool tensor that is True
+    holds back the scheduler step too.
+    """
+
+    def __call__(self, optimizer: torch.optim.Optimizer, state: Any, /) -> dict[str, torch.Tensor]: ...
 
 
 class UpdateCheckFn(Protocol):
-    """Whether an update is held back (`Transform.check_update`, `fa.skip_nonfinite`).
+    """``Transform.check_update``: whether an update is held back (`fa.skip_nonfinite`).
 
-    ``step`` is the run's update count before this update; ``position`` the
-    data position once the update's batches are consumed (for error messages).
+    At an update boundary, after every ``before_update`` and any
+    ``optimizer_step`` hook, whose metrics ``metrics`` holds (``grad_norm``,
+    ``skipped``); it may add its own to it. True holds the update back: no
+    optimizer step (unless an ``optimizer_step`` hook stepped already), no
+    scheduler step, gradients cleared. ``step`` is the run's update count
+    before this update; ``position`` the data position once the update's
+    batches are consumed (for error messages).
     """
 
-    def __call__(self, model: Any, optimizer: Any, metrics: dict[str, Any], state: Any,
-                 step: int, position: Any) -> bool: ...
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, metrics: dict[str, torch.Tensor],
+                 state: Any, step: int, position: DataPosition, /) -> bool: ...
+
+
+class AfterBackwardFn(Protocol):
+    """``Transform.after_backward``: sees each backward's loss and the loss function's ``aux``.
+
+    ``loss`` is the loss function's, before any division or scaling. Metrics
+    it returns replace `fa.step`'s of the same name, ``loss`` included
+    (``accumulate(normalize="items")`` reports the window's loss per item);
+    None adds nothing.
+    """
+
+    def __call__(self, loss: torch.Tensor, aux: Any, state: Any, /) -> dict[str, torch.Tensor] | None: ...
+
+
+class AfterStepFn(Protocol):
+    """``Transform.after_step``: runs after every `fa.step`, and after an `fa.apply_gradients` that
+    updated, once the new state exists (the profiler steps, local SGD averages)."""
+
+    def __call__(self, state: Any, /) -> None: ...
+
+
+class ForwardBackwardFn(Protocol):
+    """``Transform.forward_backward``: replaces `fa.step`'s loss function and backward with one call.
+
+    A pipeline schedule (`fa.pp`) runs both over its stages. Gradients are
+    divided by ``divisor`` (the accumulation count), or not at all when it is
+    None (a loss summed over items, normalised at the update). Returns the
+    loss (`fa.step`'s ``loss`` metric) and an aux (None when there is none).
+    """
+
+    def __call__(self, model: nn.Module, batch: Any, divisor: int | None, state: Any,
+                 /) -> tuple[torch.Tensor, Any]: ...
+
+
+class PrepareEngineFn(Protocol):
+    """``EngineTransform.prepare_engine``: builds the engine the model and optimizer are handed to.
+
+    `fa.prepare` calls it once, after every ``prepare_model`` hook, with an
+    `EngineRequest`; the model and optimizer it returns are the state's.
+    """
+
+    def __call__(self, request: EngineRequest, /) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+
+
+class BackwardFn(Protocol):
+    """``EngineTransform.backward``: replaces ``loss.backward()`` (the engine reduces gradients there).
+
+    ``loss`` is already divided by the accumulation count and passed through
+    every ``scale_loss`` hook. An engine with its own backward owns the
+    gradients: `fa.step` does not clear them when an accumulation window
+    starts, so the engine clears them after its update.
+    """
+
+    def __call__(self, loss: torch.Tensor, state: Any, /) -> None: ...
 
 
 class TransformApplyFn(Protocol):
@@ -121,6 +238,58 @@ class Capability(Enum):
     TENSOR_PARALLEL = "splits layers over the mesh's tensor-parallel dimension"
     SCALES_LOSS = "scales the loss before backward (fp16)"
     OWNS_OPTIMIZER_STEP = "runs the optimizer step itself (an engine)"
+    CLIPS_GRADIENTS = "clips the gradients before the optimizer step"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Precision:
+    """The precision a transform makes the model compute in (`fa.autocast`'s settings).
+
+    Attributes:
+        precision: fp16, bf16, fp8, or ``PrecisionType.NO`` (fp32, no autocast).
+        dtype: the dtype autocast computes in (bf16 for what fp8's float8
+            layers leave).
+        cache_enabled: ``torch.autocast``'s weight-cast cache (None: torch's default).
+    """
+
+    precision: PrecisionType
+    dtype: torch.dtype
+    cache_enabled: bool | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradientClipping:
+    """How a transform clips the gradients' global norm (`fa.clip_grad_norm`'s settings)."""
+
+    max_norm: float
+    norm_type: float = 2.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Accumulation:
+    """How a transform accumulates gradients over batches (`fa.accumulate`'s settings).
+
+    Attributes:
+        micro_steps: batches per optimizer update.
+        sync_each_batch: gradients are communicated on every batch anyway.
+        sums_items: the loss is a sum over items, normalised at the update.
+    """
+
+    micro_steps: int
+    sync_each_batch: bool = False
+    sums_items: bool = False
+
+
+class PipelineCheckFn(Protocol):
+    """Checks a transform's combination with its pipeline and the run's mesh (`Transform.check_pipeline`).
+
+    Called by `fa.prepare` with the whole pipeline; raises ValueError saying
+    what to change, or returns the pipeline, completed with what the
+    transform implies (``autocast(fa.fp16)`` adds the ``grad_scaler()`` it
+    needs when nothing else scales the loss).
+    """
+
+    def __call__(self, pipeline: Pipeline, ctx: DistContext) -> Pipeline: ...
 
 
 def _describe(name: str, options: tuple[tuple[str, Any], ...]) -> str:
@@ -157,23 +326,33 @@ class Collective:
 class Transform:
     """A named record of training hooks; see the module docstring.
 
+    The hooks, every one optional, are listed last in the order a run meets
+    them; each one's Protocol says when it runs and what it gets.
+
     Attributes:
         name: a stable key (the factory's name); the transform's state is
             stored under it.
         options: the factory's non-default arguments, for printing and equality.
-        phase: its canonical position in a pipeline.
+        phase: its canonical position in a pipeline (a `Phase`).
         conflicts: names of transforms it cannot be composed with.
         conflict_fix: what `compose` tells the user when a conflict is found
             (the generic advice when empty).
         capabilities: what it does (`Capability`), asked instead of its name.
-        init: builds its state record, or None when it has none.
-        micro_steps: batches per optimizer update (`accumulate`); 1 otherwise.
-        sync_each_batch: communicate gradients on every micro-step anyway.
-        sums_items: the loss is a sum over items, normalised at the update
-            (``accumulate(normalize="items")``): backward does not divide it.
-        prepare_model, set_sync, scale_loss, before_update, optimizer_step,
-            check_update, after_step, forward_backward: the training hooks
-            listed in the module docstring.
+        settings: a typed record of the settings other code reads
+            (`Precision`, `GradientClipping`, `Accumulation`), or None;
+            ``options`` is for printing, equality and the saved record only.
+        check_pipeline: checks its combination with the pipeline and the mesh
+            at `fa.prepare` (`PipelineCheckFn`), or None.
+        init: builds its state record (`TransformInitFn`); None: it has none.
+        prepare_model: wraps or shards the model at `fa.prepare` (`PrepareModelFn`).
+        set_sync: switches gradient communication for the next backward (`SetSyncFn`).
+        forward_backward: replaces the loss function and backward (`ForwardBackwardFn`).
+        scale_loss: the loss backward runs on (`ScaleLossFn`).
+        after_backward: sees each backward's loss and aux (`AfterBackwardFn`).
+        before_update: works on the gradients at an update boundary (`BeforeUpdateFn`).
+        optimizer_step: replaces ``optimizer.step()`` (`OptimizerStepFn`).
+        check_update: may hold the update back (`UpdateCheckFn`).
+        after_step: runs after each step (`AfterStepFn`).
     """
 
     name: str
@@ -182,29 +361,50 @@ class Transform:
     conflicts: frozenset[str] = frozenset()
     conflict_fix: str = field(default="", compare=False)
     capabilities: frozenset[Capability] = frozenset()
+    settings: object = None
+    check_pipeline: PipelineCheckFn | None = field(default=None, compare=False)
+    # How `fa.save` / `fa.load` lay out the model and optimizer (`fnaccel.checkpoint.layouts`): a
+    # transform's own layout wins over the one its capabilities choose (None: chosen from them).
+    layout: CheckpointLayout | None = field(default=None, compare=False)
     init: TransformInitFn | None = field(default=None, compare=False)
-    micro_steps: int = 1
-    sync_each_batch: bool = False
-    sums_items: bool = False
-    prepare_model: Callable[[DistContext, Any, Any], Any] | None = field(default=None, compare=False)
-    set_sync: Callable[[Any, bool], None] | None = field(default=None, compare=False)
-    scale_loss: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
-    before_update: Callable[[Any, Any, Any], dict[str, Any]] | None = field(
-        default=None, compare=False
-    )
-    optimizer_step: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
+    prepare_model: PrepareModelFn | None = field(default=None, compare=False)
+    set_sync: SetSyncFn | None = field(default=None, compare=False)
+    forward_backward: ForwardBackwardFn | None = field(default=None, compare=False)
+    scale_loss: ScaleLossFn | None = field(default=None, compare=False)
+    after_backward: AfterBackwardFn | None = field(default=None, compare=False)
+    before_update: BeforeUpdateFn | None = field(default=None, compare=False)
+    optimizer_step: OptimizerStepFn | None = field(default=None, compare=False)
     check_update: UpdateCheckFn | None = field(default=None, compare=False)
-    after_backward: Callable[[Any, Any, Any], dict[str, Any] | None] | None = field(default=None, compare=False)
-    after_step: Callable[[Any], None] | None = field(default=None, compare=False)
-    forward_backward: Callable[[Any, Any, Any, Any], tuple[Any, Any]] | None = field(
-        default=None, compare=False
-    )
-    prepare_engine: Callable[[EngineRequest], tuple[Any, Any]] | None = field(default=None, compare=False)
-    backward: Callable[[Any, Any], None] | None = field(default=None, compare=False)
-    takes_over: frozenset[str] = frozenset()
+    after_step: AfterStepFn | None = field(default=None, compare=False)
 
     def __repr__(self) -> str:
         return _describe(self.name, self.options)
+
+
+# repr=False keeps Transform's __repr__ (the factory call), which a generated one would replace.
+@dataclass(frozen=True, slots=True, kw_only=True, repr=False)
+class EngineTransform(Transform):
+    """A transform that hands the model and optimizer to an engine of its own (`fa.deepspeed`).
+
+    `fa.prepare` builds the engine with ``prepare_engine`` after every
+    ``prepare_model`` hook; `fa.step` runs the engine's ``backward``. A
+    pipeline holds at most one engine.
+
+    Attributes:
+        prepare_engine: builds the engine (`PrepareEngineFn`).
+        backward: replaces ``loss.backward()`` (`BackwardFn`); None: torch's.
+        takes_over: capabilities whose ``before_update`` hooks the engine runs
+            itself (DeepSpeed clips inside its step: `Capability.CLIPS_GRADIENTS`):
+            a transform declaring one has that hook skipped.
+        micro_steps: batches per update that the engine's own configuration
+            sets (DeepSpeed's ``gradient_accumulation_steps``), used when the
+            pipeline declares no `Accumulation`; 1: every batch.
+    """
+
+    prepare_engine: PrepareEngineFn = field(compare=False)
+    backward: BackwardFn | None = field(default=None, compare=False)
+    takes_over: frozenset[Capability] = frozenset()
+    micro_steps: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,7 +416,8 @@ class EngineRequest:
         pipeline: the whole training pipeline (the engine reads the settings
             other transforms state: accumulation, clipping, precision).
         model: the model, on the device, after every ``prepare_model`` hook.
-        optimizer: the optimizer passed with it.
+        optimizer: the optimizer passed with it (None: none was; the engine
+            says it needs one).
         micro_batch_size: the loader's batch size per process, when a loader
             was passed in the same call.
         state: the transform's own state.
@@ -224,8 +425,8 @@ class EngineRequest:
 
     ctx: DistContext
     pipeline: Pipeline
-    model: Any
-    optimizer: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
     micro_batch_size: int | None
     state: Any
 
@@ -248,8 +449,30 @@ class Pipeline:
         return tuple(t.name for t in self.transforms)
 
     def get(self, name: str) -> Transform | Collective | None:
-        """The transform called ``name``, or None."""
+        """The transform called ``name``, or None (for users: fnaccel itself asks
+        `capabilities` and `settings`, never a name)."""
         return next((t for t in self.transforms if t.name == name), None)
+
+    @property
+    def engine(self) -> EngineTransform | None:
+        """The transform that hands the model and optimizer to an engine (`EngineTransform`), or None."""
+        return next((t for t in self.transforms if isinstance(t, EngineTransform)), None)
+
+    @property
+    def capabilities(self) -> frozenset[Capability]:
+        """What the training transforms do, together (`Capability`)."""
+        return frozenset().union(*(t.capabilities for t in self.transforms if isinstance(t, Transform)))
+
+    def settings(self, kind: type[S]) -> S | None:
+        """The settings record of type ``kind`` a transform declares (`Precision`,
+        `GradientClipping`, `Accumulation`), or None when none does.
+
+        >>> import fnaccel as fa
+        >>> fa.compose(fa.autocast(fa.bf16)).settings(Precision).dtype
+        torch.bfloat16
+        """
+        return next((t.settings for t in self.transforms
+                     if isinstance(t, Transform) and isinstance(t.settings, kind)), None)
 
     def init(self, ctx: Any, existing: Mapping[str, Any] = MappingProxyType({})) -> Mapping[str, Any]:
         """Each stateful transform's state, keyed by its name: ``existing``'s where it

@@ -31,8 +31,8 @@ import torch
 
 from fnaccel.dist import DistContext
 from fnaccel.constants import PrecisionType
-from fnaccel.transforms.base import (Accumulation, Capability, EngineRequest, GradientClipping, Precision,
-                                     Transform, options)
+from fnaccel.transforms.base import (Accumulation, Capability, EngineRequest, EngineTransform, GradientClipping,
+                                     Precision, options)
 from fnaccel.transforms.deepspeed_config import DeepSpeedPlugin, EngineSettings, resolve_ds_config
 from fnaccel.transforms.phases import Phase
 
@@ -190,7 +190,7 @@ def _optimizer_step(optimizer: Any, state: DeepSpeedState) -> dict[str, Any]:
     return metrics
 
 
-def deepspeed(**settings: Any) -> Transform:
+def deepspeed(**settings: Any) -> EngineTransform:
     """Train through DeepSpeed's engine (ZeRO stage 0-3, offload), configured by
     `DeepSpeedPlugin`'s fields.
 
@@ -225,7 +225,7 @@ def deepspeed(**settings: Any) -> Transform:
              if getattr(plugin, f.name) != getattr(defaults, f.name)}
     if isinstance(shown.get("hf_ds_config"), dict):
         shown["hf_ds_config"] = "{...}"
-    return Transform(
+    return EngineTransform(
         name="deepspeed",
         options=options(**shown),
         phase=Phase.DATA_PARALLEL,
@@ -233,11 +233,11 @@ def deepspeed(**settings: Any) -> Transform:
         capabilities=frozenset({Capability.AVERAGES_GRADIENTS, Capability.SCALES_LOSS,
                                 Capability.OWNS_OPTIMIZER_STEP}),
         init=DeepSpeedState,
-        micro_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1 else 1,
+        optimizer_step=_optimizer_step,
         prepare_engine=lambda request: _prepare_engine(plugin, request),
         backward=_backward,
-        optimizer_step=_optimizer_step,
         takes_over=frozenset({Capability.CLIPS_GRADIENTS}),
+        micro_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1 else 1,
     )
 
 
