@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from fnaccel._errors import ConfigError
 from fnaccel.environment import str_to_bool
-from fnaccel.kwargs_handler import KwargsHandler
+from fnaccel.kwargs.base import KwargsHandler
 
 __all__ = [
     "FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "TorchDynamoPlugin", "require_count",

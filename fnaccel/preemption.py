@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fnaccel.kwargs_handler import KwargsHandler, check_value, is_int
+from fnaccel.checks import check_value, is_int
+from fnaccel.kwargs.base import KwargsHandler
 from fnaccel.resources import Resources, exception_in_flight
 
 __all__ = ["PreemptionKwargs", "SignalWatch", "install"]

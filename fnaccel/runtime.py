@@ -30,7 +30,7 @@ from fnaccel.rng import RNGState
 from fnaccel.state import RunState
 from fnaccel.constants import DistributedType, PrecisionType
 from fnaccel.kwargs import InitProcessGroupKwargs
-from fnaccel.kwargs_handler import KwargsHandler
+from fnaccel.kwargs.base import KwargsHandler
 
 __all__ = ["COLLECTIVE_TIMEOUT", "init", "shutdown"]
 

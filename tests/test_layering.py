@@ -27,7 +27,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fnaccel"
 # (layer, module prefixes), lowest first; the longest matching prefix decides.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("leaves", ("fnaccel._errors", "fnaccel._lazy", "fnaccel.dist", "fnaccel.rng", "fnaccel.constants",
-                "fnaccel.kwargs", "fnaccel.kwargs_handler", "fnaccel.profile_kwargs",
+                "fnaccel.kwargs", "fnaccel.checks",
                 "fnaccel.config", "fnaccel.config_schema", "fnaccel.protocols",
                 "fnaccel.resources", "fnaccel.atomic", "fnaccel.environment", "fnaccel.numa", "fnaccel.purge",
                 "fnaccel.parallelism")),

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from fnaccel.kwargs_handler import KwargsHandler
+from fnaccel.kwargs.base import KwargsHandler
 
 __all__ = [
     "CheckpointHooks",

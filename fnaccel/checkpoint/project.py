@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fnaccel.kwargs_handler import KwargsHandler
+from fnaccel.kwargs.base import KwargsHandler
 
 __all__ = ["ProjectConfiguration", "next_checkpoint", "project_of", "rotate"]
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fnaccel.kwargs_handler import KwargsHandler, check_value, is_int, require
+from fnaccel.checks import check_value, is_int, require
+from fnaccel.kwargs.base import KwargsHandler
 
 __all__ = ["DataLoaderConfiguration"]
 

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Sampler
 
 from fnaccel.data.sharding import num_steps, per_rank_batch_size, shard_batch
-from fnaccel.kwargs_handler import is_int
+from fnaccel.checks import is_int
 
 __all__ = ["ShardedBatchSampler", "epoch_order"]
 

@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Any
 
 from fnaccel.constants import LoggerType
-from fnaccel.kwargs_handler import KwargsHandler
+from fnaccel.kwargs.base import KwargsHandler
 
 __all__ = ["TrackerClasses", "register_tracker", "registered_trackers"]
 

@@ -13,7 +13,7 @@ import torch
 
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
-from fnaccel.profile_kwargs import ProfileKwargs
+from fnaccel.kwargs import ProfileKwargs
 
 __all__ = ["profile"]
 
