@@ -7,7 +7,7 @@ a GAN's second optimizer, a custom sampler) can ride along with the run:
 Its state_dict comes back as ``torch.save`` would give it back: JSON alone
 cannot say whether ``[0.9, 0.999]`` was a tuple or a list, or ``"0"`` an int
 key (an optimizer's state is keyed by parameter index), so every container
-is stored with its type (schema version 5; `split` and `join`):
+is stored with its type (`split` and `join`):
 
 ==========================  ===========================================
 value                       in extras.json
@@ -27,16 +27,10 @@ refused at save with a `CheckpointError` naming the object and the key:
 it could only come back as something else. Tensors come back as CPU
 tensors of the same dtype and shape (not as parameters, and not sharing
 memory with one another).
-
-Checkpoints of schema versions 2 to 4 stored plain JSON with
-``{"__tensor__": key}`` placeholders, keys as strings and tuples as lists;
-`join_legacy` reads them and puts back what the live object's state_dict
-shows was lost (see its docstring).
 """
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -46,11 +40,9 @@ import torch
 
 from fnaccel._errors import CheckpointError
 
-__all__ = ["join", "join_legacy", "register_for_checkpointing", "split"]
+__all__ = ["join", "register_for_checkpointing", "split"]
 
 _SCALARS = (type(None), bool, int, float, str)
-_LEGACY_PLACEHOLDER = "__tensor__"
-_DECIMAL = re.compile(r"-?[0-9]{1,18}")
 
 
 def register_for_checkpointing(state: Any, **objects: Any) -> Any:
@@ -180,43 +172,3 @@ def _decode(tree: Any, tensors: Mapping[str, torch.Tensor], where: str, path: st
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def join_legacy(tree: Any, tensors: Mapping[str, torch.Tensor], where: str, live: Any) -> Any:
-    """A registered object's state as a checkpoint of schema 2 to 4 stored it (plain JSON,
-    ``{"__tensor__": key}`` placeholders), with what that encoding lost put back where
-    ``live`` (the object's current state_dict) shows it: a list where ``live`` has a
-    tuple becomes a tuple, a key ``"3"`` where ``live`` has the key 3 becomes 3, and the
-    decimal keys of a mapping that ``live`` has empty or keyed by ints (an optimizer's
-    ``state``, keyed by parameter index) become ints.
-
-    >>> join_legacy({"state": {"0": {"step": 1}}, "betas": [0.9, 0.99]}, {}, "extras.json: opt",
-    ...             {"state": {}, "betas": (0.9, 0.999)})
-    {'state': {0: {'step': 1}}, 'betas': (0.9, 0.99)}
-    """
-    try:
-        return _legacy(tree, tensors, where, live)
-    except RecursionError:
-        raise CheckpointError(f"{where}: nested too deeply") from None
-
-
-def _legacy(tree: Any, tensors: Mapping[str, torch.Tensor], where: str, live: Any) -> Any:
-    if isinstance(tree, dict):
-        if set(tree) == {_LEGACY_PLACEHOLDER}:
-            key = tree[_LEGACY_PLACEHOLDER]
-            if not isinstance(key, str) or key not in tensors:
-                raise CheckpointError(f"{where}: placeholder {key!r} names no tensor in extras.safetensors")
-            return tensors[key]
-        live_map = live if isinstance(live, Mapping) else {}
-        by_text = {str(k): k for k in live_map}
-        as_ints = isinstance(live, Mapping) and all(type(k) is int for k in live_map)
-        out = {}
-        for text, item in tree.items():
-            key = by_text.get(text, int(text) if as_ints and _DECIMAL.fullmatch(text) else text)
-            out[key] = _legacy(item, tensors, where, live_map.get(key))
-        return out
-    if isinstance(tree, list):
-        items = list(live) if isinstance(live, (list, tuple)) and len(live) == len(tree) else [None] * len(tree)
-        out_list = [_legacy(item, tensors, where, now) for item, now in zip(tree, items)]
-        return tuple(out_list) if isinstance(live, tuple) else out_list
-    return tree

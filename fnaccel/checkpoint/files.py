@@ -12,9 +12,9 @@ checkpoint and the next save to that name removes (`remove_leftovers`).
 Reading trusts nothing: a file is opened only if it is a regular file inside
 the checkpoint directory (no symbolic link, FIFO or device, no ``..``), its
 size is compared with the manifest's before a byte is read, the read is
-bounded by that size, and its checksum (the algorithm its manifest entry
-names: blocksum for new files, CRC-32 or sha256 for older ones) is checked,
-so a flipped byte names its file. `verify_file` checks one file without
+bounded by that size, and its checksum (blocksum,
+`fnaccel.checkpoint.tensorfile.Checksum`) is checked, so a flipped byte names
+its file. `verify_file` checks one file without
 loading it; `check_checksum` is the one comparison every read goes through.
 
 Speed: safetensors files are written from each tensor's own memory, their
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from fnaccel._errors import CheckpointError
 from fnaccel.atomic import fsync_dir
 from fnaccel.checkpoint.tensorfile import (
+    CHECKSUM,
     Checksum,
     layout,
     map_file,
@@ -376,9 +377,9 @@ def read_bounded(directory: Path, name: str, *, size: int | None = None, limit: 
 
 def check_checksum(path: Path, entry: dict[str, Any], digest: Checksum) -> None:
     """Raise unless ``digest`` (of the whole file ``path``) is the one its manifest
-    ``entry`` records, under the algorithm the entry names."""
-    if digest.hexdigest() != entry[digest.algorithm]:
-        raise CheckpointError(f"{path}: corrupt (its {digest.algorithm} does not match the manifest)")
+    ``entry`` records."""
+    if digest.hexdigest() != entry[CHECKSUM]:
+        raise CheckpointError(f"{path}: corrupt (its {CHECKSUM} does not match the manifest)")
 
 
 def _entry(directory: Path, name: str, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -398,19 +399,22 @@ def _checked_size(fd: int, path: Path, entry: dict[str, Any]) -> int:
 def verify_file(directory: Path, name: str, manifest: dict[str, Any]) -> None:
     """Check one file of a checkpoint against its (already validated) manifest without
     keeping its bytes: a regular file inside ``directory``, the size the manifest
-    records (by ``fstat``, before a byte is read), and the checksum, whatever
-    algorithm the entry names; the read is bounded by that size and streamed.
+    records (by ``fstat``, before a byte is read), and the checksum; the read is
+    bounded by that size.
 
     Raises:
         CheckpointError: naming the file and what is wrong with it.
 
-    >>> import tempfile, pathlib, zlib
+    >>> import tempfile, pathlib
     >>> folder = pathlib.Path(tempfile.mkdtemp())
-    >>> _ = (folder / "a.txt").write_bytes(b"abc")
-    >>> verify_file(folder, "a.txt", {"files": {"a.txt": {"crc32": f"{zlib.crc32(b'abc'):08x}", "size": 3}}})
-    >>> verify_file(folder, "a.txt", {"files": {"a.txt": {"crc32": "00000000", "size": 3}}})  # doctest: +ELLIPSIS
+    >>> entry = write_bytes(folder / "a.txt", b"abc")
+    >>> entry["size"], sorted(entry)
+    (3, ['blocksum', 'size'])
+    >>> verify_file(folder, "a.txt", {"files": {"a.txt": entry}})
+    >>> _ = (folder / "a.txt").write_bytes(b"abd")
+    >>> verify_file(folder, "a.txt", {"files": {"a.txt": entry}})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    fnaccel._errors.CheckpointError: ...a.txt: corrupt (its crc32 does not match the manifest)
+    fnaccel._errors.CheckpointError: ...a.txt: corrupt (its blocksum does not match the manifest)
     """
     _mapped(directory, name, manifest)
 
@@ -425,7 +429,7 @@ def _mapped(directory: Path, name: str, manifest: dict[str, Any]) -> mmap.mmap |
         data = map_file(fd, _checked_size(fd, directory / name, entry))
     finally:
         os.close(fd)
-    digest = Checksum.of_entry(entry)
+    digest = Checksum()
     digest.update(memoryview(data))
     check_checksum(directory / name, entry, digest)
     return data

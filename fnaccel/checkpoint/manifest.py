@@ -1,11 +1,12 @@
 """A checkpoint's manifest, ``fnaccel.json``: its hash, its schema, and what a save may replace.
 
 The manifest is the one file a load trusts first, so it is read bounded
-(`MAX_MANIFEST_BYTES`), checked against its own sha256, and then every field
-against `_FIELDS` (types and ranges; file names that stay inside the
-checkpoint; each file's checksum, under an algorithm of `CHECKSUMS`, and
-size) before anything it says is used. Each
-failure is a `CheckpointError` naming the file and the key.
+(`MAX_MANIFEST_BYTES`), its schema version compared with the one this build
+reads (`SCHEMA_VERSION`: an older or newer checkpoint is refused, naming both),
+checked against its own sha256, and then every field against `_FIELDS` (types
+and ranges; file names that stay inside the checkpoint; each file's blocksum
+and size) before anything it says is used. Each failure is a
+`CheckpointError` naming the file and the key.
 
 `target_problem` says whether a save may replace what is at its path: nothing,
 an empty directory, or an fnaccel checkpoint holding only the files its
@@ -26,13 +27,12 @@ from typing import Any
 
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.files import LEFTOVER_MARKER, NAME_MAX, read_bounded, safe_relative
-from fnaccel.checkpoint.tensorfile import CHECKSUMS
+from fnaccel.checkpoint.tensorfile import CHECKSUM, CHECKSUM_PATTERN
 
 __all__ = [
     "FORMAT",
     "MANIFEST",
     "MAX_MANIFEST_BYTES",
-    "READABLE_VERSIONS",
     "SCHEMA_VERSION",
     "manifest_hash",
     "read_manifest",
@@ -40,13 +40,11 @@ __all__ = [
 ]
 
 MANIFEST = "fnaccel.json"
-# 2: the data position is the state's (rank<r>.json "data"); classes recorded.
-# 3: a file's checksum is CRC-32 ({"crc32": ..., "size": ...}); entries may still name sha256
-# 4: a file's checksum is blocksum ({"blocksum": ..., "size": ...}), the others still read
-# 5: registered objects keep their types in extras.json (int keys, tuples: extras.py); 2-4 read with
-#    extras.join_legacy
+# The one schema this build writes and reads. Raise it with any change to what a checkpoint holds
+# or how (a reader for an older one is written when a user holds such checkpoints, not before).
+# 5: files checked by blocksum ({"blocksum": ..., "size": ...}); run.json; registered objects keep
+#    their types in extras.json (extras.py); the data position in rank<r>.json.
 SCHEMA_VERSION = 5
-READABLE_VERSIONS = (2, 3, 4, 5)  # 2 and 3 differ only in their files' checksums, which name their algorithm
 FORMAT = "fnaccel-checkpoint"
 MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest lists files: even 10,000 ranks stay far below this
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -67,11 +65,8 @@ def _files(value: Any) -> bool:
         return False
     for name, entry in value.items():
         safe_relative(name, f"{MANIFEST}: key 'files'")
-        if not (isinstance(entry, dict) and len(entry) == 2 and _count(entry.get("size"))):
-            return False
-        algorithm = next((key for key in entry if key != "size"), "")
-        pattern = CHECKSUMS.get(algorithm)
-        if pattern is None or not isinstance(entry[algorithm], str) or not pattern.fullmatch(entry[algorithm]):
+        if not (isinstance(entry, dict) and set(entry) == {CHECKSUM, "size"} and _count(entry["size"])
+                and isinstance(entry[CHECKSUM], str) and CHECKSUM_PATTERN.fullmatch(entry[CHECKSUM])):
             return False
     return True
 
@@ -79,8 +74,7 @@ def _files(value: Any) -> bool:
 # every key of a manifest, what it must be, and the test
 _FIELDS: Mapping[str, tuple[str, Callable[[Any], bool]]] = MappingProxyType({
     "format": (repr(FORMAT), lambda v: v == FORMAT),
-    "schema_version": (" or ".join(map(str, READABLE_VERSIONS)),
-                       lambda v: type(v) is int and v in READABLE_VERSIONS),
+    "schema_version": (str(SCHEMA_VERSION), lambda v: type(v) is int and v == SCHEMA_VERSION),
     "num_processes": ("an integer >= 1", lambda v: _count(v) and v >= 1),
     "step": ("an integer >= 0", _count),
     "micro_step": ("an integer >= 0", _count),
@@ -89,19 +83,18 @@ _FIELDS: Mapping[str, tuple[str, Callable[[Any], bool]]] = MappingProxyType({
     "pipeline": ("a string", lambda v: isinstance(v, str)),
     "tied": ("an object of parameter names to parameter names",
              lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values()))),
-    "files": ('an object of relative file names to {"blocksum": 64 hex digits (or "crc32": 8, '
-              '"sha256": 64), "size": bytes}',
-              _files),
+    "files": ('an object of relative file names to {"blocksum": 64 hex digits, "size": bytes}', _files),
     "manifest_sha256": ("64 hex digits", lambda v: isinstance(v, str) and bool(_SHA256.fullmatch(v))),
 })
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     """A checkpoint's ``fnaccel.json``, checked: a regular file of bounded size, JSON,
-    fnaccel's format, a known schema version, its own sha256, then every field.
+    fnaccel's format, the schema version this build reads, its own sha256, then every field.
 
     Raises:
-        CheckpointError: naming the file (and the key) and what is wrong with it.
+        CheckpointError: naming the file (and the key) and what is wrong with it; a
+            checkpoint of another schema version names its version and this build's.
     """
     path = directory / MANIFEST
     if not os.path.lexists(path):
@@ -114,11 +107,12 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: corrupt (not valid JSON)") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an fnaccel checkpoint manifest")
-    if manifest.get("schema_version") not in READABLE_VERSIONS:
+    version = manifest.get("schema_version")
+    if type(version) is not int or version != SCHEMA_VERSION:
+        age = ("older than" if version < SCHEMA_VERSION else "newer than") if type(version) is int else "not"
         raise CheckpointError(
-            f"{path}: schema version {manifest.get('schema_version')!r} is unknown to this "
-            f"fnaccel (it reads versions {', '.join(map(str, READABLE_VERSIONS))}); "
-            "load it with the fnaccel that wrote it"
+            f"{path}: checkpoint schema version {version!r} is {age} the one this fnaccel reads "
+            f"(schema version {SCHEMA_VERSION}); load it with the fnaccel that wrote it"
         )
     if manifest.get("manifest_sha256") != manifest_hash(manifest):
         raise CheckpointError(f"{path}: corrupt (its content does not match its own sha256)")

@@ -117,7 +117,7 @@ def summarize(path: str | Path) -> CheckpointSummary:
     directory = Path(path).absolute()
     manifest = read_manifest(directory)
     files = manifest["files"]
-    run = read_json(directory, RUN_FILE, manifest) if RUN_FILE in files else {}
+    run = read_json(directory, RUN_FILE, manifest)
     run = run if isinstance(run, dict) else {}
     own = read_json(directory, "rank0.json", manifest) if "rank0.json" in files else {}
     data = own.get("data") if isinstance(own, dict) else None
@@ -146,7 +146,7 @@ def summarize(path: str | Path) -> CheckpointSummary:
         path=str(directory), step=manifest["step"], micro_step=manifest["micro_step"], epoch=manifest["epoch"],
         num_batches=num_batches if isinstance(num_batches, int) else None,
         num_processes=manifest["num_processes"], layout=layout, pipeline=text,
-        precision=str(run.get("precision", "unknown (saved before run.json)")),
+        precision=str(run.get("precision", "unknown")),
         micro_steps=run.get("micro_steps") if isinstance(run.get("micro_steps"), int) else None,
         fnaccel_version=str(run.get("fnaccel_version", "unknown")),
         torch_version=str(run.get("torch_version", "unknown")),

@@ -20,9 +20,8 @@ flipped bit, every burst of up to 64), for lost, zeroed or misplaced blocks
 whose sums differ, and with odds of 1 in 2**64 for random damage to a block;
 what it cannot see is a change that keeps a block's sum, such as two words of
 one block swapped. It guards against corruption, not forgery: a forger can
-rewrite the manifest's hashes whatever the algorithm. Each manifest entry
-names its algorithm, so checkpoints written with CRC-32 or sha256 still
-verify (`Checksum`).
+rewrite the manifest's hashes whatever the algorithm. It is the one algorithm
+fnaccel writes and reads (`Checksum`; each manifest entry names it).
 
 `DTYPES` is the one table of the dtypes a file may hold (safetensors' names,
 torch's names, bytes per element), plain strings and numbers: a header is
@@ -39,7 +38,6 @@ import mmap
 import os
 import re
 import sys
-import zlib
 from array import array
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHECKSUM",
-    "CHECKSUMS",
+    "CHECKSUM_PATTERN",
     "Checksum",
     "DTYPES",
     "ITEMSIZES",
@@ -68,10 +66,8 @@ __all__ = [
     "write_hashed",
 ]
 
-CHECKSUM = "blocksum"  # what a save records for each file
-# every algorithm a manifest entry may name, and the digest it records (lowercase hex)
-CHECKSUMS = MappingProxyType({"blocksum": re.compile(r"[0-9a-f]{64}"), "crc32": re.compile(r"[0-9a-f]{8}"),
-                              "sha256": re.compile(r"[0-9a-f]{64}")})
+CHECKSUM = "blocksum"  # the algorithm, and the key a manifest entry records its digest under
+CHECKSUM_PATTERN = re.compile(r"[0-9a-f]{64}")  # its digest: lowercase hex
 _BLOCK = 4096  # blocksum's block, in bytes: 512 words
 _MASK64 = 2**64 - 1
 
@@ -105,8 +101,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class Checksum:
-    """A running checksum of a file under one of `CHECKSUMS` (a manifest entry's key),
-    fed the file's bytes in order, in chunks of any size.
+    """A file's running blocksum (`CHECKSUM`), fed the file's bytes in order, in chunks
+    of any size.
 
     >>> whole, parts = Checksum(), Checksum()
     >>> whole.update(bytes(range(256)) * 20)
@@ -116,25 +112,15 @@ class Checksum:
     True
     """
 
-    __slots__ = ("algorithm", "_crc", "_sha", "_carry", "_size")
+    __slots__ = ("_sha", "_carry", "_size")
 
-    def __init__(self, algorithm: str = CHECKSUM) -> None:
-        assert algorithm in CHECKSUMS, algorithm  # the manifest's schema check came first
-        self.algorithm = algorithm
-        self._crc = 0
-        self._sha = None if algorithm == "crc32" else hashlib.sha256()
-        self._carry = bytearray()  # blocksum: the start of a block not yet whole
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self._carry = bytearray()  # the start of a block not yet whole
         self._size = 0
 
     def update(self, chunk: memoryview | bytes) -> None:
-        if self._sha is None:
-            self._crc = zlib.crc32(chunk, self._crc)
-        elif self.algorithm == "sha256":
-            self._sha.update(chunk)
-        else:
-            self._blocks(memoryview(chunk).cast("B"))
-
-    def _blocks(self, view: memoryview) -> None:
+        view = memoryview(chunk).cast("B")
         self._size += len(view)
         if self._carry:
             taken = _BLOCK - len(self._carry)
@@ -142,28 +128,19 @@ class Checksum:
             view = view[taken:]
             if len(self._carry) < _BLOCK:
                 return
-            self._sha.update(_block_sums(self._carry))  # type: ignore[union-attr]
+            self._sha.update(_block_sums(self._carry))
             self._carry = bytearray()
         whole = len(view) - len(view) % _BLOCK
         if whole:
-            self._sha.update(_block_sums(view[:whole] if not view.readonly  # type: ignore[union-attr]
-                                         else bytearray(view[:whole])))
+            self._sha.update(_block_sums(view[:whole] if not view.readonly else bytearray(view[:whole])))
         self._carry = bytearray(view[whole:])
 
     def hexdigest(self) -> str:
-        if self._sha is None:
-            return f"{self._crc:08x}"
         sha = self._sha.copy()
-        if self.algorithm == "blocksum":
-            if self._carry:
-                sha.update(_block_sums(self._carry + bytes(_BLOCK - len(self._carry))))
-            sha.update(self._size.to_bytes(8, "little"))
+        if self._carry:
+            sha.update(_block_sums(self._carry + bytes(_BLOCK - len(self._carry))))
+        sha.update(self._size.to_bytes(8, "little"))
         return sha.hexdigest()
-
-    @classmethod
-    def of_entry(cls, entry: dict[str, Any]) -> Checksum:
-        """A new checksum under the algorithm a manifest entry names."""
-        return cls(next(key for key in entry if key in CHECKSUMS))
 
 
 def _block_sums(blocks: memoryview | bytearray) -> bytes:

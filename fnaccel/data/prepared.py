@@ -134,8 +134,6 @@ def _parse_layout(saved: Any, where: str) -> LoaderLayout:
     if not isinstance(saved, Mapping):
         raise CheckpointError(f"{where}: the data layout must be a mapping, got {saved!r}"[:300])
     values: dict[str, Any] = {}
-    if "num_shards" not in saved and "num_processes" in saved:  # written before it was recorded
-        saved = {**saved, "num_shards": saved["num_processes"]}
     for key, kinds in _LAYOUT_TYPES.items():
         if key not in saved:
             raise CheckpointError(f"{where}: the data layout lacks {key!r}")

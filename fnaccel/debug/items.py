@@ -191,8 +191,6 @@ def items_of_directory(directory: Path, ranks: set[int] | None = None) -> dict[s
     manifest = read_manifest(directory)
     files = manifest["files"]
     out: dict[str, Any] = {key: manifest[key] for key in _COUNTERS}
-    if RUN_FILE not in files:
-        out["pipeline"] = manifest["pipeline"]  # written before run.json: the text is all there is
     for name in files:
         if not _keep(name, ranks):
             continue

@@ -5,15 +5,18 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import re
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.checkpoint.manifest import manifest_hash
+from fnaccel.checkpoint.manifest import SCHEMA_VERSION, manifest_hash, read_manifest
 from tests.checkpoint.test_resume import fresh_run, train
 
 
@@ -63,42 +66,41 @@ def test_truncated_missing_and_manifest_damage(checkpoint: Path) -> None:
         fa.load(_fresh(), checkpoint)
 
 
-def test_unknown_schema_version(checkpoint: Path) -> None:
-    manifest = checkpoint / "fnaccel.json"
-    content = json.loads(manifest.read_text())
-    content["schema_version"] = 99
-    manifest.write_text(json.dumps(content))
-    with pytest.raises(fa.CheckpointError, match="schema version 99 is unknown"):
-        fa.load(_fresh(), checkpoint)
-
-
-@pytest.mark.parametrize("version, algorithm", [(2, "sha256"), (3, "crc32")])
-def test_an_older_checkpoint_still_loads_and_names_a_corrupt_file(
-    checkpoint: Path, version: int, algorithm: str,
-) -> None:
-    """What fnaccel wrote before blocksum (schema 2: every file's sha256, schema 3:
-    its CRC-32) reads as it did."""
-    expected = fa.load(_fresh(), checkpoint)
+def _reseal(checkpoint: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit the manifest and recompute its own sha256, as a stranger (or another fnaccel) would."""
     path = checkpoint / "fnaccel.json"
     manifest = json.loads(path.read_text())
-    assert manifest["schema_version"] == 5
-    assert all(set(e) == {"blocksum", "size"} for e in manifest["files"].values())
-    manifest["schema_version"] = version
-    for name, entry in manifest["files"].items():
-        entry.pop("blocksum")
-        data = (checkpoint / name).read_bytes()
-        entry[algorithm] = hashlib.sha256(data).hexdigest() if algorithm == "sha256" else f"{zlib.crc32(data):08x}"
+    edit(manifest)
     manifest["manifest_sha256"] = manifest_hash(manifest)
     path.write_text(json.dumps(manifest))
-    loaded = fa.load(_fresh(), checkpoint)
-    for (key, a), b in zip(expected.model.state_dict().items(), loaded.model.state_dict().values()):
-        assert torch.equal(a, b), key
-    assert loaded.step == expected.step and loaded.micro_step == expected.micro_step
-    model = checkpoint / "model.safetensors"
-    data = bytearray(model.read_bytes())
-    data[-3] ^= 0x01
-    model.write_bytes(bytes(data))
-    with pytest.raises(fa.CheckpointError, match=rf"model\.safetensors: corrupt \(its {algorithm} does not match"):
+
+
+@pytest.mark.parametrize("version, age", [(4, "older than"), (2, "older than"), (6, "newer than"),
+                                          (99, "newer than"), ("5", "not")])
+def test_a_checkpoint_of_another_schema_is_refused_naming_its_version_and_this_one(
+    checkpoint: Path, version: object, age: str,
+) -> None:
+    assert json.loads((checkpoint / "fnaccel.json").read_text())["schema_version"] == SCHEMA_VERSION == 5
+    _reseal(checkpoint, lambda manifest: manifest.update(schema_version=version))
+    expected = (f"fnaccel.json: checkpoint schema version {version!r} is {age} the one this fnaccel reads "
+                "(schema version 5); load it with the fnaccel that wrote it")
+    for read in (lambda: fa.load(_fresh(), checkpoint), lambda: read_manifest(checkpoint)):
+        with pytest.raises(fa.CheckpointError, match=re.escape(expected)):
+            read()
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
+def test_a_file_checksum_other_than_blocksum_is_refused(checkpoint: Path, algorithm: str) -> None:
+    """One checksum algorithm: entries naming another (as schemas 2 and 3 did) are malformed."""
+    def edit(manifest: dict[str, Any]) -> None:
+        entry = manifest["files"]["model.safetensors"]
+        data = (checkpoint / "model.safetensors").read_bytes()
+        entry.pop("blocksum")
+        entry[algorithm] = hashlib.sha256(data).hexdigest() if algorithm == "sha256" else f"{zlib.crc32(data):08x}"
+
+    _reseal(checkpoint, edit)
+    with pytest.raises(fa.CheckpointError, match=r"fnaccel\.json: key 'files' must be an object of relative "
+                                                 r'file names to \{"blocksum": 64 hex digits, "size": bytes\}'):
         fa.load(_fresh(), checkpoint)
 
 

@@ -219,8 +219,10 @@ def test_the_global_batch_counts_the_ranks_that_split_the_data() -> None:
     assert (whole.num_processes, whole.num_shards, whole.global_batch_size) == (2, 1, 4)
     assert layout(split_batches=True).global_batch_size == 4
     saved = {**layout().to_dict()}
-    del saved["num_shards"]  # a layout written before it was recorded: the ranks sharing the data
     assert layout().check_resume(saved, "rank0.json") == layout()
+    del saved["num_shards"]  # every layout of this schema records it: one without it was edited
+    with pytest.raises(fa.CheckpointError, match="rank0.json: the data layout lacks 'num_shards'"):
+        layout().check_resume(saved, "rank0.json")
 
 
 def test_another_global_batch_maps_the_position_by_the_samples_consumed() -> None:
