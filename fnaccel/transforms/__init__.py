@@ -2,7 +2,8 @@
 
 from fnaccel.transforms.accumulate import accumulate
 from fnaccel.transforms.checkpointing import checkpoint_activations
-from fnaccel.transforms.base import CallInfo, Collective, Pipeline, Transform, compose
+from fnaccel.transforms.base import (CallInfo, Capability, Collective, EngineTransform, Pipeline, Transform,
+                                     compose)
 from fnaccel.transforms.clip import clip_grad_norm, clip_grad_value
 from fnaccel.transforms.compile import compile
 from fnaccel.transforms.collectives import (
@@ -15,6 +16,7 @@ from fnaccel.transforms.collectives import (
     reduce,
 )
 from fnaccel.transforms.parallel import ddp, fsdp
+from fnaccel.transforms.phases import Phase
 from fnaccel.transforms.deepspeed import deepspeed
 from fnaccel.transforms.local_sgd import local_sgd
 from fnaccel.transforms.nonfinite import skip_nonfinite
@@ -44,7 +46,10 @@ __all__ = [
     "skip_nonfinite",
     "tp",
     "CallInfo",
+    "Capability",
     "Collective",
+    "EngineTransform",
+    "Phase",
     "Pipeline",
     "Transform",
     "broadcast",

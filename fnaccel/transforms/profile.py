@@ -13,11 +13,10 @@ import torch
 
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.phases import Phase
 from fnaccel.kwargs import ProfileKwargs
 
 __all__ = ["profile"]
-
-PROFILE_PHASE = 170
 
 
 class ProfilerRun:
@@ -55,7 +54,7 @@ def profile(**kwargs: Any) -> Transform:
     return Transform(
         name="profile",
         options=options(**handler.to_kwargs()),
-        phase=PROFILE_PHASE,
+        phase=Phase.PROFILE,
         init=init,
         after_step=after_step,
     )
