@@ -2,12 +2,13 @@
 
 What moves and how (docs/checkpoints.md, "Another number of processes"):
 
-- the model and the optimizer: a replicated run's (``model.safetensors``,
-  ``optimizer.*``) load on any number of processes as they are, into a
-  replicated run or, whole tensors sharded by `shard_into`, an `fsdp()` one; a
-  sharded run's (``sharded/``) go through `torch.distributed.checkpoint`, which
-  reads each rank's chunks of the new layout, into an `fsdp()` run on any
-  number of processes or into a replicated one (every rank reads whole tensors);
+- the model and the optimizer: the checkpoint layouts' (`fnaccel.checkpoint.layouts`).
+  A replicated run's (``model.safetensors``, ``optimizer.*``) load on any
+  number of processes as they are, into a replicated run or, whole tensors
+  sharded, an `fsdp()` one; a sharded run's (``sharded/``) go through
+  `torch.distributed.checkpoint`, which reads each rank's chunks of the new
+  layout, into an `fsdp()` run on any number of processes or into a
+  replicated one (every rank reads whole tensors);
 - the per-rank files: rank ``r`` reads ``rank<r>.*`` when the saving run had
   a rank ``r``, and rank 0's otherwise (`source_rank`). Its generators are
   rank ``r``'s own; a rank the saving run did not have gets generators
@@ -28,12 +29,10 @@ from typing import Any
 import torch
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.shardindex import SHARDED_DIR
 from fnaccel.dist import DistContext
 from fnaccel.rng import RNGState
-from fnaccel.transforms.parallel import unwrap_compiled
 
-__all__ = ["derived_generators", "is_stored_sharded", "refuse_moved_gradients", "shard_into", "source_rank"]
+__all__ = ["derived_generators", "refuse_moved_gradients", "source_rank"]
 
 
 def source_rank(manifest: Mapping[str, Any], ctx: DistContext) -> int:
@@ -62,11 +61,6 @@ def derived_generators(saved: RNGState, rank: int) -> RNGState:
     return RNGState.seeded(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def is_stored_sharded(manifest: Mapping[str, Any]) -> bool:
-    """Whether the checkpoint's model and optimizer are under ``sharded/`` (an `fsdp()` run saved it)."""
-    return any(name.startswith(f"{SHARDED_DIR}/") for name in manifest["files"])
-
-
 def refuse_moved_gradients(grads: Mapping[str, torch.Tensor], manifest: Mapping[str, Any], ctx: DistContext,
                            source: str) -> None:
     """Refuse gradients accumulated between micro-steps on another number of processes."""
@@ -78,32 +72,3 @@ def refuse_moved_gradients(grads: Mapping[str, torch.Tensor], manifest: Mapping[
             f"{ctx.num_processes}. Resume it on {saved} process(es), or save after an optimizer step "
             "(when state.micro_step is a multiple of the accumulation steps) to change the number"
         )
-
-
-def shard_into(state: Any, weights: Mapping[str, torch.Tensor], optimizer_sd: Mapping[str, Any] | None) -> None:
-    """Restore a replicated checkpoint's whole tensors into an `fsdp()` run's shards, in place.
-
-    ``weights``: the model's tensors by name, checked against the model's global
-    shapes; ``optimizer_sd``: the optimizer's ``state_dict`` as `codec.optimizer_state`
-    builds it (parameters by index), checked the same way. Every rank keeps its own
-    chunk of each tensor (torch's ``set_*_state_dict`` with ``full_state_dict``).
-    """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    module = unwrap_compiled(state.model)
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(module, dict(weights), options=options)
-    if optimizer_sd is None:
-        return
-    optimizer = state.optimizer
-    names = {id(p): name for name, p in module.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    by_name: dict[str, Any] = {
-        "state": {order[i]: fields for i, fields in optimizer_sd["state"].items()},
-        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optimizer_sd["param_groups"]],
-    }
-    set_optimizer_state_dict(module, optimizer, by_name, options=options)

@@ -17,13 +17,17 @@ Layout (all tensors in safetensors, everything else JSON or YAML; no pickle)::
 
     extras.safetensors/.json  objects registered for checkpointing (rank 0)
 
-An fsdp() run has no model.safetensors, optimizer.* or gradients; its model
-and optimizer go through torch.distributed.checkpoint instead (sharded.py),
-each rank writing the shards it holds:
+That is the plain layout. Which files hold the model and the optimizer is the
+run's checkpoint layout (layouts/), chosen once per save or load from what
+the pipeline declares: an fsdp() run has no model.safetensors, optimizer.* or
+gradients, each rank writing the shards it holds through
+torch.distributed.checkpoint instead (layouts/sharded.py)::
 
     sharded/rank<r>.safetensors  rank r's chunks of parameters and optimizer state
     sharded/metadata.json        DCP's index: shapes, dtypes, chunks, their files (rank 0)
     sharded/state.json           optimizer class, param groups, non-tensor state (rank 0)
+
+and a DeepSpeed ZeRO run each rank's optimizer partitions (layouts/zero.py).
 
 Rank 0 writes the shared files; every rank writes its own; rank 0 then writes
 the manifest and moves the directory into place atomically (writer.py,
@@ -40,6 +44,7 @@ import os
 import time
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,34 +53,22 @@ import torch
 from fnaccel import ops
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint import extras as extras_codec
-from fnaccel.checkpoint.checks import check_like, check_tensors
-from fnaccel.checkpoint.codec import check_kind, optimizer_state, rng_from
-from fnaccel.checkpoint.files import SaveLock, read_json, read_tensors, verify_file
-from fnaccel.checkpoint.hooks import check_unsharded, loaded_weights
+from fnaccel.checkpoint.checks import check_like
+from fnaccel.checkpoint.codec import check_kind, rng_from
+from fnaccel.checkpoint.files import SaveLock, read_json, read_tensors
+from fnaccel.checkpoint.layouts import layout_for
 from fnaccel.checkpoint.manifest import read_manifest, target_problem
 from fnaccel.checkpoint.runinfo import ResumeDriftWarning, resume_drift
 from fnaccel.checkpoint.project import next_checkpoint, project_of, rotate
 from fnaccel.checkpoint.queue import SaveHandle, SaveQueue
-from fnaccel.checkpoint.reshard import (
-    derived_generators,
-    is_stored_sharded,
-    refuse_moved_gradients,
-    shard_into,
-    source_rank,
-)
-from fnaccel.checkpoint.sharded import is_sharded, load_sharded
-from fnaccel.checkpoint.tied import retie
+from fnaccel.checkpoint.reshard import derived_generators, refuse_moved_gradients, source_rank
 from fnaccel.checkpoint.writer import take_snapshot, write_snapshot
-from fnaccel.checkpoint.zero import load_zero, read_zero, zero_engine
 from fnaccel.dist import DistContext
+from fnaccel.protocols import CheckpointLayout
+from fnaccel.rng import RNGState
 from fnaccel.state import DataPosition, RunState
-from fnaccel.transforms.parallel import unwrap_model
 
 __all__ = ["load", "save"]
-
-
-def _module(state: RunState) -> torch.nn.Module | None:
-    return None if state.model is None else unwrap_model(state.model)
 
 
 def _target(path: Path) -> Path:
@@ -140,7 +133,6 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
             )
         path = next_checkpoint(project_dir)
     final = _target(Path(path))
-    module = _module(state)
     ctx = state.dist
     writer = ctx.is_main_process or (project.save_on_each_node and ctx.is_local_main_process)
     problem, lock = None, None
@@ -150,7 +142,8 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
         problem, lock = (taken, None) if isinstance(taken, str) else (problem, taken)
         problem = None if problem is None else f"fa.save: {problem}"
     try:  # every rank (a ZeRO-3 snapshot is collective); a value it cannot store is this rank's problem
-        snap = take_snapshot(state, module, writer, project.save_on_each_node, None if blocking else saves)
+        snap = take_snapshot(state, layout_for(state), writer, project.save_on_each_node,
+                             None if blocking else saves)
     except CheckpointError as exc:
         problem = problem or str(exc)
     # one exchange: rank 0's token for the temporary directory, and every rank's verdict
@@ -182,27 +175,12 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
     return saves.start(final, lambda: write(background))
 
 
-def _model_weights(state: RunState, module: torch.nn.Module, directory: Path,
-                   manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """``model.safetensors`` re-tied and passed through the run's load hooks, checked
-    against the model's keys, shapes and dtypes."""
-    source = str(directory / "model.safetensors")
-    weights = read_tensors(directory, "model.safetensors", manifest)
-    for alias, name in manifest["tied"].items():
-        if name not in weights or alias in weights:
-            raise CheckpointError(f"{directory / 'fnaccel.json'}: key 'tied/{alias}' names {name!r}, "
-                                  f"which is not a stored weight of {source} (or {alias!r} is stored too)")
-    weights = loaded_weights(state, module, retie(weights, manifest["tied"]))
-    check_tensors(weights, module.state_dict(), source)
-    return weights
-
-
-def _rank_files(state: RunState, module: torch.nn.Module | None, directory: Path, manifest: dict[str, Any],
-                sharded: bool, allow_global_batch_change: bool, strict: bool,
-                ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any, DataPosition]:
+def _rank_files(state: RunState, directory: Path, manifest: dict[str, Any], allow_global_batch_change: bool,
+                strict: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor], RNGState, DataPosition]:
     """This rank's file pair (rank 0's for a rank the saving run did not have: reshard.py),
-    checked: generators, gradients, transform states, the data position. Returns
-    ``(rank<r>.json, gradients by parameter name, generators, data position)``."""
+    checked: generators, transform states, the data position, and the gradients (which
+    the layout checks against the model). Returns ``(rank<r>.json, gradients by
+    parameter name, generators, data position)``."""
     rank = source_rank(manifest, state.dist)
     source = str(directory / f"rank{rank}.json")
     tensor_source = str(directory / f"rank{rank}.safetensors")
@@ -214,14 +192,11 @@ def _rank_files(state: RunState, module: torch.nn.Module | None, directory: Path
     if rank != state.dist.rank:
         rng = derived_generators(rng, state.dist.rank)
     position = _data_position(own["data"], manifest, state, Path(source), allow_global_batch_change)
-    params = {} if module is None or sharded else dict(module.named_parameters())
     grads = {key.removeprefix("grad/"): t for key, t in tensors.items() if key.startswith("grad/")}
     refuse_moved_gradients(grads, manifest, state.dist, tensor_source)
     other = sorted(k for k in tensors if not k.startswith(("grad/", "rng/torch", "rng/cuda/")))
     if other:
         raise CheckpointError(f"{tensor_source}: key {other[0]!r} is not a generator state or a gradient")
-    check_tensors(grads, {name: params[name] for name in grads if name in params}, tensor_source,
-                  "the model's parameters")
     if not isinstance(own["transforms"], dict):
         raise CheckpointError(f"{source}: key 'transforms' must be an object of transform names")
     if not strict:  # a transform this run dropped (fp16's grad scaler, resuming in bf16): its state goes too
@@ -273,61 +248,61 @@ def _check_drift(state: RunState, directory: Path, manifest: dict[str, Any], str
                       f"{'; '.join(map(str, drift))}", ResumeDriftWarning, stacklevel=3)
 
 
-def _read(state: RunState, directory: Path, allow_global_batch_change: bool, strict: bool) -> tuple[Any, ...]:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Saved:
+    """Everything `load` restores, read from a checkpoint and checked."""
+
+    manifest: dict[str, Any]
+    layout: CheckpointLayout
+    model: Any  # the layout's read of the model and optimizer, for its restore
+    scheduler: dict[str, Any] | None
+    transforms: dict[str, Any]
+    rng: RNGState
+    position: DataPosition
+    extras: dict[str, Any]
+
+
+def _scheduler(state: RunState, directory: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """``scheduler.json``'s state_dict, checked against the run's scheduler (None without one)."""
+    if state.scheduler is None:
+        return None
+    saved = read_json(directory, "scheduler.json", manifest)
+    source = str(directory / "scheduler.json")
+    check_kind(saved, state.scheduler, source)
+    if set(saved) != {"kind", "state_dict"}:
+        raise CheckpointError(f"{source}: must hold exactly the keys 'kind' and 'state_dict'")
+    check_like(saved["state_dict"], state.scheduler.state_dict(), f"{source}: state_dict")
+    return saved["state_dict"]
+
+
+def _extras(state: RunState, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The registered objects' saved states, checked against theirs."""
+    if not state.extras:
+        return {}
+    trees = read_json(directory, "extras.json", manifest)
+    extra_tensors = read_tensors(directory, "extras.safetensors", manifest)
+    source = str(directory / "extras.json")
+    extras: dict[str, Any] = {}
+    for name, obj in state.extras.items():
+        if not isinstance(trees, dict) or name not in trees:
+            raise CheckpointError(f"{source}: nothing saved for registered object {name!r}")
+        live = obj.state_dict()
+        extras[name] = extras_codec.join(trees[name], extra_tensors, f"{source}: {name}")
+        check_like(extras[name], live, f"{source}: {name}", strict=False)
+    return extras
+
+
+def _read(state: RunState, directory: Path, allow_global_batch_change: bool, strict: bool) -> _Saved:
     """Everything `load` restores, read from ``directory`` and checked; nothing is changed."""
     manifest = read_manifest(directory)
-    module = _module(state)
-    # a sharded checkpoint loads through DCP into a sharded or a replicated model
-    sharded = is_stored_sharded(manifest) and module is not None
-    into_shards = is_sharded(state.model) and not sharded  # a replicated checkpoint into an fsdp() run
-    if sharded or into_shards:
-        check_unsharded(state)  # save/load hooks never see sharded weights: refused, not skipped
-    # read and check everything first: nothing below changes until all of it fits
-    zero = zero_engine(state.model)
-    weights = None
-    if module is not None and not sharded and zero is None:
-        weights = _model_weights(state, module, directory, manifest)
-    elif zero is not None:  # the masters hold the weights; the consolidated file is checked, not used
-        verify_file(directory, "model.safetensors", manifest)
-    zero_parts = None if zero is None else read_zero(state, zero, directory, manifest)
-    optimizer_sd = None
-    if state.optimizer is not None and not sharded and zero is None:
-        assert module is not None, "an optimizer without a model"
-        optimizer_sd = optimizer_state(
-            state.optimizer, dict(module.named_parameters()),
-            read_tensors(directory, "optimizer.safetensors", manifest),
-            read_json(directory, "optimizer.json", manifest),
-            str(directory / "optimizer.json"),
-        )
-    scheduler_sd = None
-    if state.scheduler is not None:
-        saved = read_json(directory, "scheduler.json", manifest)
-        source = str(directory / "scheduler.json")
-        check_kind(saved, state.scheduler, source)
-        if set(saved) != {"kind", "state_dict"}:
-            raise CheckpointError(f"{source}: must hold exactly the keys 'kind' and 'state_dict'")
-        check_like(saved["state_dict"], state.scheduler.state_dict(), f"{source}: state_dict")
-        scheduler_sd = saved["state_dict"]
-    own, grads, rng, position = _rank_files(state, module, directory, manifest, sharded,
-                                            allow_global_batch_change, strict)
-    if into_shards and grads:
-        raise CheckpointError(f"{directory}: saved between accumulation micro-steps by a replicated run; an "
-                              "fsdp() run cannot take those gradients: save after an optimizer step")
-    extras: dict[str, Any] = {}
-    if state.extras:
-        trees = read_json(directory, "extras.json", manifest)
-        extra_tensors = read_tensors(directory, "extras.safetensors", manifest)
-        source = str(directory / "extras.json")
-        for name, obj in state.extras.items():
-            if not isinstance(trees, dict) or name not in trees:
-                raise CheckpointError(f"{source}: nothing saved for registered object {name!r}")
-            live = obj.state_dict()
-            extras[name] = (extras_codec.join(trees[name], extra_tensors, f"{source}: {name}")
-                            if manifest["schema_version"] >= 5 else
-                            extras_codec.join_legacy(trees[name], extra_tensors, f"{source}: {name}", live))
-            check_like(extras[name], live, f"{source}: {name}", strict=False)
+    own, grads, rng, position = _rank_files(state, directory, manifest, allow_global_batch_change, strict)
+    layout = layout_for(state, manifest)
+    model = layout.read(state, directory, manifest, grads)
+    scheduler, extras = _scheduler(state, directory, manifest), _extras(state, directory, manifest)
     _check_drift(state, directory, manifest, strict)  # reads config.yaml and run.json, verified
-    return (manifest, module, sharded, into_shards, zero, weights, zero_parts, optimizer_sd, scheduler_sd, own, grads, rng, position, extras)
+    return _Saved(manifest=manifest, layout=layout, model=model, scheduler=scheduler,
+                  transforms=own["transforms"], rng=rng, position=position, extras=extras)
+
 
 _READ_ATTEMPTS = 3
 
@@ -341,8 +316,7 @@ def _identity(directory: Path) -> tuple[int, int] | None:
     return found.st_dev, found.st_ino
 
 
-def _read_stable(state: RunState, directory: Path, allow_global_batch_change: bool, strict: bool
-                 ) -> tuple[Any, ...]:
+def _read_stable(state: RunState, directory: Path, allow_global_batch_change: bool, strict: bool) -> _Saved:
     """`_read`, again when a save replaced the checkpoint while it was read (files of the new
     one checked against the old manifest fail, though neither is corrupt); a checkpoint
     replaced at every try is refused as being replaced, never called corrupt."""
@@ -426,41 +400,24 @@ def load(state: RunState, path: str | Path, *, allow_global_batch_change: bool =
     state.check_fresh(by)
     if not isinstance(allow_global_batch_change, bool):
         raise TypeError(f"fa.load: allow_global_batch_change must be True or False, got {allow_global_batch_change!r}")
-    directory = Path(path).absolute()
-    (manifest, module, sharded, into_shards, zero, weights, zero_parts, optimizer_sd, scheduler_sd, own, grads, rng, position, extras) = _read_stable(state, directory, allow_global_batch_change, strict)
-    # restore
-    if sharded:  # model and optimizer from sharded/ (torch.distributed.checkpoint)
-        load_sharded(state, directory, manifest)
-    if into_shards:
-        assert weights is not None
-        shard_into(state, weights, optimizer_sd)
-    elif weights is not None:
-        assert module is not None
-        module.load_state_dict(weights, strict=True)
-    if zero_parts is not None:
-        load_zero(zero, *zero_parts)
-    if optimizer_sd is not None and state.optimizer is not None and not into_shards:
-        state.optimizer.load_state_dict(optimizer_sd)
-    if scheduler_sd is not None:
-        state.scheduler.load_state_dict(scheduler_sd)
-    for name, saved in own["transforms"].items():
-        state.transform_states[name].load_state_dict(saved)
-    if module is not None and not sharded and zero is None:
-        for name, p in module.named_parameters():
-            grad = grads.get(name)
-            p.grad = None if grad is None else grad.to(p.device, p.dtype)
+    saved = _read_stable(state, Path(path).absolute(), allow_global_batch_change, strict)
+    saved.layout.restore(state, saved.model)  # the model and the optimizer (a sharded run's: read here, checked)
+    if saved.scheduler is not None:
+        state.scheduler.load_state_dict(saved.scheduler)
+    for name, value in saved.transforms.items():
+        state.transform_states[name].load_state_dict(value)
     new = state.advance(
         by,
-        rng=rng,
-        step=manifest["step"],
-        micro_step=manifest["micro_step"],
-        data_position=position,
-        seed=manifest["seed"],
+        rng=saved.rng,
+        step=saved.manifest["step"],
+        micro_step=saved.manifest["micro_step"],
+        data_position=saved.position,
+        seed=saved.manifest["seed"],
     )
     if state.loader is not None:
         state.loader.forget()  # the next fa.batches positions it from the loaded state
     for name, obj in state.extras.items():
-        obj.load_state_dict(extras[name])
+        obj.load_state_dict(saved.extras[name])
     if new.plan is not None and new.model is not None:
         new.plan.set_sync_for(new.model, new.micro_step)
     return new

@@ -37,7 +37,6 @@ this rank's entry against its optimizer, which refuses another stage layout.
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +53,6 @@ from fnaccel.checkpoint.files import (
     read_json,
     write_json,
 )
-from fnaccel.checkpoint.dcpstore import metadata_from, storage_classes
 from fnaccel.checkpoint.shardindex import METADATA, SHARDED_DIR, VALUES
 from fnaccel import ops
 from fnaccel.transforms.parallel import unwrap_compiled, unwrap_model
@@ -66,7 +64,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ShardedSnapshot",
-    "checkpoint_error",
     "is_pipelined",
     "is_sharded",
     "load_sharded",
@@ -167,19 +164,6 @@ def _refuse_mid_accumulation(state: RunState, action: str) -> None:
         )
 
 
-def checkpoint_error(exc: BaseException, action: str) -> CheckpointError:
-    """The first rank's own error inside DCP's CheckpointException, as our error."""
-    failures = getattr(exc, "failures", {}) or {}
-    for rank in sorted(failures):
-        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        if isinstance(inner, CheckpointError):
-            return CheckpointError(f"{inner} (rank {rank})")
-    first = next(iter(failures.values()), None)
-    inner = first[0] if isinstance(first, tuple) else first
-    detail = f"{type(inner).__name__}: {inner}" if inner is not None else str(exc)
-    return CheckpointError(f"{action}: torch.distributed.checkpoint failed: {detail}")
-
-
 @dataclass
 class ShardedSnapshot:
     """This rank's part of a sharded checkpoint, captured by `snapshot_sharded`."""
@@ -238,20 +222,11 @@ def write_sharded(snap: ShardedSnapshot, ctx: DistContext, directory: Path) -> d
     asynchronous save passes its own group). Every file is fsynced, and the
     directory. Returns the manifest entries of the files this rank wrote.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from fnaccel.checkpoint import dcpstore  # imports DCP: only a sharded save pays for it
 
     root = Path(directory)
     (root / SHARDED_DIR).mkdir(exist_ok=True)
-    writer_cls, _ = storage_classes()
-    writer = writer_cls(root, ctx.rank)
-    try:
-        dcp.save(snap.tensors, storage_writer=writer, planner=DefaultSavePlanner(),
-                 process_group=ctx.process_group)
-    except CheckpointException as exc:
-        raise checkpoint_error(exc, "fa.save") from None
-    entries: dict[str, dict[str, Any]] = dict(writer.entries)
+    entries = dict(dcpstore.save(snap.tensors, root, ctx.rank, ctx.process_group))
     own = {"values": snap.values, "param_groups": snap.param_groups}
     record = {"kind": snap.kind, "stages": ops.gather_object(ctx, [own])} if snap.per_rank else {
         "kind": snap.kind, **own}
@@ -322,13 +297,10 @@ def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> 
             missing or unexpected keys, mismatched shapes, dtypes or parameter
             groups, an optimizer of another class.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from fnaccel.checkpoint import dcpstore  # imports DCP: only a sharded load pays for it
 
     root = Path(directory)
-    metadata, storage = metadata_from(read_json(root, METADATA, manifest), manifest["files"], str(root / METADATA))
+    metadata, storage = dcpstore.metadata_from(read_json(root, METADATA, manifest), manifest["files"], str(root / METADATA))
     saved = read_json(root, VALUES, manifest)
     source = str(root / VALUES)
     pipelined = is_pipelined(state.model)
@@ -344,19 +316,11 @@ def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> 
     if state.optimizer is not None:
         check_kind(saved, state.optimizer, source)
         param_groups = restore_groups(saved["param_groups"], groups, source, state.optimizer)
-    _, reader_cls = storage_classes()
-    reader = reader_cls(root, manifest, metadata, storage)
-    try:
-        group = state.dist.process_group  # None: one process loads the whole tensors
-        with warnings.catch_warnings():  # DCP warns that it "assumes" the one process we asked for
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(flat, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=group,
-                     no_dist=group is None)
-    except CheckpointException as exc:
-        raise checkpoint_error(exc, "fa.load") from None
+    # group None: one process loads the whole tensors
+    dcpstore.load(flat, dcpstore.ShardReader(root, manifest, metadata, storage), state.dist.process_group, "fa.load")
     restored = _merge(_nest(flat, paths), saved["values"])
     module = unwrap_compiled(state.model)
-    set_model_state_dict(module, restored.get("model", {}))
+    dcpstore.set_model_state_dict(module, restored.get("model", {}))
     if state.optimizer is not None:
         optim_sd = {"state": restored.get("optimizer", {}).get("state", {}), "param_groups": param_groups}
-        set_optimizer_state_dict(module, state.optimizer, optim_sd)
+        dcpstore.set_optimizer_state_dict(module, state.optimizer, optim_sd)

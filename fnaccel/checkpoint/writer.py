@@ -2,7 +2,9 @@
 
 `take_snapshot` captures, on the calling thread, everything a checkpoint holds
 as tensors and JSON values (JSON parts are round-tripped through the encoder,
-which both copies them and rejects what cannot be stored without pickle).
+which both copies them and rejects what cannot be stored without pickle); the
+run's checkpoint layout (`fnaccel.checkpoint.layouts`) adds the model and the
+optimizer.
 `write_snapshot` writes it and moves it into place. A blocking save runs both
 on the caller's thread; an asynchronous one copies the snapshot's tensors to
 the CPU first (into the buffers the run's `SaveQueue` keeps from its last
@@ -19,7 +21,7 @@ from __future__ import annotations
 import errno
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +32,7 @@ from fnaccel import ops
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.checks import kind_of
-from fnaccel.checkpoint.codec import optimizer_payload, rng_payload
-from fnaccel.checkpoint.hooks import check_unsharded, saved_weights
+from fnaccel.checkpoint.codec import rng_payload
 from fnaccel.checkpoint.files import (
     SaveLock,
     commit,
@@ -47,29 +48,44 @@ from fnaccel.checkpoint.files import (
 from fnaccel.checkpoint.runinfo import RUN_FILE, describe_run
 from fnaccel.checkpoint.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, manifest_hash
 from fnaccel.checkpoint.queue import SaveQueue
-from fnaccel.checkpoint.sharded import ShardedSnapshot, is_sharded, snapshot_sharded, write_sharded
-from fnaccel.checkpoint.tied import untie
-from fnaccel.checkpoint.zero import snapshot_zero, zero_engine
 from fnaccel.dist import DistContext
 from fnaccel.process import wait_for_everyone
-from fnaccel.transforms.deepspeed import gathered_parameters
+from fnaccel.protocols import CheckpointLayout
 
 __all__ = ["Snapshot", "take_snapshot", "write_snapshot"]
 
 
 @dataclass(kw_only=True)
 class Snapshot:
-    """What one rank writes: its own files, and the shared ones if it is a writer."""
+    """What one rank writes: its own files, the shared ones if it is a writer, and
+    what its checkpoint layout writes itself."""
 
     rank: int
     node_rank: int
     writer: bool
+    layout: CheckpointLayout
     per_node: bool = False
+    staging: SaveQueue | None = None  # an asynchronous save's: tensors are copied into its buffers
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # file -> tensors
     json_files: dict[str, Any] = field(default_factory=dict)  # file -> JSON value
     raw_files: dict[str, bytes] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)  # alias -> the stored weight's name (tied.py)
+    captured: Any = None  # the layout's snapshot, for its write (an fsdp() run's shards)
     manifest: dict[str, Any] = field(default_factory=dict)
-    sharded: ShardedSnapshot | None = None  # an fsdp() run's model and optimizer (DCP)
+
+    def add_tensors(self, file: str, tensors: Mapping[str, torch.Tensor], *, transient: bool = False) -> None:
+        """Add ``tensors`` to ``file``'s: copied to the CPU now for an asynchronous save,
+        and also for a blocking one when ``transient`` (valid only until the caller
+        returns, as ZeRO-3's gathered parameters are)."""
+        if self.staging is not None:
+            held = {k: self.staging.staged(f"{file}/{k}", t) for k, t in tensors.items()}
+        else:
+            held = {k: t.detach().clone() if transient else t.detach() for k, t in tensors.items()}
+        self.tensors.setdefault(file, {}).update(held)
+
+    def add_json(self, file: str, value: Any) -> None:
+        """Add ``file`` holding ``value``, copied (refused when JSON cannot hold it)."""
+        self.json_files[file] = json_copy(value, file)
 
 
 def data_payload(state: Any) -> dict[str, Any]:
@@ -83,74 +99,35 @@ def data_payload(state: Any) -> dict[str, Any]:
     }
 
 
-def take_snapshot(
-    state: Any, module: torch.nn.Module | None, writer: bool, per_node: bool, staging: SaveQueue | None
-) -> Snapshot:
-    """Everything ``state``'s checkpoint holds, captured now (with ``staging``: the
-    tensors copied to the CPU, into the buffers that queue keeps)."""
+def take_snapshot(state: Any, layout: CheckpointLayout, writer: bool, per_node: bool,
+                  staging: SaveQueue | None) -> Snapshot:
+    """Everything ``state``'s checkpoint holds, captured now, the model and optimizer
+    by ``layout`` (with ``staging``: the tensors copied to the CPU, into the buffers
+    that queue keeps). Every rank calls it (a layout's snapshot may be collective)."""
     import yaml
 
-    copy = staging is not None
-
-    def owned(file: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if staging is None:
-            return {k: t.detach() for k, t in tensors.items()}
-        return {k: staging.staged(f"{file}/{k}", t) for k, t in tensors.items()}
-
     ctx: DistContext = state.dist
-    snap = Snapshot(rank=ctx.rank, node_rank=ctx.node_rank, writer=writer, per_node=per_node)
-    if is_sharded(state.model):  # every rank writes its own shards in write_sharded
-        check_unsharded(state)
-        snap.sharded = snapshot_sharded(state, copy=copy, per_node=per_node)
-        module = None
+    snap = Snapshot(rank=ctx.rank, node_rank=ctx.node_rank, writer=writer, layout=layout, per_node=per_node,
+                    staging=staging)
     rank_tensors, rng_json = rng_payload(state.rng)
-    accumulating = state.plan is not None and state.micro_step % state.plan.micro_steps != 0
-    if module is not None and accumulating:
-        for name, p in module.named_parameters():
-            if p.grad is not None:
-                rank_tensors[f"grad/{name}"] = p.grad
     transforms = {
         name: value.state_dict() for name, value in state.transform_states.items()
         if callable(getattr(value, "state_dict", None))
     }
-    file = f"rank{ctx.rank}.safetensors"
-    snap.tensors[file] = owned(file, rank_tensors)
-    snap.json_files[f"rank{ctx.rank}.json"] = json_copy(
-        {"rng": rng_json, "transforms": transforms, "data": data_payload(state)},
-        f"rank{ctx.rank}.json",
-    )
-    tied: dict[str, str] = {}
-    zero = zero_engine(state.model)
-    if zero is not None:  # a DeepSpeed ZeRO run: each rank's optimizer partitions (zero.py)
-        tensor_file, zero_tensors, json_file, zero_json = snapshot_zero(state, zero)
-        snap.tensors[tensor_file] = owned(tensor_file, zero_tensors)
-        snap.json_files[json_file] = json_copy(zero_json, json_file)
-    if module is not None and (writer or zero is not None):
-        with gathered_parameters(module):  # ZeRO-3: a collective, every rank takes part
-            weights, tied = untie(saved_weights(state, module))
-            if writer and zero is not None and staging is None:  # the gathered ZeRO-3 data goes at exit
-                snap.tensors["model.safetensors"] = {k: v.detach().clone() for k, v in weights.items()}
-            elif writer:
-                snap.tensors["model.safetensors"] = owned("model.safetensors", weights)
+    snap.add_tensors(f"rank{ctx.rank}.safetensors", rank_tensors)
+    snap.add_json(f"rank{ctx.rank}.json", {"rng": rng_json, "transforms": transforms, "data": data_payload(state)})
+    snap.captured = layout.snapshot(state, snap)
     if writer:
-        if state.optimizer is not None and snap.sharded is None and zero is None:
-            assert module is not None, "an optimizer without a model"
-            names = {id(p): n for n, p in module.named_parameters()}
-            opt_tensors, opt_json = optimizer_payload(state.optimizer, names)
-            snap.tensors["optimizer.safetensors"] = owned("optimizer.safetensors", opt_tensors)
-            snap.json_files["optimizer.json"] = json_copy(opt_json, "optimizer.json")
         if state.scheduler is not None:
-            snap.json_files["scheduler.json"] = json_copy(
-                {"kind": kind_of(state.scheduler), "state_dict": state.scheduler.state_dict()}, "scheduler.json"
-            )
+            snap.add_json("scheduler.json", {"kind": kind_of(state.scheduler), "state_dict": state.scheduler.state_dict()})
         if state.extras:
             extra_tensors: dict[str, torch.Tensor] = {}
             trees = {
-                name: extras_codec.split(obj.state_dict(), name, extra_tensors, copy)
+                name: extras_codec.split(obj.state_dict(), name, extra_tensors, staging is not None)
                 for name, obj in state.extras.items()
             }
             snap.tensors["extras.safetensors"] = extra_tensors
-            snap.json_files["extras.json"] = json_copy(trees, "extras.json")
+            snap.add_json("extras.json", trees)
         snap.raw_files["config.yaml"] = yaml.safe_dump(state.config.to_dict(), sort_keys=True).encode()
         snap.json_files[RUN_FILE] = describe_run(state)  # pipeline, precision, versions: drift on resume
     snap.manifest = {
@@ -162,7 +139,7 @@ def take_snapshot(
         "epoch": state.epoch,
         "seed": state.seed,
         "pipeline": repr(state.pipeline),
-        "tied": tied,
+        "tied": snap.tied,
     }
     return snap
 
@@ -201,11 +178,10 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
             failure = _cause(exc)
     wait_for_everyone(ctx)
     files: dict[str, Any] = {}
-    if snap.sharded is not None:  # collective: every rank, over ctx's group, whatever failed before
-        try:
-            files.update(write_sharded(snap.sharded, ctx, tmp))
-        except Exception as exc:  # noqa: BLE001 - DCP raised it on every rank
-            failure = failure or _cause(exc)
+    try:  # collective: every rank, over ctx's group, whatever failed before
+        files.update(snap.layout.write(snap.captured, ctx, tmp))
+    except Exception as exc:  # noqa: BLE001 - raised on every rank (DCP's collective)
+        failure = failure or _cause(exc)
     if failure is None:
         try:
             for name, tensors in snap.tensors.items():

@@ -1,4 +1,7 @@
-"""A DeepSpeed ZeRO run's optimizer in fnaccel's checkpoint: per rank, in safetensors.
+"""The ZeRO layout: a DeepSpeed engine's optimizer partitions, per rank, in safetensors.
+
+A pipeline whose engine steps the optimizer itself (`Capability.OWNS_OPTIMIZER_STEP`,
+`fa.deepspeed`) over fp32 master partitions is saved so.
 
 DeepSpeed's own ``save_checkpoint`` pickles (``torch.save``). Here each rank
 writes the part of the optimizer it holds, next to its other files::
@@ -12,12 +15,14 @@ gathered from every rank), which `fa.save_model` and people read. A load puts
 the masters and the optimizer state back, then sets the model's parameters
 from the masters as a DeepSpeed step does, so the run continues bit for bit.
 A ZeRO-0 run in fp32 steps the model's own parameters and is saved like a
-`ddp()` run. A save falls on an update boundary: between micro-steps the
+`ddp()` run (`fnaccel.checkpoint.layouts.plain`). A save falls on an update boundary: between micro-steps the
 partial gradients sit in DeepSpeed's buffers, which it does not expose.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +31,19 @@ import torch
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.checks import check_tensors
 from fnaccel.checkpoint.codec import optimizer_payload, optimizer_state
-from fnaccel.checkpoint.files import read_json, read_tensors
+from fnaccel.checkpoint.files import read_json, read_tensors, verify_file
+from fnaccel.checkpoint.hooks import saved_weights
+from fnaccel.checkpoint.tied import untie
 from fnaccel.transforms.deepspeed import (
     deepspeed_engine,
+    gathered_parameters,
     master_partitions,
     optimizer_over_partitions,
     refresh_parameters,
 )
-from fnaccel.transforms.parallel import unwrap_compiled
+from fnaccel.transforms.parallel import unwrap_compiled, unwrap_model
 
-__all__ = ["load_zero", "read_zero", "snapshot_zero", "zero_engine"]
+__all__ = ["ZeroLayout", "ZeroRead", "load_zero", "read_zero", "snapshot_zero", "zero_engine"]
 
 
 def zero_engine(model: Any) -> Any:
@@ -93,3 +101,43 @@ def load_zero(engine: Any, masters: list[torch.Tensor], state_dict: Any) -> None
     with optimizer_over_partitions(engine) as base:
         base.load_state_dict(state_dict)
     refresh_parameters(engine)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroRead:
+    """What `ZeroLayout.read` checked, for `ZeroLayout.restore`."""
+
+    engine: Any
+    masters: list[torch.Tensor]
+    optimizer: Any
+
+
+class ZeroLayout:
+    """Each rank's master partitions and optimizer state in ``rank<r>.zero.*``, the
+    consolidated weights in ``model.safetensors`` (`fnaccel.protocols.CheckpointLayout`)."""
+
+    def snapshot(self, state: Any, files: Any) -> None:
+        tensor_file, tensors, json_file, values = snapshot_zero(state, zero_engine(state.model))
+        files.add_tensors(tensor_file, tensors)
+        files.add_json(json_file, values)
+        module = unwrap_model(state.model)
+        with gathered_parameters(module):  # ZeRO-3: a collective, every rank takes part
+            weights, files.tied = untie(saved_weights(state, module))
+            if files.writer:  # ZeRO-3's gathered data goes when the block ends: copied now
+                files.add_tensors("model.safetensors", weights, transient=True)
+
+    def write(self, captured: None, ctx: Any, directory: Path) -> dict[str, Any]:
+        return {}  # every file is in the snapshot's own
+
+    def read(self, state: Any, directory: Path, manifest: dict[str, Any],
+             gradients: Mapping[str, torch.Tensor]) -> ZeroRead:
+        if gradients:
+            raise CheckpointError(f"{directory}: holds gradients saved between accumulation micro-steps; a "
+                                  "DeepSpeed ZeRO run keeps them in buffers of its own and cannot take them")
+        engine = zero_engine(state.model)
+        verify_file(directory, "model.safetensors", manifest)  # the masters hold the weights: checked, not used
+        masters, optimizer = read_zero(state, engine, directory, manifest)
+        return ZeroRead(engine=engine, masters=masters, optimizer=optimizer)
+
+    def restore(self, state: Any, read: ZeroRead) -> None:
+        load_zero(read.engine, read.masters, read.optimizer)

@@ -1,0 +1,121 @@
+"""The plain layout: a replicated run's whole model and optimizer, written once.
+
+A run on one process, under `ddp()` or any other replicated data parallelism
+(every rank holds the same weights), or a DeepSpeed engine that steps the
+model's own parameters (ZeRO-0 in fp32), is saved so::
+
+    model.safetensors       the weights as the run's save hooks give them, tied tensors once (rank 0)
+    optimizer.safetensors   optimizer state keyed "<param>/<key>"                          (rank 0)
+    optimizer.json          its class, param groups, other state                            (rank 0)
+    rank<r>.safetensors     also "grad/<param>": this rank's gradients, when the save falls
+                            between accumulation micro-steps
+
+It loads on any number of processes: into a replicated run here, or into a
+sharded one (`fnaccel.checkpoint.layouts.sharded`), which reads the same
+whole tensors through `read_model` and `read_optimizer` and keeps its chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fnaccel._errors import CheckpointError
+from fnaccel.checkpoint.checks import check_tensors
+from fnaccel.checkpoint.codec import optimizer_payload, optimizer_state
+from fnaccel.checkpoint.files import read_json, read_tensors
+from fnaccel.checkpoint.hooks import loaded_weights, saved_weights
+from fnaccel.checkpoint.reshard import source_rank
+from fnaccel.checkpoint.tied import retie, untie
+from fnaccel.transforms.parallel import unwrap_model
+
+__all__ = ["PlainLayout", "read_model", "read_optimizer"]
+
+
+def read_model(state: Any, module: torch.nn.Module, directory: Path,
+               manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``model.safetensors`` re-tied and passed through the run's load hooks, checked
+    against ``module``'s keys, shapes and dtypes (its global ones when sharded)."""
+    source = str(directory / "model.safetensors")
+    weights = read_tensors(directory, "model.safetensors", manifest)
+    for alias, name in manifest["tied"].items():
+        if name not in weights or alias in weights:
+            raise CheckpointError(f"{directory / 'fnaccel.json'}: key 'tied/{alias}' names {name!r}, "
+                                  f"which is not a stored weight of {source} (or {alias!r} is stored too)")
+    weights = loaded_weights(state, module, retie(weights, manifest["tied"]))
+    check_tensors(weights, module.state_dict(), source)
+    return weights
+
+
+def read_optimizer(state: Any, module: torch.nn.Module, directory: Path,
+                   manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """``optimizer.*`` as the state_dict ``state.optimizer`` takes (parameters by index),
+    checked against it; None for a run without an optimizer."""
+    if state.optimizer is None:
+        return None
+    return optimizer_state(
+        state.optimizer, dict(module.named_parameters()),
+        read_tensors(directory, "optimizer.safetensors", manifest),
+        read_json(directory, "optimizer.json", manifest),
+        str(directory / "optimizer.json"),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlainRead:
+    """What `PlainLayout.read` checked, for `PlainLayout.restore`."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None
+    gradients: Mapping[str, torch.Tensor]
+
+
+class PlainLayout:
+    """The whole model and optimizer in ``model.safetensors`` and ``optimizer.*``
+    (`fnaccel.protocols.CheckpointLayout`)."""
+
+    def snapshot(self, state: Any, files: Any) -> None:
+        if state.model is None:
+            return
+        module = unwrap_model(state.model)
+        if state.plan is not None and state.micro_step % state.plan.micro_steps != 0:  # mid-accumulation
+            files.add_tensors(f"rank{files.rank}.safetensors", {
+                f"grad/{name}": p.grad for name, p in module.named_parameters() if p.grad is not None})
+        if files.writer:
+            weights, files.tied = untie(saved_weights(state, module))
+            files.add_tensors("model.safetensors", weights)
+            if state.optimizer is not None:
+                names = {id(p): n for n, p in module.named_parameters()}
+                tensors, values = optimizer_payload(state.optimizer, names)
+                files.add_tensors("optimizer.safetensors", tensors)
+                files.add_json("optimizer.json", values)
+
+    def write(self, captured: None, ctx: Any, directory: Path) -> dict[str, Any]:
+        return {}  # every file is in the snapshot's own
+
+    def read(self, state: Any, directory: Path, manifest: dict[str, Any],
+             gradients: Mapping[str, torch.Tensor]) -> PlainRead | None:
+        module = None if state.model is None else unwrap_model(state.model)
+        params = {} if module is None else dict(module.named_parameters())
+        check_tensors(gradients, {name: params[name] for name in gradients if name in params},
+                      str(directory / f"rank{source_rank(manifest, state.dist)}.safetensors"),
+                      "the model's parameters")
+        if module is None:
+            return None
+        return PlainRead(weights=read_model(state, module, directory, manifest),
+                         optimizer=read_optimizer(state, module, directory, manifest), gradients=gradients)
+
+    def restore(self, state: Any, read: PlainRead | None) -> None:
+        if read is None:
+            return
+        module = unwrap_model(state.model)
+        module.load_state_dict(read.weights, strict=True)
+        if read.optimizer is not None:
+            state.optimizer.load_state_dict(read.optimizer)
+        for name, p in module.named_parameters():
+            grad = read.gradients.get(name)
+            p.grad = None if grad is None else grad.to(p.device, p.dtype)
