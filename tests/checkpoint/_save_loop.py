@@ -5,9 +5,19 @@ can land in, however loaded the machine (EOF ends the loop).
     python _save_loop.py PATH            # over the same checkpoint PATH
     python _save_loop.py PATH rotate     # automatic checkpoints in project PATH, total_limit=1
     python _save_loop.py PATH step       # over PATH, a step before each save (new weights), 4 layers
+
+With ``fork`` last (``PATH fork``, ``PATH rotate fork``), every line ``run`` starts that loop
+in a child forked from this process, which has imported torch and prepared the run: a
+test kills the child (SIGKILL) mid-save, and each kill costs a save instead of a new
+interpreter (seconds of imports; the loop is what the kill lands in, and each child is a
+process of its own, its files and lock its own). The child says ``pid N`` first, then the
+loop's lines; once it has ended and been reaped, this process says ``ended``. Other lines
+(a ``go`` the killed child never read) are skipped.
 """
 
+import os
 import sys
+import traceback
 
 import torch
 from torch import nn
@@ -15,7 +25,7 @@ from torch import nn
 import fnaccel as fa
 
 
-def main(path: str, rotate: bool, step: bool) -> None:
+def main(path: str, rotate: bool, step: bool, fork: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4 if step else 20)])  # ~4 or ~21 MB of weights
     optimizer = torch.optim.AdamW(model.parameters())
@@ -23,7 +33,26 @@ def main(path: str, rotate: bool, step: bool) -> None:
     state = fa.prepare(fa.init(seed=0, cpu=True, kwargs_handlers=[project] if rotate else ()), model, optimizer,
                        loss_fn=lambda m, b: m(b).pow(2).mean())
     state, _ = fa.step(state, torch.ones(2, 512))  # optimizer state exists
-    target = None if rotate else path
+    if not fork:
+        save_loop(state, None if rotate else path, step)
+        return
+    while line := sys.stdin.readline():
+        if line.strip() != "run":
+            continue
+        child = os.fork()  # one thread here (OMP_NUM_THREADS=1, no group): safe to fork
+        if child == 0:  # the loop, then out: never back into this loop, nor this process's exit handlers
+            try:
+                print(f"pid {os.getpid()}", flush=True)
+                save_loop(state, None if rotate else path, step)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        os.waitpid(child, 0)
+        print("ended", flush=True)
+
+
+def save_loop(state: fa.RunState, target: str | None, step: bool) -> None:
     fa.save(state, target)
     print("first save done", flush=True)
     while sys.stdin.readline():
@@ -35,4 +64,5 @@ def main(path: str, rotate: bool, step: bool) -> None:
 
 
 if __name__ == "__main__":  # a script: importing it (doctest collection) must not run it
-    main(sys.argv[1], sys.argv[2:] == ["rotate"], sys.argv[2:] == ["step"])
+    modes = sys.argv[2:]
+    main(sys.argv[1], "rotate" in modes, "step" in modes, "fork" in modes)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,62 +31,83 @@ def manifest_epoch(path: Path) -> int:
     return int(json.loads((path / "fnaccel.json").read_text())["epoch"])
 
 
-def _kill_during_save(args: list[str], saves: int, delay: float) -> None:
-    """Run the save loop: its first save, ``saves`` more one at a time, then start one
-    more and SIGKILL it ``delay`` seconds in (which lands inside that save or, where it
-    was quicker, while the loop waits for the next go-ahead: never in a later save)."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        assert proc.stdin is not None and proc.stdout is not None
-        assert proc.stdout.readline().strip() == "first save done"
+@contextlib.contextmanager
+def _save_loops(args: list[str]) -> Iterator[Callable[[int, float], None]]:
+    """Start the save loop's process (torch imported, the run prepared: once) and yield
+    ``kill_during_save(saves, delay)``: a save loop in a child forked from it does its first
+    save, ``saves`` more one at a time, then starts one more and is SIGKILLed ``delay`` seconds
+    in (which lands inside that save or, where it was quicker, while the loop waits for the
+    next go-ahead: never in a later save); it returns once the child is dead and reaped."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args, "fork"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout, child = proc.stdin, proc.stdout, 0
+
+    def send(line: str) -> None:
+        stdin.write(line + "\n")
+        stdin.flush()
+
+    def kill_during_save(saves: int, delay: float) -> None:
+        nonlocal child
+        send("run")
+        child = int(stdout.readline().removeprefix("pid "))
+        assert stdout.readline().strip() == "first save done"
         for _ in range(saves):
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            assert proc.stdout.readline().startswith("saved")
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
+            send("go")
+            assert stdout.readline().startswith("saved")
+        send("go")
         time.sleep(delay)
+        os.kill(child, signal.SIGKILL)
+        while (line := stdout.readline().strip()) != "ended":  # reaped once it says so: nothing of it runs on
+            assert line.startswith("saved"), line  # the last save, where it ended before the kill
+        child = 0
+
+    try:
+        yield kill_during_save
     finally:
-        proc.send_signal(signal.SIGKILL)
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        proc.kill()
         proc.wait(timeout=30)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
+        stdin.close()
+        stdout.close()
 
 
 def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     epochs_seen = set()
     # several kill points: after a number of saves, at growing delays into the next one
-    for saves, delay in ((0, 0.0), (1, 0.05), (2, 0.13), (1, 0.29), (3, 0.41)):
-        _kill_during_save([str(path)], saves, delay)
-        # the killed save either committed or left the one before it: never anything else
-        assert manifest_epoch(path) in (saves, saves + 1)
+    with _save_loops([str(path)]) as kill_during_save:
+        for saves, delay in ((0, 0.0), (1, 0.05), (2, 0.13), (1, 0.29), (3, 0.41)):
+            kill_during_save(saves, delay)
+            # the killed save either committed or left the one before it: never anything else
+            assert manifest_epoch(path) in (saves, saves + 1)
 
-        # the next run's first save removed what this one's killed save left: one at most (and the
-        # killed save's lock file, which the kernel unlocked at its death: the next save takes it over)
-        assert len([p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.") and p.name != ".ckpt.lock"]) <= 1
-        manifest = json.loads((path / "fnaccel.json").read_text())
-        epochs_seen.add(manifest["epoch"])
-        state = fa.load(_fresh(), path)  # verifies every checksum
-        assert state.epoch == manifest["epoch"]
-        # nothing beside it that could pass for a checkpoint: only hidden temporaries
-        others = [p.name for p in tmp_path.iterdir() if p.name not in ("ckpt", ".ckpt.lock")]
-        assert all(name.startswith(".ckpt.tmp-") for name in others), others
-        for leftover in others:  # a temporary with a manifest is complete (killed before the swap)
-            if (tmp_path / leftover / "fnaccel.json").exists():
-                fa.load(_fresh(), tmp_path / leftover)
+            # the next run's first save removed what this one's killed save left: one at most (and the
+            # killed save's lock file, which the kernel unlocked at its death: the next save takes it over)
+            assert len([p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.") and p.name != ".ckpt.lock"]) <= 1
+            manifest = json.loads((path / "fnaccel.json").read_text())
+            epochs_seen.add(manifest["epoch"])
+            state = fa.load(_fresh(), path)  # verifies every checksum
+            assert state.epoch == manifest["epoch"]
+            # nothing beside it that could pass for a checkpoint: only hidden temporaries
+            others = [p.name for p in tmp_path.iterdir() if p.name not in ("ckpt", ".ckpt.lock")]
+            assert all(name.startswith(".ckpt.tmp-") for name in others), others
+            for leftover in others:  # a temporary with a manifest is complete (killed before the swap)
+                if (tmp_path / leftover / "fnaccel.json").exists():
+                    fa.load(_fresh(), tmp_path / leftover)
     assert len(epochs_seen) > 1  # by construction: after 0 saves the epoch is 0 or 1, after 3 it is 3 or 4
 
 
 def test_sigkill_during_rotation_never_shows_a_checkpoint_without_its_manifest(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
-    for saves, delay in ((1, 0.0), (2, 0.19), (3, 0.43)):
-        _kill_during_save([str(tmp_path), "rotate"], saves, delay)
-        visible = [p for p in root.iterdir() if not p.name.startswith(".")]
-        assert visible and all((p / "fnaccel.json").is_file() for p in visible), sorted(os.listdir(root))
-        newest = max(visible, key=lambda p: int(p.name.removeprefix("checkpoint_")))
-        assert fa.load(_fresh(), newest).epoch == manifest_epoch(newest)
-        # the leftovers of earlier kills went with later saves: only this kill's remain
-        assert len([p for p in root.iterdir() if p.name.startswith(".")]) <= 2, sorted(os.listdir(root))
+    with _save_loops([str(tmp_path), "rotate"]) as kill_during_save:
+        for saves, delay in ((1, 0.0), (2, 0.19), (3, 0.43)):
+            kill_during_save(saves, delay)
+            visible = [p for p in root.iterdir() if not p.name.startswith(".")]
+            assert visible and all((p / "fnaccel.json").is_file() for p in visible), sorted(os.listdir(root))
+            newest = max(visible, key=lambda p: int(p.name.removeprefix("checkpoint_")))
+            assert fa.load(_fresh(), newest).epoch == manifest_epoch(newest)
+            # the leftovers of earlier kills went with later saves: only this kill's remain
+            assert len([p for p in root.iterdir() if p.name.startswith(".")]) <= 2, sorted(os.listdir(root))
