@@ -91,6 +91,8 @@ _PUBLIC = MappingProxyType({
     "pp": "fnaccel.transforms",
     # Collective transforms
     "Transform": "fnaccel.transforms",
+    "Capability": "fnaccel.transforms",
+    "Phase": "fnaccel.transforms",
     "Collective": "fnaccel.transforms",
     "Pipeline": "fnaccel.transforms",
     "compose": "fnaccel.transforms",

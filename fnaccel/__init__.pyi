@@ -132,7 +132,9 @@ from fnaccel.train import (
     step as step,
 )
 from fnaccel.transforms import (
+    Capability as Capability,
     Collective as Collective,
+    Phase as Phase,
     Pipeline as Pipeline,
     Transform as Transform,
     autocast as autocast,
