@@ -41,7 +41,20 @@ from fnaccel.dist import DistContext, data_parallel
 from fnaccel.kwargs.base import KwargsHandler
 from fnaccel.rng import put_back, swap_in, swap_out
 from fnaccel.state import RunState
-from fnaccel.transforms.base import Accumulation, Pipeline, Transform
+from fnaccel.transforms.base import (
+    Accumulation,
+    AfterBackwardFn,
+    AfterStepFn,
+    BackwardFn,
+    BeforeUpdateFn,
+    ForwardBackwardFn,
+    OptimizerStepFn,
+    Pipeline,
+    ScaleLossFn,
+    SetSyncFn,
+    Transform,
+    UpdateCheckFn,
+)
 
 __all__ = ["SchedulerConfiguration", "StepPlan", "apply_gradients", "backward", "scheduler_steps", "step"]
 
@@ -133,18 +146,19 @@ class StepPlan:
     scheduler_steps: int = 1  # per optimizer update (`scheduler_steps`)
     sync_each_batch: bool = False
     divide_loss: bool = True
-    scale_loss: tuple[tuple[Callable[..., Any], Any], ...] = ()
-    before_update: tuple[tuple[Callable[..., Any], Any], ...] = ()
-    optimizer_step: tuple[Callable[..., Any], Any] | None = None
-    check_update: tuple[Callable[..., Any], Any] | None = None
-    after_backward: tuple[tuple[Callable[..., Any], Any], ...] = ()
-    set_sync: tuple[Callable[..., Any], ...] = ()
-    after_step: tuple[tuple[Callable[..., Any], Any], ...] = ()
-    forward_backward: tuple[Callable[..., Any], Any] | None = None
+    # Each hook with its transform's state (`fnaccel.transforms.base` documents the hooks).
+    scale_loss: tuple[tuple[ScaleLossFn, Any], ...] = ()
+    before_update: tuple[tuple[BeforeUpdateFn, Any], ...] = ()
+    optimizer_step: tuple[OptimizerStepFn, Any] | None = None
+    check_update: tuple[UpdateCheckFn, Any] | None = None
+    after_backward: tuple[tuple[AfterBackwardFn, Any], ...] = ()
+    set_sync: tuple[SetSyncFn, ...] = ()
+    after_step: tuple[tuple[AfterStepFn, Any], ...] = ()
+    forward_backward: tuple[ForwardBackwardFn, Any] | None = None
     # The parameters this run's backward writes gradients to (its optimizer's), so that
     # a loss that flows through another run's model leaves nothing on it; None: all.
     backward_inputs: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
-    backward: tuple[Callable[..., Any], Any] | None = None
+    backward: tuple[BackwardFn, Any] | None = None
     # Derived from the fields above: which halves of a step are PyTorch's alone, so
     # that a step without hooks there runs them without looping over empty tuples.
     plain_backward: bool = field(init=False, repr=False, compare=False)
