@@ -34,8 +34,11 @@ from fnaccel.checkpoint.runinfo import (
 from fnaccel.checkpoint.weights import (
     save_model as save_model,
 )
-from fnaccel.config_schema import (
+from fnaccel.config.launch import (
     LaunchConfig as LaunchConfig,
+)
+from fnaccel.config.parallelism import (
+    ParallelismConfig as ParallelismConfig,
 )
 from fnaccel.constants import (
     DistributedType as DistributedType,
@@ -74,9 +77,6 @@ from fnaccel.kwargs import (
 from fnaccel.launchers import (
     debug_launcher as debug_launcher,
     notebook_launcher as notebook_launcher,
-)
-from fnaccel.parallelism import (
-    ParallelismConfig as ParallelismConfig,
 )
 from fnaccel.preemption import (
     PreemptionKwargs as PreemptionKwargs,

@@ -3,7 +3,7 @@
 Collectives and process helpers take a context first; `as_dist` lets them
 accept either a `RunState` or its `dist` field.
 
-The run's layout (`fnaccel.parallelism.ParallelismConfig`) and its named
+The run's layout (`fnaccel.config.parallelism.ParallelismConfig`) and its named
 `DeviceMesh` live here too; every other module asks through the accessors
 `data_parallel` (this rank's data-parallel rank and size: what the data path
 shards by), `mesh_dim` (a named dimension's sub-mesh, e.g. ``"tp"``, ``"pp"``,
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-    from fnaccel.parallelism import ParallelismConfig
+    from fnaccel.config.parallelism import ParallelismConfig
 
 __all__ = ["DistContext", "as_dist", "data_parallel", "data_parallel_context", "mesh_dim"]
 
@@ -134,7 +134,7 @@ def mesh_dim(dist: DistContext, name: str) -> DeviceMesh | None:
     >>> mesh_dim(DistContext(), "tp") is None
     True
     """
-    from fnaccel.parallelism import MESH_DIMS
+    from fnaccel.config.parallelism import MESH_DIMS
 
     if name not in (*MESH_DIMS, "dp"):
         raise ValueError(f"mesh_dim: unknown dimension {name!r}; use one of {', '.join((*MESH_DIMS, 'dp'))}")

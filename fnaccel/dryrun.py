@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fnaccel.parallelism import ParallelismConfig
+from fnaccel.config.parallelism import ParallelismConfig
 from fnaccel.resources import GroupOwner
 from fnaccel.state import RunState
 

@@ -33,7 +33,7 @@ import torch
 
 from fnaccel._errors import FnaccelError
 from fnaccel.constants import PrecisionType
-from fnaccel.environment import patch_environment
+from fnaccel.config.environment import patch_environment
 
 __all__ = ["ProcessFailedError", "debug_launcher", "notebook_launcher"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fnaccel._errors import ConfigError
-from fnaccel.environment import str_to_bool
+from fnaccel.config.environment import str_to_bool
 from fnaccel.kwargs.base import KwargsHandler
 
 __all__ = [

@@ -277,7 +277,7 @@ class GroupOwner:
         return self._holder[0] if self._holder else None
 
     def hold_meshes(self, meshes: dict[str, Any]) -> None:
-        """Keep the run's device mesh and its named sub-meshes (`fnaccel.parallelism.build_mesh`)."""
+        """Keep the run's device mesh and its named sub-meshes (`fnaccel.config.parallelism.build_mesh`)."""
         self._meshes.update(meshes)
 
     def release_before_destroy(self, release: Callable[[], None]) -> None:

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from fnaccel._errors import ConfigError
-from fnaccel.config import resolve_config
-from fnaccel.config_schema import LaunchConfig
+from fnaccel.config.launch import resolve_config
+from fnaccel.config.launch import LaunchConfig
 from fnaccel import dryrun
 from fnaccel.dist import DistContext
-from fnaccel.parallelism import ParallelismConfig, build_mesh
+from fnaccel.config.parallelism import ParallelismConfig, build_mesh
 from fnaccel.preemption import PreemptionKwargs, check_main_thread, install
 from fnaccel.resources import GroupOwner, Resources
 from fnaccel.rng import RNGState

@@ -22,7 +22,7 @@ import torch
 from typing_extensions import Self
 
 from fnaccel._errors import StaleStateError
-from fnaccel.config_schema import LaunchConfig
+from fnaccel.config.launch import LaunchConfig
 from fnaccel.rng import STEP_KINDS, RNGState
 from fnaccel.dist import DistContext
 from fnaccel.constants import PrecisionType

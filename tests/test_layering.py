@@ -28,9 +28,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fnaccel"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("leaves", ("fnaccel._errors", "fnaccel._lazy", "fnaccel.dist", "fnaccel.rng", "fnaccel.constants",
                 "fnaccel.kwargs", "fnaccel.checks",
-                "fnaccel.config", "fnaccel.config_schema", "fnaccel.protocols",
-                "fnaccel.resources", "fnaccel.atomic", "fnaccel.environment", "fnaccel.numa", "fnaccel.purge",
-                "fnaccel.parallelism")),
+                "fnaccel.config", "fnaccel.protocols", "fnaccel.resources", "fnaccel.atomic")),
     ("state", ("fnaccel.state",)),
     ("parts", ("fnaccel.transforms", "fnaccel.ops", "fnaccel.seeding", "fnaccel.process", "fnaccel.plugins",
                "fnaccel.mixed_precision", "fnaccel.trigger", "fnaccel.preemption",

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import fnaccel as fa
-from fnaccel.config import default_config_file
+from fnaccel.config.launch import default_config_file
 
 
 def test_init_in_a_world_of_one() -> None:

@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 from fnaccel.commands.main import CommandError
-from fnaccel.environment import str_to_bool
-from fnaccel.config import (
+from fnaccel.config.environment import str_to_bool
+from fnaccel.config.launch import (
     basic_config,
     default_config_file,
     load_config,
     write_basic_config,
     write_config,
 )
-from fnaccel.config_schema import config_from_mapping
+from fnaccel.config.launch import config_from_mapping
 
 __all__ = ["Questions", "ask_config", "register", "run"]
 

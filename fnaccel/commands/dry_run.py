@@ -25,7 +25,7 @@ from typing import Any
 
 from fnaccel.commands.estimate import human_size, box_table
 from fnaccel.commands.main import CommandError
-from fnaccel.config_schema import LaunchConfig
+from fnaccel.config.launch import LaunchConfig
 from fnaccel.dryrun import DRY_RUN_ENV, REPORT_ENV
 
 __all__ = ["dry_run"]

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import fnaccel
 from fnaccel.commands.launch import check_launchable
-from fnaccel.config import CONFIG_FILE_ENV, default_config_file, load_config
+from fnaccel.config.launch import CONFIG_FILE_ENV, default_config_file, load_config
 
 __all__ = ["environment_report", "register", "run"]
 

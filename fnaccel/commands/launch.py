@@ -44,9 +44,9 @@ from fnaccel.commands.launch_flags import (
 )
 from fnaccel.commands.main import CommandError
 from fnaccel.resources import FAILED_AT_KEY
-from fnaccel.config import default_config_file, launch_env, load_config
-from fnaccel.config_schema import LaunchConfig
-from fnaccel.environment import patch_environment as _patched_environment
+from fnaccel.config.launch import default_config_file, launch_env, load_config
+from fnaccel.config.launch import LaunchConfig
+from fnaccel.config.environment import patch_environment as _patched_environment
 
 __all__ = ["check_launchable", "first_failure", "launch_environment", "max_local_processes",
            "refused_keys", "register", "rendezvous_timeout", "resolve", "run", "run_launch",
@@ -220,7 +220,7 @@ def check_launchable(config: LaunchConfig, *, force: bool = False) -> None:
     if config.distributed_type == "FSDP":
         FullyShardedDataParallelPlugin.from_config(config.fsdp_config, f"{where}: fsdp_config")
     if config.parallelism_config:
-        from fnaccel.parallelism import ParallelismConfig
+        from fnaccel.config.parallelism import ParallelismConfig
 
         layout = ParallelismConfig.from_config(config.parallelism_config, f"{where}: parallelism_config")
         try:

@@ -77,7 +77,7 @@ FSDP_FLAGS: tuple[Flag, ...] = (
     ("--fsdp_activation_checkpointing", str, "(true|false) activation checkpointing (true is refused)."),
 )
 
-# the parallelism_config section (fnaccel.parallelism), stored under its config key (the flag's name)
+# the parallelism_config section (fnaccel.config.parallelism), stored under its config key (the flag's name)
 PARALLELISM_FLAGS: tuple[Flag, ...] = (
     ("--parallelism_config_dp_replicate_size", at_least(1), "Data-parallel replicas (HSDP's replicate dimension)."),
     ("--parallelism_config_dp_shard_size", at_least(1), "Ranks each replica is sharded over (FSDP)."),

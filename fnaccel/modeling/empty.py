@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from fnaccel.environment import parse_flag_from_env
+from fnaccel.config.environment import parse_flag_from_env
 
 __all__ = ["init_empty_weights", "init_on_device"]
 

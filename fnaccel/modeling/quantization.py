@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fnaccel.modeling.sizes import as_torch_dtype
-from fnaccel.environment import is_bnb_available
+from fnaccel.config.environment import is_bnb_available
 
 __all__ = ["BnbQuantizationConfig", "load_and_quantize_model"]
 

@@ -22,8 +22,8 @@ from types import MappingProxyType
 from typing import Any
 
 from fnaccel._errors import ConfigError
-from fnaccel.config import read_config_bytes
-from fnaccel.environment import str_to_bool
+from fnaccel.config.launch import read_config_bytes
+from fnaccel.config.environment import str_to_bool
 from fnaccel.plugins import require_bools, require_count, require_number
 
 __all__ = ["DeepSpeedPlugin", "EngineSettings", "resolve_ds_config"]

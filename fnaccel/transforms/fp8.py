@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fnaccel.environment import is_torchao_available
+from fnaccel.config.environment import is_torchao_available
 from fnaccel.kwargs import FP8RecipeKwargs
 
 __all__ = ["check_fp8_recipe", "convert_to_fp8", "float8_linear_config", "keep_first_and_last_linear",

@@ -29,7 +29,7 @@ _PUBLIC = MappingProxyType({
         "is_ipex_available", "is_mps_available", "is_msamp_available", "is_npu_available",
         "is_numpy_available", "is_tensorboard_available", "is_torch_version", "is_torch_xla_available",
         "is_torchao_available", "is_tpu_available", "is_transformer_engine_available", "is_xpu_available",
-        "parse_flag_from_env", "patch_environment", "str_to_bool"), "fnaccel.environment"),
+        "parse_flag_from_env", "patch_environment", "str_to_bool"), "fnaccel.config.environment"),
     # kwargs handlers
     **dict.fromkeys((
         "AutocastKwargs", "DistributedDataParallelKwargs", "FP8RecipeKwargs", "GradScalerKwargs",
@@ -52,7 +52,7 @@ _PUBLIC = MappingProxyType({
     # checkpoints
     "ProjectConfiguration": "fnaccel.checkpoint.project",
     # configs, plugins, memory and modelling
-    "write_basic_config": "fnaccel.config",
+    "write_basic_config": "fnaccel.config.launch",
     **dict.fromkeys(("FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "TorchDynamoPlugin"),
                     "fnaccel.plugins"),
     **dict.fromkeys(("DeepSpeedPlugin", "MegatronLMPlugin"), "fnaccel.engines"),
@@ -92,8 +92,8 @@ _PUBLIC = MappingProxyType({
     **dict.fromkeys(("BnbQuantizationConfig", "load_and_quantize_model"), "fnaccel.modeling.quantization"),
     "merge_fsdp_weights": "fnaccel.checkpoint.merge",
     **dict.fromkeys(("get_grad_scaler", "get_mixed_precision_context_manager"), "fnaccel.mixed_precision"),
-    **dict.fromkeys(("override_numa_affinity", "set_numa_affinity"), "fnaccel.numa"),
-    **dict.fromkeys(("purge_accelerate_environment", "purge_fnaccel_environment"), "fnaccel.purge"),
+    **dict.fromkeys(("override_numa_affinity", "set_numa_affinity"), "fnaccel.config.numa"),
+    **dict.fromkeys(("purge_accelerate_environment", "purge_fnaccel_environment"), "fnaccel.config.purge"),
     # launching from a notebook, and the small helpers of a training loop
     **dict.fromkeys(("ProcessFailedError", "debug_launcher", "notebook_launcher"), "fnaccel.launchers"),
     **dict.fromkeys(("check_trigger", "set_trigger"), "fnaccel.trigger"),

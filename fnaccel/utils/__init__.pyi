@@ -30,8 +30,41 @@ from fnaccel.checkpoint.weights import (
     save_model as save_model,
     shard_checkpoint as shard_checkpoint,
 )
-from fnaccel.config import (
+from fnaccel.config.environment import (
+    check_os_kernel as check_os_kernel,
+    clear_environment as clear_environment,
+    convert_dict_to_env_variables as convert_dict_to_env_variables,
+    is_bf16_available as is_bf16_available,
+    is_bitsandbytes_available as is_bitsandbytes_available,
+    is_bnb_available as is_bnb_available,
+    is_cuda_available as is_cuda_available,
+    is_deepspeed_available as is_deepspeed_available,
+    is_ipex_available as is_ipex_available,
+    is_mps_available as is_mps_available,
+    is_msamp_available as is_msamp_available,
+    is_npu_available as is_npu_available,
+    is_numpy_available as is_numpy_available,
+    is_tensorboard_available as is_tensorboard_available,
+    is_torch_version as is_torch_version,
+    is_torch_xla_available as is_torch_xla_available,
+    is_torchao_available as is_torchao_available,
+    is_tpu_available as is_tpu_available,
+    is_transformer_engine_available as is_transformer_engine_available,
+    is_xpu_available as is_xpu_available,
+    parse_flag_from_env as parse_flag_from_env,
+    patch_environment as patch_environment,
+    str_to_bool as str_to_bool,
+)
+from fnaccel.config.launch import (
     write_basic_config as write_basic_config,
+)
+from fnaccel.config.numa import (
+    override_numa_affinity as override_numa_affinity,
+    set_numa_affinity as set_numa_affinity,
+)
+from fnaccel.config.purge import (
+    purge_accelerate_environment as purge_accelerate_environment,
+    purge_fnaccel_environment as purge_fnaccel_environment,
 )
 from fnaccel.constants import (
     ComputeEnvironment as ComputeEnvironment,
@@ -64,31 +97,6 @@ from fnaccel.data.skip import (
 from fnaccel.engines import (
     DeepSpeedPlugin as DeepSpeedPlugin,
     MegatronLMPlugin as MegatronLMPlugin,
-)
-from fnaccel.environment import (
-    check_os_kernel as check_os_kernel,
-    clear_environment as clear_environment,
-    convert_dict_to_env_variables as convert_dict_to_env_variables,
-    is_bf16_available as is_bf16_available,
-    is_bitsandbytes_available as is_bitsandbytes_available,
-    is_bnb_available as is_bnb_available,
-    is_cuda_available as is_cuda_available,
-    is_deepspeed_available as is_deepspeed_available,
-    is_ipex_available as is_ipex_available,
-    is_mps_available as is_mps_available,
-    is_msamp_available as is_msamp_available,
-    is_npu_available as is_npu_available,
-    is_numpy_available as is_numpy_available,
-    is_tensorboard_available as is_tensorboard_available,
-    is_torch_version as is_torch_version,
-    is_torch_xla_available as is_torch_xla_available,
-    is_torchao_available as is_torchao_available,
-    is_tpu_available as is_tpu_available,
-    is_transformer_engine_available as is_transformer_engine_available,
-    is_xpu_available as is_xpu_available,
-    parse_flag_from_env as parse_flag_from_env,
-    patch_environment as patch_environment,
-    str_to_bool as str_to_bool,
 )
 from fnaccel.kwargs import (
     AutocastKwargs as AutocastKwargs,
@@ -197,10 +205,6 @@ from fnaccel.modeling.tied import (
 from fnaccel.modeling.unwrap import (
     extract_model_from_parallel as extract_model_from_parallel,
 )
-from fnaccel.numa import (
-    override_numa_affinity as override_numa_affinity,
-    set_numa_affinity as set_numa_affinity,
-)
 from fnaccel.ops import (
     CannotPadNestedTensorWarning as CannotPadNestedTensorWarning,
     broadcast as broadcast,
@@ -237,10 +241,6 @@ from fnaccel.process import (
     print_on_main as print_on_main,
     split_between_processes as split_between_processes,
     wait_for_everyone as wait_for_everyone,
-)
-from fnaccel.purge import (
-    purge_accelerate_environment as purge_accelerate_environment,
-    purge_fnaccel_environment as purge_fnaccel_environment,
 )
 from fnaccel.seeding import (
     set_seed as set_seed,

@@ -13,7 +13,7 @@ import yaml
 
 from fnaccel.commands.launch import resolve
 from fnaccel.commands.main import build_parser, main
-from fnaccel.config import LaunchConfig, load_config
+from fnaccel.config.launch import LaunchConfig, load_config
 
 # What `accelerate config` wrote around 0.12-0.15 (null where nothing was set).
 ACCELERATE_0_12 = """\

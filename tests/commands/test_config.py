@@ -15,7 +15,7 @@ import yaml
 
 from fnaccel.commands.config import Questions, ask_config
 from fnaccel.commands.main import main
-from fnaccel.config import default_config_file, load_config
+from fnaccel.config.launch import default_config_file, load_config
 
 
 def answer(lines: str) -> tuple[dict[str, object], str]:

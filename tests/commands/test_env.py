@@ -12,7 +12,7 @@ import torch
 
 import fnaccel
 from fnaccel.commands.main import main
-from fnaccel.config import default_config_file
+from fnaccel.config.launch import default_config_file
 
 
 def _write_default_config(text: str) -> Path:

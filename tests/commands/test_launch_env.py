@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fnaccel.config import LAUNCH_VARIABLES, LaunchConfig, launch_env, with_launch_env
+from fnaccel.config.launch import LAUNCH_VARIABLES, LaunchConfig, launch_env, with_launch_env
 
 _SCRIPT = """\
 import sys, torch, fnaccel as fa

@@ -13,7 +13,7 @@ from torch import nn
 from fnaccel.modeling import quantization
 from fnaccel.modeling.empty import init_empty_weights
 from fnaccel.modeling.quantization import BnbQuantizationConfig, load_and_quantize_model
-from fnaccel.environment import is_bnb_available
+from fnaccel.config.environment import is_bnb_available
 
 CAN_QUANTIZE = is_bnb_available() and torch.cuda.is_available()
 NEEDS_BNB = "needs bitsandbytes (pip install bitsandbytes) and a CUDA GPU"

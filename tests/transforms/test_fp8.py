@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.environment import is_torchao_available
+from fnaccel.config.environment import is_torchao_available
 from fnaccel.kwargs import FP8RecipeKwargs
 from fnaccel.transforms.fp8 import convert_to_fp8, float8_linear_config, keep_first_and_last_linear
 from fnaccel.transforms.precision import fp8

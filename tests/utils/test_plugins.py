@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import fnaccel as fa
-from fnaccel.config import load_config, with_launch_env
+from fnaccel.config.launch import load_config, with_launch_env
 from fnaccel.utils import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 # what `accelerate config` writes for FSDP (accelerate 1.x)

@@ -53,7 +53,7 @@ __all__ = [
     "str_to_bool",
 ]
 
-_LOG = logging.getLogger(__name__)
+_LOG = logging.getLogger("fnaccel.environment")  # the name docs/utils.md gives users to filter by
 
 _OPERATIONS: Mapping[str, Callable[[Any, Any], bool]] = MappingProxyType({
     "<": operator.lt, "<=": operator.le, "==": operator.eq,

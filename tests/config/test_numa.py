@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fnaccel.numa import numa_node_cpus, parse_cpu_list
+from fnaccel.config.numa import numa_node_cpus, parse_cpu_list
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux's sched_setaffinity")
 
@@ -40,7 +40,7 @@ def test_this_machine_pins_a_child_process_to_its_nodes_allowed_cpus() -> None:
     code = (
         "import os\n"
         "from fnaccel.utils import set_numa_affinity, override_numa_affinity\n"
-        "from fnaccel.numa import numa_node_cpus\n"
+        "from fnaccel.config.numa import numa_node_cpus\n"
         "allowed = os.sched_getaffinity(0)\n"
         "node = numa_node_cpus(0)\n"
         "cpus = set_numa_affinity(0)\n"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fnaccel import environment as env
-from fnaccel.environment import (
+from fnaccel.config import environment as env
+from fnaccel.config.environment import (
     clear_environment,
     is_bf16_available,
     is_bitsandbytes_available,
