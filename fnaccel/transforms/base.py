@@ -28,8 +28,9 @@ run's mesh (raising ValueError with the fix) or completes the pipeline with
 what the transform implies (``autocast(fa.fp16)`` adds a ``grad_scaler()``).
 
 Every transform has a ``phase`` (`fnaccel.transforms.phases.Phase`, the one
-table of the order); a pipeline lists phases in non-decreasing order, and ``conflicts`` names the transforms it
-cannot be combined with (``conflict_fix`` says why and what to do instead).
+table of the order); a pipeline lists phases in non-decreasing order, and
+``conflicts`` names the transforms it cannot be combined with
+(``conflict_fix`` says why and what to do instead).
 `compose` enforces both, and rejects duplicates, with a message that names
 the transforms and the fix.
 """
@@ -53,9 +54,14 @@ if TYPE_CHECKING:
 
     from fnaccel.state import DataPosition
 
-__all__ = ["Accumulation", "CallInfo", "Capability", "Collective", "EngineRequest", "EngineTransform",
-           "GradientClipping",
-           "Pipeline", "PipelineCheckFn", "Precision", "Transform", "compose"]
+__all__ = [
+    "Accumulation", "CallInfo", "Capability", "Collective", "EngineRequest", "EngineTransform",
+    "GradientClipping", "Pipeline", "PipelineCheckFn", "Precision", "Transform", "compose",
+    # the hooks' signatures, one Protocol each
+    "AfterBackwardFn", "AfterStepFn", "BackwardFn", "BeforeUpdateFn", "ForwardBackwardFn", "OptimizerStepFn",
+    "PrepareEngineFn", "PrepareModelFn", "ScaleLossFn", "SetSyncFn", "TransformApplyFn", "TransformInitFn",
+    "UpdateCheckFn",
+]
 
 S = TypeVar("S")
 

@@ -73,12 +73,12 @@ def test_an_engine_of_ones_own_is_built_by_prepare_and_steps_as_it_declares() ->
         return {}
 
     engine = EngineTransform(name="engine", phase=Phase.DATA_PARALLEL, init=lambda ctx: "engine state",
-                             optimizer_step=step, prepare_engine=prepare_engine, backward=backward, micro_steps=2,
-                             takes_over=frozenset({Capability.CLIPS_GRADIENTS}))
+                             optimizer_step=step, prepare_engine=prepare_engine, backward=backward,
+                             micro_steps=2, takes_over=frozenset({Capability.CLIPS_GRADIENTS}))
     wrap = Transform(name="wrap", phase=Phase.CHECKPOINT_ACTIVATIONS,
                      prepare_model=lambda ctx, model, state: _Marked(model))
-    clipper = Transform(name="clipper", phase=Phase.CLIP, capabilities=frozenset({Capability.CLIPS_GRADIENTS}),
-                        before_update=clip)
+    clipper = Transform(name="clipper", phase=Phase.CLIP, before_update=clip,
+                        capabilities=frozenset({Capability.CLIPS_GRADIENTS}))
     torch.manual_seed(0)
     model, reference = nn.Linear(3, 1), nn.Linear(3, 1)
     reference.load_state_dict(model.state_dict())

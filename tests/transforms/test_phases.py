@@ -63,9 +63,11 @@ def test_the_table_orders_a_pipeline_written_backwards() -> None:
         "compose: clip_grad_norm(max_norm=1.0) must come before compile(); write compose(autocast("
         "dtype=torch.bfloat16), checkpoint_activations(), ddp(), accumulate(num_steps=4), "
         "clip_grad_norm(max_norm=1.0), compile())")
-    merged = fa.compose(fa.compose(fa.accumulate(4), fa.compile()), fa.compose(fa.autocast(fa.bf16), fa.ddp()),
+    merged = fa.compose(fa.compose(fa.accumulate(4), fa.compile()),
+                        fa.compose(fa.autocast(fa.bf16), fa.ddp()),
                         fa.compose(fa.checkpoint_activations(), fa.clip_grad_norm(1.0)))
-    assert merged.names == ("autocast", "checkpoint_activations", "ddp", "accumulate", "clip_grad_norm", "compile")
+    assert merged.names == (
+        "autocast", "checkpoint_activations", "ddp", "accumulate", "clip_grad_norm", "compile")
 
 
 def test_a_transform_of_ones_own_takes_a_place_between_two() -> None:
