@@ -259,6 +259,17 @@ def test_bad_pipelines_fail_at_compose_or_prepare() -> None:
         fa.step(fa.prepare(fa.init(cpu=True), pipeline=fa.compose()), make_batches(1)[0])
 
 
+def test_autocast_fp16_adds_a_grad_scaler_unless_another_transform_scales_the_loss() -> None:
+    """autocast's own check completes the pipeline; a loss scaler of one's own (declaring
+    SCALES_LOSS) takes the place of fa.grad_scaler(), as DeepSpeed's does."""
+    added = fa.prepare(fa.init(cpu=True), make_model(), pipeline=fa.compose(fa.autocast(fa.fp16)))
+    assert repr(added.pipeline) == "compose(autocast(dtype=torch.float16), grad_scaler())"
+    own = fa.Transform(name="my_scaler", phase=fa.Phase.GRAD_SCALER,
+                       capabilities=frozenset({fa.Capability.SCALES_LOSS}))
+    kept = fa.prepare(fa.init(cpu=True), make_model(), pipeline=fa.compose(fa.autocast(fa.fp16), own))
+    assert repr(kept.pipeline) == "compose(autocast(dtype=torch.float16), my_scaler())"
+
+
 def test_default_loss_fn_uses_scalar_output_or_loss_attribute() -> None:
     class WithLoss(nn.Module):
         def __init__(self) -> None:
@@ -454,6 +465,25 @@ def test_an_explicit_pipeline_that_drops_the_launch_precision_warns(monkeypatch:
         fa.prepare(fa.init(seed=0, cpu=True, mixed_precision="bf16"), nn.Linear(2, 2),
                    pipeline=fa.compose(fa.autocast(fa.bf16)))
         fa.prepare(fa.init(seed=0, cpu=True), nn.Linear(2, 2), pipeline=fa.compose(fa.autocast(fa.bf16)))
+
+
+def test_the_launch_warning_asks_what_the_pipeline_declares_not_its_names() -> None:
+    """A launch for DeepSpeed is satisfied by any transform owning the optimizer step, an
+    fp16 launch by any transform declaring fp16 `Precision`: no name is looked for."""
+    import warnings
+
+    from fnaccel.transforms.base import Precision
+
+    deepspeed_launch = fa.LaunchConfig(distributed_type="DEEPSPEED")
+    with pytest.warns(UserWarning, match="the launch asked for DeepSpeed"):
+        fa.prepare(fa.init(seed=0, cpu=True, config=deepspeed_launch), nn.Linear(2, 2), pipeline=fa.compose())
+    engine = fa.Transform(name="my_engine", capabilities=frozenset({fa.Capability.OWNS_OPTIMIZER_STEP}))
+    fp16 = fa.Transform(name="my_half", settings=Precision(precision=fa.PrecisionType.FP16, dtype=torch.float16),
+                        capabilities=frozenset({fa.Capability.SCALES_LOSS}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fa.prepare(fa.init(seed=0, cpu=True, config=deepspeed_launch), nn.Linear(2, 2), pipeline=fa.compose(engine))
+        fa.prepare(fa.init(seed=0, cpu=True, mixed_precision="fp16"), nn.Linear(2, 2), pipeline=fa.compose(fp16))
 
 
 def test_autocast_kwargs_enabled_false_leaves_autocast_out() -> None:
