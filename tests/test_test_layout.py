@@ -59,6 +59,8 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     "commands/test_script.py": ("tests/commands/test_test_command.py", "the script `fnaccel test` launches"),
     "config/launch.py": ("tests/commands/test_config.py",
                          "the config file `fnaccel config` writes and launch reads; also test_accelerate_files.py"),
+    "transforms/plugins/sections.py": ("tests/transforms/plugins/test_fsdp.py",
+                                       "the key refusals every plugin shares, checked through FSDP's"),
     "data/evaluation.py": ("tests/test_evaluation.py", "fa.eval_batches, beside fa.evaluate"),
     "data/iterable.py": ("tests/data/test_prepared.py", "iterable datasets split across ranks"),
     "data/sharding.py": ("tests/data/test_sampler.py", "how batches are split across ranks"),
@@ -99,7 +101,6 @@ NOT_YET_MIRRORED: dict[str, tuple[str, str]] = {
     "transforms/checkpointing.py": ("tests/transforms/test_mesh.py", "activation checkpointing beside fa.tp"),
     "transforms/tensor_parallel.py": ("tests/transforms/test_mesh.py", "fa.tp: tests/transforms/test_tensor_parallel.py"),
     "transforms/pipelining.py": ("tests/transforms/test_pp.py", "named after fa.pp: test_pipelining.py"),
-    "transforms/deepspeed_config.py": ("tests/transforms/test_deepspeed.py", "the engine's config, with it"),
 }
 
 
