@@ -535,9 +535,10 @@ def compose(*transforms: Transform | Collective | Pipeline) -> Pipeline:
     transforms fall. The result is checked whole (duplicates, conflicts).
 
     Raises:
-        ValueError: a transform appears twice, two transforms conflict, the
-            transforms written out are out of order, or training transforms are
-            mixed with collectives; the message names them and the fix.
+        ValueError: a transform appears twice, two transforms conflict or are
+            both engines, the transforms written out are out of order, or
+            training transforms are mixed with collectives; the message names
+            them and the fix.
 
     >>> import fnaccel as fa
     >>> fa.compose(fa.pad_across_processes(dim=1, pad_index=-100), fa.gather())
@@ -570,6 +571,10 @@ def compose(*transforms: Transform | Collective | Pipeline) -> Pipeline:
                     + (fix or "keep one of them (compose a second pipeline for the other)")
                 )
         seen[t.name] = t
+    engines = [t for t in flat if isinstance(t, EngineTransform)]
+    if len(engines) > 1:  # fa.prepare hands the model to one engine; a second would be left out silently
+        raise ValueError(f"compose: {engines[0]!r} and {engines[1]!r} each hand the model and optimizer to "
+                         "an engine of their own; keep one")
     written = [t for t, nested in marked if not nested]
     for before, after in zip(written, written[1:]):
         if after.phase < before.phase:

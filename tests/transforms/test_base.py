@@ -103,6 +103,16 @@ def test_an_engine_of_ones_own_is_built_by_prepare_and_steps_as_it_declares() ->
     assert torch.equal(model.weight, reference.weight) and torch.equal(model.bias, reference.bias)
 
 
+def test_a_pipeline_holds_one_engine() -> None:
+    def prepare_engine(request: EngineRequest) -> tuple[nn.Module, torch.optim.Optimizer]:
+        raise AssertionError("not built")
+
+    mine = EngineTransform(name="mine", phase=Phase.DATA_PARALLEL, prepare_engine=prepare_engine)
+    with pytest.raises(ValueError, match=r"compose: deepspeed\(\) and mine\(\) each hand the model and "
+                                         r"optimizer to an engine of their own; keep one"):
+        fa.compose(fa.deepspeed(), mine)
+
+
 def test_the_pipelines_accumulation_wins_over_the_engines_default() -> None:
     def prepare_engine(request: EngineRequest) -> tuple[nn.Module, torch.optim.Optimizer]:
         assert request.optimizer is not None
