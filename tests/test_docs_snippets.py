@@ -108,6 +108,13 @@ def _check_default_pipeline(names: dict[str, Any], tmp: Path) -> None:
     assert names["pipeline"].names == ("accumulate", "clip_grad_norm")  # one process, fp32: nothing else
 
 
+def _check_own_transform(names: dict[str, Any], tmp: Path) -> None:
+    state = _make_run(fa.compose(names["allreduce_gradients"]()))
+    assert fa.Capability.AVERAGES_GRADIENTS in state.pipeline.capabilities
+    state, _ = fa.step(state, next(iter(fa.batches(state))))
+    assert state.step == 1
+
+
 def _check_tracking(names: dict[str, Any], tmp: Path) -> None:
     lines = (tmp / "runs" / "classifier" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 30 and "loss" in json.loads(lines[-1])
@@ -129,6 +136,8 @@ CASES: dict[str, tuple[str, str, Callable[[], dict[str, Any]], Callable[[dict[st
                         _check_end_epoch),
     "training: default_pipeline": ("docs/training.md", "fa.compose(fa.default_pipeline(state)", _prepared,
                                    _check_default_pipeline),
+    "training: a transform of one's own": ("docs/training.md", "def allreduce_gradients", _reader,
+                                           _check_own_transform),
     "data: evaluate": ("docs/data.md", "fa.evaluate(state", _prepared, None),
     "data: eval_batches": ("docs/data.md", "fa.eval_batches(state", lambda: _prepared(preds=[]), None),
     "collectives: compose": ("docs/collectives.md", "collect = fa.compose", lambda: _prepared(labels=torch.zeros(2, 3)), None),
