@@ -18,7 +18,7 @@ through torch's ``weights_only`` loader.
 
 This module imports ``torch.distributed.checkpoint`` (about a second) at its
 top: import it only where a sharded checkpoint is written or read, inside the
-function that does so (`fnaccel.checkpoint.sharded`, `fnaccel.checkpoint.merge`).
+function that does so (`fnaccel.checkpoint.layouts.sharded`, `fnaccel.checkpoint.merge`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A sharded checkpoint's index, ``sharded/metadata.json``, read and checked without torch.
 
-An `fsdp()` or `pp()` checkpoint (`fnaccel.checkpoint.sharded`) stores DCP's
+An `fsdp()` or `pp()` checkpoint (`fnaccel.checkpoint.layouts.sharded`) stores DCP's
 Metadata as JSON: every key's global size, dtype and chunks, and which file
 and key hold each chunk. `read_index` checks all of it (known dtypes and
 layouts, integer sizes, chunks inside their tensors and tiling them, files

@@ -38,13 +38,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
 from fnaccel._errors import CheckpointError
 from fnaccel.atomic import fsync_dir
 from fnaccel.checkpoint.files import write_bytes
-from fnaccel.checkpoint.sharded import is_pipelined, is_sharded
+from fnaccel.checkpoint.layouts.sharded import is_pipelined, is_sharded
 from fnaccel.checkpoint.tied import retie, untie
 from fnaccel.ops.collectives import broadcast_object_list
 from fnaccel.transforms.deepspeed import gathered_parameters
@@ -122,8 +123,6 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _gathered_stages(module: Any) -> dict[str, torch.Tensor]:
     """The weights of every stage of a `pp()` model on its group's first rank ({} on the
     others); tied weights cannot span stages (`pp` refuses them), so none are untied."""
-    import torch.distributed as dist
-
     own = {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}
     group = module.group
     first = dist.get_global_rank(group, 0)

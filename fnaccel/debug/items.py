@@ -39,7 +39,7 @@ from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
 from fnaccel.checkpoint.shardindex import METADATA, VALUES
 from fnaccel.checkpoint.tensorfile import torch_dtype
 from fnaccel.checkpoint.layouts import layout_for
-from fnaccel.checkpoint.sharded import ShardedSnapshot
+from fnaccel.checkpoint.layouts.sharded import ShardedSnapshot
 from fnaccel.checkpoint.writer import take_snapshot
 
 __all__ = ["TensorItem", "items_of_directory", "items_of_state"]

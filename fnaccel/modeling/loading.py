@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.sharded import is_sharded
+from fnaccel.checkpoint.layouts.sharded import is_sharded
 from fnaccel.checkpoint.tied import retie
 from fnaccel.modeling.checkpoint_files import (
     PICKLE_SUFFIXES,

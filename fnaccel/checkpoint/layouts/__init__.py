@@ -20,11 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 from fnaccel.checkpoint.layouts.plain import PlainLayout
-from fnaccel.checkpoint.layouts.sharded import ShardedLayout, is_stored_sharded
+from fnaccel.checkpoint.layouts.sharded import ShardedLayout, is_sharded, is_stored_sharded
 from fnaccel.checkpoint.layouts.zero import ZeroLayout, zero_engine
-from fnaccel.checkpoint.sharded import is_sharded
 from fnaccel.protocols import CheckpointLayout
-from fnaccel.transforms.base import Capability, Transform
+from fnaccel.transforms.base import Capability, Pipeline, Transform
 
 __all__ = ["PlainLayout", "ShardedLayout", "ZeroLayout", "layout_for"]
 
@@ -48,11 +47,11 @@ def layout_for(state: Any, manifest: dict[str, Any] | None = None) -> Checkpoint
     >>> type(layout_for(fa.prepare(fa.init(cpu=True), model, pipeline=fa.compose(fa.accumulate(2))))).__name__
     'PlainLayout'
     """
-    transforms = [t for t in getattr(state.pipeline, "transforms", ()) if isinstance(t, Transform)]
-    own = next((t.layout for t in transforms if t.layout is not None), None)
+    pipeline = Pipeline() if state.pipeline is None else state.pipeline
+    own = next((t.layout for t in pipeline.transforms if isinstance(t, Transform) and t.layout is not None), None)
     if own is not None:
         return own
-    declared: frozenset[Capability] = frozenset().union(*(t.capabilities for t in transforms))
+    declared = pipeline.capabilities
     if declared & _SPLIT and is_sharded(state.model):
         return ShardedLayout()
     if Capability.OWNS_OPTIMIZER_STEP in declared and zero_engine(state.model) is not None:
