@@ -13,7 +13,7 @@ data-parallel ones, for gathering metrics).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -171,10 +171,8 @@ def data_parallel_context(dist: DistContext) -> DistContext:
     >>> data_parallel_context(ctx) is ctx
     True
     """
-    import dataclasses
-
     rank, size = data_parallel(dist)
     if size == dist.num_processes:
         return dist
     owner = None if size == 1 or dist._owner is None else _DataParallelGroup(dist._owner)
-    return dataclasses.replace(dist, num_processes=size, rank=rank, parallelism=None, _owner=owner)
+    return replace(dist, num_processes=size, rank=rank, parallelism=None, _owner=owner)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fnaccel.config.parallelism import ParallelismConfig
 from fnaccel.resources import GroupOwner
@@ -46,8 +47,6 @@ def active() -> bool:
 
 def start_fake_group(rank: int, num_processes: int) -> tuple[Any, GroupOwner]:
     """The default group of a dry-run worker: torch's fake backend, as rank ``rank`` of ``num_processes``."""
-    import torch.distributed as dist
-
     dist.init_process_group("fake", rank=rank, world_size=num_processes)  # torch gives it its FakeStore
     return dist.group.WORLD, GroupOwner(dist.group.WORLD, is_default=True)
 
@@ -64,8 +63,7 @@ def _bytes(tensors: Sequence[torch.Tensor], layout: ParallelismConfig, world: in
     """Bytes each rank of the world holds of ``tensors``: all of a plain tensor, a
     DTensor's shard at the rank's coordinate (a tensor on a sub-mesh lives on each
     rank's own copy of it)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor, _utils
 
     totals = [0] * world
     numels: dict[tuple[Any, ...], int] = {}  # a transformer's layers repeat the same shapes
@@ -79,7 +77,7 @@ def _bytes(tensors: Sequence[torch.Tensor], layout: ParallelismConfig, world: in
             coordinate = _coordinate(layout, rank, dims)
             key = (full, mesh_shape, placements, tuple(coordinate))
             if key not in numels:
-                shape, _ = _compute_local_shape_and_global_offset(full, mesh_shape, coordinate, placements)
+                shape, _ = _utils._compute_local_shape_and_global_offset(full, mesh_shape, coordinate, placements)
                 numels[key] = torch.Size(shape).numel()
             totals[rank] += numels[key] * size
     return totals

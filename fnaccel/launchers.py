@@ -25,6 +25,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -185,8 +186,6 @@ def _fail_fast(function: Callable[..., Any], errors: Path) -> Callable[..., Any]
         try:
             return function(*args)
         except BaseException as exc:
-            import traceback
-
             when = time.time()
             trace = traceback.format_exc()
             print(trace, file=sys.stderr, flush=True)

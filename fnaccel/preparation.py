@@ -16,10 +16,12 @@ function `fa.prepare` behind it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fnaccel import dryrun
@@ -28,6 +30,9 @@ from fnaccel.state import RunState
 from fnaccel.train import StepPlan, scheduler_steps, training_transforms
 from fnaccel.transforms.base import Capability, Collective, EngineRequest, Pipeline, Precision, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
+from fnaccel.transforms.fp8 import recipe_from_config
+from fnaccel.transforms.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin
 from fnaccel.transforms.precision import autocast, fp8, grad_scaler
 from fnaccel.constants import PrecisionType
 
@@ -60,10 +65,6 @@ def default_pipeline(state: RunState) -> Pipeline:
     >>> fa.compose(fa.default_pipeline(state), fa.accumulate(4))
     compose(autocast(dtype=torch.bfloat16), accumulate(num_steps=4))
     """
-    from fnaccel.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
-    from fnaccel.transforms.deepspeed_config import DeepSpeedPlugin
-    from fnaccel.transforms.fp8 import recipe_from_config
-
     handlers = state.kwargs_handlers
     parts = []
     cast = handlers.get("AutocastKwargs")
@@ -266,8 +267,6 @@ def prepare(
 def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
     """An explicit pipeline wins over the launch (as explicit arguments do); say so
     when the launch asked for a precision or FSDP that the pipeline leaves out."""
-    import warnings
-
     cast = pipeline.settings(Precision)
     wanted = state.mixed_precision if state.mixed_precision in (fp8, PrecisionType.FP16, PrecisionType.BF16) \
         else None
@@ -318,8 +317,6 @@ def _refuse_meta(model: nn.Module, ctx: Any) -> None:
     on_meta = next((name for name, t in tensors if t.is_meta), None)
     anywhere = on_meta is not None
     if ctx.num_processes > 1:
-        import torch.distributed as dist
-
         flag = torch.tensor([int(anywhere)], device=ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.process_group)
         anywhere = bool(flag.item())

@@ -20,6 +20,8 @@ A leaf module: it imports nothing from fnaccel.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
 import sys
@@ -27,6 +29,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
 __all__ = ["GroupOwner", "Resource", "Resources", "exception_in_flight", "FAILED_AT_KEY"]
@@ -154,8 +157,6 @@ def _settle(group: Any) -> None:
     monitored_barrier gives up after a timeout, so a dead peer cannot make a
     clean exit hang; the error is reported and teardown goes on.
     """
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     try:
@@ -240,8 +241,6 @@ def _collect_cycles_at_exit() -> None:
     GIL and the process aborts ("terminate called without an active exception":
     4 runs in 12 with each process pinned to one core, 0 in 12 with this). Local
     work only, so the error path runs it too."""
-    import gc
-
     gc.collect()
 
 
@@ -258,8 +257,6 @@ class GroupOwner:
     __slots__ = ("_holder", "_meshes", "_releases", "_finalizer", "agreed", "__weakref__")
 
     def __init__(self, group: Any, *, is_default: bool) -> None:
-        import atexit
-
         self.agreed: Any = None
         self._holder = [group]
         self._meshes: dict[str, Any] = {}

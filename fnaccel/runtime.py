@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from types import MappingProxyType
@@ -179,8 +180,6 @@ def _resolve_precision(argument: str | PrecisionType | None, config: LaunchConfi
 def _quiet_repeated_warnings() -> None:
     """On ranks other than 0, fnaccel's own warnings (messages starting ``fa.`` or
     ``fnaccel``) are not shown: every rank would print the same one, and rank 0 does."""
-    import warnings
-
     warnings.filterwarnings("ignore", message=r"(fa\.|fnaccel)", category=UserWarning)
 
 

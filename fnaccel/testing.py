@@ -41,6 +41,10 @@ from typing import Any
 from fnaccel._errors import FnaccelError
 from fnaccel.debug.divergence import Divergence, StepDivergence, find_divergence
 from fnaccel.debug.resume import verify_resume
+from fnaccel.resources import Resources
+from fnaccel.rng import RNGState
+from fnaccel.runtime import init, shutdown
+from fnaccel.state import Lease
 
 __all__ = [
     "Divergence",
@@ -97,11 +101,6 @@ def _worker(
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
-    from fnaccel.rng import RNGState
-    from fnaccel.resources import Resources
-    from fnaccel.runtime import init, shutdown
-    from fnaccel.state import Lease
-
     try:
         base = init(cpu=True, seed=0)
     except BaseException as exc:  # report why this rank could not start

@@ -8,6 +8,7 @@ and NumPy's as JSON integers.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -83,8 +84,6 @@ def _throwaway(cls: type[torch.optim.Optimizer], settings: dict[str, Any], like:
                ) -> torch.optim.Optimizer:
     """A ``cls`` built with the ``settings`` its constructor takes, over one one-element
     parameter of ``like``'s ndim, dtype and device (Muon takes only matrices, fused only floats)."""
-    import inspect
-
     accepted = inspect.signature(cls).parameters
     kwargs = {k: v for k, v in settings.items() if k in accepted and k != "params"}
     probe = torch.zeros(1) if like is None else torch.zeros((1,) * like.ndim, dtype=like.dtype, device=like.device)

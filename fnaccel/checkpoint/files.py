@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import hashlib
 import json
 import mmap
 import os
 import re
 import shutil
+import socket
 import stat
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -183,10 +186,6 @@ class SaveLock:
     def take(final: Path) -> SaveLock | str:
         """The lock on ``final`` (its parent directories are made), or why not: another live
         save holds it (named), or the lock's name holds something fnaccel did not write."""
-        import fcntl
-        import socket
-        import time
-
         path = final.parent / f".{sibling_stem(final.name)}.lock"
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -242,8 +241,6 @@ class SaveLock:
 
 def locked(path: Path) -> bool:
     """Whether a live save holds the lock file ``path``."""
-    import fcntl
-
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fnaccel.checkpoint.files import discard, remove_leftovers
+from fnaccel.checkpoint.manifest import MANIFEST
 from fnaccel.kwargs.base import KwargsHandler
 
 __all__ = ["ProjectConfiguration", "next_checkpoint", "project_of", "rotate"]
@@ -58,8 +60,6 @@ class ProjectConfiguration(KwargsHandler):
 
 
 def _numbered(root: Path, *, complete: bool) -> list[tuple[int, Path]]:
-    from fnaccel.checkpoint.manifest import MANIFEST  # the file machinery loads with the first save
-
     found = []
     if root.is_dir():
         for path in root.iterdir():
@@ -80,9 +80,6 @@ def next_checkpoint(project_dir: Path) -> Path:
 def rotate(project_dir: Path, total_limit: int, newest: Path) -> None:
     """Delete the oldest complete checkpoints beyond ``total_limit``, never ``newest``,
     and the leftovers of crashed saves and deletions there."""
-    from fnaccel.checkpoint.files import discard, remove_leftovers
-    from fnaccel.checkpoint.manifest import MANIFEST
-
     root = project_dir / "checkpoints"
     existing = [path for _, path in _numbered(root, complete=True) if path != newest]
     for path in existing[: max(0, len(existing) + 1 - total_limit)]:

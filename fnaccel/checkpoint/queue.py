@@ -23,6 +23,7 @@ one line naming the path and the cause on stderr, exit status 1 (principle
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import sys
 import threading
@@ -30,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fnaccel._errors import CheckpointError
 from fnaccel.dist import DistContext
+from fnaccel.resources import GroupOwner
 
 __all__ = ["SaveHandle", "SaveQueue"]
 
@@ -109,12 +112,6 @@ class SaveQueue:
         if ctx.num_processes == 1:
             return ctx
         if self._ctx is None:
-            import dataclasses
-
-            import torch.distributed as dist
-
-            from fnaccel.resources import GroupOwner
-
             group = dist.new_group(backend="gloo")  # file writing is CPU work
             self._owner = GroupOwner(group, is_default=False)
             self._ctx = dataclasses.replace(ctx, _owner=self._owner)

@@ -9,7 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from safetensors.torch import save as to_bytes
 
+from fnaccel.atomic import replace_atomically
 from fnaccel.dist import DistContext, as_dist
 
 __all__ = ["drop_shared_tensors", "load", "save"]
@@ -94,10 +98,6 @@ def save(
     ctx = as_dist(state)
     if not (ctx.is_local_main_process if save_on_each_node else ctx.is_main_process):
         return
-    from safetensors.torch import save as to_bytes
-
-    from fnaccel.atomic import replace_atomically
-
     # safetensors refuses shared storage: each name kept gets its own contiguous copy
     data = to_bytes({name: t.detach().cpu().contiguous().clone() for name, t in drop_shared_tensors(obj).items()})
     replace_atomically(Path(f), lambda file: file.write(data))
@@ -126,9 +126,6 @@ def load(f: str | os.PathLike[str], map_location: str | torch.device | None = No
     >>> load(path)
     {'w': tensor([1., 1.])}
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(f)
     if not path.is_file():
         raise FileNotFoundError(f"load: there is no file {path}")

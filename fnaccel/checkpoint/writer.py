@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fnaccel import ops
 from fnaccel._errors import CheckpointError
@@ -226,8 +227,6 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 failure, after = _cause(exc), f"{final} was saved, but older checkpoints were not all removed"
     if ctx.num_processes > 1:  # the closing barrier, carrying whether a writer's commit failed
-        import torch.distributed as dist
-
         flag = torch.tensor([0 if failure is None else ctx.rank + 1], device=ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.process_group)
         if int(flag.item()):  # only now, only on failure: the writer's cause, to every rank

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import logging
 import os
 import signal
@@ -28,9 +29,15 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+import torch.distributed.run as torchrun
+from torch.distributed import DistNetworkError, TCPStore
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from fnaccel._errors import ConfigError
 from fnaccel.commands.launch_flags import (
@@ -42,11 +49,16 @@ from fnaccel.commands.launch_flags import (
     add_launch_arguments,
     refused_flags,
 )
-from fnaccel.commands.main import CommandError
+from fnaccel.commands.main import CommandError, main
 from fnaccel.resources import FAILED_AT_KEY
 from fnaccel.config.launch import default_config_file, launch_env, load_config
 from fnaccel.config.launch import LaunchConfig
 from fnaccel.config.environment import patch_environment as _patched_environment
+from fnaccel.config.parallelism import ParallelismConfig
+from fnaccel.kwargs import FP8RecipeKwargs
+from fnaccel.transforms.fp8 import check_fp8_recipe, recipe_from_config
+from fnaccel.transforms.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, TorchDynamoPlugin
+from fnaccel.transforms.plugins.megatron import megatron_refusal
 
 __all__ = ["check_launchable", "first_failure", "launch_environment", "max_local_processes",
            "refused_keys", "register", "rendezvous_timeout", "resolve", "run", "run_launch",
@@ -100,8 +112,6 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
     flags that were given laid over it; refused engines raise `CommandError`."""
     for flag, why in refused_flags(args):
         if "megatron" in flag:
-            from fnaccel.engines import megatron_refusal
-
             why = megatron_refusal()
         raise CommandError(f"{flag}: {why}")
     if args.config_file is not None:
@@ -197,8 +207,6 @@ def check_launchable(config: LaunchConfig, *, force: bool = False) -> None:
         raise CommandError(f"{where}: compute_environment {config.compute_environment}: "
                            "this build launches on local machines only (LOCAL_MACHINE)")
     if config.distributed_type == "MEGATRON_LM":
-        from fnaccel.engines import megatron_refusal
-
         raise CommandError(f"{where}: distributed_type MEGATRON_LM: {megatron_refusal()}")
     if config.distributed_type in _REFUSED_TYPES:
         raise CommandError(f"{where}: distributed_type {config.distributed_type}: "
@@ -215,13 +223,9 @@ def check_launchable(config: LaunchConfig, *, force: bool = False) -> None:
             f"{where}: num_processes {config.num_processes} is {local} processes on this machine, "
             f"more than the {max_local_processes()} it can run (4 per usable CPU); pass "
             "--force_num_processes to start them anyway")
-    from fnaccel.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
-
     if config.distributed_type == "FSDP":
         FullyShardedDataParallelPlugin.from_config(config.fsdp_config, f"{where}: fsdp_config")
     if config.parallelism_config:
-        from fnaccel.config.parallelism import ParallelismConfig
-
         layout = ParallelismConfig.from_config(config.parallelism_config, f"{where}: parallelism_config")
         try:
             layout.resolved(config.num_processes)
@@ -232,11 +236,6 @@ def check_launchable(config: LaunchConfig, *, force: bool = False) -> None:
 
 def _check_engines(config: LaunchConfig, where: str) -> None:
     """DeepSpeed and fp8 settings checked before any process starts, naming the key and the fix."""
-    import importlib.util
-
-    from fnaccel.transforms.deepspeed_config import DeepSpeedPlugin
-    from fnaccel.transforms.fp8 import check_fp8_recipe, recipe_from_config
-
     if config.distributed_type == "DEEPSPEED":
         DeepSpeedPlugin.from_config(config.deepspeed_config, f"{where}: deepspeed_config")
         if importlib.util.find_spec("deepspeed") is None:
@@ -248,8 +247,6 @@ def _check_engines(config: LaunchConfig, where: str) -> None:
                            "or remove the section")
     recipe = recipe_from_config(config.fp8_config, f"{where}: fp8_config")
     if config.mixed_precision == "fp8":
-        from fnaccel.kwargs import FP8RecipeKwargs
-
         try:
             check_fp8_recipe(recipe or FP8RecipeKwargs())
         except (ValueError, ImportError) as exc:
@@ -354,10 +351,6 @@ class _Ended(Exception):
 
 def run(args: argparse.Namespace) -> int:
     """Launch ``args.training_script`` and return the run's exit status."""
-    import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     try:
         config = resolve(args)
     except ConfigError as exc:
@@ -442,10 +435,6 @@ def _machines_met(args: argparse.Namespace, config: LaunchConfig) -> Iterator[No
     if port is None or (config.num_machines > 1 and config.rdzv_backend not in _RDZV_TIMEOUT_S):
         yield  # one machine on a port torchrun picks, or an etcd rendezvous: torchrun's own
         return
-    from datetime import timedelta
-
-    from torch.distributed import DistNetworkError, TCPStore
-
     host = config.main_process_ip or "127.0.0.1"
     timeout = rendezvous_timeout(args, config)
     store: Any = None
@@ -470,8 +459,6 @@ def _join(store: Any, host: str, port: int, config: LaunchConfig, timeout: float
     """Announce this machine on the rendezvous store and wait until every machine has;
     return the store (the server's owner must keep it). Prints a line at the start and
     every `REPORT_INTERVAL_S`; a timeout or a forwarded signal raises `_Ended`."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     rank, total = config.machine_rank, config.num_machines
     where = f"{host}:{port}"
     interval = float(os.environ.get("FNACCEL_LAUNCH_REPORT_INTERVAL", REPORT_INTERVAL_S))
@@ -525,10 +512,6 @@ def _answers(host: str, port: int) -> bool:
 
 
 def _client_store(host: str, port: int, timeout: float) -> Any:
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
     return TCPStore(host, port, None, False, timedelta(seconds=max(timeout, 1.0)), wait_for_workers=False)
 
 
@@ -557,6 +540,4 @@ def run_launch(argv: Sequence[str]) -> int:
 
     Used by ``fnaccel test``; errors are reported as the command line does.
     """
-    from fnaccel.commands.main import main
-
     return main(["launch", *argv])

@@ -22,6 +22,7 @@ are not covered; torch's DataLoader workers end when their parent goes.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -33,8 +34,6 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _die_with_parent(launcher: int) -> None:
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         error = ctypes.get_errno()

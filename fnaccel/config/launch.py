@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from fnaccel._errors import ConfigError
+from fnaccel.atomic import replace_atomically
 
 __all__ = ["LaunchConfig", "KEY_TYPES", "PRECISIONS", "check_config_value", "config_from_mapping",
            "default_config_file", "load_config", "read_config_bytes", "write_basic_config", "write_config"]
@@ -355,8 +356,6 @@ def with_launch_env(config: LaunchConfig, environ: Mapping[str, str]) -> LaunchC
     variable of `LAUNCH_VARIABLES` that is set, then the ``FNACCEL_FSDP_*`` /
     ``FNACCEL_DYNAMO_*`` / ``FNACCEL_PARALLELISM_CONFIG_*`` keys over the file's sections; each value is checked as
     a config file's would be, the variable named in the error."""
-    from dataclasses import replace
-
     changes: dict[str, Any] = {}
     for key, name in LAUNCH_VARIABLES.items():
         text = environ.get(name)
@@ -400,8 +399,6 @@ def write_config(config: LaunchConfig, path: str | os.PathLike[str]) -> Path:
     """Write ``config`` as YAML to ``path`` atomically (a temporary file renamed
     into place), creating its directory. Returns the path written."""
     import yaml
-
-    from fnaccel.atomic import replace_atomically
 
     target = Path(path)
     text = yaml.safe_dump(config.to_dict(), sort_keys=True, default_flow_style=False)

@@ -220,6 +220,14 @@ def _materialize(model: nn.Module) -> None:
                 module._buffers[name] = real
 
 
+def _load_weights(model: nn.Module, weights_location: str | os.PathLike[str]) -> None:
+    """Materialize ``model`` (it may have been built under `init_empty_weights`) and load its weights."""
+    from fnaccel.modeling.loading import load_checkpoint_in_model  # loads the checkpoint layer: on first use
+
+    _materialize(model)
+    load_checkpoint_in_model(model, weights_location, strict=True)
+
+
 def _replace_linear_layers(
     model: nn.Module, config: BnbQuantizationConfig, keep: Sequence[str], bnb_nn: Any
 ) -> int:
@@ -331,11 +339,8 @@ def load_and_quantize_model(
         )
     import bitsandbytes as bnb
 
-    from fnaccel.modeling.loading import load_checkpoint_in_model
-
     if weights_location is not None:
-        _materialize(model)
-        load_checkpoint_in_model(model, weights_location, strict=True)
+        _load_weights(model, weights_location)
     dtype = config.torch_dtype
     assert isinstance(dtype, torch.dtype)  # __post_init__ resolved it
     model.to(dtype)

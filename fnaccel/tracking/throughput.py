@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 from fnaccel.state import RunState
 
@@ -145,9 +147,6 @@ def count_flops(model: nn.Module, batch: Any,
     >>> fa.count_flops(model, torch.randn(16, 8), lambda m, x: m(x).sum())  # and the weight's gradient
     2048
     """
-    from torch.utils._pytree import tree_map
-    from torch.utils.flop_counter import FlopCounterMode
-
     meta_model = _meta_copy(model)
     meta_batch = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, batch)
     counter = FlopCounterMode(display=False)

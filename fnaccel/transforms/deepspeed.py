@@ -3,7 +3,7 @@
 `fa.prepare` builds the engine (``deepspeed.initialize``) from the
 `DeepSpeedPlugin` fields given here and from the pipeline: ``fa.accumulate``,
 ``fa.clip_grad_norm`` and ``fa.autocast`` fill the DeepSpeed config's
-``"auto"`` values (`fnaccel.transforms.deepspeed_config`). The step keeps its
+``"auto"`` values (`fnaccel.transforms.plugins.deepspeed`). The step keeps its
 shape: `fa.backward` runs the engine's backward (ZeRO-2/3 reduce gradients
 there), `fa.apply_gradients` at an accumulation boundary runs the engine's
 step (reduce for ZeRO-0/1, clip, optimizer step, zero the gradients), then the
@@ -28,12 +28,13 @@ from dataclasses import fields
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fnaccel.dist import DistContext
 from fnaccel.constants import PrecisionType
 from fnaccel.transforms.base import (Accumulation, Capability, EngineRequest, EngineTransform, GradientClipping,
                                      Precision, options)
-from fnaccel.transforms.deepspeed_config import DeepSpeedPlugin, EngineSettings, resolve_ds_config
+from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin, EngineSettings, resolve_ds_config
 from fnaccel.transforms.phases import Phase
 
 __all__ = ["DeepSpeedState", "deepspeed", "deepspeed_engine", "gathered_parameters", "master_partitions",
@@ -108,8 +109,7 @@ def _settings(request: EngineRequest) -> EngineSettings:
 
 def _start_comm(ctx: DistContext) -> None:
     """Let DeepSpeed use the run's process group, without building its CPU shared-memory op."""
-    import deepspeed.comm as ds_comm
-    import torch.distributed as dist
+    import deepspeed  # loads deepspeed.comm and deepspeed.ops with it
 
     if not dist.is_initialized():
         raise ValueError("fa.deepspeed: DeepSpeed runs over torch.distributed's default process group, "
@@ -118,18 +118,15 @@ def _start_comm(ctx: DistContext) -> None:
     if ctx.process_group is not None and dist.get_world_size(ctx.process_group) != dist.get_world_size():
         raise ValueError("fa.deepspeed: DeepSpeed communicates over the default process group, which "
                          "is not this run's; start the run with fa.init in a fresh process")
-    if ds_comm.comm.cdb is None and ctx.device.type == "cpu":
-        import deepspeed.ops
-        from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
+    if deepspeed.comm.comm.cdb is None and ctx.device.type == "cpu":
         # DeepSpeed's own table of usable ops (kept for the process, by design): the shm op
         # serves inference all-reduce only, and building it needs a compiler and half a minute
-        deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
-    ds_comm.init_distributed(dist_backend=ctx.backend, dist_init_required=False)
+        deepspeed.ops.__compatible_ops__[deepspeed.ops.op_builder.cpu.ShareMemCommBuilder.NAME] = False
+    deepspeed.comm.init_distributed(dist_backend=ctx.backend, dist_init_required=False)
 
 
 def _prepare_engine(plugin: DeepSpeedPlugin, request: EngineRequest) -> tuple[Any, Any]:
-    import deepspeed as ds
+    import deepspeed as ds  # loads deepspeed.utils with it
 
     if request.optimizer is None:
         raise ValueError("fa.prepare: fa.deepspeed() builds its engine from the model and the optimizer "
@@ -143,14 +140,12 @@ def _prepare_engine(plugin: DeepSpeedPlugin, request: EngineRequest) -> tuple[An
     _start_comm(request.ctx)
     model = request.model
     if plugin.transformer_moe_cls_names:
-        from deepspeed.utils import set_z3_leaf_modules
-
         names = {name.strip() for name in plugin.transformer_moe_cls_names.split(",")}
         classes = list({type(m) for m in model.modules() if type(m).__name__ in names})
         if not classes:
             raise ValueError(f"fa.deepspeed: transformer_moe_cls_names {sorted(names)} names no class of "
                              "the model's modules")
-        set_z3_leaf_modules(model, classes)
+        ds.utils.set_z3_leaf_modules(model, classes)
     engine, _, _, _ = ds.initialize(model=model, optimizer=request.optimizer, config=config,
                                     dist_init_required=False)
     state.engine = engine

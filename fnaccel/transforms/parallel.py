@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -128,8 +129,6 @@ def _wrap_targets(
 
 
 def _broadcast_from_first_rank(model: nn.Module, group: Any) -> None:
-    import torch.distributed as dist
-
     # fa.prepare has refused meta tensors on every rank before this point
     first = dist.get_global_rank(group, 0)
     with torch.no_grad():

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fnaccel.dist import DistContext, data_parallel, mesh_dim
@@ -158,8 +159,6 @@ class PipelinedModel(nn.Module):
         self.loss_factor = 1.0 / (self.num_microbatches * divisor)
         self.losses = []
         self.schedule.step(*args if self.is_first else (), target=target if self.is_last else None)
-        import torch.distributed as dist
-
         if self.is_last:  # the first step's shape inference calls the loss function first
             loss = torch.stack(self.losses[-self.num_microbatches:]).mean().float()
         else:
@@ -189,8 +188,6 @@ def reduce_norm(model: Any, norm: torch.Tensor, norm_type: float) -> torch.Tenso
     inner = unwrap_compiled(model)
     if not isinstance(inner, PipelinedModel) or inner.group is None:
         return norm
-    import torch.distributed as dist
-
     total = norm.detach().clone()
     if norm_type == float("inf"):
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=inner.group)
