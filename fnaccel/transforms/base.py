@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from fnaccel.state import DataPosition
+    from fnaccel.state import DataPosition, RunState
 
 __all__ = [
     "Accumulation", "CallInfo", "Capability", "Collective", "EngineRequest", "EngineTransform",
@@ -323,7 +323,7 @@ class Collective:
     def __repr__(self) -> str:
         return _describe(self.name, self.options)
 
-    def __call__(self, ctx: Any, tree: Any, *, num_valid: int | None = None) -> Any:
+    def __call__(self, ctx: RunState | DistContext, tree: Any, *, num_valid: int | None = None) -> Any:
         """Apply this one collective: ``fa.gather()(state, tree)``."""
         return compose(self)(ctx, tree, num_valid=num_valid)
 
@@ -480,7 +480,8 @@ class Pipeline:
         return next((t.settings for t in self.transforms
                      if isinstance(t, Transform) and isinstance(t.settings, kind)), None)
 
-    def init(self, ctx: Any, existing: Mapping[str, Any] = MappingProxyType({})) -> Mapping[str, Any]:
+    def init(self, ctx: RunState | DistContext,
+             existing: Mapping[str, Any] = MappingProxyType({})) -> Mapping[str, Any]:
         """Each stateful transform's state, keyed by its name: ``existing``'s where it
         has one (a state prepared in parts keeps its scaler), a new one otherwise."""
         dist_ctx = as_dist(ctx)
@@ -489,7 +490,7 @@ class Pipeline:
             if isinstance(t, Transform) and t.init is not None and t.name not in existing
         }})
 
-    def __call__(self, ctx: Any, tree: Any, *, num_valid: int | None = None) -> Any:
+    def __call__(self, ctx: RunState | DistContext, tree: Any, *, num_valid: int | None = None) -> Any:
         """Run the collective steps on ``tree``; ``ctx`` is a `RunState` or a `DistContext`.
 
         Args:
