@@ -236,14 +236,27 @@ class Capability(Enum):
     data-parallel wrapper of one's own) takes part as fnaccel's own do.
     """
 
+    # Who declares each, and who asks:
+    # ddp, fsdp, deepspeed; fa.prepare needs one (or SPLITS_MODEL) on several data-parallel ranks,
+    # and fa.load ignores one present on one side only when the number of processes changed
     AVERAGES_GRADIENTS = "averages the data-parallel replicas' gradients"
+    # fsdp; the sharded checkpoint layout, a backward without an inputs list (FSDP2 computes
+    # gradients on unsharded copies), the launch's FSDP is what the pipeline has
     SHARDS_PARAMETERS = "holds the model's parameters as shards (DTensor) across ranks"
+    # pp; the sharded checkpoint layout (as TENSOR_PARALLEL), and an optimizer passed after
+    # its model must hold the prepared model's parameters (as SHARDS_PARAMETERS)
     SPLITS_MODEL = "keeps only part of the model on each rank (pipeline stages)"
+    # pp; fa.prepare refuses a loss_fn of its own
     RUNS_FORWARD_BACKWARD = "runs the forward and backward passes itself"
+    # pp; fa.prepare refuses a loader sharded over the ranks that must read alike
     SAME_BATCH_ACROSS_RANKS = "needs every rank of its group to read the same batches"
+    # tp; fa.prepare needs one when the mesh has tp_size > 1; the sharded checkpoint layout
     TENSOR_PARALLEL = "splits layers over the mesh's tensor-parallel dimension"
+    # grad_scaler, deepspeed; autocast(fa.fp16) adds a grad_scaler() only when none is there
     SCALES_LOSS = "scales the loss before backward (fp16)"
+    # deepspeed; the ZeRO checkpoint layout, and the launch's DeepSpeed is what the pipeline has
     OWNS_OPTIMIZER_STEP = "runs the optimizer step itself (an engine)"
+    # clip_grad_norm, clip_grad_value; an engine that takes it over skips their before_update
     CLIPS_GRADIENTS = "clips the gradients before the optimizer step"
 
 
