@@ -1,7 +1,10 @@
 """The value checks every record runs when built: one sentence naming the field, what it must be, the fix.
 
 Kwargs handlers, plugins, configs and loaders call these rather than writing their
-own ``isinstance`` tests, so that every bad value reads the same way.
+own ``isinstance`` tests, so that every bad value reads the same way: a bool is
+never taken for a number. The first set raises `ValueError` (a record built in
+code); the ``config_*`` and ``require_*`` set raises `ConfigError` (a plugin, or
+a value read from a launch config file).
 
 >>> check_value("interval", 0, is_int(0) and 0 >= 1, "an int >= 1", "try 1")
 Traceback (most recent call last):
@@ -11,8 +14,13 @@ ValueError: interval must be an int >= 1, got 0: try 1
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["require", "check_value", "check_choice", "is_int", "is_number"]
+from fnaccel._errors import ConfigError
+from fnaccel.config.environment import str_to_bool
+
+__all__ = ["require", "check_value", "check_choice", "is_int", "is_number", "config_bool", "config_int",
+           "config_str", "config_names", "config_choice", "require_bools", "require_count", "require_number"]
 
 
 def require(condition: bool, message: str) -> None:
@@ -65,3 +73,91 @@ def is_number(value: object) -> bool:
     (True, True, False)
     """
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# --- config files and plugins: the same checks, raising ConfigError ---------------------------------
+# A launch config's values arrive as YAML scalars or as the text `fnaccel launch` carries in the
+# environment, so the readers below also accept "true" / "3"; ``what`` names where the value came
+# from ("fsdp_config: key 'fsdp_version'", "DeepSpeedPlugin: zero3_init_flag").
+
+
+def config_bool(value: Any, what: str, *, optional: bool = False) -> bool | None:
+    """A yes/no value: a bool, or a yes/no string (`str_to_bool`'s); None too if ``optional``.
+
+    >>> config_bool("off", "fsdp_config: key 'fsdp_cpu_offload'")
+    False
+    >>> config_bool("maybe", "fsdp_config: key 'fsdp_cpu_offload'")
+    Traceback (most recent call last):
+    ...
+    fnaccel._errors.ConfigError: fsdp_config: key 'fsdp_cpu_offload' must be true or false, got 'maybe'
+    """
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    if isinstance(value, str) or optional:
+        try:
+            return str_to_bool(str(value), to_bool=True)
+        except ValueError:
+            pass
+    raise ConfigError(f"{what} must be true or false, got {value!r}")
+
+
+def config_int(value: Any, what: str) -> int:
+    """An integer: an int (not a bool) or its decimal text."""
+    if is_int(value):
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise ConfigError(f"{what} must be an integer, got {value!r}")
+
+
+def config_str(value: Any, what: str) -> str:
+    """A string."""
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"{what} must be a string, got {value!r}")
+
+
+def config_names(value: Any, what: str) -> tuple[str, ...]:
+    """Class names: a list of strings, or one comma-separated string."""
+    if isinstance(value, str):
+        return tuple(name.strip() for name in value.split(",") if name.strip())
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"{what} must be class names (a list or a comma-separated string), got {value!r}")
+
+
+def config_choice(value: Any, what: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices``, given in any case; returned upper-cased."""
+    text = config_str(value, what).upper()
+    if text not in choices:
+        raise ConfigError(f"{what} must be one of {', '.join(choices)}, got {value!r}")
+    return text
+
+
+def require_bools(record: Any, optional: tuple[str, ...], required: tuple[str, ...]) -> None:
+    """A record's yes/no fields hold real bools (None allowed for ``optional``): a
+    string such as "false" would otherwise read as true."""
+    for name in (*optional, *required):
+        value = getattr(record, name)
+        if not isinstance(value, bool) and not (value is None and name in optional):
+            allowed = "True, False or None" if name in optional else "True or False"
+            raise ConfigError(f"{type(record).__name__}: key '{name}': must be {allowed}, got {value!r}")
+
+
+def require_count(owner: str, name: str, value: Any, least: int = 1) -> None:
+    """``value`` is None or an int (not a bool) of at least ``least`` (1 or 0).
+
+    >>> require_count("Plugin", "steps", 0)
+    Traceback (most recent call last):
+    ...
+    fnaccel._errors.ConfigError: Plugin: steps must be a positive int, got 0
+    """
+    if value is not None and (not is_int(value) or value < least):
+        raise ConfigError(f"{owner}: {name} must be {'a positive' if least else 'a non-negative'} int, "
+                          f"got {value!r}")
+
+
+def require_number(owner: str, name: str, value: Any) -> None:
+    """``value`` is None or a non-negative int or float (not a bool)."""
+    if value is not None and (not is_number(value) or value < 0):
+        raise ConfigError(f"{owner}: {name} must be a non-negative number, got {value!r}")

@@ -61,6 +61,8 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
                          "the config file `fnaccel config` writes and launch reads; also test_accelerate_files.py"),
     "transforms/plugins/sections.py": ("tests/transforms/plugins/test_fsdp.py",
                                        "the key refusals every plugin shares, checked through FSDP's"),
+    "transforms/plugins/sections.py": ("tests/transforms/plugins/test_fsdp.py",
+                                       "the key refusals every plugin shares, checked through FSDP's"),
     "data/evaluation.py": ("tests/test_evaluation.py", "fa.eval_batches, beside fa.evaluate"),
     "data/iterable.py": ("tests/data/test_prepared.py", "iterable datasets split across ranks"),
     "data/sharding.py": ("tests/data/test_sampler.py", "how batches are split across ranks"),

@@ -94,10 +94,6 @@ from fnaccel.data.config import (
 from fnaccel.data.skip import (
     skip_first_batches as skip_first_batches,
 )
-from fnaccel.engines import (
-    DeepSpeedPlugin as DeepSpeedPlugin,
-    MegatronLMPlugin as MegatronLMPlugin,
-)
 from fnaccel.kwargs import (
     AutocastKwargs as AutocastKwargs,
     DistributedDataParallelKwargs as DistributedDataParallelKwargs,
@@ -227,11 +223,6 @@ from fnaccel.ops.tree import (
     is_namedtuple as is_namedtuple,
     pad_input_tensors as pad_input_tensors,
 )
-from fnaccel.plugins import (
-    FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin,
-    GradientAccumulationPlugin as GradientAccumulationPlugin,
-    TorchDynamoPlugin as TorchDynamoPlugin,
-)
 from fnaccel.process import (
     local_main_process_first as local_main_process_first,
     main_process_first as main_process_first,
@@ -270,6 +261,21 @@ from fnaccel.tracking.trackers import (
 from fnaccel.transforms.local_sgd import (
     LocalSGDState as LocalSGDState,
     local_sgd as local_sgd,
+)
+from fnaccel.transforms.plugins.accumulation import (
+    GradientAccumulationPlugin as GradientAccumulationPlugin,
+)
+from fnaccel.transforms.plugins.deepspeed import (
+    DeepSpeedPlugin as DeepSpeedPlugin,
+)
+from fnaccel.transforms.plugins.dynamo import (
+    TorchDynamoPlugin as TorchDynamoPlugin,
+)
+from fnaccel.transforms.plugins.fsdp import (
+    FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin,
+)
+from fnaccel.transforms.plugins.megatron import (
+    MegatronLMPlugin as MegatronLMPlugin,
 )
 from fnaccel.trigger import (
     check_trigger as check_trigger,

@@ -214,7 +214,7 @@ def test_flags_of_engines_not_shipped_are_refused(flag: list[str], capsys: pytes
     err = capsys.readouterr().err
     assert flag[0] in err and len(err.strip().splitlines()) == 1
     if "megatron" in flag[0]:  # why, and what to use instead: the message MegatronLMPlugin.transform() gives
-        from fnaccel.engines import megatron_refusal
+        from fnaccel.transforms.plugins.megatron import megatron_refusal
 
         assert megatron_refusal() in err and "fa.fsdp()" in err
     else:

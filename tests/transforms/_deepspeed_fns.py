@@ -182,7 +182,7 @@ def two_engines(state: fa.RunState, interleaved: bool) -> list[list[float]]:
 
 def zero3_init(state: fa.RunState) -> dict[str, Any]:
     """A model built under zero.Init (partitioned from the start) trains like one built whole."""
-    from fnaccel.transforms.deepspeed_config import DeepSpeedPlugin
+    from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin
 
     plugin = DeepSpeedPlugin(zero_stage=3, zero3_init_flag=True)
     with plugin.zero3_init_context_manager(state):

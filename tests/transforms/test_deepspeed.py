@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import fnaccel as fa
 from fnaccel._errors import ConfigError
-from fnaccel.transforms.deepspeed_config import DeepSpeedPlugin, EngineSettings, resolve_ds_config
+from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin, EngineSettings, resolve_ds_config
 from tests.transforms import _deepspeed_fns as fns
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'fnaccel[deepspeed]')")

@@ -1,11 +1,11 @@
-"""DeepSpeedPlugin, MegatronLMPlugin and GradientAccumulationPlugin: validated records."""
+"""DeepSpeedPlugin: validated settings that build fa.deepspeed (the engine itself: tests/transforms/test_deepspeed.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 import fnaccel as fa
-from fnaccel.utils import DeepSpeedPlugin, GradientAccumulationPlugin, MegatronLMPlugin
+from fnaccel.utils import DeepSpeedPlugin
 
 
 def test_deepspeed_settings_are_validated_and_build_fa_deepspeed() -> None:
@@ -33,27 +33,3 @@ def test_deepspeed_settings_are_validated_and_build_fa_deepspeed() -> None:
 def test_bad_deepspeed_settings(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(fa.ConfigError, match=message):
         DeepSpeedPlugin(**kwargs)  # type: ignore[arg-type]
-
-
-def test_megatron_settings_are_validated_then_refused_by_engine() -> None:
-    plugin = MegatronLMPlugin(tp_degree=2, pp_degree=2, num_micro_batches=4, sequence_parallelism=True)
-    assert plugin.lr_decay_style == "linear" and plugin.eval_iters == 100  # Accelerate's defaults
-    with pytest.raises(fa.ConfigError, match="Megatron-LM"):
-        plugin.transform()
-    for kwargs, message in (({"tp_degree": 0}, "tp_degree must be a positive int"),
-                            ({"pp_degree": 2}, "needs num_micro_batches"),
-                            ({"lr_decay_style": "step"}, "lr_decay_style must be one of"),
-                            ({"lr_warmup_fraction": 2.0}, "within"),
-                            ({"return_logits": 1}, "True, False or None")):
-        with pytest.raises(fa.ConfigError, match=message):
-            MegatronLMPlugin(**kwargs)  # type: ignore[arg-type]
-
-
-def test_gradient_accumulation_plugin() -> None:
-    assert repr(GradientAccumulationPlugin(num_steps=2, sync_each_batch=True).transform()) == (
-        "accumulate(num_steps=2, sync_each_batch=True)")
-    for kwargs, message in (({}, "'num_steps': must be a positive int"),
-                            ({"num_steps": 2, "sync_with_dataloader": True}, "across epoch ends"),
-                            ({"num_steps": 2, "adjust_scheduler": False}, "only at optimizer updates")):
-        with pytest.raises(fa.ConfigError, match=message):
-            GradientAccumulationPlugin(**kwargs)  # type: ignore[arg-type]

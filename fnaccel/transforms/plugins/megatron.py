@@ -1,10 +1,8 @@
-"""DeepSpeed and Megatron-LM settings, with Accelerate's field names and defaults.
+"""`MegatronLMPlugin`: Accelerate's Megatron-LM settings, with its field names and defaults.
 
-`DeepSpeedPlugin` (defined with the transform it builds,
-`fnaccel.transforms.deepspeed_config`) drives the real DeepSpeed engine
-through `fa.deepspeed`. `MegatronLMPlugin` is accepted and validated so that a
-config moves over and is checked; building its engine raises `ConfigError`
-with the reason (Megatron-LM runs on CUDA GPUs only).
+Accepted and validated so that a config moves over and is checked; building
+its engine raises `ConfigError` with the reason (Megatron-LM runs on CUDA GPUs
+only). DeepSpeed, the engine fnaccel does drive, is `fnaccel.transforms.plugins.deepspeed`.
 """
 
 from __future__ import annotations
@@ -14,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fnaccel._errors import ConfigError
-from fnaccel.plugins import require_bools, require_count, require_number
-from fnaccel.transforms.deepspeed_config import DeepSpeedPlugin
+from fnaccel.checks import require_bools, require_count, require_number
 
-__all__ = ["DeepSpeedPlugin", "MegatronLMPlugin"]
+__all__ = ["MegatronLMPlugin", "megatron_refusal"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

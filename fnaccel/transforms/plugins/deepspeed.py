@@ -22,9 +22,8 @@ from types import MappingProxyType
 from typing import Any
 
 from fnaccel._errors import ConfigError
+from fnaccel.checks import config_bool, require_bools, require_count, require_number
 from fnaccel.config.launch import read_config_bytes
-from fnaccel.config.environment import str_to_bool
-from fnaccel.plugins import require_bools, require_count, require_number
 
 __all__ = ["DeepSpeedPlugin", "EngineSettings", "resolve_ds_config"]
 
@@ -35,16 +34,6 @@ MAX_DS_CONFIG_BYTES = 1 << 20  # a DeepSpeed config is a page of JSON
 _FIXED = MappingProxyType({"managed_gradient_accumulation": False, "zero_allow_untested_optimizer": True,
                            "zero_force_ds_cpu_optimizer": False})
 _QUIET_STEPS = 2**62  # DeepSpeed prints progress every steps_per_print steps unless told otherwise
-
-
-def _bool_text(owner: str, name: str, value: Any) -> bool | None:
-    """A launch config's yes/no value: a bool, or the text the command line carries."""
-    if value is None or isinstance(value, bool):
-        return value
-    try:
-        return str_to_bool(str(value), to_bool=True)
-    except ValueError:
-        raise ConfigError(f"{owner}: {name} must be true or false, got {value!r}") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,9 +143,10 @@ class DeepSpeedPlugin:
             "offload_param_nvme_path": text("offload_param_nvme_path"),
             "gradient_accumulation_steps": number("gradient_accumulation_steps", int),
             "gradient_clipping": number("gradient_clipping", float),
-            "zero3_init_flag": _bool_text(owner, "zero3_init_flag", section.get("zero3_init_flag")),
-            "zero3_save_16bit_model": _bool_text(owner, "zero3_save_16bit_model",
-                                                 section.get("zero3_save_16bit_model")),
+            "zero3_init_flag": config_bool(section.get("zero3_init_flag"), f"{owner}: zero3_init_flag",
+                                           optional=True),
+            "zero3_save_16bit_model": config_bool(section.get("zero3_save_16bit_model"),
+                                                  f"{owner}: zero3_save_16bit_model", optional=True),
             "transformer_moe_cls_names": text("deepspeed_moe_layer_cls_names"),
         }
         if values["gradient_accumulation_steps"] == 1:
