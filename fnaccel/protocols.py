@@ -1,8 +1,9 @@
-"""The interfaces the state names, so that `fnaccel.state` imports nothing above it.
+"""The interfaces lower layers name for what higher ones build, so that imports point down.
 
 `RunState` holds a pipeline and a step plan that are built higher up
 (`fnaccel.transforms`, `fnaccel.preparation`, `fnaccel.train`); it types them by what every layer
-may ask of them, defined here.
+may ask of them, defined here. A `Transform` may carry a `CheckpointLayout`, which the
+checkpoint layer (above the transforms) implements and calls.
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ class CheckpointLayout(Protocol):
         """Capture the model's and optimizer's state now; every rank calls it.
 
         ``files`` is the save's `fnaccel.checkpoint.writer.Snapshot`: add files
-        with its ``add_tensors`` / ``add_json`` (only its ``writer`` ranks
-        write shared files). Returns what ``write`` needs beyond those files.
-        Raises `fnaccel.CheckpointError` for a state this layout cannot save.
+        with its ``add_tensors`` / ``add_json`` (its ``rank``'s own, and the
+        shared ones where it is a ``writer``), and set its ``tied`` aliases
+        for the weights stored once. Returns what ``write`` needs beyond
+        those files. Raises `fnaccel.CheckpointError` for a state this layout
+        cannot save.
         """
         ...
 

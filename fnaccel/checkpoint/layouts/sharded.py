@@ -408,8 +408,8 @@ class ShardedLayout:
              gradients: Mapping[str, torch.Tensor]) -> ShardedRead:
         check_unsharded(state)  # save/load hooks never see sharded weights: refused, not skipped
         if gradients:
-            raise CheckpointError(f"{directory}: saved between accumulation micro-steps by a replicated run; a "
-                                  "sharded run cannot take those gradients: save after an optimizer step")
+            raise CheckpointError(f"{directory}: saved between accumulation micro-steps by a replicated run; an "
+                                  "fsdp() run cannot take those gradients: save after an optimizer step")
         if is_stored_sharded(manifest):
             return ShardedRead(directory=directory, manifest=manifest)
         module = unwrap_model(state.model)
