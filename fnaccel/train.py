@@ -40,7 +40,7 @@ from torch import nn
 from fnaccel.dist import DistContext, data_parallel
 from fnaccel.kwargs.base import KwargsHandler
 from fnaccel.rng import put_back, swap_in, swap_out
-from fnaccel.state import RunState
+from fnaccel.state import DataPosition, RunState
 from fnaccel.transforms.base import (
     Accumulation,
     AfterBackwardFn,
@@ -247,7 +247,7 @@ def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> dict[str, Any] | 
 
 
 def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
-            plan: StepPlan, position: Any) -> dict[str, Any]:
+            plan: StepPlan, position: DataPosition) -> dict[str, Any]:
     if plan.plain_update:  # no hook can skip the update or add metrics
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]  # the rate this update used
@@ -323,7 +323,7 @@ def _after(plan: StepPlan) -> None:
         after_step(transform_state)
 
 
-def _consumed(state: RunState) -> Any:
+def _consumed(state: RunState) -> DataPosition:
     """The data position once this step has consumed the batch `fa.batches` fetched last."""
     loader = state.loader
     return state.data_position if loader is None else loader.consumed(state.data_position)
