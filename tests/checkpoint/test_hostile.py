@@ -1,21 +1,23 @@
 """Loads trust nothing: edited fields, other kinds and hostile files are refused before anything is restored.
 
-Each edit is re-hashed (the file's sha256 and size in the manifest, the
+Each edit is re-hashed (the file's blocksum and size in the manifest, the
 manifest's own sha256), so the checksums pass and only the schema and the
 checks against the live run can catch it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import hashlib
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from safetensors.torch import save as save_tensors
 
 import fnaccel as fa
 from fnaccel.checkpoint.manifest import manifest_hash
+from fnaccel.checkpoint.tensorfile import Checksum
 from tests.checkpoint.test_resume import fresh_run, train
 
 HOSTILE_JOB = Path(__file__).with_name("_hostile_load.py")
@@ -50,12 +53,14 @@ def _fresh() -> fa.RunState:
 
 
 def _rehash(checkpoint: Path, edit: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Re-record every file's sha256 and size, apply ``edit`` to the manifest, re-hash it."""
+    """Re-record every file's blocksum and size, apply ``edit`` to the manifest, re-hash it."""
     path = checkpoint / "fnaccel.json"
     manifest = json.loads(path.read_text())
     for name in manifest["files"]:
         data = (checkpoint / name).read_bytes()
-        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        digest = Checksum()
+        digest.update(data)
+        manifest["files"][name] = {"blocksum": digest.hexdigest(), "size": len(data)}
     if edit is not None:
         edit(manifest)
     manifest["manifest_sha256"] = manifest_hash(manifest)
@@ -244,14 +249,35 @@ def test_the_untouched_checkpoint_still_loads(checkpoint: Path) -> None:
     assert fa.load(_fresh(), checkpoint).micro_step == 3
 
 
-def _job(checkpoint: Path, name: str, kind: str) -> dict[str, Any]:
-    """Load ``checkpoint`` in a child process (memory-limited, so a regression that reads
-    a device whole fails there rather than eating the machine) with ``name`` made hostile."""
-    done = subprocess.run([sys.executable, str(HOSTILE_JOB), str(checkpoint), name, kind],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def hostile_load() -> Iterator[Callable[[Path, str, str], dict[str, Any]]]:
+    """``hostile_load(checkpoint, name, kind)``: load ``checkpoint`` in a child process
+    (memory-limited, so a regression that reads a device whole fails there rather than eating
+    the machine) with ``name`` made hostile. Each child is forked by one `_hostile_load.py serve`
+    (torch imported once), in a session of its own so that a child stuck on a FIFO goes too."""
+    server = subprocess.Popen([sys.executable, str(HOSTILE_JOB), "serve"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, start_new_session=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert server.stdin is not None and server.stdout is not None
+    stdin, stdout = server.stdin, server.stdout
+
+    def load(checkpoint: Path, name: str, kind: str) -> dict[str, Any]:
+        stdin.write(json.dumps([str(checkpoint), name, kind]) + "\n")
+        stdin.flush()
+        ready, _, _ = select.select([stdout], [], [], 120)
+        assert ready, f"no answer in 120 s from the load of {name} made {kind}"
+        line = stdout.readline()
+        assert line, "the load server ended"
+        return json.loads(line)
+
+    try:
+        yield load
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+        stdin.close()
+        stdout.close()
 
 
 @pytest.mark.parametrize(("name", "kind", "match"), [
@@ -262,9 +288,9 @@ def _job(checkpoint: Path, name: str, kind: str) -> dict[str, Any]:
     ("fnaccel.json", "zero", "fnaccel.json: a symbolic link"),
 ])
 def test_hostile_files_are_named_at_once_without_reading_them(
-    checkpoint: Path, name: str, kind: str, match: str
+    checkpoint: Path, name: str, kind: str, match: str, hostile_load: Callable[[Path, str, str], dict[str, Any]]
 ) -> None:
-    result = _job(checkpoint, name, kind)
+    result = hostile_load(checkpoint, name, kind)
     assert result["error"] == "CheckpointError", result
     assert re.search(match, result["message"]), result["message"]
     # measured in milliseconds (docs/checkpoints.md); the bound only has to tell "named at

@@ -270,7 +270,7 @@ def test_dcp_metadata_round_trips_through_json() -> None:
                {"fqn": "optimizer.state.w.step", "offset": [], "file": "sharded/rank0.safetensors",
                 "key": "optimizer.state.w.step@"}]
     text = json.dumps(metadata_json(metadata, storage))
-    files = {f"sharded/rank{r}.safetensors": {"sha256": "0" * 64, "size": 1000} for r in (0, 1)}
+    files = {f"sharded/rank{r}.safetensors": {"blocksum": "0" * 64, "size": 1000} for r in (0, 1)}
     back, index = metadata_from(json.loads(text), files, "metadata.json")
     assert back.state_dict_metadata == metadata.state_dict_metadata
     assert back.planner_data == metadata.planner_data and back.version == "1.0.0"
