@@ -44,7 +44,7 @@ _PUBLIC = MappingProxyType({
     "evaluate": "fnaccel.evaluation",
     "eval_batches": "fnaccel.data.evaluation",
     # The loop's helpers and launching from a notebook
-    "autocast_context": "fnaccel.autocasting",
+    "autocast_context": "fnaccel.precision",
     "skip_first_batches": "fnaccel.data.skip",
     "set_trigger": "fnaccel.trigger",
     "check_trigger": "fnaccel.trigger",

@@ -14,9 +14,6 @@ from fnaccel._errors import (
     FnaccelError as FnaccelError,
     StaleStateError as StaleStateError,
 )
-from fnaccel.autocasting import (
-    autocast_context as autocast_context,
-)
 from fnaccel.checkpoint.latest import (
     SkippedCheckpointWarning as SkippedCheckpointWarning,
     latest_checkpoint as latest_checkpoint,
@@ -77,6 +74,9 @@ from fnaccel.kwargs import (
 from fnaccel.launchers import (
     debug_launcher as debug_launcher,
     notebook_launcher as notebook_launcher,
+)
+from fnaccel.precision import (
+    autocast_context as autocast_context,
 )
 from fnaccel.preemption import (
     PreemptionKwargs as PreemptionKwargs,

@@ -43,7 +43,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fnaccel"
 CORE = (
     "preparation.py",
     "train.py",
-    "autocasting.py",
+    "precision.py",  # autocast_context
     "transforms/deepspeed.py",  # an engine reading the other transforms' settings
     *sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "checkpoint").rglob("*.py")),
 )
@@ -149,7 +149,7 @@ PLANTED = [
     ("preparation.py", 'skip = [t for t in pipeline.transforms if t.name == "fsdp"]\n'),
     ("preparation.py", 'engine = state.transform_states["deepspeed"]\n'),
     ("train.py", 'taken = frozenset({"clip_grad_norm"})\n'),
-    ("autocasting.py", 'cast = state.pipeline.get(name)\n'),
+    ("precision.py", 'cast = state.pipeline.get(name)\n'),
     ("transforms/deepspeed.py", 'accumulate, clip, cast = (request.pipeline.get(name) for name in '
                                 '("accumulate", "clip_grad_norm", "autocast"))\n'),
     ("transforms/deepspeed.py", 'max_norm = float(dict(clip.options)["max_norm"])\n'),

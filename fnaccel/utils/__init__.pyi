@@ -5,9 +5,6 @@
 from fnaccel._errors import (
     DistributedOperationException as DistributedOperationException,
 )
-from fnaccel.autocasting import (
-    autocast_context as autocast_context,
-)
 from fnaccel.checkpoint.extras import (
     register_for_checkpointing as register_for_checkpointing,
 )
@@ -107,10 +104,6 @@ from fnaccel.launchers import (
     ProcessFailedError as ProcessFailedError,
     debug_launcher as debug_launcher,
     notebook_launcher as notebook_launcher,
-)
-from fnaccel.mixed_precision import (
-    get_grad_scaler as get_grad_scaler,
-    get_mixed_precision_context_manager as get_mixed_precision_context_manager,
 )
 from fnaccel.modeling.attach import (
     attach_align_device_hook as attach_align_device_hook,
@@ -222,6 +215,11 @@ from fnaccel.ops.tree import (
     find_device as find_device,
     is_namedtuple as is_namedtuple,
     pad_input_tensors as pad_input_tensors,
+)
+from fnaccel.precision import (
+    autocast_context as autocast_context,
+    get_grad_scaler as get_grad_scaler,
+    get_mixed_precision_context_manager as get_mixed_precision_context_manager,
 )
 from fnaccel.process import (
     local_main_process_first as local_main_process_first,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fnaccel as fa
-from fnaccel.autocasting import autocast_context
+from fnaccel.precision import autocast_context
 from fnaccel.kwargs import AutocastKwargs
 
 
