@@ -80,7 +80,6 @@ __all__ = [
     "ShardReader",
     "ShardWriter",
     "check_directory_metadata",
-    "checkpoint_error",
     "load",
     "metadata_from",
     "metadata_json",
@@ -163,7 +162,7 @@ def metadata_from(saved: Any, files: Mapping[str, Any], source: str) -> tuple[Me
 # -- saving and loading through DCP ---------------------------------------------------
 
 
-def checkpoint_error(exc: BaseException, action: str, *, name_rank: bool = True) -> CheckpointError:
+def _checkpoint_error(exc: BaseException, action: str, *, name_rank: bool = True) -> CheckpointError:
     """The first rank's own error inside DCP's CheckpointException, as our error (naming
     its rank where several processes read or wrote: ``name_rank``)."""
     failures = getattr(exc, "failures", {}) or {}
@@ -184,7 +183,7 @@ def save(tensors: Mapping[str, Any], root: Path, rank: int, group: Any) -> dict[
     try:
         dcp.save(dict(tensors), storage_writer=writer, planner=DefaultSavePlanner(), process_group=group)
     except CheckpointException as exc:
-        raise checkpoint_error(exc, "fa.save") from None
+        raise _checkpoint_error(exc, "fa.save") from None
     return writer.entries
 
 
@@ -197,7 +196,7 @@ def load(targets: dict[str, Any], reader: StorageReader, group: Any, action: str
             dcp.load(targets, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=group,
                      no_dist=group is None)
     except CheckpointException as exc:
-        raise checkpoint_error(exc, action, name_rank=group is not None) from None
+        raise _checkpoint_error(exc, action, name_rank=group is not None) from None
 
 
 # -- the storage layer fnaccel's own checkpoints go through ---------------------------
