@@ -1,6 +1,6 @@
 """Loads trust nothing: edited fields, other kinds and hostile files are refused before anything is restored.
 
-Each edit is re-hashed (the file's sha256 and size in the manifest, the
+Each edit is re-hashed (the file's blocksum and size in the manifest, the
 manifest's own sha256), so the checksums pass and only the schema and the
 checks against the live run can catch it.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import os
 import re
@@ -29,6 +28,7 @@ from safetensors.torch import save as save_tensors
 
 import fnaccel as fa
 from fnaccel.checkpoint.manifest import manifest_hash
+from fnaccel.checkpoint.tensorfile import Checksum
 from tests.checkpoint.test_resume import fresh_run, train
 
 HOSTILE_JOB = Path(__file__).with_name("_hostile_load.py")
@@ -53,12 +53,14 @@ def _fresh() -> fa.RunState:
 
 
 def _rehash(checkpoint: Path, edit: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Re-record every file's sha256 and size, apply ``edit`` to the manifest, re-hash it."""
+    """Re-record every file's blocksum and size, apply ``edit`` to the manifest, re-hash it."""
     path = checkpoint / "fnaccel.json"
     manifest = json.loads(path.read_text())
     for name in manifest["files"]:
         data = (checkpoint / name).read_bytes()
-        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        digest = Checksum()
+        digest.update(data)
+        manifest["files"][name] = {"blocksum": digest.hexdigest(), "size": len(data)}
     if edit is not None:
         edit(manifest)
     manifest["manifest_sha256"] = manifest_hash(manifest)
