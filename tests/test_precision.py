@@ -48,6 +48,16 @@ def test_fp8_runs_compute_the_rest_in_bf16() -> None:
         assert _matmul().dtype == torch.bfloat16
 
 
+def test_a_pipeline_training_in_fp8_computes_the_rest_in_bf16() -> None:
+    """The pipeline's precision is read from autocast's typed settings; its printed dtype
+    ('fp8', not a torch dtype) once reached torch.autocast and failed."""
+    pytest.importorskip("torchao", reason="fa.autocast(fa.fp8) needs torchao")
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))  # the middle one in float8
+    state = fa.prepare(fa.init(cpu=True), model, pipeline=fa.compose(fa.autocast(fa.fp8)))
+    with autocast_context(state):
+        assert _matmul().dtype == torch.bfloat16
+
+
 def test_a_wrong_handler_is_refused() -> None:
     with pytest.raises(TypeError, match="must be an AutocastKwargs, got dict"):
         autocast_context(fa.init(cpu=True), {"enabled": False})  # type: ignore[arg-type]
