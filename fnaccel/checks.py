@@ -14,13 +14,13 @@ ValueError: interval must be an int >= 1, got 0: try 1
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, TypeGuard, overload
 
 from fnaccel._errors import ConfigError
-from fnaccel.config.environment import str_to_bool
 
-__all__ = ["require", "check_value", "check_choice", "is_int", "is_number", "config_bool", "config_int",
-           "config_str", "config_names", "config_choice", "require_bools", "require_count", "require_number"]
+__all__ = ["require", "check_value", "check_choice", "is_int", "is_number", "str_to_bool", "config_bool",
+           "config_int", "config_str", "config_names", "config_choice", "require_bools", "require_count",
+           "require_number"]
 
 
 def require(condition: bool, message: str) -> None:
@@ -57,7 +57,7 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
     require(value in choices, f"unknown {name} {value!r}: use one of {', '.join(choices)}")
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """Whether ``value`` is an int and not a bool.
 
     >>> is_int(3), is_int(True), is_int(3.0)
@@ -66,13 +66,41 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """Whether ``value`` is an int or a float and not a bool.
 
     >>> is_number(0.5), is_number(2), is_number(False)
     (True, True, False)
     """
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_TRUE = ("1", "y", "yes", "t", "true", "on")
+_FALSE = ("0", "n", "no", "f", "false", "off")
+
+
+@overload
+def str_to_bool(value: str, to_bool: Literal[False] = False) -> int: ...
+@overload
+def str_to_bool(value: str, to_bool: Literal[True]) -> bool: ...
+def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
+    """Reads a yes/no string: 1/0 (or True/False with `to_bool`), as Accelerate does.
+
+    True values are "1", "y", "yes", "t", "true", "on"; false values "0", "n",
+    "no", "f", "false", "off"; case and surrounding spaces are ignored.
+
+    Raises:
+        ValueError: `value` is neither.
+
+    >>> str_to_bool("Yes"), str_to_bool("off", to_bool=True)
+    (1, False)
+    """
+    text = value.strip().lower()
+    if text in _TRUE:
+        return True if to_bool else 1
+    if text in _FALSE:
+        return False if to_bool else 0
+    raise ValueError(f"{value!r} is not a yes/no value: use one of {', '.join(_TRUE + _FALSE)}")
 
 
 # --- config files and plugins: the same checks, raising ConfigError ---------------------------------

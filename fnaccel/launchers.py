@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from fnaccel._errors import FnaccelError
+from fnaccel.checks import is_int
 from fnaccel.constants import PrecisionType
 from fnaccel.config.environment import patch_environment
 
@@ -206,7 +207,7 @@ def _first_failure(errors: Path) -> dict[str, Any] | None:
 
 
 def _check_count(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"notebook_launcher: {name} must be an int >= 1, got {value!r}")
 
 

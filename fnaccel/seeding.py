@@ -17,6 +17,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
+from fnaccel.checks import is_int
 from fnaccel.ops.collectives import broadcast_object_list
 from fnaccel.rng import RNGState, installed
 from fnaccel.constants import RNGType
@@ -70,15 +71,11 @@ def set_seed(*args: Any, **kwargs: Any) -> RunState | None:
     first = args[0] if args else kwargs.get("state", kwargs.get("seed"))
     if isinstance(first, RunState):
         return _seed_run(*args, **kwargs)
-    if _is_seed(first):
+    if is_int(first):
         _seed_process(*args, **kwargs)
         return None
     raise TypeError(f"set_seed: got a {type(first).__name__} first; set_seed(seed) seeds the process's "
                     "generators (as Accelerate's), set_seed(state, seed) the run's (seed an int)")
-
-
-def _is_seed(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _seed_process(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
@@ -95,7 +92,7 @@ def _seed_process(seed: int, device_specific: bool = False, deterministic: bool 
 
 
 def _seed_run(state: RunState, seed: int, device_specific: bool = False) -> RunState:
-    if not _is_seed(seed):
+    if not is_int(seed):
         raise TypeError(f"set_seed: seed must be an int, got {type(seed).__name__}; set_seed(seed) seeds the "
                         "process's generators, set_seed(state, seed) the run's")
     if device_specific:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 from fnaccel.commands.main import CommandError
-from fnaccel.config.environment import str_to_bool
+from fnaccel.checks import str_to_bool
 from fnaccel.config.launch import (
     basic_config,
     default_config_file,

@@ -23,9 +23,11 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
+
+from fnaccel.checks import str_to_bool
 
 __all__ = [
     "check_os_kernel",
@@ -50,7 +52,6 @@ __all__ = [
     "is_xpu_available",
     "parse_flag_from_env",
     "patch_environment",
-    "str_to_bool",
 ]
 
 _LOG = logging.getLogger("fnaccel.environment")  # the name docs/utils.md gives users to filter by
@@ -69,8 +70,6 @@ _VERSION = re.compile(
     re.IGNORECASE,
 )
 _PRE_ORDER = MappingProxyType({"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2})
-_TRUE = ("1", "y", "yes", "t", "true", "on")
-_FALSE = ("0", "n", "no", "f", "false", "off")
 
 
 def _version_key(text: str) -> tuple[tuple[int, ...], tuple[int, int], int, float]:
@@ -316,30 +315,6 @@ def clear_environment() -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-@overload
-def str_to_bool(value: str, to_bool: Literal[False] = False) -> int: ...
-@overload
-def str_to_bool(value: str, to_bool: Literal[True]) -> bool: ...
-def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
-    """Reads a yes/no string: 1/0 (or True/False with `to_bool`), as Accelerate does.
-
-    True values are "1", "y", "yes", "t", "true", "on"; false values "0", "n",
-    "no", "f", "false", "off"; case and surrounding spaces are ignored.
-
-    Raises:
-        ValueError: `value` is neither.
-
-    >>> str_to_bool("Yes"), str_to_bool("off", to_bool=True)
-    (1, False)
-    """
-    text = value.strip().lower()
-    if text in _TRUE:
-        return True if to_bool else 1
-    if text in _FALSE:
-        return False if to_bool else 0
-    raise ValueError(f"{value!r} is not a yes/no value: use one of {', '.join(_TRUE + _FALSE)}")
 
 
 def parse_flag_from_env(key: str, default: bool = False) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 
 from fnaccel._errors import ConfigError
 from fnaccel.atomic import replace_atomically
+from fnaccel.checks import is_int
 
 __all__ = ["LaunchConfig", "KEY_TYPES", "PRECISIONS", "check_config_value", "config_from_mapping",
            "default_config_file", "load_config", "read_config_bytes", "write_basic_config", "write_config"]
@@ -132,7 +133,7 @@ def check_config_value(key: str, value: Any, source: str) -> Any:
     fnaccel._errors.ConfigError: config.yaml: key 'main_process_port' must be from 1 to 65535, got 70000
     """
     expected = KEY_TYPES[key]
-    if key == "gpu_ids" and isinstance(value, int) and not isinstance(value, bool):
+    if key == "gpu_ids" and is_int(value):
         value = str(value)
     if key == "mixed_precision" and value is None:
         value = "no"

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from fnaccel.checks import is_int
+
 __all__ = ["numa_node_cpus", "override_numa_affinity", "parse_cpu_list", "set_numa_affinity"]
 
 SYSFS = Path("/sys")
@@ -90,7 +92,7 @@ def override_numa_affinity(local_process_index: int, verbose: bool | None = None
     True
     >>> os.sched_setaffinity(0, before)  # this example gives the CPUs back
     """
-    if isinstance(local_process_index, bool) or not isinstance(local_process_index, int) or local_process_index < 0:
+    if not is_int(local_process_index) or local_process_index < 0:
         raise ValueError(f"local_process_index must be an int >= 0 (state.dist.local_rank), got {local_process_index!r}")
     if not hasattr(os, "sched_setaffinity"):
         return None

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fnaccel._errors import ConfigError
+from fnaccel.checks import is_int
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -64,7 +65,7 @@ class ParallelismConfig:
             value = getattr(self, name)
             if value is None and name == "dp_shard_size":
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"ParallelismConfig: {name} must be a positive int, got {value!r}")
         if self.cp_comm_strategy not in _CP_STRATEGIES:
             raise ValueError(f"ParallelismConfig: cp_comm_strategy must be one of "
@@ -88,7 +89,7 @@ class ParallelismConfig:
             name = key.removeprefix(_KEY_PREFIX)
             if name == "cp_comm_strategy":
                 values[name] = raw
-            elif isinstance(raw, int) and not isinstance(raw, bool):
+            elif is_int(raw):
                 values[name] = raw
             elif isinstance(raw, str) and raw.strip().isdigit():
                 values[name] = int(raw)

@@ -33,6 +33,7 @@ from torch.utils.data import (
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader import sampler as stateful_sampler
 
+from fnaccel.checks import is_int
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.iterable import shard_iterable
 from fnaccel.data.fetch import BatchFetch, batch_fetch
@@ -268,7 +269,7 @@ def prepare_loader(
             f"prepare_loader takes a torch.utils.data.DataLoader, got {type(loader).__name__}; "
             "wrap your dataset in a DataLoader (fnaccel rebuilds it sharded and resumable)"
         )
-    if not isinstance(seed, int) or isinstance(seed, bool):
+    if not is_int(seed):
         raise TypeError(f"prepare_loader: seed must be an int, got {seed!r}")
     if config is None:
         config = DataLoaderConfiguration()

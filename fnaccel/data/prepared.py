@@ -21,6 +21,7 @@ import torch
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 from fnaccel._errors import CheckpointError
+from fnaccel.checks import is_int
 from fnaccel.data.fetch import BatchFetch
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.data.sharding import num_steps
@@ -411,7 +412,7 @@ def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
     (2, 4)
     """
     loader = _prepared_loader(state, "fa.batches")
-    if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 0):
+    if epochs is not None and (not is_int(epochs) or epochs < 0):
         raise ValueError(f"fa.batches: epochs must be an int >= 0 or None, got {epochs!r}")
     position = state.data_position
     loader.seek(position)

@@ -20,13 +20,13 @@ recomputed, let alone loaded.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import Sampler
 
 from fnaccel.data.sharding import num_steps, per_rank_batch_size, shard_batch
-from fnaccel.checks import is_int
+from fnaccel.checks import check_value, is_int
 
 __all__ = ["ShardedBatchSampler", "epoch_order"]
 
@@ -46,10 +46,9 @@ def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool) -> to
 
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
-        bound = "" if minimum is None else f" >= {minimum}"
-        raise ValueError(f"ShardedBatchSampler: {name} must be an int{bound}, got {value!r}")
-    return value
+    ok = is_int(value) and (minimum is None or value >= minimum)
+    check_value(f"ShardedBatchSampler: {name}", value, ok, "an int" + ("" if minimum is None else f" >= {minimum}"))
+    return cast(int, value)
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -108,8 +107,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
             raise ValueError(f"ShardedBatchSampler: rank={rank!r} is not a rank of {num_processes} processes")
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("even_batches", even_batches),
                            ("split_batches", split_batches)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"ShardedBatchSampler: {name} must be True or False, got {flag!r}")
+            check_value(f"ShardedBatchSampler: {name}", flag, isinstance(flag, bool), "True or False")
         self.num_samples = num_samples
         self.batch_size = per_rank_batch_size(batch_size, num_processes, split_batches)
         self.num_processes = num_processes

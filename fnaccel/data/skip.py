@@ -19,6 +19,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
+from fnaccel.checks import is_int
+
 __all__ = ["skip_first_batches"]
 
 
@@ -99,7 +101,7 @@ def skip_first_batches(loader: DataLoader, num_batches: int = 0) -> DataLoader:
             f"skip_first_batches takes a torch.utils.data.DataLoader, got {type(loader).__name__}; "
             "for any other iterable use itertools.islice(iterable, n, None)"
         )
-    if isinstance(num_batches, bool) or not isinstance(num_batches, int):
+    if not is_int(num_batches):
         raise TypeError(f"skip_first_batches: num_batches must be an int, got {type(num_batches).__name__}")
     if num_batches < 0:
         raise ValueError(f"skip_first_batches: num_batches must be >= 0, got {num_batches}")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fnaccel.checks import is_number
 from fnaccel.debug.items import TensorItem, items_of_directory, items_of_state
 from fnaccel.state import RunState
 
@@ -142,7 +143,7 @@ _ABSENT = object()
 
 
 def _compare_values(item: str, x: Any, y: Any, atol: float, rtol: float) -> Difference | None:
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y))
+    numbers = all(is_number(v) for v in (x, y))
     if numbers:
         if (math.isnan(x) and math.isnan(y)) or math.isclose(x, y, rel_tol=rtol, abs_tol=atol):
             return None

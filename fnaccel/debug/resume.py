@@ -33,6 +33,7 @@ import torch
 
 from fnaccel import ops
 from fnaccel.checkpoint.run import load, save
+from fnaccel.checks import is_int
 from fnaccel.data.prepared import batches
 from fnaccel.debug.diff import Diff, diff
 from fnaccel.runtime import shutdown
@@ -285,7 +286,7 @@ def verify_resume(make_state: Callable[[], RunState], *, steps: int, resumes: in
     >>> verify_resume(make_state, steps=2, resumes=3)  # saves at batches 2, 4 and 6 of an epoch of 8
     """
     for name, value in (("steps", steps), ("resumes", resumes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"verify_resume: {name} must be an integer >= 1, got {value!r}")
     states: list[RunState] = []  # every run, shut down at the end
     created: Path | None = None

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from fnaccel.checks import is_int
 from fnaccel.modeling.memory_budget import (
     Device,
     class_names,
@@ -108,7 +109,7 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, int | str | torc
     for key, device in device_map.items():
         if key not in known:
             raise ValueError(f"the device_map names {key!r}, which is not a module or tensor of the model")
-        if not (isinstance(device, int) and not isinstance(device, bool) and device >= 0) and device != "disk":
+        if not (is_int(device) and device >= 0) and device != "disk":
             try:
                 torch.device(device)
             except (RuntimeError, TypeError):

@@ -18,6 +18,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, overload
 
 import torch
 
+from fnaccel.checks import is_int
+
 __all__ = [
     "clear_device_cache",
     "find_executable_batch_size",
@@ -173,8 +175,7 @@ def find_executable_batch_size(
     19
     """
     if (
-        isinstance(starting_batch_size, bool)
-        or not isinstance(starting_batch_size, int)
+        not is_int(starting_batch_size)
         or starting_batch_size < 0
     ):
         raise ValueError(
@@ -224,7 +225,7 @@ def find_executable_batch_size(
             # out of the except block: the failed try's frames (and tensors) are unreachable now
             clear_device_cache(garbage_collection=True)
             smaller = reduce()
-            if isinstance(smaller, bool) or not isinstance(smaller, int) or not 0 <= smaller < batch_size:
+            if not is_int(smaller) or not 0 <= smaller < batch_size:
                 raise ValueError(
                     f"find_executable_batch_size: reduce_batch_size_fn returned {smaller!r} "
                     f"after batch size {batch_size} ran out of memory; it must return a "

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from fnaccel.checks import is_int
 from fnaccel.modeling.sizes import DTypeLike, compute_module_sizes
 
 __all__ = ["convert_file_size_to_int", "get_balanced_memory", "get_max_memory"]
@@ -46,7 +47,7 @@ def convert_file_size_to_int(size: int | str) -> int:
     >>> convert_file_size_to_int("1GiB"), convert_file_size_to_int("256MB"), convert_file_size_to_int("8kb")
     (1073741824, 256000000, 1000)
     """
-    if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+    if is_int(size) and size >= 0:
         return size
     match = _SIZE.match(size) if isinstance(size, str) else None
     if match is None:
@@ -94,7 +95,7 @@ def get_max_memory(max_memory: Mapping[Device, int | str] | None = None) -> dict
         memory[name] = _available_cpu_memory()
         return memory
     for key in max_memory:
-        if not (isinstance(key, int) and not isinstance(key, bool) and key >= 0) and key not in _NAMED_DEVICES:
+        if not (is_int(key) and key >= 0) and key not in _NAMED_DEVICES:
             raise ValueError(
                 f"max_memory has the key {key!r}, which is not a device: use integers for GPUs "
                 f"(0, 1...) and 'mps', 'cpu' or 'disk' for the others"

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fnaccel.checks import is_number
 from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.config.environment import is_bnb_available
 
@@ -109,7 +110,7 @@ class BnbQuantizationConfig:
                 "(quantizing to neither is not quantizing)"
             )
         threshold = self.llm_int8_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        if not is_number(threshold):
             raise TypeError(f"BnbQuantizationConfig: llm_int8_threshold must be a number, got {threshold!r}")
         if threshold < 0:
             raise ValueError(f"BnbQuantizationConfig: llm_int8_threshold must be >= 0, got {threshold}")

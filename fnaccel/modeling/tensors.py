@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fnaccel.checks import is_int
+
 __all__ = ["set_module_tensor_to_device"]
 
 DeviceLike = int | str | torch.device
@@ -32,7 +34,7 @@ def as_device(device: DeviceLike, what: str = "device") -> torch.device:
     """
     if isinstance(device, torch.device):
         return device
-    if isinstance(device, int) and not isinstance(device, bool):
+    if is_int(device):
         return torch.device("cuda", device)
     if isinstance(device, str) and device != "disk":
         try:

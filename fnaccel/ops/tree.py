@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from fnaccel.checks import is_int
+
 __all__ = [
     "concatenate",
     "convert_outputs_to_fp32",
@@ -255,7 +257,7 @@ def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int
     >>> pad_input_tensors(torch.tensor([1, 2, 3]), batch_size=3, num_processes=2)
     tensor([1, 2, 3, 0])
     """
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+    if not is_int(num_processes) or num_processes < 1:
         raise ValueError(f"pad_input_tensors: num_processes must be a positive int, got {num_processes!r}")
     target = max(num_processes, -(-batch_size // num_processes) * num_processes)
 

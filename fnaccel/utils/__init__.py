@@ -29,7 +29,8 @@ _PUBLIC = MappingProxyType({
         "is_ipex_available", "is_mps_available", "is_msamp_available", "is_npu_available",
         "is_numpy_available", "is_tensorboard_available", "is_torch_version", "is_torch_xla_available",
         "is_torchao_available", "is_tpu_available", "is_transformer_engine_available", "is_xpu_available",
-        "parse_flag_from_env", "patch_environment", "str_to_bool"), "fnaccel.config.environment"),
+        "parse_flag_from_env", "patch_environment"), "fnaccel.config.environment"),
+    "str_to_bool": "fnaccel.checks",
     # kwargs handlers
     **dict.fromkeys((
         "AutocastKwargs", "DistributedDataParallelKwargs", "FP8RecipeKwargs", "GradScalerKwargs",

@@ -27,6 +27,9 @@ from fnaccel.checkpoint.weights import (
     save_model as save_model,
     shard_checkpoint as shard_checkpoint,
 )
+from fnaccel.checks import (
+    str_to_bool as str_to_bool,
+)
 from fnaccel.config.environment import (
     check_os_kernel as check_os_kernel,
     clear_environment as clear_environment,
@@ -50,7 +53,6 @@ from fnaccel.config.environment import (
     is_xpu_available as is_xpu_available,
     parse_flag_from_env as parse_flag_from_env,
     patch_environment as patch_environment,
-    str_to_bool as str_to_bool,
 )
 from fnaccel.config.launch import (
     write_basic_config as write_basic_config,

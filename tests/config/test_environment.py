@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fnaccel.checks import str_to_bool
 from fnaccel.config import environment as env
 from fnaccel.config.environment import (
     clear_environment,
@@ -31,7 +32,6 @@ from fnaccel.config.environment import (
     is_xpu_available,
     parse_flag_from_env,
     patch_environment,
-    str_to_bool,
 )
 
 # --- is_torch_version -------------------------------------------------------------

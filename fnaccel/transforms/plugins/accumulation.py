@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fnaccel.checks import require_bools
+from fnaccel.checks import is_int, require_bools
 from fnaccel.transforms.plugins.sections import refuse
 
 __all__ = ["GradientAccumulationPlugin"]
@@ -33,8 +33,7 @@ class GradientAccumulationPlugin:
     def __post_init__(self) -> None:
         source = type(self).__name__
         require_bools(self, (), ("adjust_scheduler", "sync_with_dataloader", "sync_each_batch"))
-        if self.num_steps is None or isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) \
-                or self.num_steps < 1:
+        if not is_int(self.num_steps) or self.num_steps < 1:
             raise refuse("num_steps", source, f"must be a positive int, got {self.num_steps!r}")
         if not self.adjust_scheduler:
             raise refuse("adjust_scheduler", source, "false is not supported: fa.step steps the "
