@@ -16,6 +16,7 @@ module (``ops/_shapes.py``) is imported only from inside its own package.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -281,3 +282,29 @@ def test_importing_the_state_loads_nothing_above_the_leaves() -> None:
                                     "fnaccel.checkpoint.run"])
 def test_modules_have_a_layer(module: str) -> None:
     assert layer_of(module) in RANK
+
+
+def readme_layers(text: str) -> dict[str, str]:
+    """fnaccel/README.md's layer block: each folder (``name/``) or module (``name.py``) it names ->
+    the layer of its row."""
+    block = text.split("**Layers", 1)[1].split("```", 2)[1]
+    rows: dict[str, str] = {}
+    layer = ""
+    for line in block.strip().splitlines():
+        if not line.startswith(" "):
+            layer, line = ("loop", line[len("the loop"):]) if line.startswith("the loop") else line.split(" ", 1)
+        for name in re.findall(r"[\w/]+/|[\w]+\.py", line.split("(nothing", 1)[0]):
+            module = "fnaccel" if name == "__init__.py" else "fnaccel." + name.removesuffix(".py").strip(
+                "/").replace("/", ".")
+            rows[module] = layer
+    return rows
+
+
+def test_the_readme_shows_every_folder_and_root_module_in_its_layer() -> None:
+    rows = readme_layers((PACKAGE / "README.md").read_text())
+    present = {f"fnaccel.{p.parent.name}" for p in PACKAGE.glob("*/__init__.py")}
+    present |= {"fnaccel" if p.name == "__init__.py" else f"fnaccel.{p.stem}" for p in PACKAGE.glob("*.py")}
+    assert sorted(present - set(rows)) == [], "missing from fnaccel/README.md's layer block"
+    assert sorted(set(rows) - present - {"fnaccel.transforms.plugins"}) == [], "named there but not in the package"
+    wrong = {m: (row, layer_of(m)) for m, row in rows.items() if layer_of(m) != row}
+    assert not wrong, f"in the wrong row (README's, the test's): {wrong}"
