@@ -6,6 +6,9 @@ can land in, however loaded the machine (EOF ends the loop).
     python _save_loop.py PATH rotate     # automatic checkpoints in project PATH, total_limit=1
     python _save_loop.py PATH step       # over PATH, a step before each save (new weights), 4 layers
 
+With ``wait`` (``PATH step wait``) the first save, too, waits for a line on stdin: a second
+saver started beside the first prepares while the first does, and saves only when told.
+
 With ``fork`` last (``PATH fork``, ``PATH rotate fork``), every line ``run`` starts that loop
 in a child forked from this process, which has imported torch and prepared the run: a
 test kills the child (SIGKILL) mid-save, and each kill costs a save instead of a new
@@ -25,7 +28,7 @@ from torch import nn
 import fnaccel as fa
 
 
-def main(path: str, rotate: bool, step: bool, fork: bool) -> None:
+def main(path: str, rotate: bool, step: bool, fork: bool, wait: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4 if step else 20)])  # ~4 or ~21 MB of weights
     optimizer = torch.optim.AdamW(model.parameters())
@@ -34,7 +37,8 @@ def main(path: str, rotate: bool, step: bool, fork: bool) -> None:
                        loss_fn=lambda m, b: m(b).pow(2).mean())
     state, _ = fa.step(state, torch.ones(2, 512))  # optimizer state exists
     if not fork:
-        save_loop(state, None if rotate else path, step)
+        if not wait or sys.stdin.readline():
+            save_loop(state, None if rotate else path, step)
         return
     while line := sys.stdin.readline():
         if line.strip() != "run":
@@ -65,4 +69,4 @@ def save_loop(state: fa.RunState, target: str | None, step: bool) -> None:
 
 if __name__ == "__main__":  # a script: importing it (doctest collection) must not run it
     modes = sys.argv[2:]
-    main(sys.argv[1], "rotate" in modes, "step" in modes, "fork" in modes)
+    main(sys.argv[1], "rotate" in modes, "step" in modes, "fork" in modes, "wait" in modes)

@@ -20,10 +20,15 @@ SAVE_LOOP = Path(__file__).with_name("_save_loop.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
 
 
-def _saver(path: Path) -> subprocess.Popen[str]:
+def _start_saver(path: Path, *modes: str) -> subprocess.Popen[str]:
     """_save_loop.py stepping and saving to ``path`` again and again (each line on its stdin: one more)."""
-    process = subprocess.Popen([sys.executable, str(SAVE_LOOP), str(path), "step"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.Popen([sys.executable, str(SAVE_LOOP), str(path), "step", *modes], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def _saver(path: Path) -> subprocess.Popen[str]:
+    """A saver once its first save is done."""
+    process = _start_saver(path)
     assert process.stdout is not None and process.stdout.readline() == "first save done\n"
     return process
 
@@ -56,8 +61,10 @@ def test_a_load_meeting_a_save_of_the_same_path_loads_or_says_being_replaced(tmp
         saver.stdin.flush()
         outcomes: dict[str, int] = {}
         state = _loop_state()
-        end = time.monotonic() + 20  # a bounded campaign (before the retry, about 1 load in 12 failed)
-        while time.monotonic() < end:
+        # a bounded campaign: 100 loads, or 20 s where the machine is slow (before the retry, about
+        # 1 load in 12 failed: 100 loads miss that with a chance of 0.017 %)
+        end = time.monotonic() + 20
+        while time.monotonic() < end and sum(outcomes.values()) < 100:
             try:
                 state = fa.load(state, path)  # its successor is fresh: the next load goes into it
                 outcome = "loaded"
@@ -103,12 +110,21 @@ def test_the_lock_of_a_save_that_died_is_taken_over(tmp_path: Path) -> None:
 
 def test_two_processes_saving_to_one_path_never_remove_each_others_directories(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
-    first = _saver(path)
-    second: subprocess.Popen[str] | None = None
+    # both start (import, prepare) at once; the second's first save waits until the first's is done
+    first, starting = _start_saver(path), _start_saver(path, "wait")
+    second: subprocess.Popen[str] | None = starting
     try:
-        second = _saver(path)  # its first save may already be refused: then it ends at once
-    except AssertionError:
-        pass
+        assert first.stdout is not None and first.stdout.readline() == "first save done\n"
+        assert starting.stdin is not None and starting.stdout is not None
+        starting.stdin.write("\n")
+        starting.stdin.flush()
+        if starting.stdout.readline() != "first save done\n":  # its first save may already be refused: it ended
+            _stop(starting)
+            second = None
+    except BaseException:
+        for process in (first, starting):
+            _stop(process, kill=True)
+        raise
     outputs = []
     for process in (first, second):
         if process is None:
