@@ -52,19 +52,35 @@ def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes() ->
     assert re.search(r"blocks\.0\.q\.weight\s+│\s+128x128\s+│\s+float32\s+│\s+dp_shard:_S\(0, 8\) tp:S\(0\)", out)
 
 
-def _one_process_refusal() -> str:
-    """What fa.tp raises for the planted plan in a real one-process run of the same script."""
+def _start_one_process_run() -> subprocess.Popen[str]:
+    """A real one-process run of the same script with the planted plan (it runs beside the dry run:
+    one process, a core of its own)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FNACCEL_", "RANK", "WORLD_SIZE"))}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--wrong_plan"], capture_output=True, text=True,
-                          timeout=120, env=env)
-    assert done.returncode != 0
-    return done.stderr.strip().splitlines()[-1]
+    return subprocess.Popen([sys.executable, str(SCRIPT), "--wrong_plan"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _refusal(run: subprocess.Popen[str]) -> str:
+    """What fa.tp raised for the planted plan in that run."""
+    try:
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        run.kill()
+        run.wait()
+    assert run.returncode != 0
+    return stderr.strip().splitlines()[-1]
 
 
 def test_a_wrong_tp_plan_is_refused_with_the_real_runs_exception_and_message() -> None:
-    done = launch("--dry_run", *WORLD, str(SCRIPT), "--wrong_plan")
+    real = _start_one_process_run()
+    try:
+        done = launch("--dry_run", *WORLD, str(SCRIPT), "--wrong_plan")
+    except BaseException:
+        real.kill()
+        real.wait()
+        raise
+    expected = _refusal(real)
     assert done.returncode == 1
-    expected = _one_process_refusal()
     assert expected.startswith("ValueError: fa.prepare: tp plan names 'blocks.*.mlp.up'")
     assert expected in done.stderr
     assert "failed as rank 0 of 64 (exit code 1)" in done.stderr
@@ -72,10 +88,17 @@ def test_a_wrong_tp_plan_is_refused_with_the_real_runs_exception_and_message() -
 
 
 def test_an_impossible_mesh_is_refused_as_the_real_launch_refuses_it() -> None:
-    dry = launch("--dry_run", "--cpu", "--num_machines", "8", "--num_processes", "64",
-                 "--parallelism_config_tp_size", "3", str(SCRIPT))
-    real = launch("--cpu", "--num_machines", "8", "--num_processes", "64",
-                  "--parallelism_config_tp_size", "3", str(SCRIPT))
+    mesh = ["--cpu", "--num_machines", "8", "--num_processes", "64", "--parallelism_config_tp_size", "3", str(SCRIPT)]
+    # side by side: each is refused in its launcher, one process each
+    started = [subprocess.Popen([sys.executable, "-m", "fnaccel", "launch", "-q", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for argv in (["--dry_run", *mesh], mesh)]
+    try:
+        outputs = [process.communicate(timeout=240) for process in started]
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
+    dry, real = (subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(started, outputs))
     assert dry.returncode == real.returncode != 0
     assert "tp_size=3 = 3 does not divide the 64 processes" in dry.stderr
     assert dry.stderr == real.stderr
