@@ -183,17 +183,42 @@ def test_a_failing_script_gives_its_exit_status(tmp_path: Path) -> None:
     assert "rank 0 exited with code 3" in result.stderr
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("num_processes: [2\n", "malformed YAML at line"),
-    ("num_proceses: 2\n", "unknown key 'num_proceses'"),
-    ("num_processes: two\n", "key 'num_processes' must be int"),
-    ("fsdp_config: {fsdp_sharding_strategy: 9}\ndistributed_type: FSDP\n", "key 'fsdp_sharding_strategy'"),
-])
+BAD_CONFIGS = {
+    "num_processes: [2\n": "malformed YAML at line",
+    "num_proceses: 2\n": "unknown key 'num_proceses'",
+    "num_processes: two\n": "key 'num_processes' must be int",
+    "fsdp_config: {fsdp_sharding_strategy: 9}\ndistributed_type: FSDP\n": "key 'fsdp_sharding_strategy'",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_config_launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """``fnaccel launch`` of each of BAD_CONFIGS, all at once (each ends in its launcher, one
+    process that spends its seconds importing torch): ``text: (config file, completed process)``."""
+    configs = {}
+    for number, text in enumerate(BAD_CONFIGS):
+        config = tmp_path_factory.mktemp("bad_config") / f"bad{number}.yaml"
+        config.write_text(text)
+        configs[text] = config
+    started = {text: subprocess.Popen([sys.executable, "-m", "fnaccel", "launch", "-q", "--config_file", str(config),
+                                       str(SCRIPT), str(config.parent)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+               for text, config in configs.items()}
+    try:
+        outputs = {text: process.communicate(timeout=60) for text, process in started.items()}
+    finally:
+        for process in started.values():
+            process.kill()
+            process.wait()
+    return {text: (configs[text], subprocess.CompletedProcess(process.args, process.returncode, *outputs[text]))
+            for text, process in started.items()}
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_CONFIGS.items())
 @pytest.mark.multiprocess
-def test_bad_config_files_give_one_line_and_exit_2(tmp_path: Path, text: str, message: str) -> None:
-    config = tmp_path / "bad.yaml"
-    config.write_text(text)
-    result = launch("--config_file", str(config), str(SCRIPT), str(tmp_path), timeout=60)
+def test_bad_config_files_give_one_line_and_exit_2(bad_config_launches: dict[str, tuple[Path, Any]], text: str,
+                                                   message: str) -> None:
+    config, result = bad_config_launches[text]
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
