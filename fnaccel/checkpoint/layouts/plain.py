@@ -100,14 +100,14 @@ class PlainLayout:
     def read(self, state: Any, directory: Path, manifest: dict[str, Any],
              gradients: Mapping[str, torch.Tensor]) -> PlainRead | None:
         module = None if state.model is None else unwrap_model(state.model)
+        read = None if module is None else PlainRead(
+            weights=read_model(state, module, directory, manifest),
+            optimizer=read_optimizer(state, module, directory, manifest), gradients=gradients)
         params = {} if module is None else dict(module.named_parameters())
         check_tensors(gradients, {name: params[name] for name in gradients if name in params},
                       str(directory / f"rank{source_rank(manifest, state.dist)}.safetensors"),
                       "the model's parameters")
-        if module is None:
-            return None
-        return PlainRead(weights=read_model(state, module, directory, manifest),
-                         optimizer=read_optimizer(state, module, directory, manifest), gradients=gradients)
+        return read
 
     def restore(self, state: Any, read: PlainRead | None) -> None:
         if read is None:
