@@ -25,6 +25,7 @@ def test_the_tiny_run_writes_every_figure_and_the_suite_selection(tmp_path: Path
     assert done.returncode == 0, done.stderr
     bench_log = (tmp_path / "bench.log").read_text()
     assert "exit status 0" in bench_log, bench_log
+    assert "\ntorch " + torch.__version__ in (tmp_path / "env.txt").read_text()  # the machine's report
     figures = json.loads((tmp_path / "figures.json").read_text())
     assert not [row for row in figures["rows"] if "error" in row], bench_log
     assert figures["header"]["peak_bf16_flops"] is None  # no peak on the CPU, so no MFU

@@ -27,7 +27,7 @@ if [ $TINY = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-{
+env_report() {
   date -u
   nvidia-smi 2>&1 | head -20
   "$PY" -c "import sys, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda,
@@ -37,7 +37,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 for name in ('torchao', 'torchdata', 'deepspeed'):
     try: print(name, m.version(name), 'from', m.distribution(name).locate_file(''))
     except m.PackageNotFoundError: print(name, 'missing')"
-} > "$OUT/env.txt" 2>&1
+}
+if [ $TINY = 1 ]; then
+  env_report > "$OUT/env.txt" 2>&1 &  # beside the figures: the toy figures are checked, never compared
+else
+  env_report > "$OUT/env.txt" 2>&1  # before the figures, so that it cannot slow them
+fi
 
 # 1. the figures
 if [ $TINY = 1 ]; then
@@ -68,4 +73,5 @@ else
   echo "pytest exit status $?" >> "$OUT/suite.log"
   grep -E '^(FAILED|ERROR)|passed|failed' "$OUT/suite.log" | tail -40
 fi
+wait  # the --tiny run's environment report
 cat "$OUT/bench.log"
