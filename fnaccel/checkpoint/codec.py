@@ -18,6 +18,7 @@ import torch
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.checks import check_like, kind_of
 from fnaccel.rng import RNGState
+from fnaccel.checks import is_int
 
 __all__ = ["check_kind", "optimizer_payload", "optimizer_state", "restore_groups", "rng_from", "rng_payload"]
 
@@ -95,7 +96,7 @@ def _check_settings(optimizer: torch.optim.Optimizer, settings: dict[str, Any], 
     """Numbers a C double holds, and, for torch's own optimizers, settings their constructor
     accepts (``0 <= betas[0] < 1``, ``eps >= 0``, ...), checked on a `_throwaway` one."""
     for key, value in settings.items():
-        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+        if is_int(value) and not -2**63 <= value < 2**63:
             raise CheckpointError(f"{where}: key {key!r} is {value}, out of any range torch computes in")
     cls = type(optimizer)
     if not cls.__module__.startswith("torch.optim."):

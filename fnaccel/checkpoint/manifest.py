@@ -28,6 +28,7 @@ from typing import Any
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.files import LEFTOVER_MARKER, NAME_MAX, read_bounded, safe_relative
 from fnaccel.checkpoint.tensorfile import CHECKSUM, CHECKSUM_PATTERN
+from fnaccel.checks import is_int
 
 __all__ = [
     "FORMAT",
@@ -57,7 +58,7 @@ def manifest_hash(manifest: dict[str, Any]) -> str:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _files(value: Any) -> bool:
@@ -79,7 +80,7 @@ _FIELDS: Mapping[str, tuple[str, Callable[[Any], bool]]] = MappingProxyType({
     "step": ("an integer >= 0", _count),
     "micro_step": ("an integer >= 0", _count),
     "epoch": ("an integer >= 0", _count),
-    "seed": ("an integer or null", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool))),
+    "seed": ("an integer or null", lambda v: v is None or is_int(v)),
     "pipeline": ("a string", lambda v: isinstance(v, str)),
     "tied": ("an object of parameter names to parameter names",
              lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values()))),

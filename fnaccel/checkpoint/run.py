@@ -67,6 +67,7 @@ from fnaccel.dist import DistContext
 from fnaccel.protocols import CheckpointLayout
 from fnaccel.rng import RNGState
 from fnaccel.state import DataPosition, RunState
+from fnaccel.checks import is_int
 
 __all__ = ["load", "save"]
 
@@ -219,7 +220,7 @@ def _data_position(data: Any, manifest: dict[str, Any], state: RunState, where: 
         raise CheckpointError(f"{where}: 'data' must hold num_batches, loader_state and layout, got {data!r}")
     epoch, num_batches, loader_state = manifest["epoch"], data["num_batches"], data["loader_state"]
     for key, value in (("epoch", epoch), ("num_batches", num_batches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not is_int(value) or value < 0:
             raise CheckpointError(f"{where}: the data position's {key} must be an int >= 0, got {value!r}")
     if loader_state is not None and not isinstance(loader_state, dict):
         raise CheckpointError(f"{where}: the data position's loader_state must be a mapping or null")

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from fnaccel.dist import DistContext, data_parallel_context
 from fnaccel.transforms.base import Accumulation, Transform, options
 from fnaccel.transforms.phases import Phase
+from fnaccel.checks import is_int, is_number
 
 __all__ = ["ItemCount", "accumulate"]
 
@@ -75,8 +76,7 @@ class ItemCount:
     def load_state_dict(self, saved: dict[str, float | None]) -> None:
         for key in ("total", "loss_sum"):  # a checkpoint's JSON: checked before use
             value = saved[key]
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value)):
+            if value is not None and (not is_number(value) or not math.isfinite(value)):
                 raise ValueError(f"accumulate(normalize='items'): the saved {key} must be a finite number "
                                  f"or null, got {value!r}"[:300])
         self.total, self.loss_sum = (
@@ -109,7 +109,7 @@ def accumulate(
     >>> fa.accumulate(4)
     accumulate(num_steps=4)
     """
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+    if not is_int(num_steps) or num_steps < 1:
         raise ValueError(
             f"accumulate: num_steps must be a positive int, got {num_steps!r}; "
             "accumulate(1) steps every batch"

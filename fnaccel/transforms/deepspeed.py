@@ -36,6 +36,7 @@ from fnaccel.transforms.base import (Accumulation, Capability, EngineRequest, En
                                      Precision, options)
 from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin, EngineSettings, resolve_ds_config
 from fnaccel.transforms.phases import Phase
+from fnaccel.checks import is_int
 
 __all__ = ["DeepSpeedState", "deepspeed", "deepspeed_engine", "gathered_parameters", "master_partitions",
            "optimizer_over_partitions", "refresh_parameters", "zero_init"]
@@ -232,7 +233,7 @@ def deepspeed(**settings: Any) -> EngineTransform:
         prepare_engine=lambda request: _prepare_engine(plugin, request),
         backward=_backward,
         takes_over=frozenset({Capability.CLIPS_GRADIENTS}),
-        micro_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1 else 1,
+        micro_steps=steps if is_int(steps) and steps > 1 else 1,
     )
 
 

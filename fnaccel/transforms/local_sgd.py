@@ -22,6 +22,7 @@ from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
 from fnaccel.transforms.parallel import unwrap_compiled
 from fnaccel.transforms.phases import Phase
+from fnaccel.checks import is_int
 
 __all__ = ["LocalSGDState", "local_sgd"]
 
@@ -76,7 +77,7 @@ def local_sgd(local_sgd_steps: int) -> Transform:
     >>> fa.compose(fa.ddp(), local_sgd(8))
     compose(ddp(), local_sgd(local_sgd_steps=8))
     """
-    if isinstance(local_sgd_steps, bool) or not isinstance(local_sgd_steps, int) or local_sgd_steps < 1:
+    if not is_int(local_sgd_steps) or local_sgd_steps < 1:
         raise ValueError(f"local_sgd: local_sgd_steps must be an int >= 1, got {local_sgd_steps!r}")
 
     def init(ctx: DistContext) -> LocalSGDState:

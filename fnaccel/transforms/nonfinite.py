@@ -40,6 +40,7 @@ from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
 from fnaccel.transforms.clip import dtensor_class, global_grad_norm
 from fnaccel.transforms.phases import Phase
+from fnaccel.checks import is_int
 
 __all__ = ["NonFiniteUpdateError", "SkipNonfiniteState", "skip_nonfinite"]
 
@@ -73,7 +74,7 @@ class SkipNonfiniteState:
 
     def load_state_dict(self, saved: dict[str, int]) -> None:
         skipped, consecutive = saved["num_skipped"], saved["num_consecutive"]
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (skipped, consecutive)) \
+        if not all(is_int(n) and n >= 0 for n in (skipped, consecutive)) \
                 or consecutive > skipped:
             raise ValueError(f"skip_nonfinite: saved counts must be integers with 0 <= num_consecutive <= "
                              f"num_skipped, got num_skipped={skipped!r}, num_consecutive={consecutive!r}")
@@ -146,7 +147,7 @@ def skip_nonfinite(max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> Transform:
     >>> bool(torch.isfinite(model.weight).all())
     True
     """
-    if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) or max_consecutive < 1:
+    if not is_int(max_consecutive) or max_consecutive < 1:
         raise ValueError(f"skip_nonfinite: max_consecutive must be a positive int (the skips in a row "
                          f"that end the run), got {max_consecutive!r}")
 

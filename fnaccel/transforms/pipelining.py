@@ -41,6 +41,7 @@ from fnaccel.transforms.base import Capability, Pipeline, Transform, options
 from fnaccel.transforms.parallel import unwrap_compiled
 from fnaccel.transforms.precision import AutocastForward
 from fnaccel.transforms.phases import Phase
+from fnaccel.checks import is_int
 
 __all__ = ["InOrder", "PipelinedModel", "SCHEDULES", "pp", "reduce_norm", "split_stages", "stage_group"]
 
@@ -301,11 +302,11 @@ def pp(
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"fa.pp: schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+    if not is_int(num_microbatches) or num_microbatches < 1:
         raise ValueError(f"fa.pp: num_microbatches must be a positive int, got {num_microbatches!r}")
     if num_stages is not None and split_points:
         raise ValueError("fa.pp: give num_stages or split_points, not both")
-    if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
+    if num_stages is not None and (not is_int(num_stages)
                                    or num_stages < 1):
         raise ValueError(f"fa.pp: num_stages must be a positive int, got {num_stages!r}")
     if isinstance(split_points, str):
