@@ -118,6 +118,7 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[.
     """Installs fake packages (a module plus, optionally, dist-info metadata) on sys.path."""
     monkeypatch.syspath_prepend(str(tmp_path))
     created: list[str] = []
+    before = set(sys.modules)  # a real package already imported (torchao, by an fp8 test) stays
 
     def install(module: str, *, version: str | None = None, dist: str | None = None,
                 files: dict[str, str] | None = None) -> None:
@@ -135,7 +136,7 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[.
 
     yield install
     for name in list(sys.modules):
-        if name.split(".")[0] in created:
+        if name.split(".")[0] in created and name not in before:  # only what a fake package imported
             del sys.modules[name]
 
 
