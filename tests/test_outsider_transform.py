@@ -6,7 +6,10 @@
 ranks. It declares `Capability.AVERAGES_GRADIENTS`, which is all `fa.prepare`
 asks of a pipeline on several processes (it never looks for the name
 ``ddp``). On 2 processes it prepares, steps, saves and resumes bit for bit
-like `fa.ddp()`, with no change to fnaccel (issue 27, point 1).
+like `fa.ddp()`, with no change to fnaccel (issue 27, point 1); given a
+checkpoint layout of its own (`ReplicaLayout`: torch's state_dicts in files
+named after it, written from the `fnaccel.protocols.CheckpointLayout` hooks),
+it saves and resumes through that layout, bit for bit too (point 3).
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
+from fnaccel.checkpoint.files import read_json, read_tensors
 
 NUM_SAMPLES, BATCH = 40, 4  # 5 batches per epoch on each of 2 processes
 
 
-def allreduce_gradients() -> fa.Transform:
+def allreduce_gradients(layout: Any = None) -> fa.Transform:
     """Data parallel in a few lines: the replicas start equal and average their gradients."""
 
     def prepare_model(ctx: Any, model: nn.Module, state: Any) -> nn.Module:
@@ -48,7 +52,48 @@ def allreduce_gradients() -> fa.Transform:
         init=lambda ctx: ctx,  # its state: the run's context (nothing to save)
         prepare_model=prepare_model,
         before_update=before_update,
+        layout=layout,
     )
+
+
+class ReplicaLayout:
+    """The outsider's checkpoint layout: rank 0 writes the model's and the optimizer's
+    ``state_dict()`` as torch gives them (the optimizer's parameters by index), each
+    rank its gradients when the save falls inside an accumulation window."""
+
+    def snapshot(self, state: fa.RunState, files: Any) -> None:
+        model, optimizer = state.model, state.optimizer
+        if any(p.grad is not None for p in model.parameters()):
+            files.add_tensors(f"rank{files.rank}.safetensors", {
+                f"grad/{name}": p.grad for name, p in model.named_parameters() if p.grad is not None})
+        if files.writer:
+            files.add_tensors("replica_model.safetensors", model.state_dict())
+            saved = optimizer.state_dict()
+            files.add_tensors("replica_optimizer.safetensors", {
+                f"{index}/{key}": value for index, values in saved["state"].items()
+                for key, value in values.items()})
+            files.add_json("replica_optimizer.json", {"param_groups": saved["param_groups"]})
+
+    def write(self, captured: None, ctx: Any, directory: Path) -> dict[str, Any]:
+        return {}  # every file is in the snapshot
+
+    def read(self, state: fa.RunState, directory: Path, manifest: dict[str, Any],
+             gradients: dict[str, torch.Tensor]) -> dict[str, Any]:
+        tensors = read_tensors(directory, "replica_optimizer.safetensors", manifest)
+        by_param: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            index, name = key.split("/")
+            by_param.setdefault(int(index), {})[name] = value
+        groups = read_json(directory, "replica_optimizer.json", manifest)["param_groups"]
+        return {"model": read_tensors(directory, "replica_model.safetensors", manifest),
+                "optimizer": {"state": by_param, "param_groups": groups}, "gradients": gradients}
+
+    def restore(self, state: fa.RunState, read: dict[str, Any]) -> None:
+        state.model.load_state_dict(read["model"])
+        state.optimizer.load_state_dict(read["optimizer"])
+        for name, p in state.model.named_parameters():
+            grad = read["gradients"].get(name)
+            p.grad = None if grad is None else grad.clone()
 
 
 def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
@@ -81,10 +126,12 @@ def _weights(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def outsider_against_ddp(state: fa.RunState, directory: str, stop_after: int) -> dict[str, Any]:
+def outsider_against_ddp(state: fa.RunState, directory: str, own_directory: str,
+                         stop_after: int) -> dict[str, Any]:
     """On each rank, under accumulate(2) (DDP's no_sync micro-steps, then its averaged one):
     fa.ddp() straight through; the outsider straight through; the outsider saved after
-    ``stop_after`` batches and resumed into fresh objects."""
+    ``stop_after`` batches and resumed into fresh objects, through the layout its
+    capabilities choose and through its own `ReplicaLayout`."""
     extra = (fa.accumulate(2),)
     ddp, ddp_model = _fresh(state, fa.compose(fa.ddp(), *extra))
     ddp, ddp_losses = _train(ddp)
@@ -102,24 +149,39 @@ def outsider_against_ddp(state: fa.RunState, directory: str, stop_after: int) ->
     second = fa.load(second, directory)
     second, rest = _train(second)
     fa.shutdown(second)
+
+    own = fa.compose(allreduce_gradients(ReplicaLayout()), *extra)
+    first, own_first_losses = _train(_fresh(fa.init(seed=0, cpu=True), own)[0], stop_after=stop_after)
+    fa.save(first, own_directory)
+    fa.shutdown(first)
+    third, own_model = _fresh(fa.init(seed=0, cpu=True), own)
+    third = fa.load(third, own_directory)
+    third, own_rest = _train(third)
+    fa.shutdown(third)
     return {
-        "losses": {"ddp": ddp_losses, "outsider": whole_losses, "resumed": first_losses + rest},
+        "losses": {"ddp": ddp_losses, "outsider": whole_losses, "resumed": first_losses + rest,
+                   "own layout": own_first_losses + own_rest},
         "weights": {"ddp": _weights(ddp_model), "outsider": _weights(whole_model),
-                    "resumed": _weights(resumed_model)},
-        "steps": (ddp.step, whole.step, second.step),
+                    "resumed": _weights(resumed_model), "own layout": _weights(own_model)},
+        "steps": (ddp.step, whole.step, second.step, third.step),
     }
 
 
 def test_an_outsider_data_parallel_transform_equals_ddp_bit_for_bit(world2: Any, tmp_path: Path) -> None:
     stop_after = 7  # mid-epoch 1, inside an accumulation window (its gradients are saved)
-    results = world2.run(outsider_against_ddp, str(tmp_path / "ckpt"), stop_after)
+    results = world2.run(outsider_against_ddp, str(tmp_path / "ckpt"), str(tmp_path / "own"), stop_after)
     for rank, result in enumerate(results):
         losses, weights = result["losses"], result["weights"]
-        assert losses["outsider"] == losses["ddp"] == losses["resumed"], (rank, losses)
-        for kind in ("outsider", "resumed"):
+        assert losses["outsider"] == losses["ddp"] == losses["resumed"] == losses["own layout"], (rank, losses)
+        for kind in ("outsider", "resumed", "own layout"):
             assert all(torch.equal(p, q) for p, q in zip(weights[kind], weights["ddp"], strict=True)), (rank, kind)
-        assert result["steps"] == (5, 5, 5)  # 10 batches on each rank, 2 per update
+        assert result["steps"] == (5, 5, 5, 5)  # 10 batches on each rank, 2 per update
     # the replicas agree: the gradients were averaged, not kept per rank
     assert all(torch.equal(p, q) for p, q in zip(results[0]["weights"]["resumed"], results[1]["weights"]["resumed"]))
     # the checkpoint is the replicated layout fa.ddp()'s is (chosen from the capabilities, not the name)
     assert (tmp_path / "ckpt" / "model.safetensors").is_file()
+    # the outsider's own layout wrote its files instead of the plain layout's (and both ranks' gradients)
+    written = {p.name for p in (tmp_path / "own").iterdir()}
+    assert {"replica_model.safetensors", "replica_optimizer.safetensors", "replica_optimizer.json",
+            "rank0.safetensors", "rank1.safetensors"} <= written, written
+    assert not {"model.safetensors", "optimizer.safetensors", "optimizer.json"} & written, written
