@@ -125,3 +125,49 @@ def literal_port_counts(state: fa.RunState, sizes: tuple[int, ...], batch_size: 
             indices += index.tolist()
         seen[n] = {"indices": indices, "num_valid_is_length": all(v == len(b["index"]) for b, v in steps)}
     return seen
+
+
+class Wrapped(Dataset[tuple[torch.Tensor, ...]]):
+    """The same samples behind a plain Dataset: read one at a time, as any dataset is."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return self.data[index]
+
+
+def tensor_dataset_reads(state: fa.RunState, sizes: tuple[int, ...], batch_size: int) -> dict[int, dict[str, Any]]:
+    """A TensorDataset's evaluation batches (one indexing per tensor) against the same
+    samples read one at a time, step for step; and how many samples the TensorDataset
+    read one at a time (its type made exact again, so the indexed read applies)."""
+    state = model_and_state(state)
+    seen = {}
+    for n in sizes:
+        g = torch.Generator().manual_seed(n)
+        data = TensorDataset(torch.randn(n, 3, generator=g), torch.randint(0, 5, (n,), generator=g))
+        plain, reads = TensorDataset.__getitem__, [0]
+
+        def counted(self: TensorDataset, index: int) -> tuple[torch.Tensor, ...]:
+            reads[0] += 1
+            return plain(self, index)
+
+        TensorDataset.__getitem__ = counted  # type: ignore[method-assign]
+        try:
+            indexed = list(fa.eval_batches(state, DataLoader(data, batch_size=batch_size)))
+        finally:
+            TensorDataset.__getitem__ = plain  # type: ignore[method-assign]
+        one_by_one = list(fa.eval_batches(state, DataLoader(Wrapped(data), batch_size=batch_size)))
+        same = len(indexed) == len(one_by_one) and all(
+            v == w and len(b) == len(c) and all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(b, c))
+            for (b, v), (c, w) in zip(indexed, one_by_one))
+        fn = lambda m, b: {"out": m(b[0]), "label": b[1]}  # noqa: E731
+        a, b = fa.evaluate(state, DataLoader(data, batch_size=batch_size), fn), \
+            fa.evaluate(state, DataLoader(Wrapped(data), batch_size=batch_size), fn)
+        seen[n] = {"same_batches": same, "reads": reads[0], "num_steps": len(indexed),
+                   "same_outputs": torch.equal(a["out"], b["out"]) and torch.equal(a["label"], b["label"]),
+                   "labels_in_order": torch.equal(a["label"], data.tensors[1])}
+    return seen

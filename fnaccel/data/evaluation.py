@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from fnaccel.data.fetch import IndexFetch, batch_fetch
 from fnaccel.data.iterable import shard_iterable
 from fnaccel.data.loader import Collate, CollateSteps, loader_plan
 from fnaccel.data.prepared import Collated
@@ -100,6 +101,9 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int
     if num_samples == 0:
         raise ValueError("fa.eval_batches: the evaluation dataset is empty")
     shards = eval_shards(num_samples, plan.batch_size, num_processes, rank, even_batches)
+    fetch = batch_fetch(loader, collate, ctx.device)
+    if isinstance(fetch, IndexFetch):  # a TensorDataset: one indexing per tensor, as fa.batches reads it
+        return ((fetch(torch.tensor(s.indices, dtype=torch.long)), s.num_valid) for s in shards)
     reader = DataLoader(loader.dataset, batch_sampler=[list(s.indices) for s in shards], collate_fn=collate,
                         **_reader(loader))
     return ((send_to_device(b, ctx.device), s.num_valid) for b, s in zip(reader, shards))
