@@ -177,12 +177,9 @@ def cycles(edges: dict[str, dict[str, str]], allowed: frozenset[tuple[str, str]]
     return found
 
 
-# What the package does today against the rules above, each to be removed by issue 27's regrouping of
-# the package (point 4): (importer, imported) -> why it is still here. An entry no longer needed fails.
-ALLOWED_PRIVATE_IMPORTS = {
-    ("fnaccel.transforms.base", "fnaccel.ops._shapes"):
-        "Collective's call info carries the shape table that ops/ agrees on; it moves with the collectives",
-}
+# What the package still does against the rules above, after issue 27's regrouping (point 4):
+# (importer, imported) -> why it is still here. An entry no longer needed fails.
+ALLOWED_PRIVATE_IMPORTS: dict[tuple[str, str], str] = {}
 ALLOWED_MODULE_CYCLE_EDGES = {
     ("fnaccel.transforms.plugins.deepspeed", "fnaccel.transforms.deepspeed"):
         "DeepSpeedPlugin.zero3_init_context_manager (Accelerate's method) calls the engine's zero_init",

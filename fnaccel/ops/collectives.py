@@ -33,6 +33,7 @@ from fnaccel.ops.tree import is_other_leaf, tree_leaves, tree_paths, tree_unflat
 __all__ = [
     "REDUCTIONS",
     "CannotPadNestedTensorWarning",
+    "ShapeTable",  # the shapes every rank agreed on: a pad's result, read by a following gather
     "broadcast",
     "broadcast_object_list",
     "check_reduction",

@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fnaccel.constants import PrecisionType
 from fnaccel.dist import DistContext, as_dist
-from fnaccel.ops._shapes import ShapeTable
 from fnaccel.protocols import CheckpointLayout
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from fnaccel.ops.collectives import ShapeTable
     from fnaccel.state import DataPosition, RunState
 
 __all__ = [
