@@ -300,9 +300,13 @@ LAUNCH_VARIABLES: Mapping[str, str] = MappingProxyType({
 })
 # Sections travel key by key: fsdp_offload_params as FNACCEL_FSDP_OFFLOAD_PARAMS, and so on. Keys of
 # the sections whose names carry no prefix of their own get one (zero_stage: FNACCEL_DEEPSPEED_ZERO_STAGE).
-_SECTIONS = (("fsdp_config", "FNACCEL_FSDP_"), ("dynamo_config", "FNACCEL_DYNAMO_"),
-             ("parallelism_config", "FNACCEL_PARALLELISM_CONFIG_"))
-_PREFIXED_SECTIONS = (("deepspeed_config", "FNACCEL_DEEPSPEED_"), ("fp8_config", "FNACCEL_FP8_"))
+# (section, the prefix its variables start with, what precedes the key's name in a variable, the
+# distributed type a launch must have for the section to travel; None: always)
+_SECTIONS = (("fsdp_config", "FNACCEL_FSDP_", "FNACCEL_", "FSDP"),
+             ("dynamo_config", "FNACCEL_DYNAMO_", "FNACCEL_", None),
+             ("parallelism_config", "FNACCEL_PARALLELISM_CONFIG_", "FNACCEL_", None),
+             ("deepspeed_config", "FNACCEL_DEEPSPEED_", "FNACCEL_DEEPSPEED_", "DEEPSPEED"),
+             ("fp8_config", "FNACCEL_FP8_", "FNACCEL_FP8_", None))
 _USE_FSDP = "FNACCEL_USE_FSDP"  # Accelerate's ACCELERATE_USE_FSDP; read when no distributed type is
 
 
@@ -328,18 +332,12 @@ def launch_env(config: LaunchConfig) -> dict[str, str]:
     env[_USE_FSDP] = _text(config.distributed_type == "FSDP")
     if config.source is not None:
         env[CONFIG_FILE_ENV] = str(Path(config.source).resolve())
-    for key, prefix in _SECTIONS:
-        if key == "fsdp_config" and config.distributed_type != "FSDP":
+    for key, _, head, only_for in _SECTIONS:
+        if only_for is not None and config.distributed_type != only_for:
             continue
         for name, value in getattr(config, key).items():
             if value is not None:
-                env[f"FNACCEL_{name.upper()}"] = _text(value)
-    for key, prefix in _PREFIXED_SECTIONS:
-        if key == "deepspeed_config" and config.distributed_type != "DEEPSPEED":
-            continue
-        for name, value in getattr(config, key).items():
-            if value is not None:
-                env[f"{prefix}{name.upper()}"] = _text(value)
+                env[f"{head}{name.upper()}"] = _text(value)
     return env
 
 
@@ -366,13 +364,8 @@ def with_launch_env(config: LaunchConfig, environ: Mapping[str, str]) -> LaunchC
         changes[key] = check_config_value(key, value, name)
     if "distributed_type" not in changes and _flag(_USE_FSDP, environ.get(_USE_FSDP, "")):
         changes["distributed_type"] = "FSDP"
-    for key, prefix in _SECTIONS:
-        overlay = {name[len("FNACCEL_"):].lower(): value for name, value in environ.items()
-                   if name.startswith(prefix)}
-        if overlay:
-            changes[key] = {**getattr(config, key), **overlay}
-    for key, prefix in _PREFIXED_SECTIONS:
-        overlay = {name[len(prefix):].lower(): value for name, value in environ.items()
+    for key, prefix, head, _ in _SECTIONS:
+        overlay = {name[len(head):].lower(): value for name, value in environ.items()
                    if name.startswith(prefix)}
         if overlay:
             changes[key] = {**getattr(config, key), **overlay}
