@@ -28,7 +28,7 @@ from fnaccel import dryrun
 from fnaccel.dist import data_parallel
 from fnaccel.state import RunState
 from fnaccel.train import StepPlan, scheduler_steps, training_transforms
-from fnaccel.transforms.base import Capability, Collective, EngineRequest, Pipeline, Precision, compose
+from fnaccel.transforms.base import Capability, Collective, EngineRequest, Pipeline, Precision, Transform, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.fp8 import recipe_from_config
 from fnaccel.transforms.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
@@ -152,6 +152,18 @@ def _rebind_optimizer(optimizer: torch.optim.Optimizer, before: dict[int, str], 
         group["params"] = kept
 
 
+def _as_pipeline(pipeline: Any) -> Pipeline | None:
+    """A single transform is a pipeline of one; anything else but a pipeline (a list of
+    transforms, a function, a name) is refused here rather than deep inside `prepare`."""
+    if pipeline is None or isinstance(pipeline, Pipeline):
+        return pipeline
+    if isinstance(pipeline, (Transform, Collective)):
+        return compose(pipeline)
+    raise TypeError(
+        f"fa.prepare: pipeline must be a transform or fa.compose(...) of transforms, got "
+        f"{type(pipeline).__name__} {pipeline!r:.80}; write pipeline=fa.compose(fa.ddp(), fa.accumulate(4), ...)")
+
+
 def prepare(
     state: RunState,
     model: nn.Module | None = None,
@@ -159,7 +171,7 @@ def prepare(
     loader: Any = None,
     scheduler: Any = None,
     *,
-    pipeline: Pipeline | None = None,
+    pipeline: Pipeline | Transform | None = None,
     loss_fn: LossFn | None = None,
 ) -> RunState:
     """Consumes ``state``: move the model to the device, apply the pipeline's
@@ -169,13 +181,17 @@ def prepare(
         state: the run's state.
         model, optimizer, loader, scheduler: live PyTorch objects; any may be
             left out and given to a later `prepare`.
-        pipeline: composed training transforms; default: the launch config's
+        pipeline: composed training transforms (``fa.compose(...)``; a single
+            transform is a pipeline of one); default: the launch config's
             (`fa.default_pipeline`).
         loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``; default:
             `default_loss_fn`.
 
     Returns:
         The prepared state.
+
+    Raises:
+        TypeError: ``pipeline`` is neither a transform nor ``fa.compose(...)``'s value.
 
     >>> import fnaccel as fa, torch
     >>> model = torch.nn.Linear(2, 1)
@@ -187,6 +203,7 @@ def prepare(
     by = "fa.prepare"
     state.check_fresh(by)
     ctx = state.dist
+    pipeline = _as_pipeline(pipeline)
     if pipeline is None:
         held = state.pipeline
         assert held is None or isinstance(held, Pipeline), "a state's pipeline comes from fa.prepare"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -109,3 +111,31 @@ def test_a_single_transform_is_callable() -> None:
 def test_training_transforms_and_collectives_do_not_mix() -> None:
     with pytest.raises(ValueError, match="autocast.* is a training transform and gather\\(\\) a collective"):
         fa.compose(fa.autocast(fa.bf16), fa.gather())
+
+
+def _linear() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(2, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).pow(2).mean() * 100  # large enough for clip_grad_norm(1.0) to clip
+
+
+@pytest.mark.parametrize("bare", [fa.ddp, lambda: fa.clip_grad_norm(1.0), lambda: fa.accumulate(2)],
+                         ids=["ddp", "clip_grad_norm", "accumulate"])
+def test_a_bare_transform_is_a_pipeline_of_one(bare: Any) -> None:
+    model, opt = _linear()
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, opt, pipeline=bare(), loss_fn=_loss)
+    assert state.pipeline == fa.compose(bare())
+    state, _ = fa.step(state, torch.ones(4, 2))
+    assert state.micro_step == 1
+
+
+@pytest.mark.parametrize("value", [[fa.ddp()], (fa.ddp(), fa.accumulate(2)), fa.ddp, "ddp"],
+                         ids=["list", "tuple", "function", "string"])
+def test_a_pipeline_that_is_not_one_names_compose(value: Any) -> None:
+    model, opt = _linear()
+    with pytest.raises(TypeError, match=r"pipeline must be a transform or fa\.compose\(\.\.\.\) of transforms, "
+                                        f"got {type(value).__name__} .*write pipeline=fa.compose"):
+        fa.prepare(fa.init(seed=0, cpu=True), model, opt, pipeline=value, loss_fn=_loss)
