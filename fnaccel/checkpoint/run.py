@@ -44,6 +44,7 @@ import os
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ from fnaccel.rng import RNGState
 from fnaccel.state import DataPosition, RunState
 from fnaccel.checks import is_int
 
-__all__ = ["load", "save"]
+__all__ = ["load", "save", "start_save"]
 
 
 def _target(path: Path) -> Path:
@@ -122,6 +123,14 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
     >>> fa.save(fa.init(cpu=True), folder / "ckpt").path.name
     'ckpt'
     """
+    return start_save(state, path, blocking=blocking)
+
+
+def start_save(state: RunState, path: str | Path | None, *, blocking: bool,
+               on_commit: Callable[[Path], None] | None = None) -> SaveHandle:
+    """`save`, then ``on_commit(path)`` on the ranks that wrote the shared files, once the
+    checkpoint is in place and before the save's handle is done (`fa.autosave`'s rotation);
+    its error fails the save on every rank, naming the checkpoint as saved."""
     state.check_fresh("fa.save")
     saves = state.resources.setdefault("saves", SaveQueue)
     saves.wait()
@@ -161,6 +170,8 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
         if project.total_limit is not None and automatic:
             assert project_dir is not None
             rotate(project_dir, project.total_limit, committed)
+        if on_commit is not None:
+            on_commit(committed)
 
     def write(on: DistContext) -> None:
         try:
