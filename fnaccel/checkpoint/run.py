@@ -127,8 +127,8 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
 
 
 def start_save(state: RunState, path: str | Path | None, *, blocking: bool,
-               on_commit: Callable[[Path], None] | None = None) -> SaveHandle:
-    """`save`, then ``on_commit(path)`` on the ranks that wrote the shared files, once the
+               after_commit: Callable[[Path], None] | None = None) -> SaveHandle:
+    """`save`, then ``after_commit(path)`` on the ranks that wrote the shared files, once the
     checkpoint is in place and before the save's handle is done (`fa.autosave`'s rotation);
     its error fails the save on every rank, naming the checkpoint as saved."""
     state.check_fresh("fa.save")
@@ -170,8 +170,8 @@ def start_save(state: RunState, path: str | Path | None, *, blocking: bool,
         if project.total_limit is not None and automatic:
             assert project_dir is not None
             rotate(project_dir, project.total_limit, committed)
-        if on_commit is not None:
-            on_commit(committed)
+        if after_commit is not None:
+            after_commit(committed)
 
     def write(on: DistContext) -> None:
         try:
