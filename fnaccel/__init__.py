@@ -55,6 +55,8 @@ _PUBLIC = MappingProxyType({
     "load": "fnaccel.checkpoint.run",
     "ProjectConfiguration": "fnaccel.checkpoint.project",
     "latest_checkpoint": "fnaccel.checkpoint.latest",
+    "save_policy": "fnaccel.checkpoint.policy",
+    "autosave": "fnaccel.checkpoint.policy",
     "save_model": "fnaccel.checkpoint.weights",
     # Debugging
     "diff": "fnaccel.debug.diff",

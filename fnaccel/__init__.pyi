@@ -18,6 +18,10 @@ from fnaccel.checkpoint.latest import (
     SkippedCheckpointWarning as SkippedCheckpointWarning,
     latest_checkpoint as latest_checkpoint,
 )
+from fnaccel.checkpoint.policy import (
+    autosave as autosave,
+    save_policy as save_policy,
+)
 from fnaccel.checkpoint.project import (
     ProjectConfiguration as ProjectConfiguration,
 )
