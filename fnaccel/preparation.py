@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fnaccel import dryrun
+from fnaccel.config.parallelism import DATA_PARALLEL_DIMS, TRANSFORM_FOR_DIM
 from fnaccel.dist import data_parallel
 from fnaccel.state import RunState
 from fnaccel.train import StepPlan, scheduler_steps, training_transforms
@@ -124,10 +125,15 @@ def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
             "never averaged. Add fa.ddp() (a no-op in a world of one)."
         )
     layout = state.dist.parallelism
-    if layout is not None and layout.tp_size > 1 and Capability.TENSOR_PARALLEL not in capabilities:
-        raise ValueError(
-            f"fa.prepare: the mesh has tp_size={layout.tp_size} but {pipeline!r} has no fa.tp(plan); "
-            "add fa.tp({'module.name': ColwiseParallel(), ...}) to the pipeline, or set tp_size=1")
+    sizes = {} if layout is None else layout.sizes
+    for dim, size in sizes.items():
+        # a dimension that splits the model, with nothing consuming it: its ranks would each train the
+        # whole model on the same batches (the data is split over the data-parallel dimensions only)
+        if size > 1 and dim not in DATA_PARALLEL_DIMS and dim not in pipeline.mesh_dims:
+            fix = TRANSFORM_FOR_DIM.get(dim, f"a transform whose mesh_dims include {dim!r}")
+            raise ValueError(
+                f"fa.prepare: the mesh has {dim}_size={size} but {pipeline!r} has no transform over its "
+                f"{dim} dimension; add {fix} to the pipeline, or set {dim}_size=1")
     for t in training_transforms(pipeline):
         if t.check_pipeline is not None:
             pipeline = t.check_pipeline(pipeline, state.dist)

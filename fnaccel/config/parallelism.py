@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from fnaccel._errors import ConfigError
@@ -27,9 +28,20 @@ from fnaccel.checks import is_int
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_DIMS", "ParallelismConfig", "build_mesh"]
+__all__ = ["DATA_PARALLEL_DIMS", "MESH_DIMS", "ParallelismConfig", "TRANSFORM_FOR_DIM", "build_mesh"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# The dimensions whose ranks read different data; fa.prepare asks for a transform that averages
+# gradients over them. Every other dimension splits the model and needs a transform that consumes
+# it (`Transform.mesh_dims`), or each of its ranks would silently train the whole model.
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+# What fa.prepare tells a user to add for a model-splitting dimension larger than one that no
+# transform of the pipeline consumes; a dimension missing here gets a generic sentence.
+TRANSFORM_FOR_DIM = MappingProxyType({
+    "pp": "fa.pp(loss_fn=lambda output, target: ..., num_microbatches=...)",
+    "cp": "a context-parallel transform (none is built yet)",
+    "tp": "fa.tp({'module.name': ColwiseParallel(), ...})",
+})
 _KEY_PREFIX = "parallelism_config_"
 _CP_STRATEGIES = ("allgather", "alltoall")
 

@@ -250,7 +250,7 @@ class Capability(Enum):
     RUNS_FORWARD_BACKWARD = "runs the forward and backward passes itself"
     # pp; fa.prepare refuses a loader sharded over the ranks that must read alike
     SAME_BATCH_ACROSS_RANKS = "needs every rank of its group to read the same batches"
-    # tp; fa.prepare needs one when the mesh has tp_size > 1; the sharded checkpoint layout
+    # tp; the sharded checkpoint layout (fa.prepare asks Transform.mesh_dims for the tp dimension)
     TENSOR_PARALLEL = "splits layers over the mesh's tensor-parallel dimension"
     # grad_scaler, deepspeed; autocast(fa.fp16) adds a grad_scaler() only when none is there
     SCALES_LOSS = "scales the loss before backward (fp16)"
@@ -357,6 +357,10 @@ class Transform:
         conflict_fix: what `compose` tells the user when a conflict is found
             (the generic advice when empty).
         capabilities: what it does (`Capability`), asked instead of its name.
+        mesh_dims: the mesh dimensions (`fnaccel.config.MESH_DIMS`) it lays the
+            model over (``fa.tp``: ``tp``; ``fa.pp``: ``pp``); `fa.prepare`
+            refuses a run whose mesh has such a dimension larger than one that
+            no transform of the pipeline consumes.
         settings: a typed record of the settings other code reads
             (`Precision`, `GradientClipping`, `Accumulation`), or None;
             ``options`` is for printing, equality and the saved record only.
@@ -380,6 +384,7 @@ class Transform:
     conflicts: frozenset[str] = frozenset()
     conflict_fix: str = field(default="", compare=False)
     capabilities: frozenset[Capability] = frozenset()
+    mesh_dims: frozenset[str] = frozenset()
     settings: object = None
     check_pipeline: PipelineCheckFn | None = field(default=None, compare=False)
     # How `fa.save` / `fa.load` lay out the model and optimizer (`fnaccel.checkpoint.layouts`): a
@@ -481,6 +486,11 @@ class Pipeline:
     def capabilities(self) -> frozenset[Capability]:
         """What the training transforms do, together (`Capability`)."""
         return frozenset().union(*(t.capabilities for t in self.transforms if isinstance(t, Transform)))
+
+    @property
+    def mesh_dims(self) -> frozenset[str]:
+        """The mesh dimensions the training transforms lay the model over, together."""
+        return frozenset().union(*(t.mesh_dims for t in self.transforms if isinstance(t, Transform)))
 
     def settings(self, kind: type[S]) -> S | None:
         """The settings record of type ``kind`` a transform declares (`Precision`,

@@ -349,6 +349,7 @@ def pp(
             "itself (no compile of the whole model, no fp16 loss scaling); drop the other transform"),
         capabilities=frozenset({Capability.SPLITS_MODEL, Capability.RUNS_FORWARD_BACKWARD,
                                 Capability.SAME_BATCH_ACROSS_RANKS}),
+        mesh_dims=frozenset({"pp"}),
         check_pipeline=check_pipeline,
         prepare_model=prepare_model,
         forward_backward=forward_backward,

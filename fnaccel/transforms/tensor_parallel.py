@@ -91,5 +91,5 @@ def tp(plan: Plan) -> Transform:
     shown = list(plan) if isinstance(plan, Mapping) else getattr(plan, "__name__", repr(plan))
     return Transform(name="tp", options=options(plan=shown), phase=Phase.TENSOR_PARALLEL,
                      conflicts=frozenset({"ddp"}), prepare_model=prepare_model,
-                     capabilities=frozenset({Capability.TENSOR_PARALLEL}),
+                     capabilities=frozenset({Capability.TENSOR_PARALLEL}), mesh_dims=frozenset({"tp"}),
                      conflict_fix="ddp() replicates whole parameters; use fa.fsdp() with fa.tp() (FSDP + TP)")

@@ -121,6 +121,15 @@ def refused(state: fa.RunState, case: str) -> str:
         model[2] = model[6]  # stage 0 holds children 0-3, stage 1 children 4-7
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     batch = batches(1)[0]
+    if case == "no_pp":  # a mesh of 2 stages and a pipeline without fa.pp: each rank would train it all
+        run = fa.init(cpu=True, parallelism=fa.ParallelismConfig(pp_size=2))
+        try:
+            fa.prepare(run, model, opt)
+        except ValueError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            fa.shutdown(run)
+        return "accepted"
     try:
         if case == "microbatches":
             batch = (batch[0][:6], batch[1][:6])

@@ -77,6 +77,7 @@ def test_another_stage_layout_is_refused_on_resume(world2: Any, tmp_path: Path) 
     ("loader", "DataLoaderConfiguration(shard=False)"),
     ("prepare_loss_fn", "drop fa.prepare's loss_fn"),
     ("late_optimizer", "build it from state.model.parameters()"),
+    ("no_pp", "pp_size=2 but compose(ddp()) has no transform over its pp dimension; add fa.pp(loss_fn="),
 ])
 def test_invalid_setups_are_refused_with_the_fix(world2: Any, case: str, message: str) -> None:
     for result in world2.run(jobs.refused, case):
