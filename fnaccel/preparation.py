@@ -236,9 +236,12 @@ def prepare(
             if t.prepare_model is not None:
                 model = t.prepare_model(ctx, model, transform_states.get(t.name))
         if engine is not None:
+            groups = [] if optimizer is None else list(optimizer.param_groups)
             model, optimizer = engine.prepare_engine(EngineRequest(
                 ctx=ctx, pipeline=pipeline, model=model, optimizer=optimizer,
                 micro_batch_size=getattr(loader, "batch_size", None), state=transform_states.get(engine.name)))
+            if optimizer is not None:
+                _realign_scheduler(scheduler if scheduler is not None else state.scheduler, optimizer, groups)
         elif optimizer is not None:
             _rebind_optimizer(optimizer, names, model)
         changes["model"] = model
@@ -251,6 +254,9 @@ def prepare(
             _check_optimizer_params(optimizer, state.model)
         changes["optimizer"] = optimizer
     if scheduler is not None:
+        held_optimizer = changes.get("optimizer", state.optimizer)
+        if held_optimizer is not None:
+            _check_scheduler_groups(scheduler, held_optimizer)
         changes["scheduler"] = scheduler
     if loss_fn is not None:
         if Capability.RUNS_FORWARD_BACKWARD in pipeline.capabilities:  # fa.pp computes its loss itself
@@ -314,6 +320,62 @@ def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
             f"fa.prepare: the launch asked for FSDP but the pipeline passed in is {pipeline!r}; the "
             "pipeline wins. Leave pipeline out to follow the launch, or add fa.fsdp to it",
             UserWarning, stacklevel=3)
+
+
+# A torch scheduler's lists that hold one entry per parameter group: every scheduler's
+# base and last rates, LambdaLR's and MultiplicativeLR's lambdas, CyclicLR's bounds,
+# ReduceLROnPlateau's floors (torch.optim.lr_scheduler, torch 2.13)
+_PER_GROUP_LISTS = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs", "base_momentums", "max_momentums")
+
+
+def _realign_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Keep a scheduler built before `fa.prepare` in step with an engine's optimizer.
+
+    DeepSpeed drops the optimizer's empty parameter groups in place (a weight-decay
+    split on a model without biases leaves one), while a scheduler built first
+    still holds an entry per original group and fails at the first update (torch
+    zips the two). The per-group lists of torch's own schedulers (and of those a
+    SequentialLR or ChainedScheduler holds) keep the entries of the groups the
+    engine kept; any other scheduler, or an engine that built groups of its own,
+    is refused with the fix.
+
+    Args:
+        scheduler: the run's scheduler, or None.
+        optimizer: the optimizer the engine returned.
+        groups: the optimizer's parameter groups before the engine was built.
+
+    Raises:
+        ValueError: the groups changed and the scheduler cannot be realigned.
+    """
+    index = {id(group): i for i, group in enumerate(groups)}
+    kept = [index.get(id(group), -1) for group in optimizer.param_groups]  # -1: a group the engine built
+    if scheduler is None or (kept == list(range(len(groups))) and getattr(scheduler, "optimizer", None)
+                             is optimizer):
+        return
+    parts = [scheduler, *getattr(scheduler, "_schedulers", ())]
+    if -1 in kept or kept != sorted(kept) or any(type(part).__module__ != torch.optim.lr_scheduler.__name__
+                                                 for part in parts):
+        raise ValueError(
+            f"fa.prepare: the engine changed the optimizer's parameter groups ({len(groups)} -> "
+            f"{len(optimizer.param_groups)}) and the scheduler {type(scheduler).__name__} was built on the old "
+            "ones; build the scheduler after fa.prepare, from state.optimizer, and pass it to a second fa.prepare")
+    for part in parts:
+        for name in _PER_GROUP_LISTS:
+            values = getattr(part, name, None)
+            if isinstance(values, list) and len(values) == len(groups):
+                setattr(part, name, [values[i] for i in kept])
+        part.optimizer = optimizer
+
+
+def _check_scheduler_groups(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """A scheduler built on the optimizer's groups before an engine changed them (and
+    passed to a later `fa.prepare`) would fail at the first update, inside torch."""
+    rates = getattr(scheduler, "base_lrs", None)
+    if isinstance(rates, list) and len(rates) != len(optimizer.param_groups):
+        raise ValueError(
+            f"fa.prepare: the scheduler has {len(rates)} learning rates but the optimizer has "
+            f"{len(optimizer.param_groups)} parameter groups (fa.deepspeed drops empty groups when fa.prepare "
+            "builds its engine); build the scheduler after fa.prepare, from state.optimizer")
 
 
 def _check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

@@ -10,6 +10,7 @@ with Accelerate itself, on 1 and 2 real processes; a resume mid-run stays exact;
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -21,6 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
 from fnaccel.testing import World
+from fnaccel.transforms.base import EngineRequest, EngineTransform
+from fnaccel.transforms.phases import Phase
 
 EPOCHS, WARMUP, BATCH_SIZE = 2, 3, 2
 
@@ -169,3 +172,78 @@ def test_a_resume_mid_run_continues_the_schedule_exactly(world2: World, tmp_path
     again = world2.run(from_saved, str(tmp_path / "ckpt"), before[0])
     assert again == whole
     assert whole[0]["last_epoch"] == 24  # 12 updates, 2 steps each
+
+
+def _drop_empty_groups(request: EngineRequest) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """What DeepSpeed's initialize does to the optimizer it is given: empty groups dropped in place."""
+    assert request.optimizer is not None
+    request.optimizer.param_groups[:] = [g for g in request.optimizer.param_groups if g["params"]]
+    return request.model, request.optimizer
+
+
+def _split_by_decay(model: nn.Module) -> torch.optim.Optimizer:
+    """Accelerate's examples' weight-decay split; on a model without biases the second group is empty."""
+    no_decay = ("bias", "LayerNorm.weight")
+    named = list(model.named_parameters())
+    return torch.optim.AdamW([
+        {"params": [p for n, p in named if not any(k in n for k in no_decay)], "weight_decay": 0.01},
+        {"params": [p for n, p in named if any(k in n for k in no_decay)], "weight_decay": 0.0},
+    ], lr=0.05)
+
+
+class _OwnSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """A scheduler class of the user's: it may keep per-group lists fnaccel cannot know."""
+
+
+SCHEDULES: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
+    "linear_warmup": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / 3, 1.0)),
+    "cyclic": lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, 0.01, 0.05, step_size_up=2, cycle_momentum=False),
+    "sequential": lambda opt: torch.optim.lr_scheduler.SequentialLR(opt, [
+        torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=2),
+        torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)], milestones=[2]),
+    "own": lambda opt: _OwnSchedule(opt, lambda s: 1.0),
+}
+
+
+def _scheduler_first(schedule: str, engine: bool, later: bool = False) -> dict[str, Any]:
+    """The literal port: optimizer (one group empty) and scheduler built before fa.prepare."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4, bias=False), nn.Tanh(), nn.Linear(4, 1, bias=False))
+    optimizer = _split_by_decay(model)
+    scheduler = SCHEDULES[schedule](optimizer)
+    g = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(16, 3, generator=g), torch.randn(16, generator=g)), batch_size=2)
+    parts = [EngineTransform(name="drops_groups", phase=Phase.DATA_PARALLEL, prepare_engine=_drop_empty_groups)]
+    state = fa.init(seed=0, cpu=True)
+    if later:  # the scheduler built first but passed in a second fa.prepare
+        state = fa.prepare(state, model, optimizer, loader, loss_fn=_loss, pipeline=fa.compose(*parts))
+        state = fa.prepare(state, scheduler=scheduler)
+    else:
+        state = fa.prepare(state, model, optimizer, loader, scheduler, loss_fn=_loss,
+                           pipeline=fa.compose(*parts) if engine else fa.compose())
+    rates = []
+    for batch in fa.batches(state, epochs=1):
+        state, metrics = fa.step(state, batch)
+        rates.append(float(metrics["lr"]))
+    return {"rates": rates, "weights": [p.detach().clone() for p in model.parameters()],
+            "groups": len(optimizer.param_groups)}
+
+
+@pytest.mark.parametrize("schedule", ["linear_warmup", "cyclic", "sequential"])
+def test_a_scheduler_built_before_an_engine_drops_an_empty_group_follows_it(schedule: str) -> None:
+    # Before: the first update raised torch's "zip() argument 2 is longer than argument 1"
+    ours = _scheduler_first(schedule, engine=True)
+    plain = _scheduler_first(schedule, engine=False)  # the same script without an engine: the empty group kept
+    assert ours["groups"] == 1 and plain["groups"] == 2
+    assert ours["rates"] == plain["rates"] and len(set(ours["rates"])) > 1
+    assert all(torch.equal(a, b) for a, b in zip(ours["weights"], plain["weights"], strict=True))
+
+
+def test_a_scheduler_that_cannot_be_realigned_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"engine changed the optimizer's parameter groups \(2 -> 1\) and the "
+                                         r"scheduler _OwnSchedule.*build the scheduler after fa.prepare"):
+        _scheduler_first("own", engine=True)
+    with pytest.raises(ValueError, match="the scheduler has 2 learning rates but the optimizer has 1 parameter "
+                                         "groups.*build the scheduler after fa.prepare"):
+        _scheduler_first("linear_warmup", engine=True, later=True)

@@ -27,10 +27,10 @@ def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
     return nn.functional.mse_loss(model(x).float().squeeze(-1), y)
 
 
-def _data() -> torch.utils.data.DataLoader:
+def _data(num_samples: int = NUM_SAMPLES) -> torch.utils.data.DataLoader:
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(NUM_SAMPLES, 8, generator=gen)
-    y = torch.randn(NUM_SAMPLES, generator=gen)
+    x = torch.randn(num_samples, 8, generator=gen)
+    y = torch.randn(num_samples, generator=gen)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=True)
 
 
@@ -197,4 +197,74 @@ def zero3_init(state: fa.RunState) -> dict[str, Any]:
         state, _ = fa.step(state, batch)
     out = {"local": local, "weights": full_weights(state)}
     fa.shutdown(state)
+    return out
+
+
+class NoBiasNet(nn.Module):
+    """Net without biases: Accelerate's weight-decay split leaves its no-decay group empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 16, bias=False)
+        self.second = nn.Linear(16, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def _scheduler_first() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """Model, optimizer and schedule as Accelerate's DeepSpeed example builds them, before fa.prepare:
+    a weight-decay split (one group empty here) and a linear warmup and decay sized from the loader."""
+    torch.manual_seed(0)
+    model = NoBiasNet()
+    no_decay = ("bias", "LayerNorm.weight")
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)], "weight_decay": 0.01},
+        {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=0.05)
+    total = len(_data()) * 2  # transformers' get_linear_schedule_with_warmup(optimizer, 2, total)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: s / 2 if s < 2 else max(0.0, (total - s) / (
+        total - 2)))
+    return model, optimizer, scheduler
+
+
+def literal_port(state: fa.RunState, engine: str) -> dict[str, Any]:
+    """Accelerate's DeepSpeed example ported literally (scheduler first) through fa.deepspeed (ZeRO-2) or fa.ddp()."""
+    model, optimizer, scheduler = _scheduler_first()
+    pipeline = pipeline_of(engine, None, 2, 0.5, zero_stage=2)
+    state = fa.prepare(state, model, optimizer, _data(), scheduler, pipeline=pipeline, loss_fn=loss_fn)
+    losses, rates = [], []
+    for batch in fa.batches(state, epochs=2):
+        state, metrics = fa.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        if "lr" in metrics:  # an update
+            rates.append(float(metrics["lr"]))
+    out = {"weights": full_weights(state), "losses": losses, "rates": rates,
+           "groups": len(optimizer.param_groups), "step": state.step}
+    fa.shutdown(state)
+    return out
+
+
+def doc_example(state: fa.RunState, code: str, directory: str) -> dict[str, Any]:
+    """Run docs/deepspeed.md's example as written, at tiny size: the names it leaves to the reader
+    bound to small real ones (the scheduler built before fa.prepare), its files written in
+    ``directory``; ``fa.init`` gives this world's state."""
+    import os
+    import types
+
+    model, optimizer, scheduler = _scheduler_first()
+    fa_here = types.SimpleNamespace(**{name: getattr(fa, name) for name in fa.__all__})
+    fa_here.init = lambda **_: state
+    # 8 batches per rank and epoch: the example's save after 3 epochs falls on an update of its accumulation(4)
+    names = {"fa": fa_here, "model": model, "optimizer": optimizer, "loader": _data(64), "scheduler": scheduler,
+             "loss_fn": loss_fn}
+    here = os.getcwd()
+    os.chdir(directory)
+    try:
+        exec(code, names)
+    finally:
+        os.chdir(here)
+    out = {"step": names["state"].step, "groups": len(optimizer.param_groups)}
+    fa.shutdown(names["state"])
     return out

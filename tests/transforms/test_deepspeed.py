@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,25 @@ def test_zero3_init_builds_partitioned_and_trains_like_a_whole_model(worlds: Any
     whole = world.run(fns.train, "deepspeed", None, 1, None, zero_stage=3)[0]
     for name, tensor in whole["weights"].items():
         torch.testing.assert_close(ours["weights"][name], tensor, rtol=0, atol=1e-6)
+
+
+def test_the_literal_port_with_its_scheduler_built_first_trains_as_under_ddp(worlds: Any) -> None:
+    # Accelerate's DeepSpeed example: a weight-decay split with one group empty, which DeepSpeed drops from
+    # the optimizer in place, and the scheduler built before fa.prepare. Before: the first update raised
+    # "zip() argument 2 is longer than argument 1" inside torch's scheduler, on both ranks
+    world = worlds.get(2)
+    ours = world.run(fns.literal_port, "deepspeed")[0]
+    theirs = world.run(fns.literal_port, "ddp")[0]
+    assert ours["groups"] == 1 and theirs["groups"] == 2  # DeepSpeed dropped the empty group; ddp() kept it
+    assert ours["step"] == theirs["step"] == 6 and ours["rates"] == theirs["rates"]
+    assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-6)
+    for name, tensor in theirs["weights"].items():
+        torch.testing.assert_close(ours["weights"][name], tensor, rtol=0, atol=1e-6)
+
+
+def test_the_docs_example_runs_as_written(worlds: Any, tmp_path: Path) -> None:
+    page = (Path(__file__).parents[2] / "docs" / "deepspeed.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "fa.deepspeed(zero_stage=3)" in block)
+    out = worlds.get(2).run(fns.doc_example, code, str(tmp_path))[0]
+    assert out["step"] > 0 and out["groups"] == 1  # trained, its scheduler realigned to the group kept
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file() and (tmp_path / "model" / "model.safetensors").is_file()
