@@ -65,6 +65,7 @@ __all__ = ["AnySavePolicy", "SavePolicy", "autosave", "save_policy"]
 
 _NAME = re.compile(r"step_(\d+)")
 _RESOURCE = "autosave"
+_clock = time.monotonic  # the clock every_seconds and continuous read (rank 0's decides)
 
 
 def _directories(value: Any) -> tuple[Path, ...]:
@@ -262,7 +263,8 @@ def _rotate(directory: Path, policy: SavePolicy, newest: Path) -> None:
     if policy.keep_every is not None:
         firsts: dict[int, Path] = {}
         for step, path in found:
-            firsts.setdefault(step // policy.keep_every, path)
+            if step >= policy.keep_every:  # the first at or after each multiple (step 0 is never saved)
+                firsts.setdefault(step // policy.keep_every, path)
         keep |= set(firsts.values())
     for _, path in found:
         lock = directory / f".{sibling_stem(path.name)}.lock"
@@ -299,7 +301,7 @@ class Autosaves:
     def __init__(self) -> None:
         self._members: dict[SavePolicy, _Progress] = {}
 
-    def progress(self, policy: SavePolicy, state: RunState) -> _Progress:
+    def progress(self, policy: SavePolicy, state: RunState, now: float) -> _Progress:
         found = self._members.get(policy)
         if found is None:
             for directory in policy.directories:  # once per member: a checkpoint is not a directory of them
@@ -307,8 +309,8 @@ class Autosaves:
                     raise ValueError(f"fa.autosave: directories: {directory} is a checkpoint itself; give the "
                                      "directory that should hold the policy's step_<n> checkpoints")
             found = self._members[policy] = _Progress()
-            found.since = time.monotonic()
-            found.mark = (found.since, state.step)
+            found.since = now
+            found.mark = (now, state.step)
             # continuous: agree at once (the first save); every_seconds: one step later, to time a step
             found.act_at = state.step if policy.continuous else state.step + 1
         return found
@@ -417,34 +419,34 @@ def autosave(state: RunState, policy: SavePolicy | AnySavePolicy) -> RunState:
 def _save_due(state: RunState, members: tuple[SavePolicy, ...]) -> None:
     """Save for each member due at this update boundary (agreeing first where needed)."""
     book = state.resources.setdefault(_RESOURCE, Autosaves)
-    now = time.monotonic()
+    now = _clock()
     ctx = state.dist
     verdicts: dict[SavePolicy, bool] = {}
     acting: list[tuple[SavePolicy, bool]] = []
+    progress = {policy: book.progress(policy, state, now) for policy in members}
     for policy in members:
-        progress = book.progress(policy, state)
         if ctx.is_main_process:
-            progress.observe(now)
-        due = _due(policy, progress, state, now)
+            progress[policy].observe(now)
+        due = _due(policy, progress[policy], state, now)
         if due is not False and _timed(policy, state):
             acting.append((policy, due is True))
         else:
             verdicts[policy] = bool(due)
     if acting:  # rank 0's clock decides; one broadcast, on act steps only
-        decisions = ([_decide(policy, book.progress(policy, state), state.step, now, saves)
+        decisions = ([_decide(policy, progress[policy], state.step, now, saves)
                       for policy, saves in acting] if ctx.is_main_process else [None] * len(acting))
         decisions = ops.broadcast_object_list(ctx, [decisions], from_process=0)[0]
         for (policy, _), (save, steps) in zip(acting, decisions, strict=True):
-            book.progress(policy, state).act_at = state.step + steps
+            progress[policy].act_at = state.step + steps
             verdicts[policy] = save
     preempted = state.preempted is not None
     for policy, save in verdicts.items():
         if not save:
             continue
-        progress = book.progress(policy, state)
+        rotate = None if policy.keep_last is None else (
+            lambda committed, member=policy: _rotate(committed.parent, member, committed))
+        mine = progress[policy]
         for directory in policy.directories:
-            rotate = None if policy.keep_last is None else (
-                lambda committed, member=policy: _rotate(committed.parent, member, committed))
-            progress.handle = start_save(state, directory / f"step_{state.step}",
-                                         blocking=preempted and policy.on_preemption, after_commit=rotate)
-        progress.last_saved, progress.since, progress.started, progress.save_seconds = state.step, now, now, None
+            mine.handle = start_save(state, directory / f"step_{state.step}",
+                                     blocking=preempted and policy.on_preemption, after_commit=rotate)
+        mine.last_saved, mine.since, mine.started, mine.save_seconds = state.step, now, now, None
