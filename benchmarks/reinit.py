@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _tcp_sockets() -> int:
@@ -47,36 +48,80 @@ def _tcp_sockets() -> int:
     return count
 
 
-def _cycle(cycle: int, fail_at: int | None) -> dict[str, object]:
+# What runs beside each cycle's run, by cycle number: nothing; a second run alive at the same
+# time, the first to start ending first, last, or between the second's steps; or, before
+# the run, `fnaccel.testing.verify_resume` (its runs the only ones, the first holding the
+# default group) with a chain ending on one process, then on two after one.
+KINDS = ("alone", "oldest first", "newest first", "interleaved", "verify_resume")
+
+
+def _prepared(seed: int) -> Any:
+    """A fresh run (``fa.init``) of the same small model and data, prepared."""
     import torch
-    import torch.distributed as dist
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     import fnaccel as fa
 
-    start = time.perf_counter()
     state = fa.init(seed=0)
-    rank = state.dist.rank
-    torch.manual_seed(0)  # the user's own model init: the same model every cycle
+    torch.manual_seed(seed)  # the user's own model init: the same model every cycle
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     data = torch.Generator().manual_seed(1)
     dataset = TensorDataset(torch.randn(32, 4, generator=data), torch.randn(32, 1, generator=data))
-    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       DataLoader(dataset, batch_size=2),
-                       loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    return fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      DataLoader(dataset, batch_size=8 // state.dist.num_processes),
+                      loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+
+
+def _end(state: Any) -> float:
+    """Sum ``rank + 1`` over the run's group, then shut the run down."""
+    import torch
+
+    import fnaccel as fa
+
+    total = fa.ops.reduce(state, torch.tensor(float(state.dist.rank + 1)), "sum").item()
+    fa.shutdown(state)
+    return float(total)
+
+
+def _cycle(cycle: int, fail_at: int | None) -> dict[str, object]:
+    import torch
+    import torch.distributed as dist
+
+    import fnaccel as fa
+    from fnaccel.testing import verify_resume
+
+    start = time.perf_counter()
+    kind = KINDS[cycle % len(KINDS)]
+    if kind == "verify_resume":
+        verify_resume(lambda: _prepared(1), steps=1, resumes=3 if cycle % 2 else 2,
+                      num_processes=(2, 1, 2) if cycle % 2 else (2, 1))
+    state = _prepared(0)
+    other = None if kind in ("alone", "verify_resume") else _prepared(1)
+    rank = state.dist.rank
+    model = state.model
     for step, batch in zip(range(3), fa.batches(state)):
         state, _ = fa.step(state, batch)
+        if other is not None:
+            other, _ = fa.step(other, batch)
         if cycle == fail_at and rank == 1 and step == 0:
             raise RuntimeError(f"rank 1 fails in the middle of cycle {cycle}")
     total = fa.ops.reduce(state, torch.tensor(float(rank + 1)), "sum").item()
     checksum = float(sum(p.detach().double().abs().sum() for p in model.parameters()))
+    other_total = total
+    if kind == "newest first":
+        other_total = _end(other)
+        other = None
     fa.shutdown(state)
+    if other is not None:  # the first run's end left the second's groups working
+        if kind == "interleaved":
+            other, _ = fa.step(other, batch)
+        other_total = _end(other)
     initialized = dist.is_initialized()
-    del state, model, batch
+    del state, other, model, batch
     gc.collect()
-    return {"cycle": cycle, "rank": rank, "checksum": checksum, "total": total,
-            "initialized_after_shutdown": initialized, "tcp_sockets": _tcp_sockets(),
+    return {"cycle": cycle, "kind": kind, "rank": rank, "checksum": checksum, "total": total,
+            "other_total": other_total, "initialized_after_shutdown": initialized, "tcp_sockets": _tcp_sockets(),
             "seconds": round(time.perf_counter() - start, 3)}
 
 
@@ -109,8 +154,8 @@ def check(out: Path, cycles: int, num_processes: int = 2) -> list[str]:
     problems += [f"rank {r['rank']} cycle {r['cycle']}: weights {r['checksum']!r} != {first!r}"
                  for r in records if r["checksum"] != first]
     expected = num_processes * (num_processes + 1) / 2
-    problems += [f"rank {r['rank']} cycle {r['cycle']}: sum {r['total']} != {expected}"
-                 for r in records if r["total"] != expected]
+    problems += [f"rank {r['rank']} cycle {r['cycle']} ({r['kind']}): sum {r[key]} != {expected}"
+                 for r in records for key in ("total", "other_total") if r[key] != expected]
     problems += [f"rank {r['rank']} cycle {r['cycle']}: a process group is still initialized"
                  for r in records if r["initialized_after_shutdown"]]
     for rank in range(num_processes):

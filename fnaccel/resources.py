@@ -169,16 +169,39 @@ def _settle(group: Any) -> None:
               file=sys.stderr)
 
 
+class _DefaultGroupUsers:
+    """How many of fnaccel's runs still use the default group fnaccel started."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 1
+
+    def leave(self) -> bool:
+        """One run is done with the group; True for the last one, which ends it."""
+        self.count -= 1
+        return self.count == 0
+
+
+# torch's default group -> the runs using it, when fnaccel started it. Process-wide, as the
+# group it describes is (torch keeps that in its own module state): a second fa.init in the
+# process cannot see the first run's state, yet the first run to end must not destroy the
+# group under the other (destroying the default group ends every group). Weak: the entry
+# goes with the group, and it holds no run's values.
+_DEFAULT_GROUP_USERS: weakref.WeakKeyDictionary[Any, _DefaultGroupUsers] = weakref.WeakKeyDictionary()
+
+
 def _destroy_group(holder: list[Any], meshes: dict[str, Any], releases: list[Callable[[], None]],
-                   is_default: bool) -> None:
-    """End the group: on a clean end, settle, let the group's C++ holders go (the
-    ``releases`` of `GroupOwner.release_before_destroy`), then destroy it while the interpreter
+                   is_default: bool, users: _DefaultGroupUsers | None) -> None:
+    """End the run's groups: on a clean end, settle, let the group's C++ holders go (the
+    ``releases`` of `GroupOwner.release_before_destroy`), then destroy them while the interpreter
     is fully alive (left to finalization, gloo's threads releasing tensors take
     the GIL of a dying interpreter and the process aborts); while an exception
     propagates, wait for no one: record the failure and leave the group to the
     process's exit, which torchrun's agent turns into the end of every rank.
-    The groups of the run's device mesh go with it (destroying the default
-    group ends every group; a run over another's default group ends its own)."""
+    A run ends only its own groups: its device mesh's, then its group unless that is the
+    default group; the default group fnaccel started goes with the last run using it
+    (``users``), whichever run that is."""
     import torch.distributed as dist
 
     group = holder.pop() if holder else None
@@ -186,6 +209,7 @@ def _destroy_group(holder: list[Any], meshes: dict[str, Any], releases: list[Cal
     if meshes:
         _forget_mesh_decisions()
     meshes.clear()
+    last = users is not None and users.leave()
     if group is None or not dist.is_initialized():
         return
     if exception_in_flight():
@@ -194,10 +218,12 @@ def _destroy_group(holder: list[Any], meshes: dict[str, Any], releases: list[Cal
     _settle(group)
     while releases:
         releases.pop()()
+    for mesh_group in mesh_groups:
+        dist.destroy_process_group(mesh_group)
     if not is_default:
-        for mesh_group in mesh_groups:
-            dist.destroy_process_group(mesh_group)
-    dist.destroy_process_group(None if is_default else group)
+        dist.destroy_process_group(group)
+    if last:
+        dist.destroy_process_group(None)
 
 
 def _forget_mesh_decisions() -> None:
@@ -249,20 +275,35 @@ class GroupOwner:
     fnaccel's only holder of them: `close` (from `fa.shutdown`, or at interpreter
     exit) ends them (see `_destroy_group`).
 
+    ``is_default``: the group is torch's default group, which this owner started.
+    ``shares_default``: the group is a run's own, formed over a default group, which,
+    when fnaccel started it, stays until the last run using it has ended (runs end
+    in any order).
+
     ``agreed`` is the group's record of the last collective call every rank
     agreed on (set and read by `fnaccel.ops`; plain values only, never the
     group or a context, which would keep the group alive).
     """
 
-    __slots__ = ("_holder", "_meshes", "_releases", "_finalizer", "agreed", "__weakref__")
+    __slots__ = ("_holder", "_meshes", "_releases", "_finalizer", "agreed", "calls", "__weakref__")
 
-    def __init__(self, group: Any, *, is_default: bool) -> None:
+    def __init__(self, group: Any, *, is_default: bool, shares_default: bool = False) -> None:
+        import torch.distributed as dist
+
         self.agreed: Any = None
+        self.calls: Any = None  # the run's fnaccel.calls.Calls, set by fa.init
         self._holder = [group]
         self._meshes: dict[str, Any] = {}
         self._releases: list[Callable[[], None]] = []
+        users = None
+        if is_default:
+            users = _DEFAULT_GROUP_USERS[group] = _DefaultGroupUsers()
+        elif shares_default:
+            users = _DEFAULT_GROUP_USERS.get(dist.group.WORLD)  # None: the user's own default group
+            if users is not None:
+                users.count += 1
         self._finalizer = weakref.finalize(self, _destroy_group, self._holder, self._meshes,
-                                           self._releases, is_default)
+                                           self._releases, is_default, users)
         # once per process, however many groups: unregister first; atexit runs it before
         # the finalizer above (handlers run last-registered first)
         atexit.unregister(_collect_cycles_at_exit)

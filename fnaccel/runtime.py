@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fnaccel._errors import ConfigError
+from fnaccel.calls import Calls, collective, collective_timeout
 from fnaccel.config.launch import resolve_config
 from fnaccel.config.launch import LaunchConfig
 from fnaccel import dryrun
@@ -114,7 +115,7 @@ def _start_process_group(
                 f"but the launch environment says WORLD_SIZE={env['num_processes']}"
             )
         group = dist.new_group(backend=backend, timeout=timeout)
-        return group, GroupOwner(group, is_default=False)
+        return group, GroupOwner(group, is_default=False, shares_default=True)
     kwargs: dict[str, Any] = {
         "backend": backend,
         "rank": env["rank"],
@@ -235,6 +236,7 @@ def init(
     pg_handler = handlers.get("InitProcessGroupKwargs", InitProcessGroupKwargs())
     assert isinstance(pg_handler, InitProcessGroupKwargs)
     env = _read_launch_env(launch_config, pg_handler.init_method or "env://")
+    call_timeout = collective_timeout()  # checked before any group starts
     if launch_config.enable_cpu_affinity:
         _pin_to_cpus(env["local_rank"], env["num_local_processes"])
     dry_run = dryrun.active()  # a simulated rank of `fnaccel launch --dry_run`: fake group, CPU
@@ -267,6 +269,11 @@ def init(
         resources.register("process_group", owner)
         # the mesh is the owner's too: fa.shutdown ends its groups with the run's
         owner.hold_meshes(build_mesh(layout, device.type, group))
+        if not dry_run:  # closed before the group: registered after it
+            owner.calls = Calls.start(group, env["rank"], env["num_processes"], call_timeout,
+                                      pg_handler.to_kwargs().get("timeout") or COLLECTIVE_TIMEOUT)
+            if owner.calls is not None:
+                resources.register("calls", owner.calls)
     del group  # the owner is its only holder: see fnaccel.resources
     ctx = DistContext(
         **env,
@@ -322,6 +329,7 @@ def _resolve_parallelism(parallelism: ParallelismConfig | None, config: LaunchCo
         raise ConfigError(f"fa.init: {exc}") from None
 
 
+@collective("fa.shutdown")
 def shutdown(state: RunState) -> None:
     """End the run: close its live resources in reverse order of registration: the
     trackers (flushed), transform states that hold something live (a `profile()`

@@ -9,6 +9,7 @@ discriminator's own loss alone.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -68,3 +69,48 @@ def test_a_runs_backward_writes_no_gradient_on_another_runs_model() -> None:
     fa.step(g_run, torch.randn(5, 4))
     assert all(p.grad is None for p in d.parameters())
     assert all(p.grad is not None for p in g.parameters())  # zeroed at the next window's start
+
+
+# ---- two runs alive at once end in any order ------------------------------------------------
+
+
+def _prepared(seed: int) -> fa.RunState:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 1)
+    return fa.prepare(fa.init(seed=seed, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      loss_fn=lambda m, b: m(b).pow(2).mean())
+
+
+def _works(state: fa.RunState) -> fa.RunState:
+    """One step and one collective on the run's own group."""
+    state, _ = fa.step(state, torch.ones(2, 4))
+    total = fa.ops.reduce(state, torch.tensor(float(state.dist.rank + 1)), "sum").item()
+    n = state.dist.num_processes
+    assert total == n * (n + 1) / 2, total
+    return state
+
+
+def end_two_runs_in_every_order(state: fa.RunState | None = None) -> list[str]:
+    """Runs on each rank (or in one process): two runs alive at once, ended oldest first, newest
+    first, and the oldest between the newest's steps; the survivor keeps working each time."""
+    ended = []
+    for order in ("oldest first", "newest first", "interleaved"):
+        first, second = _works(_prepared(1)), _works(_prepared(2))
+        survivor = second if order != "newest first" else first
+        fa.shutdown(first if order != "newest first" else second)
+        if order == "interleaved":
+            survivor = _works(_works(survivor))
+        fa.shutdown(survivor)
+        fa.shutdown(survivor)  # twice is harmless
+        ended.append(order)
+    return ended
+
+
+def test_two_runs_end_in_any_order_on_one_process() -> None:
+    assert end_two_runs_in_every_order() == ["oldest first", "newest first", "interleaved"]
+
+
+def test_two_runs_over_a_shared_default_group_end_in_any_order(world2: Any) -> None:
+    """In a World, the world's own run holds the default group and outlives both runs; the launch
+    where the first run holds it is benchmarks/reinit.py's (tests/test_reinit.py)."""
+    assert world2.run(end_two_runs_in_every_order) == [["oldest first", "newest first", "interleaved"]] * 2

@@ -46,6 +46,11 @@ __all__ = ["train_steps", "verify_resume"]
 # each rank's generators (a rank's stream has no counterpart on another number of
 # processes), the recorded world, and the pipeline and config that follow from it (ddp()).
 _WORLD_SIZE_ITEMS = ("num_processes", "pipeline/", "config/")
+# and the data layout's fields that `LoaderLayout.check_resume` lets differ on another number of
+# processes: each rank's share of the global batch, the ranks sharing it, and the padding of a
+# last global batch (one process never pads); the samples read are compared batch by batch
+_WORLD_SIZE_LAYOUT = tuple(f"data/layout/{key}" for key in ("batch_size", "num_processes", "num_shards",
+                                                            "even_batches"))
 
 
 def train_steps(state: RunState, num_steps: int) -> tuple[RunState, list[torch.Tensor]]:
@@ -127,7 +132,8 @@ def _close(a: float, b: float, atol: float, rtol: float) -> bool:
 
 def _world_size_differences(found: Diff) -> Diff:
     kept = tuple(d for d in found.differences
-                 if "/rng/" not in d.item and not d.item.startswith(_WORLD_SIZE_ITEMS))
+                 if "/rng/" not in d.item and not d.item.startswith(_WORLD_SIZE_ITEMS)
+                 and not d.item.endswith(_WORLD_SIZE_LAYOUT))
     return dataclasses.replace(found, differences=kept)
 
 
@@ -204,7 +210,7 @@ class _Chain:
         if not found:
             return None
         ignored = (" (after a change of world size, compared within float tolerance and without each rank's "
-                   "generators, the world size and the pipeline)" if changed else "")
+                   "generators, the world size, the pipeline and the data layout's per-rank share)" if changed else "")
         return (f"verify_resume: every batch of the resumed runs matches, but the final state differs from "
                 f"the uninterrupted run's{ignored}:\n{found}")
 

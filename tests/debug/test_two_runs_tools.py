@@ -224,7 +224,21 @@ def test_a_transform_state_or_a_generator_not_restored_is_named() -> None:
         verify_resume(lambda: make_state(NoisyLinear), steps=2, resumes=3)
 
 
-def global_batch_state(loss: str) -> fa.RunState:
+class UpdateCount:
+    """A user transform's state that the step never reads: how many updates ran. Its
+    load_state_dict restores nothing, a bug no loss shows: only the final states differ."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass  # the bug: self.count = state["count"]
+
+
+def global_batch_state(loss: str, hidden_bug: bool = False) -> fa.RunState:
     """A step that draws no random numbers, the global batch of 8 kept on any number of processes,
     a schedule sized in updates (Accelerate's per-process rule steps it once per process)."""
     state = fa.init(seed=0, cpu=True, kwargs_handlers=[fa.SchedulerConfiguration(step_per_process=False)])
@@ -236,7 +250,14 @@ def global_batch_state(loss: str) -> fa.RunState:
     return fa.prepare(state, module, optimizer, DataLoader(data, batch_size=8 // state.dist.num_processes,
                                                            shuffle=True),
                       torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
-                      pipeline=fa.compose(fa.ddp(), fa.accumulate(2)), loss_fn=lambda m, b: reduce(m(b[0]).pow(2)))
+                      pipeline=fa.compose(*counting(hidden_bug), fa.ddp(), fa.accumulate(2)),
+                      loss_fn=lambda m, b: reduce(m(b[0]).pow(2)))
+
+
+def counting(planted: bool) -> tuple[fa.Transform, ...]:
+    """The transform keeping `UpdateCount`, when the bug is planted."""
+    return (fa.Transform(name="counting", init=lambda ctx: UpdateCount(),
+                         after_step=lambda s: setattr(s, "count", s.count + 1)),) if planted else ()
 
 
 def resume_on_one_and_back(state: fa.RunState, loss: str) -> str:
@@ -246,6 +267,20 @@ def resume_on_one_and_back(state: fa.RunState, loss: str) -> str:
     except AssertionError as exc:
         return str(exc)
     return "ok"
+
+
+def chains_ending_on_one_process(state: fa.RunState, hidden_bug: bool) -> list[str]:
+    """Runs on each rank: chains (2, 1) and (2, 1, 2), the first ending on rank 0 alone."""
+    outcomes = []
+    for sizes in ((2, 1), (2, 1, 2)):
+        try:
+            verify_resume(lambda: global_batch_state("mean", hidden_bug), steps=2, resumes=len(sizes),
+                          num_processes=sizes)
+        except AssertionError as exc:
+            outcomes.append(str(exc))
+        else:
+            outcomes.append("ok")
+    return outcomes
 
 
 def resume_alone_between_micro_steps(state: fa.RunState) -> str:
@@ -271,3 +306,15 @@ def test_another_number_of_processes_compares_within_tolerance_and_names_a_plant
     assert re.match(r"verify_resume: resume 1 of 2 \(at batch 2, on 1 process\(es\)\): batch 3 after resuming at "
                     r"batch 2 has loss .*, the uninterrupted run's mean over its ranks \(compared within "
                     r"atol=1e-05, rtol=0.0001\)", failed[0]), failed[0]
+
+
+def test_chains_ending_on_one_process_pass_and_a_hidden_state_bug_still_fails(world2: Any) -> None:
+    """Before: (2, 1) failed a sound setup on the data layout's per-rank share (batch_size 4 != 8,
+    num_processes, num_shards, even_batches), which differs by design on another world size."""
+    assert world2.run(chains_ending_on_one_process, False) == [["ok", "ok"], ["ok", "ok"]]
+    for outcomes in world2.run(chains_ending_on_one_process, True):
+        for outcome in outcomes:  # every batch matches: only the final states show the count not restored
+            assert outcome.startswith("rank 0: verify_resume: every batch of the resumed runs matches, but "
+                                      "the final state differs"), outcome
+            assert re.search(r"rank0/transforms/counting/count: \d+ != \d+", outcome), outcome
+            assert "data/layout" not in outcome, outcome
