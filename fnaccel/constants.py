@@ -25,9 +25,14 @@ __all__ = [
     "PrecisionType",
     "RNGType",
     "SageMakerDistributedType",
+    "FINISHED_MARK",
+    "LAUNCH_DIR_ENV",
     "MODEL_NAME",
     "OPTIMIZER_NAME",
+    "PREEMPTED_EXIT_CODE",
+    "PREEMPTED_MARK",
     "PROFILE_PATTERN_NAME",
+    "RANK_MARK",
     "RNG_STATE_NAME",
     "SAFE_MODEL_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
@@ -53,6 +58,18 @@ WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PROFILE_PATTERN_NAME = "profile_{suffix}.json"
+
+# The directory `fnaccel launch` hands its workers (its path in LAUNCH_DIR_ENV), where each
+# worker records its global rank (``rank.<rank>``) and a run with PreemptionKwargs that it
+# was preempted (``preempted.<rank>``, holding the signal's name) or finished
+# (``finished.<rank>``): what the launcher's exit status and last line say.
+LAUNCH_DIR_ENV = "FNACCEL_LAUNCH_DIR"
+RANK_MARK = "rank"
+PREEMPTED_MARK = "preempted"
+FINISHED_MARK = "finished"
+# The exit status of a preempted run, whichever signal stopped it and wherever it arrived
+# (the launcher, one worker, all): 128 + SIGTERM, what schedulers' requeue rules expect.
+PREEMPTED_EXIT_CODE = 143
 
 
 class _ValueContainsMeta(enum.EnumMeta):

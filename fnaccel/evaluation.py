@@ -5,7 +5,8 @@ nothing from the run's generators (it runs under a copy of them and gives the
 process its own generators back), leaves the data position alone and puts
 every module's train/eval mode back as it found it. The split is
 `fnaccel.data.evaluation.eval_batches`'s, so gathering is exact for any
-dataset length and world size.
+dataset length and world size. With `fa.PreemptionKwargs`, a signal stops an
+evaluation at a batch boundary on every rank alike (docs/training.md, "Preemption").
 """
 
 from __future__ import annotations
@@ -84,7 +85,11 @@ def evaluate(state: RunState, loader: torch.utils.data.DataLoader[Any],
         dim 0 (a list of per-sample tensors where their other dims differ from
         batch to batch), object lists concatenated. Within a step, the ranks'
         tensors must agree beyond dim 0 (pad them in ``fn`` with
-        `fa.ops.pad_across_processes` otherwise).
+        `fa.ops.pad_across_processes` otherwise). With `fa.PreemptionKwargs`,
+        once the ranks agree that one received a signal the evaluation stops
+        at a batch boundary (after its first batch): ``state.preempted`` is
+        then set and the outputs cover the dataset's first samples only; save
+        and exit rather than report them.
 
     Raises:
         ValueError: the state has no model, or the loader cannot be split
@@ -104,10 +109,13 @@ def evaluate(state: RunState, loader: torch.utils.data.DataLoader[Any],
         raise ValueError("fa.evaluate: the state has no model; prepare one first (fa.prepare(state, model))")
     modes = [(module, module.training) for module in model.modules()]
     parts = []
+    watch = state.resources.get("preemption")  # fa.init(kwargs_handlers=[PreemptionKwargs()])
     try:
         with installed(state.rng), torch.no_grad():
             model.eval()
-            for batch, num_valid in eval_batches(state, loader):
+            for index, (batch, num_valid) in enumerate(eval_batches(state, loader)):
+                if watch is not None and watch.evaluation_stops(index):
+                    break  # every rank at the same batch: the run is being preempted
                 parts.append(_gather(state, fn(model, batch), num_valid))
     finally:
         for module, training in modes:

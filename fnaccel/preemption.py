@@ -17,13 +17,26 @@ CUDA the result is copied to pinned memory behind an event). Every rank checks
 at the same micro-steps, so every rank decides alike. One process needs no
 collective and checks before every batch.
 
+A signal is heard wherever it lands: each `fa.batches` loop starts with one
+blocking agreement (a signal during `fa.prepare`, a warm-up or an evaluation
+between epochs stops the run before its first batch), `fa.evaluate` agrees
+every ``check_every`` batches and stops at a batch boundary, and a save in
+flight runs to its end (the handler only records; a save is atomic anyway).
+
+Under `fnaccel launch`, the watch tells the launcher how the run ended, in the
+launch directory (`fnaccel.constants.LAUNCH_DIR_ENV`): ``preempted.<rank>`` once
+the ranks agreed, ``finished.<rank>`` when the run ends unpreempted and without
+an exception. The launcher's exit status follows (docs/cli.md, "Exit status").
+
 The handlers belong to the run: `fa.shutdown` puts back the handlers that were
 there before, so none outlives the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import signal
 import threading
 from collections.abc import Iterable, Iterator
@@ -33,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from fnaccel.checks import check_value, is_int
+from fnaccel.constants import FINISHED_MARK, LAUNCH_DIR_ENV, PREEMPTED_MARK
 from fnaccel.kwargs.base import KwargsHandler
 from fnaccel.resources import Resources, exception_in_flight
 
@@ -117,6 +131,7 @@ class SignalWatch:
         self._checked_at: int | None = None
         self._pending: tuple[Any, torch.Tensor, Any] | None = None  # (work, result, cuda event)
         self._previous: dict[signal.Signals, Any] = {}
+        self._launch_dir = os.environ.get(LAUNCH_DIR_ENV)  # under fnaccel launch: how the run ended
         for sig in handler.signal_numbers:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
@@ -133,6 +148,8 @@ class SignalWatch:
             micro_step: the micro-step the first batch will be stepped at.
             window: micro-steps per update (the accumulation window).
         """
+        self._agree_now()
+        self._checked_at = micro_step  # the exchange it left in flight is read at the next check
         iterator = iter(batches)
         while not self._stops_before(micro_step, window):
             try:
@@ -148,12 +165,39 @@ class SignalWatch:
             self._agree()
         return self.reason is not None and micro_step % window == 0
 
+    def evaluation_stops(self, index: int) -> bool:
+        """Whether `fa.evaluate` stops before its batch ``index`` (every rank alike): it agrees
+        every ``check_every`` batches, as the training loop does, and never before batch 1."""
+        if self.reason is None and index % self._check_every == 0:
+            self._agree()
+        return self.reason is not None and index > 0
+
+    def _agree_now(self) -> None:
+        """One blocking agreement, at the start of a loop: a signal that came while the run
+        prepared or evaluated stops it before the loop's first batch."""
+        if self.reason is not None:
+            return
+        self._agree()  # reads the exchange in flight, if any: the ranks' collectives stay in one order
+        if self.reason is None and self._pending is not None:
+            self._agree()
+
+    def _agreed(self, signum: int) -> None:
+        self.reason = signal.Signals(signum).name
+        self._mark(PREEMPTED_MARK, self.reason)
+
+    def _mark(self, name: str, text: str = "") -> None:
+        """Tell `fnaccel launch` (if it started this process) how the run ended."""
+        if self._launch_dir is not None:
+            with contextlib.suppress(OSError):  # only the launcher's exit status depends on it
+                with open(os.path.join(self._launch_dir, f"{name}.{self._ctx.rank}"), "w", encoding="utf-8") as file:
+                    file.write(text)
+
     def _agree(self) -> None:
         """Read the exchange started ``check_every`` micro-steps ago, start the next one."""
         ctx = self._ctx
         if ctx.num_processes == 1:
             if self.received is not None:
-                self.reason = signal.Signals(self.received).name
+                self._agreed(self.received)
             return
         if self._pending is not None:
             work, result, event = self._pending
@@ -163,7 +207,7 @@ class SignalWatch:
                 event.synchronize()
             agreed = int(result.item())
             if agreed:
-                self.reason = signal.Signals(agreed).name
+                self._agreed(agreed)
                 return
         flag = torch.tensor([self.received or 0], dtype=torch.int32, device=ctx.device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.process_group, async_op=True)
@@ -191,6 +235,8 @@ class SignalWatch:
             # None: the previous handler was not set from Python; the default is the closest.
             signal.signal(sig, signal.SIG_DFL if previous is None else previous)
         self._previous = {}
+        if self.reason is None and not exception_in_flight():
+            self._mark(FINISHED_MARK)  # a signal from now on finds a finished run
         pending, self._pending = self._pending, None
         if pending is not None and not exception_in_flight():
             pending[0].wait()  # every rank started it: let it finish before the group ends

@@ -1,19 +1,38 @@
 """A script that `fnaccel launch` runs in tests/test_preemption.py.
 
-    _preemption_script.py OUT (full|preempt|resume)
+    _preemption_script.py OUT (full|preempt|resume|evaluate|prepare|save|finish)
 
 Two epochs of a small DDP model under ``accumulate(2)`` with `fa.PreemptionKwargs`.
+Every worker leaves OUT/pid.<pid> holding its rank (the test signals workers, and ends
+them, by their pids).
+
 ``full``: uninterrupted, writes OUT/full.<rank>.pt (the weights). ``preempt``: steps
 slowly and touches OUT/running once past step 3 (the test then sends SIGTERM to the
-launcher); when `fa.batches` ends early it saves OUT/ckpt, and each rank writes
-OUT/stop.<rank>.json (its micro-step, step, `state.preempted` and when it had saved). ``resume``: loads
-OUT/ckpt, finishes the two epochs and writes OUT/resumed.<rank>.pt; then, in the same processes
-(a launch fewer: its imports are most of a launch's seconds), runs ``full`` from a new `fa.init`.
+launcher). ``resume``: loads OUT/ckpt, finishes the two epochs and writes
+OUT/resumed.<rank>.pt; then, in the same processes (a launch fewer: its imports are most
+of a launch's seconds), runs ``full`` from a new `fa.init`.
+
+Where the signal lands (the test sends it, except in ``save``):
+
+- ``evaluate``: after step 2, `fa.evaluate` over 64 samples, slowly; rank 0 touches
+  OUT/evaluating at its first batch;
+- ``prepare``: touches OUT/preparing.<rank> after `fa.init` and waits for OUT/go before
+  `fa.prepare`;
+- ``save``: at step 3, rank 1 sends itself SIGTERM from a thread as soon as the save of
+  OUT/mid has started writing (its hidden temporary exists);
+- ``finish``: after the loop, touches OUT/finished.<rank> and waits for OUT/go before its
+  final save and `fa.shutdown`.
+
+When `fa.batches` ends early each of these saves OUT/ckpt; each rank writes
+OUT/stop.<rank>.json (micro-step, step, epoch, `state.preempted`, when it had saved, and
+the samples `fa.evaluate` returned).
 """
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,11 +41,35 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _signal_during_save(out: Path) -> threading.Thread:
+    """SIGTERM to this process once the save of OUT/mid writes its hidden temporary."""
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while not any(out.glob(".mid.tmp-*")) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        (out / "in_flight").write_text(str(not (out / "mid").exists()))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    return thread
+
+
 def main(out: Path, mode: str) -> None:
     import fnaccel as fa
 
-    (out / f"pid.{os.getpid()}").touch()  # the test ends every worker by its pid
     state = fa.init(cpu=True, seed=0, kwargs_handlers=[fa.PreemptionKwargs(check_every=2)])
+    rank = state.dist.rank
+    (out / f"pid.{os.getpid()}").write_text(str(rank))
+    if mode == "prepare":
+        (out / f"preparing.{rank}").touch()
+        _wait_for(out / "go")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     g = torch.Generator().manual_seed(1)
@@ -37,19 +80,35 @@ def main(out: Path, mode: str) -> None:
                        loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
     if mode == "resume":
         state = fa.load(state, out / "ckpt")
+    evaluated = None
     for batch in fa.batches(state, epochs=2):
         state, _ = fa.step(state, batch)
         if mode == "preempt":
             time.sleep(0.02)
-            if state.step == 3 and state.dist.rank == 0:
+            if state.step == 3 and rank == 0:
                 (out / "running").touch()
-    rank = state.dist.rank
-    if mode == "preempt":
+        elif mode == "evaluate" and state.step == 2 and evaluated is None:
+            def slowly(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+                (out / "evaluating").touch()
+                time.sleep(0.1)
+                return m(x)[:, 0]
+
+            evaluated = len(fa.evaluate(state, DataLoader(data.tensors[0][:64], batch_size=2), slowly))
+        elif mode == "save" and state.step == 3 and not (out / "mid").exists():
+            watcher = _signal_during_save(out) if rank == 1 else None
+            fa.save(state, out / "mid")
+            if watcher is not None:
+                watcher.join()
+    if mode == "finish":
+        (out / f"finished.{rank}").touch()
+        _wait_for(out / "go")
+        fa.save(state, out / "final")
+    elif mode not in ("full", "resume"):
         if state.preempted:
             fa.save(state, out / "ckpt")
         (out / f"stop.{rank}.json").write_text(json.dumps(
             {"micro_step": state.micro_step, "step": state.step, "preempted": state.preempted,
-             "epoch": state.epoch, "saved_at": time.time()}))
+             "epoch": state.epoch, "saved_at": time.time(), "evaluated": evaluated}))
     else:
         torch.save(model.state_dict(), out / f"{'full' if mode == 'full' else 'resumed'}.{rank}.pt")
     fa.shutdown(state)

@@ -1,6 +1,9 @@
 """Preemption-aware loops (`fa.PreemptionKwargs`, docs/training.md "Preemption"): a signal
 ends `fa.batches` at the same update boundary on every rank, the run saves and resumes
-bit for bit, and the signal handlers are the run's: `fa.shutdown` puts the previous back."""
+bit for bit, and the signal handlers are the run's: `fa.shutdown` puts the previous back.
+A signal is heard wherever it lands (evaluation, preparation, a save), and the launch's
+exit status says whether to requeue: 143 for a preempted run wherever the signal arrived,
+0 for a run that had finished."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
+from fnaccel.commands.main import main
 from tests.commands.test_launch_failures import _alive
 
 SCRIPT = Path(__file__).with_name("_preemption_script.py")
@@ -134,6 +138,7 @@ def test_sigterm_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit
     finally:
         _end(launcher, cut)
     assert launcher.returncode == 143, stderr
+    assert "preempted by SIGTERM" in stderr.strip().splitlines()[-1], stderr
     stops = [json.loads((cut / f"stop.{rank}.json").read_text()) for rank in (0, 1)]
     # the loop left and the checkpoint written (not the interpreters' exit, which a loaded
     # machine can stretch to several seconds more: the launch's end is bounded above)
@@ -154,7 +159,7 @@ def test_sigterm_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit
 def test_sigusr1_to_the_launcher_reaches_the_workers(tmp_path: Path) -> None:
     """Slurm's ``--signal=USR1@90``: before, SIGUSR1's default action ended the launcher and,
     with it, every worker unsaved; now the workers stop at one step, save, and the launch
-    ends with 128 + 10."""
+    ends with the one status of a preempted run, 143 (before this round: 138)."""
     launcher = _launch(tmp_path, "preempt")
     try:
         deadline = time.monotonic() + 240
@@ -166,8 +171,75 @@ def test_sigusr1_to_the_launcher_reaches_the_workers(tmp_path: Path) -> None:
         _, stderr = launcher.communicate(timeout=60)
     finally:
         _end(launcher, tmp_path)
-    assert launcher.returncode == 138, stderr
-    assert "stopped by SIGUSR1" in stderr.strip().splitlines()[-1], stderr
+    assert launcher.returncode == 143, stderr
+    assert "preempted by SIGUSR1" in stderr.strip().splitlines()[-1], stderr
     stops = [json.loads((tmp_path / f"stop.{rank}.json").read_text()) for rank in (0, 1)]
     assert stops[0]["preempted"] == stops[1]["preempted"] == "SIGUSR1", stops
     assert (tmp_path / "ckpt").is_dir()
+
+
+def _worker(out: Path, rank: int) -> int:
+    """The pid of the worker of ``rank`` (each writes its rank into OUT/pid.<pid>)."""
+    return next(int(path.name.split(".")[1]) for path in out.glob("pid.*") if path.read_text() == str(rank))
+
+
+@pytest.mark.multiprocess
+def test_a_signal_is_heard_wherever_it_lands_and_the_status_says_whether_to_requeue(tmp_path: Path) -> None:
+    """Four 2-process launches side by side (docs/training.md, "Preemption"). Before:
+    ``evaluate``, SIGTERM to rank 1 during fa.evaluate: the evaluation ran to its end (64 of
+    64 samples) and the launch exited 0, so it was never requeued; ``prepare``, SIGTERM to
+    both workers before fa.prepare: the run took its first update first (step 1), exit 0;
+    ``save``, rank 1 signalled during a save: exit 0; ``finish``, SIGTERM to the launcher
+    after the loop had finished: exit 143, and a finished run was requeued."""
+    modes = ("evaluate", "prepare", "save", "finish")
+    outs = {mode: tmp_path / mode for mode in modes}
+    for out in outs.values():
+        out.mkdir()
+    launchers = {mode: _launch(outs[mode], mode) for mode in modes}
+    try:
+        pending = set(modes) - {"save"}  # that one signals itself
+        deadline = time.monotonic() + 240
+        while pending:
+            for mode in sorted(pending):
+                out, launcher = outs[mode], launchers[mode]
+                assert launcher.poll() is None, (mode, launcher.communicate()[1])
+                if mode == "evaluate" and (out / "evaluating").exists():
+                    os.kill(_worker(out, 1), signal.SIGTERM)
+                elif mode == "prepare" and len(list(out.glob("preparing.*"))) == 2:
+                    for rank in (0, 1):
+                        os.kill(_worker(out, rank), signal.SIGTERM)
+                    (out / "go").touch()
+                elif mode == "finish" and len(list(out.glob("finished.*"))) == 2:
+                    launcher.send_signal(signal.SIGTERM)
+                    (out / "go").touch()
+                else:
+                    continue
+                pending.discard(mode)
+            assert time.monotonic() < deadline, f"{sorted(pending)} never reached the point to signal"
+            time.sleep(0.05)
+        ended = {mode: launcher.communicate(timeout=120)[1] for mode, launcher in launchers.items()}
+    finally:
+        for mode, launcher in launchers.items():
+            _end(launcher, outs[mode])
+    status = {mode: launcher.returncode for mode, launcher in launchers.items()}
+    assert status == {"evaluate": 143, "prepare": 143, "save": 143, "finish": 0}, ended
+    assert "after the run had finished" in ended["finish"].strip().splitlines()[-1], ended["finish"]
+    assert (outs["finish"] / "final").is_dir()
+    for mode in ("evaluate", "prepare", "save"):
+        assert "preempted by SIGTERM" in ended[mode].strip().splitlines()[-1], ended[mode]
+        stops = [json.loads((outs[mode] / f"stop.{rank}.json").read_text()) for rank in (0, 1)]
+        for stop in stops:
+            stop.pop("saved_at")
+        assert stops[0] == stops[1] and stops[0]["preempted"] == "SIGTERM", (mode, stops)
+        assert main(["checkpoint", "verify", str(outs[mode] / "ckpt")]) == 0
+    evaluate, prepare, save = (json.loads((outs[mode] / "stop.0.json").read_text())
+                               for mode in ("evaluate", "prepare", "save"))
+    # evaluation stopped at a batch boundary (4 samples a step), well before its 64 samples,
+    # and the loop at the update it had reached
+    assert 0 < evaluate["evaluated"] < 64 and evaluate["evaluated"] % 4 == 0, evaluate
+    assert evaluate["micro_step"] == 4 and evaluate["step"] == 2, evaluate
+    assert prepare["micro_step"] == 0 and prepare["step"] == 0, prepare  # before the first batch
+    # the save in flight completed (whole), then the run stopped within 2 * check_every + a window
+    assert (outs["save"] / "in_flight").read_text() == "True"
+    assert main(["checkpoint", "verify", str(outs["save"] / "mid")]) == 0
+    assert 3 <= save["step"] <= 6, save

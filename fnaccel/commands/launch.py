@@ -14,6 +14,16 @@ own store first, with a line every 30 s, Ctrl-C honoured at once and one line
 when the wait times out (a port in use is refused before any worker starts);
 SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 reach the workers and end the
 launch with one line and status 128 + the signal's number.
+
+Two more, which need the workers' word (docs/cli.md, "Exit status"): the
+launcher hands them a private directory (`LAUNCH_DIR_ENV`) where each worker
+records its global rank, and where a run with `fa.PreemptionKwargs` records
+that it was preempted or that it finished. A preempted run ends the launch
+with `PREEMPTED_EXIT_CODE` wherever the signal arrived; a run that finished
+ends it with 0 whatever signal arrives after. And the launchers of a
+multi-machine launch keep each other in sight on the rendezvous store
+(`_Machines`), so that a machine that vanishes is named by the survivors
+instead of their own ranks, which only saw a connection close.
 """
 
 from __future__ import annotations
@@ -24,9 +34,12 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
@@ -50,6 +63,7 @@ from fnaccel.commands.launch_flags import (
     refused_flags,
 )
 from fnaccel.commands.main import CommandError, main
+from fnaccel.constants import FINISHED_MARK, LAUNCH_DIR_ENV, PREEMPTED_EXIT_CODE, PREEMPTED_MARK, RANK_MARK
 from fnaccel.resources import FAILED_AT_KEY
 from fnaccel.config.launch import default_config_file, launch_env, load_config
 from fnaccel.config.launch import LaunchConfig
@@ -84,6 +98,11 @@ _RDZV_TIMEOUT_S = MappingProxyType({"static": 900.0, "c10d": 600.0})
 # the launcher handles them the same way from its start, so one arriving before the workers
 # exist ends it as cleanly.
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+# A launcher of a multi-machine launch adds to its counter on the rendezvous store every
+# HEARTBEAT_S; a machine whose counter stays still for LOST_AFTER_S, its end unmarked, is lost.
+HEARTBEAT_S = 0.5
+LOST_AFTER_S = 5.0
 
 _FSDP_ALIASES = MappingProxyType({"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"})
 
@@ -366,27 +385,204 @@ def run(args: argparse.Namespace) -> int:
         for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
             if name.startswith("torch.distributed.elastic"):
                 logging.getLogger(name).setLevel(logging.ERROR)
-    with _patched_environment(**launch_environment(args, config)), _signals_raise(SignalException):
+    local = max(1, _num_processes(args, config) // config.num_machines)
+    launch_dir = Path(tempfile.mkdtemp(prefix="fnaccel-launch-"))
+    machines: _Machines | None = None
+    try:
+        with _patched_environment(**launch_environment(args, config), **{LAUNCH_DIR_ENV: str(launch_dir)}), \
+                _signals_raise(SignalException):
+            try:
+                with _machines_met(args, config) as store:
+                    if store is not None and config.num_machines > 1:
+                        machines = _Machines(store, config, launch_dir, local)
+                    torchrun.run(torchrun_args)
+            except _Ended as exc:
+                print(exc, file=sys.stderr)
+                return exc.status
+            except SignalException as exc:
+                outcome = _Outcome.read(launch_dir, local)
+                if outcome.preempted is not None:
+                    return _preempted(outcome.preempted)
+                if outcome.finished:
+                    print(f"fnaccel launch: got {exc.sigval.name} after the run had finished (every rank's "
+                          "fa.shutdown came first): exit 0", file=sys.stderr)
+                    return 0
+                grace = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+                print(f"fnaccel launch: stopped by {exc.sigval.name}: the workers got it and had {grace} s "
+                      "to end (torchrun's shutdown timeout)", file=sys.stderr)
+                return 128 + int(exc.sigval)
+            except ChildFailedError as exc:
+                if args.debug:
+                    raise
+                lost = machines.lost() if machines is not None else []
+                if lost:
+                    print(machines.lost_line(lost), file=sys.stderr)  # type: ignore[union-attr]
+                    return 1
+                outcome = _Outcome.read(launch_dir, local)
+                if outcome.preempted is not None and all(_by_signal(f.exitcode) for f in exc.failures.values()):
+                    return _preempted(outcome.preempted)
+                rank, first = first_failure(exc)
+                print(f"fnaccel launch: {args.training_script} failed: rank {rank} exited with code "
+                      f"{first.exitcode} (its traceback is above; --debug shows the launcher's)",
+                      file=sys.stderr)
+                return first.exitcode if first.exitcode > 0 else 1
+        outcome = _Outcome.read(launch_dir, local)
+        return 0 if outcome.preempted is None else _preempted(outcome.preempted)
+    finally:
+        if machines is not None:
+            machines.close()
+        shutil.rmtree(launch_dir, ignore_errors=True)
+
+
+def _by_signal(exitcode: int) -> bool:
+    """Whether a worker's exit status says a signal ended it (killed: negative; or a
+    script that exited 128 + the signal's number, as the docs suggest without the launcher)."""
+    return exitcode < 0 or exitcode > 128
+
+
+def _preempted(reason: str) -> int:
+    print(f"fnaccel launch: preempted by {reason}: every rank stopped at the same step (fa.PreemptionKwargs); "
+          f"exit {PREEMPTED_EXIT_CODE}, requeue the job to resume from its checkpoint", file=sys.stderr)
+    return PREEMPTED_EXIT_CODE
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Outcome:
+    """What this machine's workers recorded in the launch directory (fnaccel.preemption).
+
+    Attributes:
+        preempted: the signal a rank's run stopped on, or None.
+        finished: every local rank's run ended through `fa.shutdown` (or the exit's) unpreempted.
+    """
+
+    preempted: str | None
+    finished: bool
+
+    @classmethod
+    def read(cls, launch_dir: Path, local: int) -> _Outcome:
+        reasons = sorted(path.read_text(encoding="utf-8")[:40] for path in launch_dir.glob(f"{PREEMPTED_MARK}.*"))
+        finished = len(list(launch_dir.glob(f"{FINISHED_MARK}.*")))
+        return cls(preempted=reasons[-1] if reasons else None, finished=finished >= local)
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 1``, ``ranks 2-3`` or ``ranks 1, 5``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+class _Machines:
+    """The launchers of a multi-machine launch keep each other in sight on the rendezvous store.
+
+    Each launcher adds one to its own counter every `HEARTBEAT_S` (a thread: the main
+    thread is torchrun's) and publishes the global ranks its workers got (each worker
+    records its rank in the launch directory first thing). A launcher that ends through
+    Python marks its end before it stops. When a worker fails, its launcher asks who is
+    gone: a machine whose counter did not move for `LOST_AFTER_S` and that marked no end
+    vanished (SIGKILL, power, network), and the errors of this machine's ranks (a closed
+    connection) follow from it. One whose store stopped answering lost the machine of rank
+    0, which holds the store. Only the failure path waits; a launch that runs pays one
+    store operation every `HEARTBEAT_S` per machine.
+    """
+
+    def __init__(self, store: Any, config: LaunchConfig, launch_dir: Path, local: int) -> None:
+        self._store = store
+        self._rank = config.machine_rank
+        self._total = config.num_machines
+        self._where = f"{config.main_process_ip}:{config.main_process_port}"
+        self._local = local
+        self._launch_dir = launch_dir
+        self._published = False
+        self._broken: str | None = None  # why the store stopped answering this launcher
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="fnaccel-launch-heartbeat", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _key(what: str, machine: int) -> str:
+        return f"fnaccel/launch/{what}_{machine}"
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._store.add(self._key("alive", self._rank), 1)
+                if not self._published:
+                    ranks = sorted(int(path.name.split(".", 1)[1]) for path in self._launch_dir.glob(f"{RANK_MARK}.*"))
+                    if len(ranks) >= self._local:
+                        self._store.set(self._key("ranks", self._rank), ",".join(map(str, ranks)))
+                        self._published = True
+            except Exception as exc:  # the store's server (the machine of rank 0) is gone
+                self._broken = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                return
+            self._stop.wait(HEARTBEAT_S)
+
+    def _counter(self, machine: int) -> int:
+        return int(self._store.add(self._key("alive", machine), 0))
+
+    def _ended(self, machine: int) -> bool:
+        return bool(self._store.check([self._key("ended", machine)]))
+
+    def lost(self) -> list[int]:
+        """The machines that vanished, waiting up to `LOST_AFTER_S` for the others to show life."""
+        others = [machine for machine in range(self._total) if machine != self._rank]
         try:
-            with _machines_met(args, config):
-                torchrun.run(torchrun_args)
-        except _Ended as exc:
-            print(exc, file=sys.stderr)
-            return exc.status
-        except SignalException as exc:
-            grace = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
-            print(f"fnaccel launch: stopped by {exc.sigval.name}: the workers got it and had {grace} s "
-                  "to end (torchrun's shutdown timeout)", file=sys.stderr)
-            return 128 + int(exc.sigval)
-        except ChildFailedError as exc:
-            if args.debug:
-                raise
-            rank, first = first_failure(exc)
-            print(f"fnaccel launch: {args.training_script} failed: rank {rank} exited with code "
-                  f"{first.exitcode} (its traceback is above; --debug shows the launcher's)",
-                  file=sys.stderr)
-            return first.exitcode if first.exitcode > 0 else 1
-    return 0
+            if self._broken is None:
+                start = {machine: self._counter(machine) for machine in others}
+                deadline = time.monotonic() + LOST_AFTER_S
+                while others and time.monotonic() < deadline and self._broken is None:
+                    others = [machine for machine in others
+                              if not self._ended(machine) and self._counter(machine) == start[machine]]
+                    if others:
+                        time.sleep(HEARTBEAT_S / 2)
+                if self._broken is None:
+                    return others
+        except Exception as exc:
+            self._broken = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        return [0] if self._rank != 0 else []
+
+    def _ranks_of(self, machine: int) -> list[int]:
+        try:
+            if self._broken is None and self._store.check([self._key("ranks", machine)]):
+                return [int(rank) for rank in self._store.get(self._key("ranks", machine)).decode().split(",")]
+        except Exception:
+            pass
+        # the machine vanished before publishing, or with the store: torchrun's static
+        # rendezvous numbers a machine's ranks after the machines before it
+        return list(range(machine * self._local, (machine + 1) * self._local))
+
+    def lost_line(self, lost: Sequence[int]) -> str:
+        """The launch's last line when ``lost`` machines vanished."""
+        named = ", ".join(f"machine {machine} ({_ranks_text(self._ranks_of(machine))})" for machine in lost)
+        if self._broken is not None:
+            why = f"connection closed: its launcher's store at {self._where} stopped answering ({self._broken})"
+        else:
+            why = (f"connection closed: its launcher stopped answering on the store at {self._where} "
+                   f"for {LOST_AFTER_S:g} s")
+        return (f"fnaccel launch: {named} was lost: {why}; the errors of this machine's ranks above follow from "
+                "it. Check that machine, then start the launch again on every machine (fa.load resumes from the "
+                "last checkpoint)")
+
+    def close(self) -> None:
+        """Mark this launcher's end; the machine of rank 0, whose store the others read, waits
+        (at most `LOST_AFTER_S`) until they have ended too, or vanished."""
+        self._stop.set()
+        self._thread.join()
+        if self._broken is not None:
+            return
+        try:
+            self._store.set(self._key("ended", self._rank), "1")
+            if self._rank == 0:
+                others = list(range(1, self._total))
+                deadline = time.monotonic() + LOST_AFTER_S
+                while others and time.monotonic() < deadline:
+                    others = [machine for machine in others if not self._ended(machine)]
+                    if others:
+                        time.sleep(HEARTBEAT_S / 2)
+        except Exception:
+            pass  # the store's server went first: nothing is waiting to read it
 
 
 @contextlib.contextmanager
@@ -422,10 +618,11 @@ def rendezvous_timeout(args: argparse.Namespace, config: LaunchConfig) -> float:
 
 
 @contextlib.contextmanager
-def _machines_met(args: argparse.Namespace, config: LaunchConfig) -> Iterator[None]:
+def _machines_met(args: argparse.Namespace, config: LaunchConfig) -> Iterator[Any]:
     """Before the agent starts: the machine of rank 0 holds the rendezvous port (a port in
     use is refused here, before any worker starts) and, with several machines, every
-    launcher waits until all have joined, on fnaccel's own keys in that same store.
+    launcher waits until all have joined, on fnaccel's own keys in that same store; yields
+    that store (None where torchrun keeps its own).
 
     The store is created multi-tenant, as torchrun's static and c10d rendezvous create
     theirs, so the agent's store in this process shares its server; waiting here, in
@@ -433,7 +630,7 @@ def _machines_met(args: argparse.Namespace, config: LaunchConfig) -> Iterator[No
     """
     port = config.main_process_port
     if port is None or (config.num_machines > 1 and config.rdzv_backend not in _RDZV_TIMEOUT_S):
-        yield  # one machine on a port torchrun picks, or an etcd rendezvous: torchrun's own
+        yield None  # one machine on a port torchrun picks, or an etcd rendezvous: torchrun's own
         return
     host = config.main_process_ip or "127.0.0.1"
     timeout = rendezvous_timeout(args, config)
@@ -450,7 +647,7 @@ def _machines_met(args: argparse.Namespace, config: LaunchConfig) -> Iterator[No
     if config.num_machines > 1:
         store = _join(store, host, port, config, timeout)
     try:
-        yield
+        yield store
     finally:
         del store  # the agent's store (multi-tenant) keeps the server while the run needs it
 

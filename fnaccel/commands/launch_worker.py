@@ -16,17 +16,22 @@ the plain ones.
 The parent-death signal fires when the *thread* that started the child ends;
 torchrun's agent starts its workers from the launcher's main thread, which
 lives as long as the launcher. Not Linux: no parent-death signal, the program
-just runs. Processes the program itself starts (DataLoader workers, ...)
+just runs. First, the worker records its global rank in the launcher's
+directory (`LAUNCH_DIR_ENV`), so that the machines of a multi-machine launch
+can name the ranks of one that vanishes. Processes the program itself starts (DataLoader workers, ...)
 are not covered; torch's DataLoader workers end when their parent goes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 from collections.abc import Sequence
+
+from fnaccel.constants import LAUNCH_DIR_ENV, RANK_MARK
 
 __all__ = ["main"]
 
@@ -49,6 +54,10 @@ def main(argv: Sequence[str]) -> None:
                          "(fnaccel launch runs this; run your script with fnaccel launch)")
     if sys.platform.startswith("linux"):
         _die_with_parent(int(argv[0]))
+    launch_dir, rank = os.environ.get(LAUNCH_DIR_ENV), os.environ.get("RANK", "")
+    if launch_dir and rank.isdigit():
+        with contextlib.suppress(OSError):  # only a name in a report depends on it
+            open(os.path.join(launch_dir, f"{RANK_MARK}.{rank}"), "w").close()
     try:
         os.execvp(argv[1], list(argv[1:]))
     except OSError as exc:  # as a shell says it: 127 not found, 126 found but not runnable

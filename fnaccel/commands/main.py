@@ -7,6 +7,7 @@ import difflib
 import importlib
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterable, Sequence
 from types import MappingProxyType
@@ -23,6 +24,10 @@ _COMMANDS = MappingProxyType({
 })
 
 USAGE_ERROR = 2  # argparse's exit status for bad usage; a bad config file is bad usage too
+# The signals a scheduler or a terminal sends to stop a command; each ends it with one line and
+# 128 + the signal's number from the console entry's first line on, until a command installs
+# its own handlers (fnaccel launch forwards them to its workers).
+_STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 _BROKEN_PIPE = 128 + 13  # a shell's status for a process ended by SIGPIPE
 
 
@@ -109,11 +114,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
 
 
+def _stopped(signum: int, _frame: Any) -> None:
+    """End the command at once, with one line: while it is still importing (torch alone takes
+    seconds), no state is worth a traceback, and a scheduler reads the status."""
+    command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in _COMMANDS else ""
+    os.write(2, f"fnaccel{' ' + command if command else ''}: stopped by {signal.Signals(signum).name} "
+                f"(exit {128 + signum})\n".encode())
+    os._exit(128 + signum)
+
+
 def console_main() -> None:
     """The entry point of the ``fnaccel`` script and of ``python -m fnaccel``.
 
-    A reader that closes the pipe early (``fnaccel env | head -1``) ends the command as
-    SIGPIPE ends other programs: status 141 (128 + SIGPIPE), no traceback."""
+    SIGTERM, SIGINT, SIGHUP and SIGUSR1 end a command with one line and 128 + the
+    signal's number from here on (before, SIGTERM during the seconds ``fnaccel launch``
+    spends importing ended it with -15 and no word; Ctrl-C with a traceback), until the
+    command installs handlers of its own. A reader that closes the pipe early
+    (``fnaccel env | head -1``) ends the command as SIGPIPE ends other programs: status
+    141 (128 + SIGPIPE), no traceback."""
+    for sig in _STOPPING:
+        signal.signal(sig, _stopped)
     try:
         try:
             status: Any = main()
