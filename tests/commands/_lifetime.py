@@ -1,13 +1,14 @@
 """A script that `fnaccel launch` runs in tests/commands/test_launch_lifetime.py.
 
-    _lifetime.py OUT (sleep|save)
+    _lifetime.py OUT (sleep|save|reduce)
 
 Every process leaves an empty file OUT/pid.<its pid> once it is ready, then
 sleeps until it is ended. ``sleep``: nothing else (the launcher is killed).
 ``save``: SIGTERM makes it exit 0 (as a script that saves on SIGTERM does);
 before sleeping it saves a checkpoint to OUT/ckpt, takes a step, and starts
 an asynchronous save over it, which may still be writing when SIGTERM comes
-(each rank writes OUT/in_flight.<rank> saying whether it was).
+(each rank writes OUT/in_flight.<rank> saying whether it was). ``reduce``: all-reduces
+one number every 50 ms until it is ended (a machine of the run is killed).
 """
 
 import os
@@ -40,6 +41,13 @@ def main(out: Path, mode: str) -> None:
 
         signal.signal(signal.SIGTERM, stop)
     (out / f"pid.{os.getpid()}").touch()
+    if mode == "reduce":
+        import fnaccel as fa
+
+        state = fa.init(cpu=True, seed=0)
+        while True:
+            fa.ops.reduce(state, torch.ones(1))
+            time.sleep(0.05)
     time.sleep(600)
 
 

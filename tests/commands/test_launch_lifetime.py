@@ -1,6 +1,7 @@
 """The launcher's own life: its workers end with it (even by SIGKILL), a signal ends the
-launch with one line and 128 + the signal's number, and waiting for machines speaks,
-hears Ctrl-C and times out with one line (docs/cli.md, "The launcher's own life")."""
+launch with one line and 128 + the signal's number (from the launcher's first line on),
+waiting for machines speaks, hears Ctrl-C and times out with one line, and a machine
+lost mid-run is named by the survivors (docs/cli.md, "The launcher's own life")."""
 
 from __future__ import annotations
 
@@ -152,3 +153,55 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_any_worker(tmp_path: Path,
     assert status == 2 and err.count("\n") == 1, err
     assert f"--main_process_port {port} is already in use" in err
     assert _pids(tmp_path) == []
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask)."""
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(line.split()[1] for line in status if line.startswith("SigCgt:"))
+    return bool(int(caught, 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.multiprocess
+def test_sigterm_while_the_launcher_imports_is_one_line_and_143(tmp_path: Path) -> None:
+    """Before: no handler until the launch had imported torch (seconds), so SIGTERM then
+    ended it with -15 and no word; now the console entry's first line installs one."""
+    launcher = _start("--cpu", "--num_processes", "2", str(SCRIPT), str(tmp_path), "sleep")
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches(launcher.pid, signal.SIGTERM):
+            assert launcher.poll() is None and time.monotonic() < deadline, "no SIGTERM handler came"
+            time.sleep(0.002)
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        _end(launcher, tmp_path)
+    assert launcher.returncode == 143, stderr
+    assert stderr.strip().splitlines() == ["fnaccel launch: stopped by SIGTERM (exit 143)"], stderr
+    assert _pids(tmp_path) == []
+
+
+@pytest.mark.multiprocess
+def test_a_machine_killed_mid_run_is_named_by_the_survivor(tmp_path: Path) -> None:
+    """Two launchers on the loopback address, one process each; machine 1's is SIGKILLed
+    mid-run. Before: machine 0 ended within seconds, but its last line blamed its own rank
+    (``rank 0 exited with code 1 (its traceback is above ...)``) under gloo's ``Connection
+    closed by peer``."""
+    machine = ["--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+               "--main_process_port", str(_free_port())]
+    survivor, lost = (_start(*machine, "--machine_rank", str(rank), str(SCRIPT), str(tmp_path), "reduce")
+                      for rank in (0, 1))
+    try:
+        _wait_for(lambda: len(_pids(tmp_path)) == 2, 240, survivor)
+        time.sleep(1)  # both ranks in their loop of all-reduces
+        lost.kill()
+        lost.wait()
+        _, stderr = survivor.communicate(timeout=120)
+    finally:
+        for launcher in (survivor, lost):
+            _end(launcher, tmp_path)
+    assert survivor.returncode == 1, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("fnaccel launch: machine 1 (rank 1) was lost: connection closed"), stderr
+    assert "rank 0" not in last, last
+    assert [pid for pid in _pids(tmp_path) if _alive(pid)] == []
