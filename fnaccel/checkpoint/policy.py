@@ -35,6 +35,12 @@ nothing is due pays no collective:
   save starts at the first boundary after the last one committed. One process
   needs no agreement and reads its own clock at every call.
 
+Pace. The snapshot a save takes (every tensor copied to CPU memory) is the
+part the loop waits for. A continuous save therefore also starts no sooner
+than 20 times the last snapshot's duration after the last save started, so
+snapshots never take more than 5% of the loop's time: with a large model on
+a slow disk the commit decides, with a small model on ``/dev/shm`` the pace.
+
 Rotation runs on the save's own thread right after the commit, on the ranks
 that wrote the shared files (`fnaccel.checkpoint.run.start_save`). It deletes
 only ``step_<n>`` children of the policy's directory that are fnaccel
@@ -66,6 +72,9 @@ __all__ = ["AnySavePolicy", "SavePolicy", "autosave", "save_policy"]
 _NAME = re.compile(r"step_(\d+)")
 _RESOURCE = "autosave"
 _clock = time.monotonic  # the clock every_seconds and continuous read (rank 0's decides)
+# A continuous save starts no sooner than this many times the last one's snapshot time after that
+# one started: snapshots then take at most 1/20 = 5% of the loop's time, however fast the saves are.
+_PACE = 20
 
 
 def _directories(value: Any) -> tuple[Path, ...]:
@@ -93,7 +102,8 @@ class SavePolicy:
         every_steps: save when ``state.step`` is a multiple of it.
         every_seconds: save when this many seconds (rank 0's clock) passed since the last save.
         on_preemption: save when the run's preemption agreement stops it (`PreemptionKwargs`).
-        continuous: start the next save as soon as the last one committed.
+        continuous: start the next save as soon as the last one committed (paced: snapshots
+            take at most 5% of the loop's time).
         keep_last: keep the newest this many checkpoints (None: all).
         keep_every: also keep the first checkpoint at or after each multiple of this many steps.
         directories: where the checkpoints go (``step_<n>`` in each).
@@ -210,7 +220,9 @@ def save_policy(*, every_steps: int | None = None, every_seconds: float | None =
         on_preemption: save, before `autosave` returns, when the run's
             preemption agreement stopped `fa.batches` (`PreemptionKwargs`).
         continuous: start the next asynchronous save as soon as the last one
-            committed (not with ``every_steps`` or ``every_seconds``).
+            committed, and no sooner than 20 times the last snapshot's
+            duration after it started, so that snapshots take at most 5% of
+            the loop's time (not with ``every_steps`` or ``every_seconds``).
         keep_last: after each save, keep the newest this many ``step_<n>``
             checkpoints in each directory and delete older ones fnaccel wrote
             (None keeps all).
@@ -276,7 +288,7 @@ def _rotate(directory: Path, policy: SavePolicy, newest: Path) -> None:
 class _Progress:
     """One member's live bookkeeping in a run (rank 0's clocks are read on rank 0 only)."""
 
-    __slots__ = ("last_saved", "act_at", "since", "mark", "handle", "started", "save_seconds")
+    __slots__ = ("last_saved", "act_at", "since", "mark", "handle", "started", "save_seconds", "snapshot_seconds")
 
     def __init__(self) -> None:
         self.last_saved: int | None = None  # the step this member last saved
@@ -286,6 +298,7 @@ class _Progress:
         self.handle: SaveHandle | None = None  # the member's last save
         self.started = 0.0  # when that save was started
         self.save_seconds: float | None = None  # how long it took to commit, as first seen here
+        self.snapshot_seconds = 0.0  # how long starting it kept the loop (continuous members: the pace)
 
     def observe(self, now: float) -> None:
         """Note when the last save was first seen committed (a thread's liveness: no wait)."""
@@ -329,10 +342,14 @@ def _decide(policy: SavePolicy, progress: _Progress, step: int, now: float, save
     progress.mark = (now, step)
     if policy.continuous:
         progress.observe(now)
-        if saves or progress.handle is None or progress.save_seconds is not None:
-            last = progress.save_seconds or step_seconds
-            return True, max(1, math.ceil(last / step_seconds))
-        return False, max(1, math.ceil((now - progress.started) / step_seconds))  # not yet: as long again
+        paced = progress.started + _PACE * progress.snapshot_seconds
+        if saves or progress.handle is None or (progress.save_seconds is not None
+                                                 and now >= paced - step_seconds / 2):
+            ahead = max(progress.save_seconds or step_seconds, _PACE * progress.snapshot_seconds)
+            return True, max(1, math.ceil(ahead / step_seconds))
+        # not committed yet: look again after as long again; committed: when the pace allows
+        ahead = now - progress.started if progress.save_seconds is None else paced - now
+        return False, max(1, math.ceil(ahead / step_seconds))
     assert policy.every_seconds is not None
     remaining = policy.every_seconds - (now - progress.since)
     if saves or remaining <= step_seconds / 2:
@@ -353,7 +370,8 @@ def _due(policy: SavePolicy, progress: _Progress, state: RunState, now: float) -
         return False
     if state.dist.num_processes == 1:
         if policy.continuous:
-            return progress.handle is None or progress.handle.done()
+            return progress.handle is None or (progress.handle.done()
+                                               and now >= progress.started + _PACE * progress.snapshot_seconds)
         return now - progress.since >= policy.every_seconds  # type: ignore[operator]
     assert progress.act_at is not None
     return None if state.step >= progress.act_at else False
@@ -446,7 +464,10 @@ def _save_due(state: RunState, members: tuple[SavePolicy, ...]) -> None:
         rotate = None if policy.keep_last is None else (
             lambda committed, member=policy: _rotate(committed.parent, member, committed))
         mine = progress[policy]
+        began = _clock() if policy.continuous else now
         for directory in policy.directories:
             mine.handle = start_save(state, directory / f"step_{state.step}",
                                      blocking=preempted and policy.on_preemption, after_commit=rotate)
+        if policy.continuous:
+            mine.snapshot_seconds = _clock() - began
         mine.last_saved, mine.since, mine.started, mine.save_seconds = state.step, now, now, None

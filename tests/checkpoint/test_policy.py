@@ -210,8 +210,8 @@ def test_rotation_removes_leftovers_of_crashed_saves_only(tmp_path: Path) -> Non
     assert _steps(tmp_path) == [8]
 
 
-def test_continuous_starts_the_next_save_as_soon_as_the_last_committed(tmp_path: Path) -> None:
-    """On one process: a save starts at a step exactly when the last one is done (no save ever
+def test_continuous_saves_only_once_the_last_committed(tmp_path: Path) -> None:
+    """On one process: a save starts only at a step where the last one is done (no save ever
     waits for another), and the RAM-like tier keeps one checkpoint."""
     state = _run()
     policy = fa.save_policy(continuous=True, keep_last=1, directories=tmp_path)
@@ -225,8 +225,29 @@ def test_continuous_starts_the_next_save_as_soon_as_the_last_committed(tmp_path:
         starts.append(_book(state)[policy].last_saved != before)
     last = _book(state)[policy].last_saved
     fa.shutdown(state)
-    assert starts == idle and starts[0] and sum(starts) >= 2
+    assert starts[0] and sum(starts) >= 2
+    assert all(was_idle for started, was_idle in zip(starts, idle, strict=True) if started)
     assert _steps(tmp_path) == [last]
+
+
+def test_continuous_is_paced_by_its_snapshots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clock ticking 1 s a read: a step's autosave reads it once, and a save's snapshot takes
+    one tick. Every save committed before the next step: the next save still waits until 20
+    snapshots' time passed since the last started (snapshots take at most 5% of the loop)."""
+    ticks = iter(range(1000))
+    monkeypatch.setattr(policy_module, "_clock", lambda: float(next(ticks)))
+    policy = fa.save_policy(continuous=True, keep_last=1, directories=tmp_path)
+    state = _run()
+    started = []
+    for batch in fa.batches(state, epochs=2):
+        state, _ = fa.step(state, batch)
+        state = fa.autosave(state, policy)
+        mine = _book(state)[policy]
+        if mine.last_saved == state.step:
+            started.append(state.step)
+        mine.handle.wait()
+    fa.shutdown(state)
+    assert started == [1, 19]  # saved at tick 0 (its snapshot: ticks 1-2); step 19 reads tick 20
 
 
 def test_every_seconds_reads_the_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,18 +307,16 @@ class _Counting:
         return fa.ops.broadcast_object_list(*args, **kwargs)
 
 
-def agreed_saves(state: fa.RunState, root: str, continuous: bool) -> dict[str, Any]:
+def agreed_saves(state: fa.RunState, root: str) -> dict[str, Any]:
     """Runs on each rank: 20 steps autosaving with every_steps and every_seconds members (a clock
-    ticking 1 s a call), or a continuous one; the steps each member saved and the steps at
-    which autosave broadcast."""
+    ticking 1 s a read); the steps each member saved and the steps at which autosave broadcast."""
     counting, ticks = _Counting(), iter(range(10_000))
     saved_ops, saved_clock = policy_module.ops, policy_module._clock
     policy_module.ops, policy_module._clock = counting, lambda: float(next(ticks))  # type: ignore[assignment]
     try:
-        members = ((fa.save_policy(continuous=True, keep_last=1, directories=f"{root}/continuous"),) if continuous
-                   else (fa.save_policy(every_steps=3, keep_last=1, directories=f"{root}/steps"),
-                         fa.save_policy(every_seconds=4, keep_last=1, directories=f"{root}/seconds")))
-        policy = members[0] if continuous else members[0] | members[1]
+        members = (fa.save_policy(every_steps=3, keep_last=1, directories=f"{root}/steps"),
+                   fa.save_policy(every_seconds=4, keep_last=1, directories=f"{root}/seconds"))
+        policy = members[0] | members[1]
         state = fresh_run(state, fa.compose(fa.ddp()))[0]
         started: list[list[int]] = [[] for _ in members]
         broadcasts_at: list[int] = []
@@ -314,55 +333,51 @@ def agreed_saves(state: fa.RunState, root: str, continuous: bool) -> dict[str, A
     finally:
         policy_module.ops, policy_module._clock = saved_ops, saved_clock
     return {"started": started, "broadcasts_at": broadcasts_at,
-            "kept": [_steps(Path(root) / name) for name in (("continuous",) if continuous else ("steps", "seconds"))]}
+            "kept": [_steps(Path(root) / name) for name in ("steps", "seconds")]}
 
 
 def test_two_ranks_save_the_same_steps_without_collectives_on_idle_steps(world2: Any, tmp_path: Path) -> None:
     """20 steps (5 batches an epoch per rank): every_steps never broadcasts; every_seconds
     broadcasts once to time a step, then only at the steps it saves; both ranks save alike."""
-    results = world2.run(agreed_saves, str(tmp_path / "timed"), False)
+    results = world2.run(agreed_saves, str(tmp_path))
     assert results[0] == results[1]
     (steps, seconds), broadcasts_at = results[0]["started"], results[0]["broadcasts_at"]
     assert steps == [3, 6, 9, 12, 15, 18]
     assert seconds == [5, 9, 13, 17]  # the first call (step 1) starts the clock; 4 s a save
     assert broadcasts_at == [2, *seconds]
     assert results[0]["kept"] == [[18], [17]]
-    # continuous: rank 0's clock says when the last save committed; both ranks start the next alike
-    results = world2.run(agreed_saves, str(tmp_path / "continuous"), True)
-    assert results[0]["started"] == results[1]["started"]
-    (continuous,) = results[0]["started"]
-    assert continuous[0] == 1 and len(continuous) >= 2
-    assert set(continuous) <= set(results[0]["broadcasts_at"])
-    assert results[0]["kept"] == [continuous[-1:]]
 
 
 def interrupted_and_resumed(state: fa.RunState, root: str) -> dict[str, Any]:
     """Runs on each rank: the uninterrupted run (no autosave), then a run with a two-tier
-    policy stopped after micro-step 7, then a fresh run resumed from fa.latest_checkpoint
-    over the policy's directories; the last two's final weights against the first's."""
+    policy (continuous to one directory, every 4 steps to another) stopped after micro-step 7,
+    then a fresh run resumed from fa.latest_checkpoint over the policy's directories; the
+    last two's final weights against the first's, and the steps at which each saved."""
     whole, model, _ = fresh_run(state, fa.compose(fa.ddp()))
     whole, whole_losses = train(whole, epochs=3)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     policy = (fa.save_policy(continuous=True, keep_last=1, directories=f"{root}/ram")
               | fa.save_policy(every_steps=4, keep_last=2, directories=f"{root}/disk"))
     first = fresh_run(fa.init(seed=0, cpu=True), fa.compose(fa.ddp()))[0]
-    first, _ = _autosaving(first, policy, stop_after=7, epochs=3)
+    first, first_saves = _autosaving(first, policy, stop_after=7, epochs=3)
     fa.shutdown(first)
     found = fa.latest_checkpoint(*policy.directories)
     assert found is not None
     second, model, _ = fresh_run(fa.init(seed=0, cpu=True), fa.compose(fa.ddp()))
     second = fa.load(second, found)
     resumed_at = second.step
-    second, _ = _autosaving(second, policy, epochs=3)
+    second, second_saves = _autosaving(second, policy, epochs=3)
     fa.shutdown(second)
     equal = all(torch.equal(expected[k], v) for k, v in model.state_dict().items())
     return {"found": str(found), "resumed_at": resumed_at, "equal": equal, "steps": second.step,
-            "whole": whole.step, "disk": _steps(Path(root) / "disk")}
+            "whole": whole.step, "disk": _steps(Path(root) / "disk"), "saves": (first_saves, second_saves)}
 
 
 def test_a_resume_from_the_policys_tiers_equals_the_uninterrupted_run(world2: Any, tmp_path: Path) -> None:
     results = world2.run(interrupted_and_resumed, str(tmp_path))
     assert results[0]["found"] == results[1]["found"]
+    # continuous: rank 0's clock says when the last save committed; both ranks start the next alike
+    assert results[0]["saves"] == results[1]["saves"] and results[0]["saves"][0][0] == 1, results
     for result in results:
         assert result["equal"] and result["steps"] == result["whole"] == 15, result
         assert 4 <= result["resumed_at"] <= 7, result
