@@ -5,10 +5,14 @@
 
 Each fold is a run of its own: `fa.init` starts it (and, on several processes, its process
 group), `fa.shutdown` ends it completely, and the next fold starts afresh. Nothing of a run
-stays in the process, and no fnaccel call moves the process's generators, so the models are
-built from `torch.manual_seed` exactly as a script without fnaccel would build them: each
-fold's model draws the next initial weights, the same on every process. The folds' predictions
-on the test set are averaged into an ensemble, as Accelerate's cross-validation example does.
+stays in the process, and no fnaccel call moves the process's generators, so each fold's model
+draws the next initial weights after the one `torch.manual_seed(0)`, the same on every process:
+fold k's model is the (k+1)-th built after it (tests/test_examples.py checks). A script without
+fnaccel seeded the same way builds the same first model but not the later ones: each epoch its
+`iter(DataLoader(..., shuffle=True))` draws the loader's seeds from that same generator, and
+fnaccel's batches draw nothing from it (their order comes from `fa.init(seed=...)`). The folds'
+predictions on the test set are averaged into an ensemble, as Accelerate's cross-validation
+example does.
 """
 
 from __future__ import annotations
