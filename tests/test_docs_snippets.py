@@ -126,6 +126,19 @@ def _check_migration(names: dict[str, Any], tmp: Path) -> None:
     assert (tmp / "runs" / "demo" / "ckpt" / "fnaccel.json").is_file()
 
 
+def _check_summed_loss(names: dict[str, Any], tmp: Path) -> None:
+    # 8 batches, accumulate(4): two updates, each the mean over the tokens its window scored
+    metrics = names["metrics"]
+    assert names["state"].step == 2
+    assert torch.allclose(metrics["loss"], (metrics["loss_sum"] / metrics["num_items"]).float())
+    assert 0 < metrics["num_items"] < 4 * 4 * 15  # 4 batches of 4 rows, 15 predicted tokens each, some unscored
+
+
+def _transformers_reader() -> dict[str, Any]:
+    pytest.importorskip("transformers")
+    return _reader()
+
+
 CASES: dict[str, tuple[str, str, Callable[[], dict[str, Any]], Callable[[dict[str, Any], Path], None] | None]] = {
     "README": ("README.md", "state = fa.init(seed=0)", lambda: {**_reader(), "labels": torch.zeros(2, 3)}, _check_readme),
     "training": ("docs/training.md", "F.cross_entropy(model(batch[0])", _reader, None),
@@ -136,6 +149,8 @@ CASES: dict[str, tuple[str, str, Callable[[], dict[str, Any]], Callable[[dict[st
                         _check_end_epoch),
     "training: default_pipeline": ("docs/training.md", "fa.compose(fa.default_pipeline(state)", _prepared,
                                    _check_default_pipeline),
+    "training: normalize=items with transformers": ("docs/training.md", "num_items_in_batch=1", _transformers_reader,
+                                                    _check_summed_loss),
     "training: a transform of one's own": ("docs/training.md", "def allreduce_gradients", _reader,
                                            _check_own_transform),
     "data: evaluate": ("docs/data.md", "fa.evaluate(state", _prepared, None),
