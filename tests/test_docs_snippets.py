@@ -134,6 +134,16 @@ def _check_summed_loss(names: dict[str, Any], tmp: Path) -> None:
     assert 0 < metrics["num_items"] < 4 * 4 * 15  # 4 batches of 4 rows, 15 predicted tokens each, some unscored
 
 
+def _check_policy(names: dict[str, Any], tmp: Path) -> None:
+    # 3 epochs of 12 steps, the continuous RAM member keeping one checkpoint (no disk save by
+    # step 500); a second attempt of the same block starts from it and ends at the same step
+    kept = sorted(p.name for p in (tmp / "ram").iterdir())
+    assert names["found"] is None and names["state"].step == 36 and len(kept) == 1, kept
+    again = {**_reader(), "ram": names["ram"]}
+    exec(compile(_block("docs/checkpoints.md", "fa.autosave(state, policy)"), "again", "exec"), again)  # noqa: S102
+    assert again["found"] == tmp / "ram" / kept[0] and again["state"].step == 36
+
+
 def _transformers_reader() -> dict[str, Any]:
     pytest.importorskip("transformers")
     return _reader()
@@ -157,6 +167,8 @@ CASES: dict[str, tuple[str, str, Callable[[], dict[str, Any]], Callable[[dict[st
     "data: eval_batches": ("docs/data.md", "fa.eval_batches(state", lambda: _prepared(preds=[]), None),
     "collectives: compose": ("docs/collectives.md", "collect = fa.compose", lambda: _prepared(labels=torch.zeros(2, 3)), None),
     "checkpoints": ("docs/checkpoints.md", "fresh_prepared_state", lambda: _prepared(fresh_prepared_state=_make_run()), None),
+    "checkpoints: a policy": ("docs/checkpoints.md", "fa.autosave(state, policy)",
+                              lambda: {**_reader(), "ram": Path("ram").absolute()}, _check_policy),
     "helpers: trigger": ("docs/helpers.md", "set_trigger(state)", _prepared, None),
     "tracking": ("docs/tracking.md", 'fa.init_trackers(state, "classifier"', _reader, _check_tracking),
     "migration: the script": ("docs/migration.md", "import fnaccel as fa", dict, _check_migration),
