@@ -30,9 +30,10 @@ nothing is due pays no collective:
   own exchanges anyway) or, when rank 0 finds the deadline not reached (the
   steps got faster) or the last save not committed yet, agrees on a new act
   step. A process's first ``every_seconds`` act comes one step after its first
-  call, to measure a step; ``continuous`` acts at its first call, then
-  ``ceil(save seconds / step seconds)`` steps after each save, so the next
-  save starts at the first boundary after the last one committed. One process
+  call, to measure a step; ``continuous`` acts at its first call, then as
+  many steps after each save as its last save took to commit (or its pace,
+  below, if longer), so the next save starts at the first boundary after the
+  last one committed. One process
   needs no agreement and reads its own clock at every call.
 
 Pace. The snapshot a save takes (every tensor copied to CPU memory) is the
