@@ -130,6 +130,7 @@ _PUBLIC = MappingProxyType({
     "ConfigError": "fnaccel._errors",
     "CollectiveMismatchError": "fnaccel._errors",
     "CollectiveTimeoutError": "fnaccel._errors",
+    "CollectiveCallError": "fnaccel._errors",
     "CheckpointError": "fnaccel._errors",
     "NonFiniteUpdateError": "fnaccel.transforms.nonfinite",
     "ResumeDriftWarning": "fnaccel.checkpoint.runinfo",

@@ -8,6 +8,7 @@ from fnaccel import (
 )
 from fnaccel._errors import (
     CheckpointError as CheckpointError,
+    CollectiveCallError as CollectiveCallError,
     CollectiveMismatchError as CollectiveMismatchError,
     CollectiveTimeoutError as CollectiveTimeoutError,
     ConfigError as ConfigError,

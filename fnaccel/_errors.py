@@ -8,6 +8,7 @@ __all__ = [
     "ConfigError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "CollectiveCallError",
     "DistributedOperationException",
     "CheckpointError",
 ]
@@ -44,6 +45,14 @@ class CollectiveTimeoutError(FnaccelError, RuntimeError):
     """A collective waited past the process group's timeout for a rank that never joined it.
 
     Also a ``RuntimeError``, which torch raises for the same event.
+    """
+
+
+class CollectiveCallError(CollectiveMismatchError, RuntimeError):
+    """Ranks are in different collective fnaccel calls (one in ``fa.save``, another in
+    ``fa.step``): every rank raises it, naming what each was doing and the fix.
+
+    Also a ``RuntimeError``, as torch's own error for a broken collective, which it replaces.
     """
 
 

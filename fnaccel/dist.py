@@ -160,6 +160,11 @@ class _DataParallelGroup:
     def mesh(self, name: str) -> Any:
         return None
 
+    @property
+    def calls(self) -> Any:
+        """The process's record of its current fnaccel call (`fnaccel.calls`), whatever the group."""
+        return self._owner.calls
+
 
 def data_parallel_context(dist: DistContext) -> DistContext:
     """``dist`` seen by the data-parallel ranks only: `data_parallel`'s rank and size,

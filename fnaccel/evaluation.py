@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fnaccel.calls import collective
 from fnaccel.data.evaluation import eval_batches
 from fnaccel.dist import data_parallel_context
 from fnaccel.ops.collectives import gather_object
@@ -62,6 +63,7 @@ def _join(parts: list[Any]) -> Any:
     return type(first)(_join([p[i] for p in parts]) for i in range(len(first)))
 
 
+@collective("fa.evaluate")
 def evaluate(state: RunState, loader: torch.utils.data.DataLoader[Any],
              fn: Callable[[torch.nn.Module, Any], Any]) -> Any:
     """Reads ``state`` (not consumed): ``fn(model, batch)`` over ``loader``'s dataset,

@@ -69,11 +69,15 @@ class _BorrowedGroup:
     with no agreed collective call (``agreed``, see `fnaccel.resources.GroupOwner`):
     a task that failed on one rank leaves nothing behind for the next."""
 
-    __slots__ = ("_owner", "agreed")
+    __slots__ = ("_owner", "agreed", "calls")
 
     def __init__(self, owner: Any) -> None:
         self._owner = owner
         self.agreed: Any = None
+        # the process's record of its fnaccel calls, counted afresh for each task (fnaccel.calls)
+        self.calls = owner.calls
+        if self.calls is not None:
+            self.calls.renew()
 
     @property
     def group(self) -> Any:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fnaccel.calls import calls_of, failure_of
 from fnaccel.dist import DistContext, data_parallel
 from fnaccel.kwargs.base import KwargsHandler
 from fnaccel.rng import put_back, swap_in, swap_out
@@ -359,6 +360,12 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     kinds = state.step_rng_types
     rng = state.rng
     _start_window(state, optimizer, plan)
+    # what this rank is doing, for a rank that waits for it in a collective call (fnaccel.calls)
+    owner = state.dist.group_owner
+    calls = calls_of(owner)
+    if calls is not None:
+        calls.call = calls.last = by
+        calls.micro_step, calls.step = micro_step, state.step
     # The run's generators in, the step, their new values out, and the process's own
     # back, also when the step raises (inline: a context manager costs more than the swap).
     consumed = _consumed(state)
@@ -373,8 +380,11 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
             loss, aux = run(model, batch, plan.micro_steps if plan.divide_loss else None, transform_state)
             reported = None
         metrics = _update(state, model, optimizer, plan, consumed) if boundary else {}
-    except BaseException:
+    except BaseException as error:
         put_back(kinds, held)
+        failure = failure_of(owner, error)  # the gradients' all-reduce broke: a rank named why
+        if failure is not None:
+            raise failure from error
         raise
     rng = swap_out(rng, kinds, held)
     metrics["loss"] = loss.detach()
@@ -384,6 +394,8 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
         metrics["aux"] = aux
     new = state.advance(by, rng=rng, micro_step=micro_step + 1, step=state.step + boundary,
                         data_position=consumed)
+    if calls is not None:
+        calls.call, calls.micro_step, calls.step = None, new.micro_step, new.step
     if plan.set_sync:
         plan.set_sync_for(model, new.micro_step)
     if plan.after_step:
@@ -407,8 +419,21 @@ def backward(state: RunState, loss: torch.Tensor, aux: Any = None) -> RunState:
         raise ValueError(f"{by}: a pipeline schedule (fa.pp) runs forward and backward together "
                          "in fa.step; call fa.step(state, batch) instead")
     _start_window(state, optimizer, plan)
-    _backward(plan, loss, aux)
+    owner = state.dist.group_owner
+    calls = calls_of(owner)
+    if calls is not None:
+        calls.call = calls.last = by
+        calls.micro_step, calls.step = state.micro_step, state.step
+    try:
+        _backward(plan, loss, aux)
+    except RuntimeError as error:
+        failure = failure_of(owner, error)  # the gradients' all-reduce broke: a rank named why
+        if failure is not None:
+            raise failure from error
+        raise
     new = state.advance(by, micro_step=state.micro_step + 1, data_position=_consumed(state))
+    if calls is not None:
+        calls.call, calls.micro_step = None, new.micro_step
     plan.set_sync_for(model, new.micro_step)
     return new
 

@@ -29,7 +29,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fnaccel"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("leaves", ("fnaccel._errors", "fnaccel._lazy", "fnaccel.dist", "fnaccel.rng", "fnaccel.constants",
                 "fnaccel.kwargs", "fnaccel.checks",
-                "fnaccel.config", "fnaccel.protocols", "fnaccel.resources", "fnaccel.atomic")),
+                "fnaccel.config", "fnaccel.protocols", "fnaccel.resources", "fnaccel.atomic",
+                "fnaccel.calls")),
     ("state", ("fnaccel.state",)),
     ("parts", ("fnaccel.transforms", "fnaccel.ops", "fnaccel.seeding", "fnaccel.process",
                "fnaccel.precision", "fnaccel.trigger", "fnaccel.preemption")),

@@ -53,6 +53,7 @@ import torch
 
 from fnaccel import ops
 from fnaccel._errors import CheckpointError
+from fnaccel.calls import collective
 from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.checks import check_like
 from fnaccel.checkpoint.codec import check_kind, rng_from
@@ -80,6 +81,7 @@ def _target(path: Path) -> Path:
     return final.resolve() if os.path.islink(final) else final  # False for a name too long: refused next
 
 
+@collective("fa.save")
 def save(state: RunState, path: str | Path | None = None, *, blocking: bool = True) -> SaveHandle:
     """Write a checkpoint of ``state`` (the state is not consumed); every rank calls it.
 
@@ -348,6 +350,7 @@ def _read_stable(state: RunState, directory: Path, allow_global_batch_change: bo
     )
 
 
+@collective("fa.load")
 def load(state: RunState, path: str | Path, *, allow_global_batch_change: bool = False,
          strict: bool = True) -> RunState:
     """Consumes ``state``: restore the checkpoint at ``path`` into its live objects.

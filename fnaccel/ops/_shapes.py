@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fnaccel._errors import CollectiveMismatchError, CollectiveTimeoutError
+from fnaccel.calls import calls_of, failure_of
 from fnaccel.dist import DistContext
 from fnaccel.ops.tree import tree_paths
 
@@ -54,13 +55,25 @@ _MARK_WORDS = tuple(int.from_bytes(MARK[i:i + 8], sys.byteorder, signed=True) fo
 
 
 @contextmanager
-def naming_timeouts(op: str) -> Iterator[None]:
-    """Turn torch's error for a collective that waited past the group's timeout
-    into a `CollectiveTimeoutError` naming ``op`` and the fix (torch's own message,
-    which names the missing ranks where the backend knows them, is kept in it)."""
+def naming_timeouts(ctx: DistContext, op: str) -> Iterator[None]:
+    """Around ``fa.ops``' collectives: record the call for the other ranks (`fnaccel.calls`)
+    when it is not part of another fnaccel call, and turn torch's errors into ours:
+    a collective broken because a rank named a mismatch of calls raises that
+    `CollectiveCallError`; one that waited past the group's timeout a
+    `CollectiveTimeoutError` naming ``op`` and the fix (torch's own message, which
+    names the missing ranks where the backend knows them, is kept in it)."""
+    owner = ctx.group_owner
+    calls = calls_of(owner)
+    if calls is not None and calls.call is not None:
+        calls = None  # part of another fnaccel call, which stays the one recorded
+    if calls is not None:
+        calls.call = f"fa.ops.{op}"
     try:
         yield
     except RuntimeError as exc:
+        failure = failure_of(owner, exc)
+        if failure is not None:
+            raise failure from exc
         text = str(exc)
         if "timed out" not in text.lower() and "timeout" not in text.lower():
             raise
@@ -71,6 +84,9 @@ def naming_timeouts(op: str) -> Iterator[None]:
             "fa.init(kwargs_handlers=[InitProcessGroupKwargs(timeout=...)]) sets another. gloo does not "
             "say which rank is missing: the first error in the other ranks' output names it."
         ) from exc
+    finally:
+        if calls is not None:
+            calls.done()
 
 
 # torch 2.13 renamed all_gather_into_tensor; older releases only have the old name.
@@ -263,7 +279,7 @@ def exchange_shapes(
     inline = len(header) + len(dims) <= _SLOTS
     row = header + (dims if inline else [])
     row += [0] * (_SLOTS - len(row))
-    with naming_timeouts(signature.op):
+    with naming_timeouts(ctx, signature.op):
         rows = _all_gather_ints(ctx, row, signature.op)
     if any(r[0] for r in rows):
         _raise_problem(ctx, signature.op, problem)
@@ -274,7 +290,7 @@ def exchange_shapes(
     if inline:  # the same on every rank: the fixed header part agreed
         per_rank_dims = [r[start : start + len(dims)] for r in rows]
     else:  # a tree too large for the header: its dims travel in a second message
-        with naming_timeouts(signature.op):
+        with naming_timeouts(ctx, signature.op):
             per_rank_dims = _all_gather_ints(ctx, dims, signature.op)
     shapes = []
     for flat in per_rank_dims:

@@ -108,7 +108,7 @@ def _checked_collect(ctx: DistContext, signature: Signature, param: Any, hint: s
     would abort, hang or return a partly written buffer if sizes differed
     inside a data collective.
     """
-    with naming_timeouts(signature.op):
+    with naming_timeouts(ctx, signature.op):
         return _checked_collect_now(ctx, signature, param, hint, problem)
 
 

@@ -102,7 +102,7 @@ def broadcast_object_list(
             + f"); every rank passes a list as long as rank {from_process}'s"
         )
     buffer = _byte_buffer(ctx, payload, table.extras[from_process][1])
-    with naming_timeouts(op):
+    with naming_timeouts(ctx, op):
         dist.broadcast(buffer, group=ctx.process_group, group_src=from_process)
     if ctx.rank == from_process:
         return list(object_list)
@@ -142,7 +142,7 @@ def gather_object(ctx: DistContext | Any, object: Sequence[Any]) -> list[Any]:
     table = exchange_shapes(ctx, Signature.of(op, [], []), extras=[len(payload)], problem=problem)
     sizes = [extras[0] for extras in table.extras]
     most = max(sizes)
-    with naming_timeouts(op):
+    with naming_timeouts(ctx, op):
         rows = all_gather_rows(ctx, _byte_buffer(ctx, payload, most)).view(ctx.num_processes, most)
     host = _as_bytes(rows)
     parts = [pickle.loads(host[r * most : r * most + size]) for r, size in enumerate(sizes)]
