@@ -67,7 +67,6 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     "debug/divergence.py": ("tests/debug/test_two_runs_tools.py", "find_divergence on two real runs"),
     "debug/resume.py": ("tests/debug/test_two_runs_tools.py", "verify_resume on two real runs"),
     "debug/items.py": ("tests/debug/test_diff.py", "the tensors `fnaccel checkpoint diff` compares"),
-    "dryrun.py": ("tests/commands/test_dry_run.py", "fa.prepare's dry-run report needs a launch of a fake world"),
     "dist.py": ("tests/transforms/test_mesh.py", "data-parallel rank and mesh groups need a mesh"),
     "modeling/attach.py": ("tests/modeling/test_hooks.py", "attaching the hooks of hooks.py"),
     "modeling/checkpoint_files.py": ("tests/modeling/test_loading.py", "the files loading.py reads"),

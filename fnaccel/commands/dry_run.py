@@ -8,7 +8,10 @@ the CPU, `fa.prepare` builds the mesh and applies the pipeline's plans, one
 every other rank's bytes from the tensors' global shapes and placements, so the
 table covers the whole world without starting a process per rank; the last rank's
 own measurement checks that computation. A rank that raises ends the dry run with
-its traceback, as the real launch would show it.
+its traceback, as the real launch would show it. The workers live as the real
+launch's do: started through its worker entry, they die with the launcher even by
+SIGKILL, and its signals end them (each in a session of its own) and the launch,
+with one line (docs/cli.md, "Dry runs").
 """
 
 from __future__ import annotations
@@ -59,7 +62,11 @@ def _worker_env(config: LaunchConfig, base: Mapping[str, str], rank: int, world:
 
 
 def _run_workers(program: list[str], envs: Mapping[int, dict[str, str]], logs: Path) -> dict[int, int]:
-    """Start one worker per rank, all at once; their exit statuses (each killed at the timeout)."""
+    """Start one worker per rank, all at once; their exit statuses (each killed at the timeout).
+
+    Each runs in a session of its own, ended whole (the script and what it started) when
+    this function ends by an exception: an error, the timeout, or a signal the launcher
+    turned into one."""
     procs: dict[int, subprocess.Popen[bytes]] = {}
     try:
         for rank, env in envs.items():
@@ -90,6 +97,8 @@ def _print_report(reports: Mapping[int, dict[str, Any]], world: int, machines: i
           "script up to its fa.prepare and one step")
     print(f"mesh: {shown} (rank r's coordinates are r unravelled over these sizes, the last fastest)")
     print(f"step: {first['step']}")
+    print(f"bytes: computed by rank 0 for all {world} ranks, once per class of alike ranks "
+          f"({first['num_classes']} classes: the same shard of every tensor)")
     by_figures: dict[tuple[int, ...], list[int]] = {}
     for rank, figures in enumerate(first["ranks"]):
         by_figures.setdefault(tuple(figures[k] for k in _KINDS), []).append(rank)
@@ -114,11 +123,15 @@ def _print_report(reports: Mapping[int, dict[str, Any]], world: int, machines: i
                  "Model tensors"))
 
 
-def dry_run(config: LaunchConfig, world: int, script: str, program: list[str], base: Mapping[str, str]) -> int:
+def dry_run(config: LaunchConfig, world: int, script: str, program: list[str], base: Mapping[str, str], *,
+            json_path: str | None = None) -> int:
     """Run ``program`` (the launch's worker command line for ``script``) as the first and last rank of a
     world of ``world`` processes, each with the launch's variables ``base``, under the
-    fake process group, and print the mesh, the bytes per rank and the checkpoint layout;
-    a rank that raises ends it with that rank's output and exit status."""
+    fake process group, and print the mesh, the bytes per rank and the checkpoint layout
+    (and write them as JSON to ``json_path`` when given); a rank that raises ends it with
+    that rank's output and exit status. ``program`` starts through the launch's worker
+    entry, so the ranks die with the launcher (SIGKILL included); an exception here (the
+    launcher's signals become one) ends them."""
     if world % config.num_machines:
         raise CommandError(f"--num_processes {world} is the total over all machines and "
                            f"must divide evenly over --num_machines {config.num_machines}")
@@ -140,4 +153,11 @@ def dry_run(config: LaunchConfig, world: int, script: str, program: list[str], b
                   "fa.prepare)", file=sys.stderr)
             return 1
     _print_report(reports, world, config.num_machines)
+    if json_path is not None:
+        first = reports[0]
+        Path(json_path).write_text(json.dumps({
+            "num_processes": world, "num_machines": config.num_machines, "parallelism": first["parallelism"],
+            "step": first["step"], "ranks": first["ranks"], "num_classes": first["num_classes"],
+            "measured": {str(rank): report["measured"] for rank, report in sorted(reports.items())},
+            "layout": first["layout"]}, indent=1))
     return 0

@@ -3,6 +3,8 @@
 The mesh comes from the launch (``--parallelism_config_tp_size``); ``--wrong_plan``
 plants a tp plan entry that names no submodule; ``--steps N`` trains N steps and
 writes ``done`` into the directory given by ``--out`` (a real run's end).
+`real_figures` runs the same preparation in a `fnaccel.testing.World` (real gloo
+processes), for the dry run's fidelity test.
 """
 
 from __future__ import annotations
@@ -57,23 +59,45 @@ def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
+def prepared(state: fa.RunState, *, wrong_plan: bool = False) -> fa.RunState:
+    """The script's fa.prepare (a dry run's worker ends inside it, with its report)."""
+    plan = {"blocks.*.q": ColwiseParallel(), "blocks.*.k": ColwiseParallel(), "blocks.*.v": ColwiseParallel(),
+            "blocks.*.o": RowwiseParallel(), "blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
+    if wrong_plan:
+        plan["blocks.*.mlp.up"] = ColwiseParallel()  # the MLP is not a submodule of its own here
+    torch.manual_seed(0)
+    model = Transformer()
+    loader = DataLoader(TensorDataset(torch.randint(0, VOCAB, (64, SEQ + 1))), batch_size=4)
+    return fa.prepare(state, model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader,
+                      pipeline=fa.compose(fa.tp(plan), fa.fsdp(transformer_cls_names_to_wrap=["Block"])),
+                      loss_fn=loss_fn)
+
+
+def real_figures(base: fa.RunState, layout: dict[str, int], wrong_plan: bool) -> dict[str, int] | str:
+    """A `fnaccel.testing.World` task: this rank's bytes after one step of a real run on ``layout``,
+    as a dry run measures them, or the refusal's last line as a traceback shows it."""
+    from fnaccel.dryrun import figures
+
+    state = fa.init(cpu=True, seed=0, parallelism=fa.ParallelismConfig(**layout))
+    try:
+        try:
+            state = prepared(state, wrong_plan=wrong_plan)
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+        state, _ = fa.step(state, next(iter(fa.batches(state))))
+        measured: dict[str, int] = figures(state)["measured"]
+        return measured
+    finally:
+        fa.shutdown(state)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--wrong_plan", action="store_true")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    plan = {"blocks.*.q": ColwiseParallel(), "blocks.*.k": ColwiseParallel(), "blocks.*.v": ColwiseParallel(),
-            "blocks.*.o": RowwiseParallel(), "blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
-    if args.wrong_plan:
-        plan["blocks.*.mlp.up"] = ColwiseParallel()  # the MLP is not a submodule of its own here
-    state = fa.init(seed=0)
-    torch.manual_seed(0)
-    model = Transformer()
-    loader = DataLoader(TensorDataset(torch.randint(0, VOCAB, (64, SEQ + 1))), batch_size=4)
-    state = fa.prepare(state, model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader,
-                       pipeline=fa.compose(fa.tp(plan), fa.fsdp(transformer_cls_names_to_wrap=["Block"])),
-                       loss_fn=loss_fn)
+    state = prepared(fa.init(seed=0), wrong_plan=args.wrong_plan)
     for batch in fa.batches(state):
         state, _ = fa.step(state, batch)
         if state.step == args.steps:

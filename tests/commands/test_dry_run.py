@@ -8,13 +8,19 @@ with what the real launcher says.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.commands import _dry_run_script as script
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,6 +41,8 @@ def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes() ->
     out = done.stdout
     assert "64 processes on 8 machine(s)" in out and "mesh: dp_shard=8 x tp=8" in out
     assert "step: one fa.step taken" in out
+    # alike ranks computed once: dp_shard coordinates 0-6 hold 32 rows of the embedding, 7 holds 26
+    assert "for all 64 ranks, once per class of alike ranks (2 classes" in out
     # the 250-row embedding splits 32 x 7 + 26 over dp_shard: the last dp_shard coordinate
     # (ranks 56-63) holds less; the rows group identical ranks
     rows = dict(re.findall(r"│\s+(\d+-\d+)\s+│\s+([\d.]+ KB)", out))
@@ -52,39 +60,101 @@ def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes() ->
     assert re.search(r"blocks\.0\.q\.weight\s+│\s+128x128\s+│\s+float32\s+│\s+dp_shard:_S\(0, 8\) tp:S\(0\)", out)
 
 
-def _start_one_process_run() -> subprocess.Popen[str]:
-    """A real one-process run of the same script with the planted plan (it runs beside the dry run:
-    one process, a core of its own)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FNACCEL_", "RANK", "WORLD_SIZE"))}
-    return subprocess.Popen([sys.executable, str(SCRIPT), "--wrong_plan"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
-
-
-def _refusal(run: subprocess.Popen[str]) -> str:
-    """What fa.tp raised for the planted plan in that run."""
-    try:
-        _, stderr = run.communicate(timeout=120)
+def test_the_dry_runs_bytes_and_refusals_equal_a_real_gloo_runs(worlds: Any, tmp_path: Path) -> None:
+    """At 2 and 4 processes: every rank's bytes (FSDP; FSDP x TP) and the refusals (pp_size 2 without
+    fa.pp; a tp plan naming no submodule) of the dry run, against the same script on real gloo ranks."""
+    cases = {"fsdp": (2, {}, False), "fsdp_tp": (4, {"tp_size": 2}, False),
+             "pp_without_pp": (2, {"pp_size": 2}, False), "wrong_plan": (4, {"tp_size": 2}, True)}
+    dry = {}
+    try:  # the dry runs beside the real runs: each is a launcher and two small processes
+        for name, (num, layout, wrong) in cases.items():
+            flags = [f for dim, size in layout.items() for f in (f"--parallelism_config_{dim}", str(size))]
+            dry[name] = subprocess.Popen(
+                [sys.executable, "-m", "fnaccel", "launch", "-q", "--dry_run", "--dry_run_json",
+                 str(tmp_path / f"{name}.json"), "--cpu", "--num_processes", str(num), *flags, str(SCRIPT),
+                 *(["--wrong_plan"] if wrong else [])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        real = {name: worlds.get(num).run(script.real_figures, layout, wrong)
+                for name, (num, layout, wrong) in cases.items()}
+        done = {name: process.communicate(timeout=240) for name, process in dry.items()}
     finally:
-        run.kill()
-        run.wait()
-    assert run.returncode != 0
-    return stderr.strip().splitlines()[-1]
+        for process in dry.values():
+            process.kill()
+            process.wait()
+    for name in ("fsdp", "fsdp_tp"):
+        assert dry[name].returncode == 0, done[name][1]
+        report = json.loads((tmp_path / f"{name}.json").read_text())
+        assert report["ranks"] == real[name], name  # every rank, as each real rank measured itself
+        assert all(report["measured"][str(rank)] == real[name][rank] for rank in (0, cases[name][0] - 1))
+    assert len({str(r) for r in real["fsdp_tp"]}) == 1 and real["fsdp_tp"][0]["parameters"] > 0
+    for name, fix in (("pp_without_pp", "add fa.pp(loss_fn="), ("wrong_plan", "names 'blocks.*.mlp.up'")):
+        refusal = real[name][0]
+        assert set(real[name]) == {refusal} and fix in refusal, real[name]
+        assert dry[name].returncode == 1 and refusal in done[name][1], done[name][1]
+        assert f"failed as rank 0 of {cases[name][0]} (exit code 1)" in done[name][1]
+        assert "Bytes held per rank" not in done[name][0]
 
 
-def test_a_wrong_tp_plan_is_refused_with_the_real_runs_exception_and_message() -> None:
-    real = _start_one_process_run()
+HANGING = """import os, sys, time
+from pathlib import Path
+Path(sys.argv[1], os.environ["RANK"] + ".pid").write_text(str(os.getpid()))
+time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
     try:
-        done = launch("--dry_run", *WORLD, str(SCRIPT), "--wrong_plan")
-    except BaseException:
-        real.kill()
-        real.wait()
-        raise
-    expected = _refusal(real)
-    assert done.returncode == 1
-    assert expected.startswith("ValueError: fa.prepare: tp plan names 'blocks.*.mlp.up'")
-    assert expected in done.stderr
-    assert "failed as rank 0 of 64 (exit code 1)" in done.stderr
-    assert "Bytes held per rank" not in done.stdout
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _worker_pids(directory: Path, launcher: subprocess.Popen[str], ranks: tuple[int, ...]) -> list[int]:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        texts = [(directory / f"{rank}.pid").read_text() if (directory / f"{rank}.pid").is_file() else ""
+                 for rank in ranks]
+        if all(text.isdigit() for text in texts):
+            return [int(text) for text in texts]
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.2)
+    raise AssertionError(f"the dry run's ranks did not start within 120 s: {sorted(directory.iterdir())}")
+
+
+def test_a_dry_run_ends_its_ranks_with_itself_and_on_its_signals(tmp_path: Path) -> None:
+    """SIGTERM and SIGINT: 143 and 130 with one line; SIGKILL: the ranks die with the launcher.
+    A 4-machine, 64-process dry run starts two processes: no processes-per-CPU refusal."""
+    script = tmp_path / "hang.py"
+    script.write_text(HANGING)
+    runs: dict[signal.Signals, tuple[Path, subprocess.Popen[str]]] = {}
+    pids: list[int] = []
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
+            (tmp_path / sig.name).mkdir()
+            runs[sig] = (tmp_path / sig.name, subprocess.Popen(
+                [sys.executable, "-m", "fnaccel", "launch", "-q", "--dry_run", "--cpu", "--num_machines", "4",
+                 "--num_processes", "64", str(script), str(tmp_path / sig.name)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for sig, (directory, launcher) in runs.items():
+            pids += _worker_pids(directory, launcher, (0, 63))
+            launcher.send_signal(sig)
+        for sig, (_, launcher) in runs.items():
+            _, err = launcher.communicate(timeout=60)
+            assert launcher.returncode == {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGKILL: -9}[sig], err
+            if sig != signal.SIGKILL:
+                assert err.splitlines() == [f"fnaccel launch --dry_run: stopped by {sig.name}; its simulated "
+                                            "ranks were ended"], err
+        deadline = time.monotonic() + 30
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in pids if _alive(pid)]
+    finally:
+        for _, launcher in runs.values():
+            launcher.kill()
+            launcher.wait()
+        for pid in pids:
+            if _alive(pid) and "hang.py" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_an_impossible_mesh_is_refused_as_the_real_launch_refuses_it() -> None:
