@@ -38,9 +38,10 @@ nothing is due pays no collective:
 
 Pace. The snapshot a save takes (every tensor copied to CPU memory) is the
 part the loop waits for. A continuous save therefore also starts no sooner
-than 20 times the last snapshot's duration after the last save started, so
-snapshots never take more than 5% of the loop's time: with a large model on
-a slow disk the commit decides, with a small model on ``/dev/shm`` the pace.
+than 20 times the last snapshot's CPU time (this thread's) after the last
+save started, so snapshots never take more than 5% of the loop's time: with
+a large model on a slow disk the commit decides, with a small model on
+``/dev/shm`` the pace.
 
 Rotation runs on the save's own thread right after the commit, on the ranks
 that wrote the shared files (`fnaccel.checkpoint.run.start_save`). It deletes
@@ -73,6 +74,9 @@ __all__ = ["AnySavePolicy", "SavePolicy", "autosave", "save_policy"]
 _NAME = re.compile(r"step_(\d+)")
 _RESOURCE = "autosave"
 _clock = time.monotonic  # the clock every_seconds and continuous read (rank 0's decides)
+# What a snapshot costs the loop: this thread's CPU time, not the wall clock, which would also count
+# the wait for a slower rank in the save's first exchange (time the next step would wait anyway)
+_work_clock = time.thread_time
 # A continuous save starts no sooner than this many times the last one's snapshot time after that
 # one started: snapshots then take at most 1/20 = 5% of the loop's time, however fast the saves are.
 _PACE = 20
@@ -465,10 +469,10 @@ def _save_due(state: RunState, members: tuple[SavePolicy, ...]) -> None:
         rotate = None if policy.keep_last is None else (
             lambda committed, member=policy: _rotate(committed.parent, member, committed))
         mine = progress[policy]
-        began = _clock() if policy.continuous else now
+        began = _work_clock() if policy.continuous else 0.0
         for directory in policy.directories:
             mine.handle = start_save(state, directory / f"step_{state.step}",
                                      blocking=preempted and policy.on_preemption, after_commit=rotate)
         if policy.continuous:
-            mine.snapshot_seconds = _clock() - began
+            mine.snapshot_seconds = _work_clock() - began
         mine.last_saved, mine.since, mine.started, mine.save_seconds = state.step, now, now, None

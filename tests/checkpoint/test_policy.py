@@ -231,15 +231,16 @@ def test_continuous_saves_only_once_the_last_committed(tmp_path: Path) -> None:
 
 
 def test_continuous_is_paced_by_its_snapshots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A clock ticking 1 s a read: a step's autosave reads it once, and a save's snapshot takes
-    one tick. Every save committed before the next step: the next save still waits until 20
+    """A clock ticking 1 s a read (a step's autosave reads it once), and a snapshot taking 1 s
+    of CPU. Every save committed before the next step: the next save still waits until 20
     snapshots' time passed since the last started (snapshots take at most 5% of the loop)."""
-    ticks = iter(range(1000))
+    ticks, work = iter(range(1000)), iter(range(1000))
     monkeypatch.setattr(policy_module, "_clock", lambda: float(next(ticks)))
+    monkeypatch.setattr(policy_module, "_work_clock", lambda: float(next(work)))
     policy = fa.save_policy(continuous=True, keep_last=1, directories=tmp_path)
     state = _run()
     started = []
-    for batch in fa.batches(state, epochs=2):
+    for batch in fa.batches(state, epochs=5):
         state, _ = fa.step(state, batch)
         state = fa.autosave(state, policy)
         mine = _book(state)[policy]
@@ -247,7 +248,7 @@ def test_continuous_is_paced_by_its_snapshots(tmp_path: Path, monkeypatch: pytes
             started.append(state.step)
         mine.handle.wait()
     fa.shutdown(state)
-    assert started == [1, 19]  # saved at tick 0 (its snapshot: ticks 1-2); step 19 reads tick 20
+    assert started == [1, 21, 41]  # step k reads tick k - 1: saved at ticks 0, 20 and 40
 
 
 def test_every_seconds_reads_the_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
