@@ -329,6 +329,7 @@ BEHAVIOUR = {
     "test_a_mid_epoch_resume_is_automatic": "automatic and O(1): the position is in the checkpoint",
     "test_gather_for_metrics_keeps_padding_without_num_valid_and_drops_it_with": "you pass `num_valid`",
     "test_jsonl_is_the_default_tracker_and_tensorboard_is_built_in": "JSONL (default) and TensorBoard built in",
+    "test_a_checkpoint_holds_no_pickle": "pickle-free, atomic, checksummed",
 }
 
 
@@ -459,3 +460,11 @@ def test_jsonl_is_the_default_tracker_and_tensorboard_is_built_in(tmp_path: Path
     assert list(tmp_path.rglob("metrics.jsonl"))
     assert inspect.signature(fa.init_trackers).parameters["log_with"].default == "jsonl"
     assert "tensorboard" in SOURCE
+
+
+def test_a_checkpoint_holds_no_pickle(tmp_path: Path) -> None:
+    state = fa.utils.register_for_checkpointing(_trained(_run(num_samples=16), 3), extra=torch.nn.Linear(1, 1))
+    fa.save(state, tmp_path / "ckpt")
+    files = {path.name for path in (tmp_path / "ckpt").rglob("*") if path.is_file()}
+    assert {"fnaccel.json", "model.safetensors", "extras.safetensors", "rank0.json"} <= files
+    assert all(name.endswith((".json", ".safetensors", ".yaml")) for name in files), files
