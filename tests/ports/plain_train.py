@@ -37,10 +37,11 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--out", required=True)
 parser.add_argument("--max-iters", type=int, default=12)
 parser.add_argument("--dim", type=int, default=32)
+parser.add_argument("--eval-interval", type=int, default=4)
 parser.add_argument("--timings", help="write each iteration's CPU seconds (rank 0) to this JSON file")
 args = parser.parse_args()
 out_dir = Path(args.out)
-eval_interval, eval_iters, log_interval = 4, 2, 1
+eval_interval, eval_iters, log_interval = args.eval_interval, 2, 1
 batch_size = 4  # per process and micro-step
 gradient_accumulation_steps = 4  # over all processes: 4 micro-steps on 1 process, 2 each on 2
 max_iters = args.max_iters
