@@ -68,6 +68,37 @@ def test_one_process_ends_the_loop_at_the_next_update_boundary() -> None:
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
 
 
+def test_one_process_hears_a_signal_during_evaluate_and_before_the_loop() -> None:
+    """fa.evaluate stops at the batch after the signal (before: it ran to its end, 20 of 20
+    samples, and nothing said the run was preempted until the next fa.batches); a signal
+    that came before the loop stops it before its first batch (one process already did;
+    2 processes: the launch test's ``prepare`` case)."""
+    model = nn.Linear(2, 1)
+    data = DataLoader(TensorDataset(torch.randn(40, 2)), batch_size=2)
+    handlers = [fa.PreemptionKwargs(signals=("SIGUSR1",))]
+    state = fa.prepare(fa.init(seed=0, cpu=True, kwargs_handlers=handlers), model,
+                       torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=lambda m, b: m(b[0]).mean())
+    try:
+        def fn(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+            if batch[0].shape[0] and torch.equal(batch[0], data.dataset.tensors[0][4:6]):
+                os.kill(os.getpid(), signal.SIGUSR1)  # during the third batch
+            return m(batch[0])[:, 0]
+
+        assert len(fa.evaluate(state, data, fn)) == 6 and state.preempted == "SIGUSR1"
+        assert list(fa.batches(state)) == [] and state.step == 0
+    finally:
+        fa.shutdown(state)
+    state = fa.prepare(fa.init(seed=0, cpu=True, kwargs_handlers=handlers), model,
+                       torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=lambda m, b: m(b[0]).mean())
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # while the run prepares
+        for batch in fa.batches(state):
+            state, _ = fa.step(state, batch)
+        assert (state.step, state.preempted) == (0, "SIGUSR1")
+    finally:
+        fa.shutdown(state)
+
+
 def test_handlers_outside_the_main_thread_and_bad_signals_are_refused() -> None:
     errors: list[BaseException] = []
 
