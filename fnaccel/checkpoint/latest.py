@@ -77,7 +77,10 @@ def latest_checkpoint(*directories: str | Path) -> Path | None:
     the fastest tier first), then the one whose manifest was written last.
     Candidates are verified newest first, every file against its size and
     checksum as ``fnaccel checkpoint verify`` does, and the first that holds is
-    returned; older ones are not read. Symbolic links among the children and
+    returned; older ones are not read. A checkpoint written with NaN or inf
+    values (``fa.save(..., allow_nonfinite=True)``, ``"finite": false`` in its
+    manifest) comes after every finite one, however new: it is returned only
+    when no finite checkpoint holds, with a warning. Symbolic links among the children and
     directories without a manifest (logs, a hidden cache) are passed over
     quietly. A `SkippedCheckpointWarning` names each one passed over for a
     reason: an unfinished save (a hidden ``.<name>.tmp-<id>``), one a live save
@@ -96,8 +99,9 @@ def latest_checkpoint(*directories: str | Path) -> Path | None:
         child's name), for `fa.load`; None when there is none.
 
     Raises:
-        TypeError: no directory given.
-        ValueError: a path given is a file, not a directory.
+        TypeError: no directory given, or one that is not a path.
+        ValueError: a path given is a file, not a directory, or empty (``""``
+            would scan the current directory).
 
     >>> import fnaccel as fa, torch, tempfile, pathlib
     >>> root = pathlib.Path(tempfile.mkdtemp())
@@ -108,9 +112,17 @@ def latest_checkpoint(*directories: str | Path) -> Path | None:
     """
     if not directories:
         raise TypeError("fa.latest_checkpoint: give at least one directory (e.g. '/dev/shm/run', 'checkpoints')")
-    ranked: list[tuple[tuple[int, int, int, int], Path, str]] = []
+    for index, given in enumerate(directories):
+        if not isinstance(given, (str, os.PathLike)):
+            raise TypeError(f"fa.latest_checkpoint: directories[{index}] must be a path (str or os.PathLike), "
+                            f"got {type(given).__name__} {given!r}"[:300])
+        if os.fspath(given) in ("", b""):
+            raise ValueError(f"fa.latest_checkpoint: directories[{index}] is an empty path, which would scan "
+                             "the current directory; give the directory that holds the checkpoints ('.' for "
+                             "the current one)")
+    ranked: list[tuple[tuple[bool, int, int, int, int], Path, str]] = []
     for tier, given in enumerate(directories):
-        directory = Path(given)
+        directory = Path(os.fsdecode(given))
         if not directory.exists():
             continue
         if not directory.is_dir():
@@ -126,10 +138,11 @@ def latest_checkpoint(*directories: str | Path) -> Path | None:
                 _skip(str(path), str(exc))
                 continue
             written = os.stat(path / MANIFEST).st_mtime_ns
-            # sorted ascending: most steps, then the first tier, then the latest manifest come first
-            ranked.append(((-manifest["step"], -manifest["micro_step"], tier, -written), path,
-                           f"step {manifest['step']}"))
-    for _, path, step in sorted(ranked, key=lambda item: item[0]):
+            # sorted ascending: finite ones, then most steps, then the first tier, then the latest manifest
+            ranked.append(((not manifest["finite"], -manifest["step"], -manifest["micro_step"], tier, -written),
+                           path, f"step {manifest['step']}"))
+    ranked.sort(key=lambda item: item[0])
+    for key, path, step in ranked:
         lock = path.parent / f".{sibling_stem(path.name)}.lock"
         if locked(lock):
             _skip(f"{path} ({step})", f"a save to it is in progress (it holds {lock.name}) and may replace it "
@@ -140,5 +153,20 @@ def latest_checkpoint(*directories: str | Path) -> Path | None:
         except CheckpointError as exc:
             _skip(f"{path} ({step})", str(exc))
             continue
+        _name_nonfinite(ranked, key, path)
         return path
     return None
+
+
+def _name_nonfinite(ranked: list[tuple[tuple[bool, int, int, int, int], Path, str]],
+                    chosen: tuple[bool, int, int, int, int], path: Path) -> None:
+    """Warn about the checkpoints with NaN or inf passed over for a finite, older ``path``; or,
+    when ``path`` is such a checkpoint itself (no finite one held), that it is one."""
+    nonfinite = "saved with NaN or inf values (fa.save(..., allow_nonfinite=True))"
+    if chosen[0]:
+        warnings.warn(f"fa.latest_checkpoint: no finite checkpoint holds; {path} is {nonfinite}",
+                      SkippedCheckpointWarning, stacklevel=3)
+        return
+    for key, other, step in ranked:
+        if key[0] and key[1:3] < chosen[1:3]:
+            _skip(f"{other} ({step})", f"it was {nonfinite}; the newest finite checkpoint, {path}, comes first")

@@ -45,7 +45,8 @@ MANIFEST = "fnaccel.json"
 # or how (a reader for an older one is written when a user holds such checkpoints, not before).
 # 5: files checked by blocksum ({"blocksum": ..., "size": ...}); run.json; registered objects keep
 #    their types in extras.json (extras.py); the data position in rank<r>.json.
-SCHEMA_VERSION = 5
+# 6: "finite": false when a save with allow_nonfinite=True wrote NaN or inf (finite.py).
+SCHEMA_VERSION = 6
 FORMAT = "fnaccel-checkpoint"
 MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest lists files: even 10,000 ranks stay far below this
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -82,6 +83,7 @@ _FIELDS: Mapping[str, tuple[str, Callable[[Any], bool]]] = MappingProxyType({
     "epoch": ("an integer >= 0", _count),
     "seed": ("an integer or null", lambda v: v is None or is_int(v)),
     "pipeline": ("a string", lambda v: isinstance(v, str)),
+    "finite": ("true or false", lambda v: type(v) is bool),
     "tied": ("an object of parameter names to parameter names",
              lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values()))),
     "files": ('an object of relative file names to {"blocksum": 64 hex digits, "size": bytes}', _files),

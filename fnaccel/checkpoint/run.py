@@ -58,6 +58,7 @@ from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.checks import check_like
 from fnaccel.checkpoint.codec import check_kind, rng_from
 from fnaccel.checkpoint.files import SaveLock, read_json, read_tensors
+from fnaccel.checkpoint.finite import first_nonfinite
 from fnaccel.checkpoint.layouts import layout_for
 from fnaccel.checkpoint.manifest import read_manifest, target_problem
 from fnaccel.checkpoint.runinfo import ResumeDriftWarning, resume_drift
@@ -82,7 +83,8 @@ def _target(path: Path) -> Path:
 
 
 @collective("fa.save")
-def save(state: RunState, path: str | Path | None = None, *, blocking: bool = True) -> SaveHandle:
+def save(state: RunState, path: str | Path | None = None, *, blocking: bool = True,
+         allow_nonfinite: bool = False) -> SaveHandle:
     """Write a checkpoint of ``state`` (the state is not consumed); every rank calls it.
 
     Atomic: a crash, or ``kill -9``, leaves either the old checkpoint or the
@@ -104,6 +106,10 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
             The snapshot's CPU buffers are kept for the run's next asynchronous
             save (copying into touched memory is several times faster) and
             released by `fa.shutdown`.
+        allow_nonfinite: write the checkpoint even when a parameter or an
+            optimizer moment holds NaN or inf (to inspect
+            a diverged run). Its manifest records it (``"finite": false``) and
+            `fa.latest_checkpoint` passes it over while a finite one exists.
 
     Returns:
         A `SaveHandle` (already done when ``blocking``).
@@ -113,7 +119,10 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
         CheckpointError: ``path`` is a file or a directory that is not an
             fnaccel checkpoint (nothing is written); a value cannot be stored
             without pickle; the write failed (a full disk: its partial
-            directory is removed first).
+            directory is removed first); a parameter or optimizer moment
+            holds NaN or inf (named, on every rank; nothing is written) and
+            ``allow_nonfinite`` is False.
+        TypeError: ``allow_nonfinite`` is not a bool.
 
     >>> import fnaccel as fa, tempfile, pathlib
     >>> folder = pathlib.Path(tempfile.mkdtemp())
@@ -125,15 +134,17 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
     >>> fa.save(fa.init(cpu=True), folder / "ckpt").path.name
     'ckpt'
     """
-    return start_save(state, path, blocking=blocking)
+    return start_save(state, path, blocking=blocking, allow_nonfinite=allow_nonfinite)
 
 
-def start_save(state: RunState, path: str | Path | None, *, blocking: bool,
+def start_save(state: RunState, path: str | Path | None, *, blocking: bool, allow_nonfinite: bool = False,
                after_commit: Callable[[Path], None] | None = None) -> SaveHandle:
     """`save`, then ``after_commit(path)`` on the ranks that wrote the shared files, once the
     checkpoint is in place and before the save's handle is done (`fa.autosave`'s rotation);
     its error fails the save on every rank, naming the checkpoint as saved."""
     state.check_fresh("fa.save")
+    if not isinstance(allow_nonfinite, bool):
+        raise TypeError(f"fa.save: allow_nonfinite must be True or False, got {allow_nonfinite!r}")
     saves = state.resources.setdefault("saves", SaveQueue)
     saves.wait()
     project, project_dir = project_of(state)
@@ -158,14 +169,24 @@ def start_save(state: RunState, path: str | Path | None, *, blocking: bool,
                              None if blocking else saves)
     except CheckpointError as exc:
         problem = problem or str(exc)
-    # one exchange: rank 0's token for the temporary directory, and every rank's verdict
-    votes = ops.gather_object(ctx, [(uuid.uuid4().hex if ctx.is_main_process else None, problem)])
+    nonfinite = first_nonfinite(state)  # this rank's tensors (its shards): NaN or inf?
+    # one exchange: rank 0's token for the temporary directory, and every rank's verdicts
+    votes = ops.gather_object(ctx, [(uuid.uuid4().hex if ctx.is_main_process else None, problem, nonfinite)])
     token = votes[0][0]
-    problem = next((problem for _, problem in votes if problem is not None), None)
+    problem = next((problem for _, problem, _ in votes if problem is not None), None)
+    bad = next(((rank, what) for rank, (_, _, what) in enumerate(votes) if what is not None), None)
+    if problem is None and bad is not None and not allow_nonfinite:
+        where = f" on rank {bad[0]}" if ctx.num_processes > 1 else ""
+        problem = (f"fa.save: {bad[1]} holds NaN or inf values{where}; nothing was written: a checkpoint "
+                   "of a diverged run would be loaded on restart (fa.latest_checkpoint) and rotation would "
+                   "delete finite ones before it. Save before the values went bad (fa.skip_nonfinite skips "
+                   "such updates), or pass fa.save(..., allow_nonfinite=True) to write it anyway, marked "
+                   "as non-finite")
     if problem is not None:
         if lock is not None:
             lock.release()
         raise CheckpointError(problem)
+    snap.manifest["finite"] = bad is None
 
     def on_commit(committed: Path) -> None:
         automatic = project_dir is not None and committed.parent == project_dir / "checkpoints"

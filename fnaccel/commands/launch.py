@@ -119,9 +119,6 @@ def register(subparsers: Any) -> None:
                              "rank of the configured world on torch's fake process group (CPU) up to its "
                              "fa.prepare and one step; prints the mesh, each rank's bytes, the checkpoint "
                              "layout (docs/cli.md).")
-    parser.add_argument("--dry_run_json", metavar="PATH",
-                        help="With --dry_run: also write its figures as JSON to PATH (every rank's bytes, the "
-                             "simulated ranks' own measurements, the mesh and the tensors), for scripts and CI.")
     parser.set_defaults(handler=run, command_name="launch")
 
 
@@ -178,8 +175,7 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
     if mesh:
         changes["parallelism_config"] = {**config.parallelism_config, **mesh}
     config = dataclasses.replace(config, **changes)
-    # a dry run starts two processes whatever the world's size: no processes-per-CPU limit
-    check_launchable(config, force=args.force_num_processes or bool(_given(args, "dry_run")))
+    check_launchable(config, force=args.force_num_processes)
     return config
 
 
@@ -379,8 +375,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise CommandError(str(exc)) from None
     _check_script(args)
-    if args.dry_run_json is not None and not args.dry_run:
-        raise CommandError("--dry_run_json writes a dry run's figures; add --dry_run (or drop --dry_run_json)")
     if args.dry_run:
         from fnaccel.commands.dry_run import dry_run
 
@@ -389,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             with _signals_raise(SignalException):  # the workers are ended on the way out (dry_run's own)
                 return dry_run(config, _num_processes(args, config), args.training_script, program,
-                               launch_environment(args, config), json_path=args.dry_run_json)
+                               launch_environment(args, config))
         except SignalException as exc:
             print(f"fnaccel launch --dry_run: stopped by {exc.sigval.name}; its simulated ranks were ended",
                   file=sys.stderr)
@@ -436,6 +430,13 @@ def run(args: argparse.Namespace) -> int:
                 if outcome.preempted is not None and all(_by_signal(f.exitcode) for f in exc.failures.values()):
                     return _preempted(outcome.preempted)
                 rank, first = first_failure(exc)
+                elsewhere = machines.failed_first(_failed_at_ns(first), rank) if machines is not None else None
+                if elsewhere is not None:
+                    machine, rank = elsewhere
+                    print(f"fnaccel launch: {args.training_script} failed: rank {rank} (machine {machine}) "
+                          f"failed first (its traceback is in that machine's output); the ranks of this "
+                          f"machine failed after it (their errors are above)", file=sys.stderr)
+                    return first.exitcode if first.exitcode > 0 else 1
                 print(f"fnaccel launch: {args.training_script} failed: rank {rank} exited with code "
                       f"{first.exitcode} (its traceback is above; --debug shows the launcher's)",
                       file=sys.stderr)
@@ -446,6 +447,12 @@ def run(args: argparse.Namespace) -> int:
         if machines is not None:
             machines.close()
         shutil.rmtree(launch_dir, ignore_errors=True)
+
+
+def _failed_at_ns(failure: Any) -> int:
+    """When a worker failed: its own record (ns) where it wrote one, else torchrun's (seconds)."""
+    recorded = _recorded_ns(failure)
+    return recorded if recorded is not None else int(failure.timestamp) * 1_000_000_000
 
 
 def _by_signal(exitcode: int) -> bool:
@@ -578,6 +585,32 @@ class _Machines:
         return (f"fnaccel launch: {named} was lost: {why}; the errors of this machine's ranks above follow from "
                 "it. Check that machine, then start the launch again on every machine (fa.load resumes from the "
                 "last checkpoint)")
+
+    def failed_first(self, failed_at_ns: int, rank: int) -> tuple[int, int] | None:
+        """Publish this machine's first failure and wait (at most `LOST_AFTER_S`) for the other
+        machines' (or their end); ``(machine, rank)`` of another machine's that came first, else
+        None. A rank whose peer on another machine failed fails too, on a closed connection,
+        moments later: without this, its launcher named it."""
+        try:
+            self._store.set(self._key("failed", self._rank), f"{failed_at_ns} {rank}")
+            pending = [machine for machine in range(self._total) if machine != self._rank]
+            earliest: tuple[int, int, int] | None = None
+            deadline = time.monotonic() + LOST_AFTER_S
+            while pending and time.monotonic() < deadline:
+                for machine in list(pending):
+                    if self._store.check([self._key("failed", machine)]):
+                        at, other = map(int, self._store.get(self._key("failed", machine)).decode().split())
+                        earliest = min(earliest or (at, machine, other), (at, machine, other))
+                        pending.remove(machine)
+                    elif self._ended(machine):
+                        pending.remove(machine)
+                if pending:
+                    time.sleep(HEARTBEAT_S / 2)
+        except Exception:
+            return None  # the store is gone: this machine's own failure is all it knows
+        if earliest is None or earliest[0] >= failed_at_ns:
+            return None
+        return earliest[1], earliest[2]
 
     def close(self) -> None:
         """Mark this launcher's end; the machine of rank 0, whose store the others read, waits
@@ -734,16 +767,19 @@ def first_failure(exc: Any) -> tuple[int, Any]:
     fnaccel's workers record when they failed to the nanosecond (see
     `fnaccel.resources`); torchrun's order decides only where none did.
     """
-    timed = {}
-    for rank, failure in exc.failures.items():
-        message = failure.error_file_data.get("message")
-        extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
-        if str(extra.get(FAILED_AT_KEY, "")).isdigit():
-            timed[rank] = int(extra[FAILED_AT_KEY])
+    timed = {rank: at for rank, failure in exc.failures.items() if (at := _recorded_ns(failure)) is not None}
     if not timed:
         return exc.get_first_failure()
     rank = min(timed, key=timed.__getitem__)
     return rank, exc.failures[rank]
+
+
+def _recorded_ns(failure: Any) -> int | None:
+    """When a worker recorded it failed (ns, `fnaccel.resources`), if it did."""
+    message = failure.error_file_data.get("message")
+    extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+    recorded = str(extra.get(FAILED_AT_KEY, ""))
+    return int(recorded) if recorded.isdigit() else None
 
 
 def run_launch(argv: Sequence[str]) -> int:

@@ -26,7 +26,13 @@ taken from what the data-parallel reduction already made equal on every rank:
 A skipped update takes no optimizer or scheduler step and clears the
 gradients; ``metrics["skipped"]`` says so at every update, and
 `SkipNonfiniteState` (checkpointed with the run) counts skips in all and in a
-row. The ``max_consecutive``-th skip in a row raises `NonFiniteUpdateError`.
+row. The ``max_consecutive``-th skip in a row raises `NonFiniteUpdateError`
+and is not counted: the state the caller still holds (`fa.step` returned no
+successor) is the one before that update, and its counts say so, so that a
+save of it resumes from there (at an update boundary, where no checkpoint
+holds gradients). Between accumulation micro-steps its gradients also hold
+the failed micro-step's NaN or inf: a save of it resumes into a window that
+skips again.
 """
 
 from __future__ import annotations
@@ -162,16 +168,18 @@ def skip_nonfinite(max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> Transform:
         if not bool(flag):  # the update's one host sync
             state.num_consecutive = 0
             return False
-        state.num_skipped += 1
-        state.num_consecutive += 1
-        if state.num_consecutive >= max_consecutive:
+        if state.num_consecutive + 1 >= max_consecutive:
+            # the counts stay as they were: the state the caller still holds (fa.step raised, so it
+            # has no successor) is the one before this update, and a save of it must resume as such
             raise NonFiniteUpdateError(
-                f"skip_nonfinite: {state.num_consecutive} updates in a row had a NaN or inf loss or "
+                f"skip_nonfinite: {state.num_consecutive + 1} updates in a row had a NaN or inf loss or "
                 f"gradients (max_consecutive={max_consecutive}); the last was update {step} "
                 f"(state.step), whose last batch ends at data position {position}. Inspect the data there "
                 "(fa.load a checkpoint from before it and step its batches), lower the learning rate, "
                 "or raise max_consecutive"
             )
+        state.num_skipped += 1
+        state.num_consecutive += 1
         return True
 
     return Transform(

@@ -75,15 +75,15 @@ def _reseal(checkpoint: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     path.write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("version, age", [(4, "older than"), (2, "older than"), (6, "newer than"),
-                                          (99, "newer than"), ("5", "not")])
+@pytest.mark.parametrize("version, age", [(5, "older than"), (2, "older than"), (7, "newer than"),
+                                          (99, "newer than"), ("6", "not")])
 def test_a_checkpoint_of_another_schema_is_refused_naming_its_version_and_this_one(
     checkpoint: Path, version: object, age: str,
 ) -> None:
-    assert json.loads((checkpoint / "fnaccel.json").read_text())["schema_version"] == SCHEMA_VERSION == 5
+    assert json.loads((checkpoint / "fnaccel.json").read_text())["schema_version"] == SCHEMA_VERSION == 6
     _reseal(checkpoint, lambda manifest: manifest.update(schema_version=version))
     expected = (f"fnaccel.json: checkpoint schema version {version!r} is {age} the one this fnaccel reads "
-                "(schema version 5); load it with the fnaccel that wrote it")
+                "(schema version 6); load it with the fnaccel that wrote it")
     for read in (lambda: fa.load(_fresh(), checkpoint), lambda: read_manifest(checkpoint)):
         with pytest.raises(fa.CheckpointError, match=re.escape(expected)):
             read()

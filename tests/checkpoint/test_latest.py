@@ -202,3 +202,12 @@ def test_the_two_tier_block_of_the_docs_runs_and_resumes_from_ram(tmp_path: Path
         assert steps == [(None, 36), (Path(f"/dev/shm/{job}/latest"), 36)]
     finally:
         shutil.rmtree(f"/dev/shm/{job}", ignore_errors=True)
+
+
+def test_an_empty_path_or_a_value_that_is_no_path_is_refused_naming_the_argument(tmp_path: Path) -> None:
+    """Before: "" scanned the current directory (and returned a checkpoint found there)."""
+    with pytest.raises(ValueError, match=r"directories\[1\] is an empty path, which would scan the current "
+                                         r"directory; .*\('\.' for the current one\)"):
+        fa.latest_checkpoint(tmp_path, "")
+    with pytest.raises(TypeError, match=r"directories\[0\] must be a path \(str or os\.PathLike\), got NoneType"):
+        fa.latest_checkpoint(None)  # type: ignore[arg-type]

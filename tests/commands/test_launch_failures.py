@@ -54,3 +54,35 @@ def test_a_raising_rank_ends_the_launch_within_seconds(tmp_path: Path, where: st
     assert message in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert "failed: rank 1 exited with code 1" in last, result.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_rank_failing_on_another_machine_is_named_by_every_machine(tmp_path: Path) -> None:
+    """Two machines on the loopback address, one process each; rank 1 (machine 1) raises
+    after fa.init while rank 0 waits in a collective. Before: machine 0's last line blamed
+    its own rank 0, which had only seen the connection close."""
+    from tests.commands.test_launch import free_port
+
+    port = str(free_port())
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_machines", "2", "--num_processes", "2",
+             "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+             str(CRASHING), str(tmp_path), "init", "plain"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for machine in (0, 1)
+    ]
+    try:
+        lasts = [launcher.communicate(timeout=180)[1].strip().splitlines()[-1] for launcher in launchers]
+    finally:  # nothing left behind, even when an assertion failed
+        for launcher in launchers:
+            launcher.kill()
+            launcher.wait()
+        for path in tmp_path.glob("pid.*"):
+            pid = int(path.name.split(".")[1])
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert [launcher.returncode for launcher in launchers] == [1, 1], lasts
+    assert "failed: rank 1 (machine 1) failed first" in lasts[0], lasts
+    assert "failed: rank 1 exited with code 1" in lasts[1], lasts

@@ -245,6 +245,31 @@ def test_the_count_resumes_exactly_and_the_resumed_run_stops_where_the_whole_run
         assert torch.isfinite(a).all()
 
 
+def test_after_the_limit_the_state_held_counts_what_was_applied_and_its_save_resumes_exactly(
+        tmp_path: Path) -> None:
+    """Before: the state left in the caller's hands when fa.step raised counted the failed update
+    (step 5, num_skipped 3, 2 in a row) and fa.save wrote that."""
+    held = _resumable_run()
+    with pytest.raises(fa.NonFiniteUpdateError):
+        for batch in fa.batches(held):
+            held, _ = fa.step(held, batch)  # the raising step leaves `held` the state before it
+    assert held.step == 5
+    assert held.transform_states["skip_nonfinite"].state_dict() == {"num_skipped": 2, "num_consecutive": 1}
+    fa.save(held, tmp_path / "after_the_error")
+    before = _resumable_run()  # the same run, saved before it tried the failing update
+    for batch in fa.batches(before):
+        before, _ = fa.step(before, batch)
+        if before.step == 5:
+            break
+    fa.save(before, tmp_path / "before_it")
+    assert not fa.diff(tmp_path / "after_the_error", tmp_path / "before_it")
+    # resumed, it meets the same batch and stops as the whole run did, at the same update
+    resumed = fa.load(_resumable_run(), tmp_path / "after_the_error")
+    after, message = _run_to_the_limit(resumed)
+    assert after == [] and "update 5 (state.step), whose last batch ends at data position DataPosition(epoch=0, " \
+        "num_batches=6" in message
+
+
 def test_without_the_transform_a_nan_batch_poisons_every_weight() -> None:
     """What the transform is for: PyTorch's own loop, and fa.step without it, go NaN."""
     model = make_model(dropout=0.0)
