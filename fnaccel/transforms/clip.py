@@ -20,7 +20,13 @@ __all__ = ["clip_grad_norm", "clip_grad_value", "global_grad_norm"]
 
 
 def _parameters(model: Any, optimizer: Any) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    """The optimizer's parameters that have a gradient, in the model's order (then any
+    the model does not hold): a floating-point sum depends on its order, and a hand
+    loop clips ``model.parameters()``, whatever the optimizer's groups (decay/no-decay)."""
+    held = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    ordered = [p for p in model.parameters() if held.pop(id(p), None) is not None]
+    ordered.extend(held.values())
+    return [p for p in ordered if p.grad is not None]
 
 
 def dtensor_class() -> Any:
@@ -78,6 +84,12 @@ def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> Transform:
     (the norm before clipping, a tensor). Under `pp` the norm is over every
     stage's gradients.
 
+    On one process and under `ddp` it equals
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)``
+    bit for bit: the norm is summed in the model's parameter order, whatever the
+    optimizer's parameter groups. Under `fsdp` and `tp` it is the unsplit
+    model's global norm.
+
     >>> import fnaccel as fa
     >>> fa.clip_grad_norm(1.0)
     clip_grad_norm(max_norm=1.0)
@@ -98,7 +110,8 @@ def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> Transform:
 
 
 def clip_grad_value(value: float) -> Transform:
-    """Clamp every gradient element to ``[-value, value]``.
+    """Clamp every gradient element to ``[-value, value]``, as
+    ``torch.nn.utils.clip_grad_value_(model.parameters(), value)``.
 
     >>> import fnaccel as fa
     >>> fa.clip_grad_value(0.5)
