@@ -52,6 +52,7 @@ from types import MappingProxyType
 from typing import Any, ParamSpec, TypeVar
 
 from fnaccel._errors import CollectiveCallError, ConfigError
+from fnaccel.resources import exception_in_flight
 
 __all__ = ["COLLECTIVE_TIMEOUT_ENV", "Calls", "calls_of", "collective", "collective_timeout", "failure_of"]
 
@@ -330,7 +331,7 @@ class Calls:
         if self._closed:
             return
         self._closed = True
-        if sys.exc_info()[1] is not None:
+        if exception_in_flight():
             return
         try:
             self._post(self._rank, "stop")

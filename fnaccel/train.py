@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fnaccel.calls import calls_of, failure_of
+from fnaccel.calls import failure_of
 from fnaccel.dist import DistContext, data_parallel
 from fnaccel.kwargs.base import KwargsHandler
 from fnaccel.rng import put_back, swap_in, swap_out
@@ -362,7 +362,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     _start_window(state, optimizer, plan)
     # what this rank is doing, for a rank that waits for it in a collective call (fnaccel.calls)
     owner = state.dist.group_owner
-    calls = calls_of(owner)
+    calls = None if owner is None else owner.calls
     if calls is not None:
         calls.call = calls.last = by
         calls.micro_step, calls.step = micro_step, state.step
@@ -420,7 +420,7 @@ def backward(state: RunState, loss: torch.Tensor, aux: Any = None) -> RunState:
                          "in fa.step; call fa.step(state, batch) instead")
     _start_window(state, optimizer, plan)
     owner = state.dist.group_owner
-    calls = calls_of(owner)
+    calls = None if owner is None else owner.calls
     if calls is not None:
         calls.call = calls.last = by
         calls.micro_step, calls.step = state.micro_step, state.step
