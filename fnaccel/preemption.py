@@ -71,17 +71,21 @@ class PreemptionKwargs(KwargsHandler):
     ('SIGTERM',)
     >>> PreemptionKwargs(signals=("SIGKILL",))
     Traceback (most recent call last):
-    ValueError: signals must be names or numbers of signals a handler can catch, got ('SIGKILL',): SIGKILL and SIGSTOP cannot be caught; use e.g. ('SIGTERM', 'SIGUSR1')
+    ValueError: signals must be names or numbers of signals that ask a job to stop, got ('SIGKILL',): SIGKILL and SIGSTOP cannot be caught; use e.g. ('SIGTERM', 'SIGUSR1')
     """
 
     signals: tuple[str | int, ...] = ("SIGTERM", "SIGUSR1")
     check_every: int = 8
 
     def _validate(self) -> None:
+        single = isinstance(self.signals, (str, bytes, int))  # a name, not a tuple of names
+        check_value("signals", self.signals, not single, "a tuple of signal names or numbers",
+                    f"write signals=({self.signals!r},)")
         object.__setattr__(self, "signals", tuple(self.signals))
-        check_value("signals", self.signals, bool(self.signals) and all(_catchable(s) for s in self.signals),
-                    "names or numbers of signals a handler can catch",
-                    "SIGKILL and SIGSTOP cannot be caught; use e.g. ('SIGTERM', 'SIGUSR1')")
+        problems = list(dict.fromkeys(p for p in map(_signal_problem, self.signals) if p is not None))
+        check_value("signals", self.signals, bool(self.signals) and not problems,
+                    "names or numbers of signals that ask a job to stop",
+                    "; ".join(problems or ["give at least one"]) + "; use e.g. ('SIGTERM', 'SIGUSR1')")
         check_value("check_every", self.check_every, is_int(self.check_every) and self.check_every >= 1,
                     "an int >= 1")
 
@@ -95,12 +99,35 @@ def _to_signal(value: str | int) -> signal.Signals:
     return signal.Signals[value] if isinstance(value, str) else signal.Signals(value)
 
 
-def _catchable(value: object) -> bool:
+# What a scheduler or a person sends to ask a job to stop: Slurm's --signal and scancel, Kubernetes'
+# and most schedulers' SIGTERM, Ctrl-C, a hang-up, a CPU-time or power limit, the real-time range.
+_STOP_SIGNALS = frozenset(getattr(signal, name) for name in (
+    "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGXCPU", "SIGALRM", "SIGPWR",
+    "SIGRTMIN", "SIGRTMAX") if hasattr(signal, name))
+# A fault in the process: its handler cannot make the run go on (for SIGSEGV, returning from the
+# handler runs the faulting instruction again, and the process hangs)
+_FAULTS = frozenset(getattr(signal, name) for name in (
+    "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS") if hasattr(signal, name))
+
+
+def _signal_problem(value: object) -> str | None:
+    """Why ``value`` cannot be one of `PreemptionKwargs`' signals, or None."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return f"{value!r} is not a signal name or number" + (" (a bool would be read as signal 1, SIGHUP)"
+                                                              if isinstance(value, bool) else "")
     try:
-        sig = _to_signal(value)  # type: ignore[arg-type]
-    except (KeyError, ValueError, TypeError):
-        return False
-    return sig not in (signal.SIGKILL, signal.SIGSTOP)
+        sig = _to_signal(value)
+    except (KeyError, ValueError):
+        return f"{value!r} is not a signal of this system"
+    if sig in (signal.SIGKILL, signal.SIGSTOP):
+        return "SIGKILL and SIGSTOP cannot be caught"
+    if sig in _FAULTS:
+        return f"{sig.name} reports a fault in this process, which a handler cannot let the run survive"
+    if sig == getattr(signal, "SIGCHLD", None):
+        return "SIGCHLD arrives whenever a child process ends (every DataLoader worker's exit)"
+    if sig not in _STOP_SIGNALS:
+        return f"{sig.name} does not ask a job to stop (those are {', '.join(sorted(s.name for s in _STOP_SIGNALS))})"
+    return None
 
 
 def check_main_thread() -> None:

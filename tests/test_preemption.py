@@ -274,3 +274,27 @@ def test_a_signal_is_heard_wherever_it_lands_and_the_status_says_whether_to_requ
     assert (outs["save"] / "in_flight").read_text() == "True"
     assert main(["checkpoint", "verify", str(outs["save"] / "mid")]) == 0
     assert 3 <= save["step"] <= 6, save
+
+
+@pytest.mark.parametrize("signals, why", [
+    ((True,), r"True is not a signal name or number \(a bool would be read as signal 1, SIGHUP\)"),
+    (("SIGCHLD",), r"SIGCHLD arrives whenever a child process ends"),
+    ((signal.SIGCHLD.value,), r"SIGCHLD arrives whenever a child process ends"),
+    (("SIGSEGV",), r"SIGSEGV reports a fault in this process"),
+    (("SIGTERM", "SIGWINCH"), r"SIGWINCH does not ask a job to stop \(those are SIGALRM, SIGHUP, .*SIGTERM"),
+    ((), r"give at least one"),
+])
+def test_signals_that_do_not_ask_a_job_to_stop_are_refused_saying_why(signals: tuple[Any, ...], why: str) -> None:
+    """Before: (True,) was taken as SIGHUP, SIGCHLD (every DataLoader worker's exit) and SIGSEGV accepted."""
+    with pytest.raises(ValueError, match=rf"signals must be names or numbers of signals that ask a job to stop, "
+                                         rf"got .*: {why}.*; use e\.g\. \('SIGTERM', 'SIGUSR1'\)"):
+        fa.PreemptionKwargs(signals=signals)
+
+
+def test_one_signal_name_instead_of_a_tuple_gets_the_tuple_to_write() -> None:
+    """Before: 'SIGTERM' was read as its characters ('S', 'I', ...) and the message listed them."""
+    with pytest.raises(ValueError, match=r"^signals must be a tuple of signal names or numbers, got 'SIGTERM': "
+                                         r"write signals=\('SIGTERM',\)$"):
+        fa.PreemptionKwargs(signals="SIGTERM")  # type: ignore[arg-type]
+    accepted = fa.PreemptionKwargs(signals=["SIGTERM", signal.SIGUSR2, "SIGINT"])  # type: ignore[arg-type]
+    assert accepted.signal_numbers == (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)

@@ -30,7 +30,7 @@ __all__ = ["first_nonfinite", "saved_tensors"]
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (the tensor itself otherwise)."""
-    return tensor.to_local() if isinstance(tensor, dtensor_class()) else tensor  # type: ignore[no-any-return]
+    return tensor.to_local() if isinstance(tensor, dtensor_class()) else tensor
 
 
 def saved_tensors(state: Any) -> Iterator[tuple[str, torch.Tensor]]:

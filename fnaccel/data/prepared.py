@@ -26,7 +26,7 @@ from fnaccel.data.fetch import BatchFetch
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.data.sharding import num_steps
 from fnaccel.ops.tree import send_to_device
-from fnaccel.state import DataPosition
+from fnaccel.state import DataPosition, RunState
 
 __all__ = ["LoaderLayout", "PreparedLoader", "batches", "end_epoch"]
 
@@ -471,7 +471,10 @@ def end_epoch(state: Any) -> Any:
 
 
 def _prepared_loader(state: Any, action: str) -> PreparedLoader:
-    """The state's `PreparedLoader`, after checking that ``state`` is fresh and holds one."""
+    """The state's `PreparedLoader`, after checking that ``state`` is a fresh state holding one."""
+    if not isinstance(state, RunState):
+        raise TypeError(f"{action}: state must be a fa.RunState (from fa.init and fa.prepare), got "
+                        f"{type(state).__name__}"[:300])
     state.check_fresh(action)
     loader = state.loader
     if loader is None:

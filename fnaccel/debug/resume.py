@@ -137,6 +137,15 @@ def _world_size_differences(found: Diff) -> Diff:
     return dataclasses.replace(found, differences=kept)
 
 
+def _made(make_state: Callable[[], RunState]) -> RunState:
+    """``make_state()``, checked to be a state."""
+    state = make_state()
+    if not isinstance(state, RunState):
+        raise TypeError(f"verify_resume: make_state() must return a fa.RunState prepared with a loader "
+                        f"(fa.prepare(fa.init(...), model, optimizer, loader, ...)), got {type(state).__name__}")
+    return state
+
+
 def _check_sizes(num_processes: Sequence[int] | None, resumes: int, n: int) -> list[int]:
     if num_processes is None:
         return [n] * resumes
@@ -291,13 +300,16 @@ def verify_resume(make_state: Callable[[], RunState], *, steps: int, resumes: in
     ...                       data, loss_fn=lambda m, b: m(b).pow(2).mean(), pipeline=fa.compose(fa.accumulate(3)))
     >>> verify_resume(make_state, steps=2, resumes=3)  # saves at batches 2, 4 and 6 of an epoch of 8
     """
+    if not callable(make_state):
+        raise TypeError(f"verify_resume: make_state must be a function returning a fresh, prepared state "
+                        f"(e.g. lambda: fa.prepare(fa.init(seed=0), ...)), got {type(make_state).__name__}")
     for name, value in (("steps", steps), ("resumes", resumes)):
         if not is_int(value) or value < 1:
             raise ValueError(f"verify_resume: {name} must be an integer >= 1, got {value!r}")
     states: list[RunState] = []  # every run, shut down at the end
     created: Path | None = None
     try:
-        whole = make_state()
+        whole = _made(make_state)
         states.append(whole)
         n, rank = whole.dist.num_processes, whole.dist.rank
         sizes = _check_sizes(num_processes, resumes, n)
@@ -308,7 +320,7 @@ def verify_resume(make_state: Callable[[], RunState], *, steps: int, resumes: in
             root = Path(directory)
         whole, losses, read = _train(whole, (resumes + 1) * steps)
         chain = _Chain(whole, losses, read, steps, resumes, atol, rtol, any(s != n for s in sizes))
-        first = make_state()
+        first = _made(make_state)
         states.append(first)
         current: RunState | None
         current, _ = train_steps(first, steps)
@@ -317,7 +329,7 @@ def verify_resume(make_state: Callable[[], RunState], *, steps: int, resumes: in
         for resume, size in enumerate(sizes, 1):
             checkpoint = root / f"resume_{resume}"
             if size == n:
-                fresh = make_state()
+                fresh = _made(make_state)
                 states.append(fresh)
                 loaded = load(fresh, checkpoint)
                 # the state that saved is live here only when the part before ran on this world
@@ -335,7 +347,7 @@ def verify_resume(make_state: Callable[[], RunState], *, steps: int, resumes: in
             if rank == 0:
                 try:
                     with _alone():
-                        fresh = make_state()
+                        fresh = _made(make_state)
                     states.append(fresh)
                     current, part_losses, part_read = _train(load(fresh, checkpoint), steps)
                     outcome = chain.compare_part(resume, size, part_losses, part_read, None, exact=False)

@@ -533,3 +533,11 @@ def test_on_real_worlds_dict_batches_equal_the_plain_loader_and_resume(world: An
             chunks = [padded[s * global_size + rank * batch_size:][:batch_size] for s in range(steps)]
             expected += list(DataLoader(dataset, batch_sampler=chunks))
         _assert_same(whole, expected)
+
+
+def test_a_value_that_is_no_state_is_refused_naming_the_call() -> None:
+    """Before: a raw AttributeError ('NoneType' object has no attribute 'check_fresh')."""
+    for call, name in ((fa.end_epoch, "fa.end_epoch"), (fa.batches, "fa.batches")):
+        with pytest.raises(TypeError, match=rf"{name}: state must be a fa.RunState \(from fa.init and fa.prepare\), "
+                                            "got NoneType"):
+            call(None)  # type: ignore[arg-type]

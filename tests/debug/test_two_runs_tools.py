@@ -114,6 +114,17 @@ def test_verify_resume_passes_a_sound_setup_and_names_what_breaks() -> None:
         verify_resume(lambda: fa.prepare(fa.init(cpu=True), nn.Linear(1, 1)), steps=1)
 
 
+def test_verify_resume_refuses_a_make_state_that_returns_no_state() -> None:
+    """Before: a raw AttributeError ('NoneType' object has no attribute 'dist')."""
+    with pytest.raises(TypeError, match=r"verify_resume: make_state\(\) must return a fa.RunState prepared with a "
+                                        r"loader \(fa.prepare\(fa.init\(...\), model, optimizer, loader, ...\)\), "
+                                        r"got NoneType"):
+        verify_resume(lambda: None, steps=1)  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError, match=r"verify_resume: make_state must be a function returning a fresh, "
+                                        r"prepared state .*got RunState"):
+        verify_resume(make_state(), steps=1)  # type: ignore[arg-type]
+
+
 def save_ddp_and_fsdp(state: fa.RunState, root: str) -> None:
     """Runs on each rank: the same model and batches under ddp() and fsdp(), each saved."""
     for name, pipeline, start in (("ddp", fa.compose(fa.ddp()), state),
