@@ -334,3 +334,31 @@ def dict_records_resumed(state: Any, num_samples: int, batch_size: int, stop_aft
     state, tail = train_tensors(state, epochs=2)
     fresh = state.replace(loader=prepared(), data_position=saved)
     return {"head": head, "tail": tail, "resumed": list(batches(fresh, epochs=2))}
+
+
+# ---- an epoch resumed on another number of processes, with another global batch -------------------
+
+ELASTIC_SAMPLES = 60
+
+
+def elastic_part(state: Any, root: str, batch_size: int, num_steps: int | None) -> list[int]:
+    """Runs on each rank (or in one process): a fresh run over samples 0..59 (sample i is the float i),
+    shuffled, ``batch_size`` per process. With ``num_steps``, its first steps of the epoch, saved to
+    ``root``; with None, the rest of the epoch from that checkpoint, loaded with
+    ``allow_global_batch_change=True``. Returns the sample ids this rank stepped."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    data = torch.utils.data.TensorDataset(torch.arange(float(ELASTIC_SAMPLES)).unsqueeze(1))
+    run = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.01),
+                     DataLoader(data, batch_size=batch_size, shuffle=True), loss_fn=lambda m, b: m(b[0]).mean())
+    if num_steps is None:
+        run = fa.load(run, f"{root}/elastic", allow_global_batch_change=True)
+    ids: list[int] = []
+    for batch in fa.batches(run):
+        ids += [int(i) for i in batch[0].view(-1).tolist()]
+        run, _ = fa.step(run, batch)
+        if run.step == num_steps:
+            fa.save(run, f"{root}/elastic")
+            break
+    fa.shutdown(run)
+    return ids
