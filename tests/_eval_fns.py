@@ -106,24 +106,27 @@ def train_with_and_without_evaluation(state: fa.RunState) -> bool:
 
 
 def literal_port_counts(state: fa.RunState, sizes: tuple[int, ...], batch_size: int) -> dict[int, dict[str, Any]]:
-    """Accelerate's multi_process_metrics loop, ported literally: gather every batch, and
-    truncate the last one to the dataset's length only when distributed. What it counts,
-    per dataset size."""
+    """run_glue_no_trainer's evaluation loop (Accelerate's multi_process_metrics too),
+    ported literally: gather every batch, and truncate the last one (``step ==
+    len(eval_dataloader) - 1``) to the dataset's length only when distributed. What it
+    counts, per dataset size."""
     seen = {}
     for n in sizes:
         loader = DataLoader(Rows(n), batch_size=batch_size, collate_fn=collate)
-        steps = list(fa.eval_batches(state, loader))
-        samples_seen, indices = 0, []
-        for step, (batch, num_valid) in enumerate(steps):
-            assert num_valid <= len(batch["index"])
+        eval_dataloader = fa.eval_batches(state, loader)
+        samples_seen, indices, num_valid_is_length, num_batches = 0, [], True, 0
+        for step, (batch, num_valid) in enumerate(eval_dataloader):
+            num_valid_is_length &= num_valid == len(batch["index"])
+            num_batches += 1
             index = fa.ops.gather(state, batch["index"])
             if state.dist.num_processes > 1:
-                if step == len(steps) - 1:
-                    index = index[: n - samples_seen]
+                if step == len(eval_dataloader) - 1:
+                    index = index[: len(loader.dataset) - samples_seen]  # type: ignore[arg-type]
                 else:
                     samples_seen += index.shape[0]
             indices += index.tolist()
-        seen[n] = {"indices": indices, "num_valid_is_length": all(v == len(b["index"]) for b, v in steps)}
+        seen[n] = {"indices": indices, "num_valid_is_length": num_valid_is_length,
+                   "length": len(eval_dataloader), "num_batches": num_batches}
     return seen
 
 

@@ -15,7 +15,6 @@ that gathers and truncates only when distributed counts every sample once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,8 +23,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from fnaccel.data.fetch import IndexFetch, batch_fetch
 from fnaccel.data.iterable import shard_iterable
 from fnaccel.data.loader import Collate, CollateSteps, loader_plan
-from fnaccel.data.prepared import Collated
-from fnaccel.data.sharding import eval_shards
+from fnaccel.data.prepared import Batches, Collated
+from fnaccel.data.sharding import eval_shards, num_steps
 from fnaccel.dist import as_dist, data_parallel_context
 from fnaccel.ops.tree import send_to_device, tree_leaves
 
@@ -44,7 +43,7 @@ def _reader(loader: DataLoader[Any]) -> dict[str, Any]:
     return kwargs
 
 
-def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int]]:
+def eval_batches(state: Any, loader: DataLoader[Any]) -> Batches:
     """Reads ``state`` (a `RunState` or its `DistContext`, not consumed): this rank's share
     of ``loader``'s dataset as ``(batch, num_valid)`` pairs, on the device.
 
@@ -56,13 +55,17 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int
             over a map-style or iterable dataset; its dataset, collate_fn,
             workers and pinning are kept, its sampler's order is not.
 
-    Yields:
-        ``(batch, num_valid)``: the batch on ``state.dist.device`` and how many of
-        its leading samples are real; pass ``num_valid`` to
+    Returns:
+        An iterator of ``(batch, num_valid)``: the batch on ``state.dist.device`` and
+        how many of its leading samples are real; pass ``num_valid`` to
         ``fa.ops.gather_for_metrics(state, outputs, num_valid=num_valid)``. On
         one process nothing is padded (the last batch is short, ``num_valid`` is
         every batch's length), as Accelerate; on several, every rank's batch has
         ``batch_size`` samples, the padding wrapping around to the dataset's start.
+        Its ``len()`` is the batches this rank yields (the same on every rank), as
+        Accelerate's prepared loader's, so a ported loop's truncation at
+        ``step == len(batches) - 1`` is exact; it raises `TypeError` for a stream
+        without a length.
 
     Raises:
         TypeError: ``loader`` is not a `DataLoader`.
@@ -72,8 +75,9 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int
     >>> import torch, fnaccel as fa
     >>> state = fa.init(cpu=True)
     >>> data = torch.utils.data.DataLoader(torch.arange(5), batch_size=2, shuffle=True)
-    >>> [(batch.tolist(), n) for batch, n in fa.eval_batches(state, data)]
-    [([0, 1], 2), ([2, 3], 2), ([4], 1)]
+    >>> batches = fa.eval_batches(state, data)
+    >>> len(batches), [(batch.tolist(), n) for batch, n in batches]
+    (3, [([0, 1], 2), ([2, 3], 2), ([4], 1)])
     """
     if not isinstance(loader, DataLoader):
         raise TypeError(f"fa.eval_batches takes a torch.utils.data.DataLoader, got {type(loader).__name__}")
@@ -85,7 +89,8 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int
             raise ValueError(
                 f"fa.eval_batches: the DataLoader's custom {type(plan.batch_sampler).__name__} cannot be "
                 "split exactly across processes; evaluate with a DataLoader(dataset, batch_size=...)")
-        return ((send_to_device(b, ctx.device), _num_samples(b)) for b in loader)
+        return Batches(((send_to_device(b, ctx.device), _num_samples(b)) for b in loader), _length(loader),
+                       _UNKNOWN)
     if plan.batch_size is None:
         raise ValueError("fa.eval_batches needs a DataLoader with a batch_size (samples per rank per step), "
                          "got batch_size=None")
@@ -96,17 +101,34 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Iterator[tuple[Any, int
                                 rank=rank, drop_last=False, even_batches=even_batches)
         steps = DataLoader(stream, batch_size=None, collate_fn=CollateSteps(collate),  # type: ignore[arg-type]
                            **_reader(loader))
-        return ((send_to_device(c.batch, ctx.device), c.num_valid) for c in steps if isinstance(c, Collated))
+        num_samples = _length(loader.dataset)  # a stream may know its length
+        length = None if num_samples is None else num_steps(num_samples, plan.batch_size, num_processes)
+        return Batches(((send_to_device(c.batch, ctx.device), c.num_valid) for c in steps if isinstance(c, Collated)),
+                       length, _UNKNOWN)
     num_samples = len(loader.dataset)  # type: ignore[arg-type]
     if num_samples == 0:
         raise ValueError("fa.eval_batches: the evaluation dataset is empty")
     shards = eval_shards(num_samples, plan.batch_size, num_processes, rank, even_batches)
     fetch = batch_fetch(loader, collate, ctx.device)
     if isinstance(fetch, IndexFetch):  # a TensorDataset: one indexing per tensor, as fa.batches reads it
-        return ((fetch(torch.tensor(s.indices, dtype=torch.long)), s.num_valid) for s in shards)
+        return Batches(((fetch(torch.tensor(s.indices, dtype=torch.long)), s.num_valid) for s in shards),
+                       len(shards))
     reader = DataLoader(loader.dataset, batch_sampler=[list(s.indices) for s in shards], collate_fn=collate,
                         **_reader(loader))
-    return ((send_to_device(b, ctx.device), s.num_valid) for b, s in zip(reader, shards))
+    return Batches(((send_to_device(b, ctx.device), s.num_valid) for b, s in zip(reader, shards)), len(shards))
+
+
+_UNKNOWN = ("fa.eval_batches: the evaluation data has no length (an IterableDataset without __len__, or a "
+            "batch sampler without one), so what fa.eval_batches returns has no len(); count the batches as "
+            "they come, or give the dataset a __len__")
+
+
+def _length(sized: Any) -> int | None:
+    """``len(sized)``, or None for an object without a length."""
+    try:
+        return len(sized)
+    except TypeError:
+        return None
 
 
 def _num_samples(batch: Any) -> int:

@@ -28,7 +28,7 @@ from fnaccel.data.sharding import num_steps
 from fnaccel.ops.tree import send_to_device
 from fnaccel.state import DataPosition, RunState
 
-__all__ = ["LoaderLayout", "PreparedLoader", "batches", "end_epoch"]
+__all__ = ["Batches", "LoaderLayout", "PreparedLoader", "batches", "end_epoch"]
 
 
 class Collated(NamedTuple):
@@ -36,6 +36,34 @@ class Collated(NamedTuple):
 
     batch: Any
     num_valid: int
+
+
+class Batches(Iterator[Any]):
+    """What `fa.batches` and `fa.eval_batches` return: an iterator with a ``len()``
+    where the count is known, as Accelerate's prepared loader has, so that a ported
+    loop's ``if step == len(loader) - 1`` means this rank's last batch.
+
+    ``len()`` is fixed when the iterator is made; where the count is unknown (a
+    stream without a length) it raises `TypeError`, naming why.
+    """
+
+    __slots__ = ("_items", "_length", "_unknown")
+
+    def __init__(self, items: Iterator[Any], length: int | None, unknown: str = "") -> None:
+        self._items = items
+        self._length = length
+        self._unknown = unknown
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._items)
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError(self._unknown)
+        return self._length
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -375,7 +403,7 @@ class PreparedLoader:
             yield send_to_device(batch, self.device, non_blocking=self.non_blocking)
 
 
-def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
+def batches(state: Any, *, epochs: int | None = None) -> Batches:
     """Reads the state's prepared loader: its batches, on the device, from the state's data position.
 
     The position is the state's (`RunState.data_position`); `fa.step` advances
@@ -395,17 +423,28 @@ def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
             epoch (which reshuffles); None yields the rest of the current epoch.
 
     Returns:
-        A generator of batches placed on ``state.dist.device``.
+        An iterator of batches placed on ``state.dist.device``. Its ``len()`` is the
+        number of batches it yields on this rank, counted from the state's position:
+        at the start of an epoch, ``fa.batches(state)`` has ``len(state.loader)``
+        (this rank's batches per epoch, what Accelerate's prepared loader's ``len()``
+        is and its scripts size schedulers by); mid-epoch, the rest of the epoch (as
+        Accelerate's ``skip_first_batches`` loader); with ``epochs=N``, the rest of the
+        current epoch plus every whole epoch through ``N - 1``. Preemption may end
+        the batches sooner.
 
     Raises:
         ValueError: the state has no prepared loader, or ``epochs`` is negative.
         StaleStateError: ``state`` was already consumed (use the newest one).
+        TypeError: from ``len()`` only, when the loader reads a stream without a
+            length (an ``IterableDataset``).
 
     >>> import torch, fnaccel as fa
     >>> model = torch.nn.Linear(1, 1)
     >>> data = torch.utils.data.DataLoader(torch.arange(4.0).view(4, 1), batch_size=2, shuffle=True)
     >>> state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), 0.1),
     ...                    data, loss_fn=lambda m, b: m(b).mean())
+    >>> len(fa.batches(state)), len(fa.batches(state, epochs=2))
+    (2, 4)
     >>> for batch in fa.batches(state, epochs=2):
     ...     state, metrics = fa.step(state, batch)
     >>> state.epoch, state.step
@@ -416,11 +455,17 @@ def batches(state: Any, *, epochs: int | None = None) -> Iterator[Any]:
         raise ValueError(f"fa.batches: epochs must be an int >= 0 or None, got {epochs!r}")
     position = state.data_position
     loader.seek(position)
-    batches = loader.read(position.epoch + 1 if epochs is None else epochs)
+    end = position.epoch + 1 if epochs is None else epochs
+    batches = loader.read(end)
     watch = state.resources.get("preemption")  # fa.init(kwargs_handlers=[PreemptionKwargs()])
-    if watch is None:
-        return batches
-    return watch.guard(batches, state.micro_step, state.plan.micro_steps if state.plan else 1)
+    if watch is not None:
+        batches = watch.guard(batches, state.micro_step, state.plan.micro_steps if state.plan else 1)
+    per_epoch = loader._num_batches
+    length = None if per_epoch is None else max(end - position.epoch, 0) * per_epoch - (
+        position.num_batches if end > position.epoch else 0)
+    return Batches(batches, length, "fa.batches: the loader reads a stream (an IterableDataset) whose "
+                   "length is unknown, so what fa.batches returns has no len(); count the batches as they "
+                   "come, or size a schedule from the dataset's known length")
 
 
 def end_epoch(state: Any) -> Any:

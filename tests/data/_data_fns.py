@@ -216,13 +216,18 @@ def resumed_batches(state: Any, num_samples: int, batch_size: int, stop_after: i
         return prepare_loader(loader, state.dist, seed=1)
 
     state = stepping(state, prepared())
+    lengths = {"epoch": len(batches(state)), "three_epochs": len(batches(state, epochs=3))}
     state, head = train(state, epochs=1, stop_after=stop_after)
     saved = through_json(state.data_position)
+    lengths["rest"] = len(batches(state, epochs=1))
     state, tail = train(state, epochs=1)
+    lengths["after_the_epoch"] = len(batches(state, epochs=1))
     fresh = prepared()
-    resumed = [b.tolist() for b in batches(state.replace(loader=fresh, data_position=saved))]
+    rest = batches(state.replace(loader=fresh, data_position=saved))
+    lengths["resumed"] = len(rest)
+    resumed = [b.tolist() for b in rest]
     return {"head": head, "tail": tail, "resumed": resumed, "reads": fresh.dataloader.dataset.reads,
-            "saved": saved.key, "end": state.data_position.key}
+            "saved": saved.key, "end": state.data_position.key, "lengths": lengths}
 
 
 def ended_epoch(state: Any, num_samples: int, batch_size: int, stop_after: int) -> dict[str, Any]:

@@ -232,6 +232,8 @@ def test_resuming_reads_only_the_remaining_samples() -> None:
     assert result["saved"] == (0, 95) and result["end"] == (1, 0)
     assert result["resumed"] == result["tail"] and len(result["tail"]) == 5
     assert result["reads"] == 50  # no replay of the 950 samples before the position
+    # len() of what fa.batches returns: the batches it yields from the state's position
+    assert result["lengths"] == {"epoch": 100, "three_epochs": 300, "rest": 5, "after_the_epoch": 0, "resumed": 5}
 
 
 def test_resuming_on_real_worlds(world: Any) -> None:
@@ -240,6 +242,18 @@ def test_resuming_on_real_worlds(world: Any) -> None:
         assert result["saved"] == (0, 3) and result["end"] == (1, 0)
         assert result["resumed"] == result["tail"] and len(result["head"]) + len(result["tail"]) == steps
         assert result["reads"] == 2 * len(result["tail"])
+        # this rank's batches, as the prepared loader of Accelerate counts them
+        rest = len(result["tail"])
+        assert result["lengths"] == {"epoch": steps, "three_epochs": 3 * steps, "rest": rest,
+                                     "after_the_epoch": 0, "resumed": rest}
+
+
+def test_the_length_of_a_streams_batches_is_refused_naming_why() -> None:
+    state = fns.stepping(fa.init(seed=0, cpu=True), prepare_loader(
+        DataLoader(fns.Stream(6), batch_size=2), fa.init(cpu=True).dist, seed=0))
+    with pytest.raises(TypeError, match="fa.batches: the loader reads a stream .* has no len\\(\\)"):
+        len(fa.batches(state))
+    assert len(list(fa.batches(state))) == 3  # list() still reads it (len() is only a hint to it)
 
 
 def test_persistent_workers_cross_epochs_and_resume(tmp_path: Path) -> None:
