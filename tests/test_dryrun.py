@@ -25,12 +25,10 @@ def by_dtensor(kinds: dict[str, list[Held]], layout: ParallelismConfig, rank: in
     """``rank``'s bytes, from DTensor's own arithmetic at that rank's coordinate."""
     coords = layout.coordinates(rank)
     coords["dp"] = coords["dp_replicate"] * layout.sizes["dp_shard"] + coords["dp_shard"]
-    figures = {}
-    for kind, group in kinds.items():
-        figures[kind] = sum(math.prod(held.shape if not held.mesh_dims else _utils._compute_local_shape_and_global_offset(
-            held.shape, held.mesh_shape, [coords[n] for n in held.mesh_dims], held.placements)[0])
-            * held.element_size for held in group)
-    return figures
+    numels = {held: math.prod(held.shape if not held.mesh_dims else _utils._compute_local_shape_and_global_offset(
+        held.shape, held.mesh_shape, [coords[n] for n in held.mesh_dims], held.placements)[0])
+        for group in kinds.values() for held in set(group)}
+    return {kind: sum(numels[held] * held.element_size for held in group) for kind, group in kinds.items()}
 
 
 def random_held(rng: random.Random, layout: ParallelismConfig) -> Held:
@@ -54,7 +52,7 @@ def random_held(rng: random.Random, layout: ParallelismConfig) -> Held:
 @pytest.mark.parametrize("seed", range(2))
 def test_every_ranks_bytes_equal_dtensors_own_arithmetic(seed: int) -> None:
     rng = random.Random(seed)
-    for _ in range(12):
+    for _ in range(8):
         layout = ParallelismConfig(pp_size=rng.choice([1, 2]), dp_replicate_size=rng.choice([1, 2, 3]),
                                    dp_shard_size=rng.choice([1, 2, 3, 5, 8]), tp_size=rng.choice([1, 2, 4]))
         world = math.prod(layout.sizes.values())
@@ -99,5 +97,5 @@ def test_alike_ranks_are_computed_once_at_16384_ranks(monkeypatch: pytest.Monkey
     assert 2 <= computed.num_classes <= 8
     assert len(calls) == computed.num_classes * len({held for held in tensors if held.mesh_dims})
     monkeypatch.undo()
-    for rank in (0, 7, 8, 127, 128, 999, 1000, 1001, 1999, 2000, 2001, 8191, 16383):
+    for rank in (0, 127, 128, 511, 512, 1023, 1024, 1999, 2000, 16383):  # each side of every boundary
         assert computed.ranks[rank] == by_dtensor(kinds, layout, rank), rank

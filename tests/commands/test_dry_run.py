@@ -1,9 +1,12 @@
-"""`fnaccel launch --dry_run`: a 64-process FSDP x TP launch checked on this machine.
+"""`fnaccel launch --dry_run`: large layouts checked on one machine, as faithful and safe as a real launch.
 
-Each test is one real `fnaccel launch --dry_run` of tests/commands/_dry_run_script.py
-(a small transformer, fa.tp + fa.fsdp on a dp_shard=8 x tp=8 mesh over 8 machines);
-the refusals are compared with what the real code raises in a one-process run and
-with what the real launcher says.
+The 64-process FSDP x TP launch of tests/commands/_dry_run_script.py (a small
+transformer, fa.tp + fa.fsdp on dp_shard=8 x tp=8 over 8 machines) prints its mesh
+and every rank's bytes; at 2 and 4 processes the dry run's bytes and refusals equal
+those of real gloo ranks running the same script (the shared worlds); an impossible
+mesh is refused as the real launcher refuses it; signals and SIGKILL end the dry
+run's ranks with it. How the bytes of 16,384 ranks are computed is tested in
+tests/test_dryrun.py.
 """
 
 from __future__ import annotations
