@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import fnaccel as fa
-from fnaccel.calls import DEFAULT_COLLECTIVE_TIMEOUT, collective_timeout
-from fnaccel.testing import World
+from fnaccel.calls import DEFAULT_COLLECTIVE_TIMEOUT, RELEASE_SECONDS, collective_timeout
+from fnaccel.testing import DistributedTestError, World
 
 
 def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -106,6 +106,39 @@ def test_shutdown_against_a_gather_ends_both(world2: World, tmp_path: Path) -> N
     assert str(error) == expected
     assert json.loads(report.read_text())[:2] == ["CollectiveCallError", expected]
     assert elapsed < 30
+
+
+def _evaluate_against_step_and_live_on(state: fa.RunState, report: str, timeout: float) -> Any:
+    state, batch = _prepared(state)
+    state.dist.group_owner.calls.timeout = timeout
+    start = time.monotonic()
+    if state.dist.rank == 0:
+        try:
+            fa.evaluate(state, torch.utils.data.DataLoader(torch.ones(4, 4), batch_size=2), _loss_per_sample)
+        except fa.FnaccelError as error:  # caught, and the process lives on: nothing releases rank 1
+            Path(report).write_text(json.dumps([type(error).__name__, str(error), time.monotonic() - start]))
+            return "caught"
+        raise AssertionError("fa.evaluate returned on rank 0 alone")
+    while True:
+        state, _ = fa.step(state, batch)
+
+
+def _loss_per_sample(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).pow(2).mean(dim=1)
+
+
+def test_a_rank_nothing_releases_ends_its_process(world2: World, tmp_path: Path) -> None:
+    """rank 0 in fa.evaluate catches the error and lives on, so rank 1's all-reduce is never
+    released: its watcher prints the message and ends the process (calls.RELEASE_SECONDS)."""
+    report = tmp_path / "rank0.json"
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match=r"rank 1 died \(exit code 1\)"):
+        world2.run(_evaluate_against_step_and_live_on, str(report), 1.0)
+    assert time.monotonic() - start < 1.0 * 2 + RELEASE_SECONDS + 15
+    name, message, _ = json.loads(report.read_text())
+    assert name == "CollectiveCallError"
+    assert message.startswith("fa.evaluate was called on rank 0 only (rank 1 is in fa.step at step 3): "
+                              "fa.evaluate is collective")
 
 
 def test_collective_timeout_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

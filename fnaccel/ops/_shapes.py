@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fnaccel._errors import CollectiveMismatchError, CollectiveTimeoutError
+from fnaccel._errors import CollectiveCallError, CollectiveMismatchError, CollectiveTimeoutError
 from fnaccel.calls import calls_of, failure_of
 from fnaccel.dist import DistContext
 from fnaccel.ops.tree import tree_paths
@@ -70,6 +70,8 @@ def naming_timeouts(ctx: DistContext, op: str) -> Iterator[None]:
         calls.call = f"fa.ops.{op}"
     try:
         yield
+    except CollectiveCallError:
+        raise
     except RuntimeError as exc:
         failure = failure_of(owner, exc)
         if failure is not None:
