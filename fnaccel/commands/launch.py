@@ -119,6 +119,9 @@ def register(subparsers: Any) -> None:
                              "rank of the configured world on torch's fake process group (CPU) up to its "
                              "fa.prepare and one step; prints the mesh, each rank's bytes, the checkpoint "
                              "layout (docs/cli.md).")
+    parser.add_argument("--dry_run_json", metavar="PATH",
+                        help="With --dry_run: also write its figures as JSON to PATH (every rank's bytes, the "
+                             "simulated ranks' own measurements, the mesh and the tensors), for scripts and CI.")
     parser.set_defaults(handler=run, command_name="launch")
 
 
@@ -175,7 +178,8 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
     if mesh:
         changes["parallelism_config"] = {**config.parallelism_config, **mesh}
     config = dataclasses.replace(config, **changes)
-    check_launchable(config, force=args.force_num_processes)
+    # a dry run starts two processes whatever the world's size: no processes-per-CPU limit
+    check_launchable(config, force=args.force_num_processes or bool(_given(args, "dry_run")))
     return config
 
 
@@ -375,6 +379,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise CommandError(str(exc)) from None
     _check_script(args)
+    if args.dry_run_json is not None and not args.dry_run:
+        raise CommandError("--dry_run_json writes a dry run's figures; add --dry_run (or drop --dry_run_json)")
     if args.dry_run:
         from fnaccel.commands.dry_run import dry_run
 
@@ -383,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             with _signals_raise(SignalException):  # the workers are ended on the way out (dry_run's own)
                 return dry_run(config, _num_processes(args, config), args.training_script, program,
-                               launch_environment(args, config))
+                               launch_environment(args, config), json_path=args.dry_run_json)
         except SignalException as exc:
             print(f"fnaccel launch --dry_run: stopped by {exc.sigval.name}; its simulated ranks were ended",
                   file=sys.stderr)
