@@ -37,11 +37,13 @@ nothing is due pays no collective:
   needs no agreement and reads its own clock at every call.
 
 Pace. The snapshot a save takes (every tensor copied to CPU memory) is the
-part the loop waits for. A continuous save therefore also starts no sooner
-than 20 times the last snapshot's CPU time (this thread's) after the last
-save started, so snapshots never take more than 5% of the loop's time: with
-a large model on a slow disk the commit decides, with a small model on
-``/dev/shm`` the pace.
+part the loop waits for. A continuous save therefore also waits until the
+calling thread has spent 20 times the last snapshot's CPU time since that
+save started (CPU time, not the wall clock: under load, or while rank 0
+waits for a slower rank in the save's first exchange, the wall clock runs
+without the loop working), so snapshots take at most 5% of the loop's own
+time: with a large model on a slow disk the commit decides, with a small
+model on ``/dev/shm`` the pace.
 
 Rotation runs on the save's own thread right after the commit, on the ranks
 that wrote the shared files (`fnaccel.checkpoint.run.start_save`). It deletes
@@ -77,8 +79,8 @@ _clock = time.monotonic  # the clock every_seconds and continuous read (rank 0's
 # What a snapshot costs the loop: this thread's CPU time, not the wall clock, which would also count
 # the wait for a slower rank in the save's first exchange (time the next step would wait anyway)
 _work_clock = time.thread_time
-# A continuous save starts no sooner than this many times the last one's snapshot time after that
-# one started: snapshots then take at most 1/20 = 5% of the loop's time, however fast the saves are.
+# A continuous save starts once the loop's thread spent this many times the last snapshot's CPU time
+# since that save started: snapshots then take at most 1/20 = 5% of it, however fast the saves are.
 _PACE = 20
 
 
@@ -225,9 +227,10 @@ def save_policy(*, every_steps: int | None = None, every_seconds: float | None =
         on_preemption: save, before `autosave` returns, when the run's
             preemption agreement stopped `fa.batches` (`PreemptionKwargs`).
         continuous: start the next asynchronous save as soon as the last one
-            committed, and no sooner than 20 times the last snapshot's
-            duration after it started, so that snapshots take at most 5% of
-            the loop's time (not with ``every_steps`` or ``every_seconds``).
+            committed, and once the loop's thread spent 20 times the last
+            snapshot's CPU time since it started, so that snapshots take at
+            most 5% of the loop's time (not with ``every_steps`` or
+            ``every_seconds``).
         keep_last: after each save, keep the newest this many ``step_<n>``
             checkpoints in each directory and delete older ones fnaccel wrote
             (None keeps all).
@@ -293,17 +296,20 @@ def _rotate(directory: Path, policy: SavePolicy, newest: Path) -> None:
 class _Progress:
     """One member's live bookkeeping in a run (rank 0's clocks are read on rank 0 only)."""
 
-    __slots__ = ("last_saved", "act_at", "since", "mark", "handle", "started", "save_seconds", "snapshot_seconds")
+    __slots__ = ("last_saved", "act_at", "since", "mark", "work_mark", "handle", "started", "work_started",
+                 "save_seconds", "snapshot_seconds")
 
     def __init__(self) -> None:
         self.last_saved: int | None = None  # the step this member last saved
         self.act_at: int | None = None  # the step of the next agreement (timed members, several processes)
         self.since = 0.0  # when the last save started (or the first call)
         self.mark: tuple[float, int] | None = None  # (time, step) of the last agreement: the step time
+        self.work_mark = (0.0, 0)  # (this thread's CPU time, step) then: the step's CPU time
         self.handle: SaveHandle | None = None  # the member's last save
         self.started = 0.0  # when that save was started
+        self.work_started = 0.0  # this thread's CPU time then
         self.save_seconds: float | None = None  # how long it took to commit, as first seen here
-        self.snapshot_seconds = 0.0  # how long starting it kept the loop (continuous members: the pace)
+        self.snapshot_seconds = 0.0  # this thread's CPU time starting it took (continuous members: the pace)
 
     def observe(self, now: float) -> None:
         """Note when the last save was first seen committed (a thread's liveness: no wait)."""
@@ -329,6 +335,7 @@ class Autosaves:
             found = self._members[policy] = _Progress()
             found.since = now
             found.mark = (now, state.step)
+            found.work_mark = (_work_clock() if policy.continuous else 0.0, state.step)
             # continuous: agree at once (the first save); every_seconds: one step later, to time a step
             found.act_at = state.step if policy.continuous else state.step + 1
         return found
@@ -347,14 +354,19 @@ def _decide(policy: SavePolicy, progress: _Progress, step: int, now: float, save
     progress.mark = (now, step)
     if policy.continuous:
         progress.observe(now)
-        paced = progress.started + _PACE * progress.snapshot_seconds
-        if saves or progress.handle is None or (progress.save_seconds is not None
-                                                 and now >= paced - step_seconds / 2):
-            ahead = max(progress.save_seconds or step_seconds, _PACE * progress.snapshot_seconds)
-            return True, max(1, math.ceil(ahead / step_seconds))
+        work = _work_clock()
+        work_mark, work_step = progress.work_mark
+        step_work = max((work - work_mark) / max(step - work_step, 1), 1e-9)
+        progress.work_mark = (work, step)
+        pace = _PACE * progress.snapshot_seconds
+        pace_left = progress.work_started + pace - work  # this thread's CPU time still to spend
+        if saves or progress.handle is None or (progress.save_seconds is not None and pace_left <= step_work / 2):
+            commit = math.ceil((progress.save_seconds or step_seconds) / step_seconds)
+            return True, max(1, commit, math.ceil(pace / step_work))
         # not committed yet: look again after as long again; committed: when the pace allows
-        ahead = now - progress.started if progress.save_seconds is None else paced - now
-        return False, max(1, math.ceil(ahead / step_seconds))
+        if progress.save_seconds is None:
+            return False, max(1, math.ceil((now - progress.started) / step_seconds))
+        return False, max(1, math.ceil(pace_left / step_work))
     assert policy.every_seconds is not None
     remaining = policy.every_seconds - (now - progress.since)
     if saves or remaining <= step_seconds / 2:
@@ -375,8 +387,8 @@ def _due(policy: SavePolicy, progress: _Progress, state: RunState, now: float) -
         return False
     if state.dist.num_processes == 1:
         if policy.continuous:
-            return progress.handle is None or (progress.handle.done()
-                                               and now >= progress.started + _PACE * progress.snapshot_seconds)
+            return progress.handle is None or (
+                progress.handle.done() and _work_clock() - progress.work_started >= _PACE * progress.snapshot_seconds)
         return now - progress.since >= policy.every_seconds  # type: ignore[operator]
     assert progress.act_at is not None
     return None if state.step >= progress.act_at else False
@@ -470,6 +482,7 @@ def _save_due(state: RunState, members: tuple[SavePolicy, ...]) -> None:
             lambda committed, member=policy: _rotate(committed.parent, member, committed))
         mine = progress[policy]
         began = _work_clock() if policy.continuous else 0.0
+        mine.work_started = began
         for directory in policy.directories:
             mine.handle = start_save(state, directory / f"step_{state.step}",
                                      blocking=preempted and policy.on_preemption, after_commit=rotate)

@@ -231,11 +231,11 @@ def test_continuous_saves_only_once_the_last_committed(tmp_path: Path) -> None:
 
 
 def test_continuous_is_paced_by_its_snapshots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A clock ticking 1 s a read (a step's autosave reads it once), and a snapshot taking 1 s
-    of CPU. Every save committed before the next step: the next save still waits until 20
-    snapshots' time passed since the last started (snapshots take at most 5% of the loop)."""
-    ticks, work = iter(range(1000)), iter(range(1000))
-    monkeypatch.setattr(policy_module, "_clock", lambda: float(next(ticks)))
+    """A CPU clock advancing 1 s a read: a snapshot (read before and after it) takes 1 s, and a
+    step's autosave reads it once while the last save is done. Every save committed before the
+    next step: the next save still waits until the loop spent 20 snapshots' CPU time since the
+    last started (snapshots take at most 5% of the loop)."""
+    work = iter(range(1000))
     monkeypatch.setattr(policy_module, "_work_clock", lambda: float(next(work)))
     policy = fa.save_policy(continuous=True, keep_last=1, directories=tmp_path)
     state = _run()
@@ -248,7 +248,7 @@ def test_continuous_is_paced_by_its_snapshots(tmp_path: Path, monkeypatch: pytes
             started.append(state.step)
         mine.handle.wait()
     fa.shutdown(state)
-    assert started == [1, 21, 41]  # step k reads tick k - 1: saved at ticks 0, 20 and 40
+    assert started == [1, 20, 39]  # the first at read 1 (done at 2); step 20 reads 21 = 1 + 20; ...
 
 
 def test_every_seconds_reads_the_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
