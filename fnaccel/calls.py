@@ -40,6 +40,7 @@ A leaf module: it imports nothing from fnaccel above the leaves.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -155,6 +156,7 @@ class Calls:
         self._thread = threading.Thread(target=_watch, args=(self, watcher_store),
                                         name=f"fnaccel-calls-rank{rank}", daemon=True)
         self._thread.start()
+        atexit.register(self._exiting)
 
     @classmethod
     def start(cls, group: Any, rank: int, size: int, timeout: float, limit: timedelta) -> Calls | None:
@@ -319,6 +321,17 @@ class Calls:
         self._picked.set()
         return CollectiveCallError(message)
 
+    def _exiting(self) -> None:
+        """At a clean interpreter exit without ``fa.shutdown``: enter its agreement without
+        waiting, as the group's exit finalizer ends the run too, so that a rank that did
+        call ``fa.shutdown`` agrees with this one instead of asking where it is."""
+        if self._closed or exception_in_flight():
+            return
+        try:
+            self._store.set(self._key(f"enter/{self.seq + 1}/{self._rank}"), "fa.shutdown")
+        except RuntimeError:
+            pass  # the store is gone: the others learn it from their own waits
+
     # -- the watcher ----------------------------------------------------------------------
 
     def record(self) -> dict[str, Any]:
@@ -331,6 +344,7 @@ class Calls:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._exiting)
         if exception_in_flight():
             return
         try:

@@ -141,6 +141,22 @@ def test_a_rank_nothing_releases_ends_its_process(world2: World, tmp_path: Path)
                               "fa.evaluate is collective")
 
 
+def _shutdown_on_rank0_rank1_exits(state: fa.RunState) -> str:
+    if state.dist.rank == 0:
+        fa.shutdown(state)
+        return "shut down"
+    # what interpreter exit runs on a rank that ends its script without fa.shutdown
+    state.dist.group_owner.calls._exiting()
+    return "exited"
+
+
+def test_an_exit_without_shutdown_counts_as_it(world2: World) -> None:
+    """A clean end with fa.shutdown on rank 0 only: rank 1's exit enters the agreement."""
+    start = time.monotonic()
+    assert world2.run(_shutdown_on_rank0_rank1_exits) == ["shut down", "exited"]
+    assert time.monotonic() - start < DEFAULT_COLLECTIVE_TIMEOUT
+
+
 def test_collective_timeout_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert collective_timeout() == DEFAULT_COLLECTIVE_TIMEOUT
     monkeypatch.setenv("FNACCEL_COLLECTIVE_TIMEOUT", "2.5")
