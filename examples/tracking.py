@@ -86,7 +86,7 @@ def main() -> None:
     if state.dist.is_main_process:  # the file is plain JSON lines: read it back with anything
         with open(os.path.join(args.output, "tracking", "metrics.jsonl")) as file:
             lines = [json.loads(line) for line in file]
-        accuracy = [line["test/accuracy"] for line in lines if "test/accuracy" in line]
+        accuracy = [line["values"]["test/accuracy"] for line in lines if "test/accuracy" in line["values"]]
         print(f"{len(lines)} lines logged; test accuracy by epoch: {[round(a, 3) for a in accuracy]}")
 
 

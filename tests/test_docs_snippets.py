@@ -117,12 +117,12 @@ def _check_own_transform(names: dict[str, Any], tmp: Path) -> None:
 
 def _check_tracking(names: dict[str, Any], tmp: Path) -> None:
     lines = (tmp / "runs" / "classifier" / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 30 and "loss" in json.loads(lines[-1])
+    assert len(lines) == 30 and "loss" in json.loads(lines[-1])["values"]
 
 
 def _check_migration(names: dict[str, Any], tmp: Path) -> None:
     logged = [json.loads(line) for line in (tmp / "runs" / "demo" / "demo" / "metrics.jsonl").read_text().splitlines()]
-    assert [entry["epoch"] for entry in logged] == [0, 1, 2]
+    assert [entry["values"]["epoch"] for entry in logged] == [0, 1, 2]
     assert (tmp / "runs" / "demo" / "ckpt" / "fnaccel.json").is_file()
 
 

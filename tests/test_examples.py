@@ -33,8 +33,8 @@ def test_the_classifier_example_trains_on_two_processes_and_writes_its_weights(
     weights = load_file(output)
     assert set(weights) == {"0.weight", "0.bias", "3.weight", "3.bias", "6.weight", "6.bias"}
     logged = [json.loads(line) for line in (tmp_path / "classifier" / "metrics.jsonl").read_text().splitlines()]
-    assert [entry["epoch"] for entry in logged] == list(range(1, 11))  # the main process only: once each
-    assert round(logged[-1]["test_accuracy"], 3) == accuracy
+    assert [entry["values"]["epoch"] for entry in logged] == list(range(1, 11))  # the main process only: once each
+    assert round(logged[-1]["values"]["test_accuracy"], 3) == accuracy
 
 
 def _documented_names() -> dict[str, set[str]]:

@@ -66,11 +66,11 @@ def test_jsonl_holds_what_was_logged_at_its_step(tmp_path: Path) -> None:
     for line in lines:
         assert isinstance(line.pop("time"), float)
     assert lines == [
-        {"step": 0, "loss": 0.5, "count": 7, "ok": True},
-        {"step": 5, "loss": 1.5, "lr": 1e-3, "phase": "warm", "group": {"a": 2.0}},
-        {"step": 9, "loss": 0.25},
+        {"step": 0, "values": {"loss": 0.5, "count": 7, "ok": True}},
+        {"step": 5, "values": {"loss": 1.5, "lr": 1e-3, "phase": "warm", "group": {"a": 2.0}}},
+        {"step": 9, "values": {"loss": 0.25}},
     ]
-    assert isinstance(lines[0]["count"], int)
+    assert isinstance(lines[0]["values"]["count"], int)
     config = json.loads((tmp_path / "exp" / "config.json").read_text())
     assert config == {"lr": 0.1, "path": str(tmp_path), "layers": [2, 3]}
 
@@ -89,7 +89,7 @@ def test_log_reads_every_tensor_with_one_transfer(tmp_path: Path) -> None:
     log(state, values)
     assert reads == ["tolist", "tolist"]  # one per call, whatever the number of tensors
     end_training(state)
-    first = _lines(tmp_path / "exp" / "metrics.jsonl")[0]
+    first = _lines(tmp_path / "exp" / "metrics.jsonl")[0]["values"]
     assert (first["loss"], first["half"], first["steps"], first["nested"]) == (1.25, 0.5, 3, {"norm": 2.0})
 
 
@@ -135,7 +135,7 @@ def test_only_the_main_process_writes_in_a_real_world(world2: Any, tmp_path: Pat
     assert world2.run(_log_on_every_rank, str(tmp_path)) == [1, 0]
     assert sorted(p.name for p in (tmp_path / "dist").iterdir()) == ["config.json", "metrics.jsonl"]
     (line,) = _lines(tmp_path / "dist" / "metrics.jsonl")
-    assert (line["rank"], line["loss"], line["step"]) == (0, 0.0, 1)
+    assert (line["values"], line["step"]) == ({"rank": 0, "loss": 0.0}, 1)
 
 
 def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
@@ -158,6 +158,46 @@ def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
     test_acc = EventAccumulator(str(tmp_path / "tb" / "acc_test"))
     test_acc.Reload()
     assert [(e.step, e.value) for e in test_acc.Scalars("acc")] == [(1, 0.25), (2, 0.5)]
+
+
+# what transformers' run_clm_no_trainer and run_glue_no_trainer log each epoch (Accelerate takes them)
+_CLM = {"perplexity": 15.2, "eval_loss": torch.tensor(2.72), "train_loss": torch.tensor(2.9), "epoch": 0, "step": 12}
+_GLUE = {"accuracy": 0.6505, "train_loss": torch.tensor(0.61), "epoch": 1, "step": 26}
+
+
+def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {tag: [(e.step, round(e.value, 4)) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_the_transformers_scripts_dicts_are_logged_step_included(tmp_path: Path) -> None:
+    """``step`` is a value like any other (the scripts log ``completed_steps`` under it): the
+    JSONL line keeps it apart from the logging step, and TensorBoard records it as the
+    scalar ``step``, as Accelerate's own TensorBoard tracker does with the same dicts."""
+    from accelerate.tracking import TensorBoardTracker as AccelerateTensorBoard
+
+    state = init_trackers(fa.init(cpu=True), "run", log_with=["jsonl", "tensorboard"], logging_dir=tmp_path)
+    log(state.replace(step=3), _CLM)
+    log(state, _GLUE, step=7)
+    end_training(state)
+
+    lines = _lines(tmp_path / "run" / "metrics.jsonl")
+    assert [(line["step"], line["values"]) for line in lines] == [
+        (3, {"perplexity": 15.2, "eval_loss": pytest.approx(2.72), "train_loss": pytest.approx(2.9), "epoch": 0,
+             "step": 12}),
+        (7, {"accuracy": 0.6505, "train_loss": pytest.approx(0.61), "epoch": 1, "step": 26}),
+    ]
+    theirs = AccelerateTensorBoard("run", tmp_path / "accelerate")
+    theirs.start()  # what Accelerator.init_trackers calls
+    theirs.log({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in _CLM.items()}, step=3)
+    theirs.log({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in _GLUE.items()}, step=7)
+    theirs.finish()
+    ours = _scalars(tmp_path / "run")
+    assert ours["step"] == [(3, 12.0), (7, 26.0)] and ours["accuracy"] == [(7, 0.6505)]
+    assert ours == _scalars(tmp_path / "accelerate" / "run")
 
 
 _SERVICES = ("wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab", "trackio")
@@ -213,8 +253,6 @@ def test_misuse_is_reported(tmp_path: Path) -> None:
         log(state, {"x": object()})
     with pytest.raises(TypeError, match="step must be an int"):
         log(state, {"x": 1.0}, step=1.5)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="may not use the key\\(s\\) \\['step'\\]"):
-        log(state, {"step": 3})
     with pytest.raises(ValueError, match="no tracker named 'tensorboard'.*\\['jsonl'\\]"):
         get_tracker(state, "tensorboard")
     end_training(state)
@@ -320,7 +358,8 @@ def test_a_resumed_run_adds_to_its_config_and_metrics(tmp_path: Path) -> None:
     end_training(resumed)
     config = json.loads((tmp_path / "exp" / "config.json").read_text())
     assert config == {"lr": 0.05, "epochs": 3, "resumed_from": "ckpt"}
-    assert [(line["step"], line["loss"]) for line in _lines(tmp_path / "exp" / "metrics.jsonl")] == [(1, 1.0), (2, 0.5)]
+    assert [(line["step"], line["values"]) for line in _lines(tmp_path / "exp" / "metrics.jsonl")] == [
+        (1, {"loss": 1.0}), (2, {"loss": 0.5})]
     (tmp_path / "exp" / "config.json").write_text("[1, 2")
     with pytest.raises(ValueError, match="config.json is not valid JSON.*repair or remove it"):
         init_trackers(fa.init(cpu=True), "exp", {"lr": 0.1}, logging_dir=tmp_path)

@@ -265,5 +265,5 @@ def test_the_documented_loop_runs_and_logs_the_rates(tmp_path: Path) -> None:
     exec(block, names)
     lines = [json.loads(line) for line in (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [10, 20]
-    assert all(line["tokens_per_second"] > 0 and "mfu" not in line for line in lines)  # no peak on the CPU
+    assert all(line["values"]["tokens_per_second"] > 0 and "mfu" not in line["values"] for line in lines)  # no peak on the CPU
     fa.shutdown(names["state"])

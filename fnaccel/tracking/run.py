@@ -66,8 +66,8 @@ def init_trackers(
     >>> log(state, {"loss": 0.5}, step=3)
     >>> end_training(state)
     >>> line = json.loads(open(f"{tmp.name}/demo/metrics.jsonl").read())
-    >>> line["step"], line["loss"]
-    (3, 0.5)
+    >>> line["step"], line["values"]
+    (3, {'loss': 0.5})
     >>> tmp.cleanup()
     """
     if not isinstance(project_name, str) or not project_name:
@@ -140,7 +140,10 @@ def log(state: RunState, values: Mapping[str, Any], *, step: int | None = None) 
     Args:
         state: the run's state, holding trackers from `init_trackers`.
         values: metric names to numbers, strings, one-element tensors, or
-            dicts of these.
+            dicts of these. Any name is taken, as Accelerate's ``log`` takes
+            it, ``step`` included: a value called ``step`` is a metric like
+            any other (the JSONL tracker keeps the values apart from the step
+            it logs at).
         step: the step to record them at; default ``state.step``.
 
     Raises:
@@ -154,7 +157,7 @@ def log(state: RunState, values: Mapping[str, Any], *, step: int | None = None) 
     >>> log(state, {"loss": torch.tensor(0.25), "lr": 1e-3, "phase": "warmup"})
     >>> end_training(state)
     >>> print(open(f"{tmp.name}/demo/metrics.jsonl").read())  # doctest: +ELLIPSIS
-    {"step": 0, "time": ..., "loss": 0.25, "lr": 0.001, "phase": "warmup"}
+    {"step": 0, "time": ..., "values": {"loss": 0.25, "lr": 0.001, "phase": "warmup"}}
     <BLANKLINE>
     >>> tmp.cleanup()
     """

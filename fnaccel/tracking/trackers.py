@@ -54,9 +54,11 @@ class GeneralTracker(Protocol):
 class JSONLTracker:
     """Writes ``<logging_dir>/<run_name>/metrics.jsonl``: one JSON object per `log` call.
 
-    Each line is ``{"step": ..., "time": ..., **values}`` (``time`` in seconds
-    since the epoch), flushed at once, so the file can be followed while the
-    run goes on. The file is appended to: a resumed run continues it. The
+    Each line is ``{"step": ..., "time": ..., "values": {...}}``: the step it was
+    logged at, the time (seconds since the epoch), and the values as logged, in a
+    place of their own, so a value may have any name (the transformers scripts
+    log one called ``step``). Each line is flushed at once, so the file can be
+    followed while the run goes on. The file is appended to: a resumed run continues it. The
     configuration goes to ``config.json`` next to it; a resumed run's
     configuration is merged into the one there (its values win), so keys only
     the first start knew are kept.
@@ -109,14 +111,7 @@ class JSONLTracker:
                 f"the JSONL tracker writing {self.path} was closed (fa.end_training); "
                 "call init_trackers again to log more"
             )
-        clashes = sorted({"step", "time"} & set(values))
-        if clashes:
-            raise ValueError(
-                f"fa.log: the JSONL tracker writes 'step' and 'time' itself, so values may not "
-                f"use the key(s) {clashes}; pass the step as log(state, values, step=...) or "
-                "rename the metric"
-            )
-        self._file.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+        self._file.write(json.dumps({"step": step, "time": time.time(), "values": dict(values)}) + "\n")
         self._file.flush()
 
     def finish(self) -> None:
