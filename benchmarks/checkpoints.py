@@ -9,7 +9,13 @@ too), the figure the median over ``--rounds``:
 ``save``
     ``safetensors.torch.save_file`` of the model's and the optimizer's tensors
     (two files) + ``os.sync()``, against a blocking ``fa.save`` (atomic,
-    sha256-checksummed, every file and the directory fsynced).
+    checksummed, every file and the directory fsynced), in two rows: into a
+    new directory each round (the previous round's removed outside the timed
+    part, on both sides), and over the existing checkpoint (``save_file`` over
+    the existing files). Over an existing checkpoint, ``fa.save`` deletes the
+    replaced one on a thread beside the run, which a training loop overlaps
+    with its steps; here it is waited for outside the timed part (the next
+    save would wait for it), and ``os.sync()`` follows each side untimed.
 ``load``
     ``load_file`` of those two files + ``model.load_state_dict`` +
     ``optimizer.load_state_dict``, against ``fa.load`` of the checkpoint
@@ -111,17 +117,33 @@ def timed(fn: Callable[[], object]) -> float:
     return clock() - start
 
 
-def compare(rounds: int, baseline: Callable[[], object], ours: Callable[[], object]) -> tuple[float, float]:
-    """Median seconds of ``baseline`` and of ``ours``, alternating which runs first."""
+def compare(rounds: int, baseline: Callable[[], object], ours: Callable[[], object],
+            settle: Callable[[], object] = lambda: None) -> tuple[float, float]:
+    """Median seconds of ``baseline`` and of ``ours``, alternating which runs first;
+    ``settle`` runs untimed after each."""
     base, mine = [], []
     for r in range(rounds):
-        if r % 2:
-            mine.append(timed(ours))
-            base.append(timed(baseline))
-        else:
-            base.append(timed(baseline))
-            mine.append(timed(ours))
+        for side in ((ours, mine), (baseline, base)) if r % 2 else ((baseline, base), (ours, mine)):
+            side[1].append(timed(side[0]))
+            settle()
     return statistics.median(base), statistics.median(mine)
+
+
+class Fresh:
+    """A new directory under ``root`` for each save (``name-0``, ``name-1``, ...); ``settle``
+    removes every earlier one and syncs, outside the timed part."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.root, self.name, self.count = root, name, 0
+
+    def next(self) -> Path:
+        self.count += 1
+        return self.root / f"{self.name}-{self.count}"
+
+    def settle(self) -> None:
+        for old in range(1, self.count):
+            shutil.rmtree(self.root / f"{self.name}-{old}", ignore_errors=True)
+        os.sync()
 
 
 def main() -> None:
@@ -144,8 +166,23 @@ def main() -> None:
         fa.save(state, ckpt)
         rows = []
         if "save" in args.only:
-            base, ours = compare(args.rounds, lambda: raw_save(model, optimizer, raw), lambda: fa.save(state, ckpt))
-            rows.append(("save: fa.save / save_file + os.sync()", base, ours))
+            raw_new, ckpt_new = Fresh(root, "raw"), Fresh(root, "ckpt")
+
+            def settle_new() -> None:
+                raw_new.settle()
+                ckpt_new.settle()
+
+            base, ours = compare(args.rounds, lambda: raw_save(model, optimizer, raw_new.next()),
+                                 lambda: fa.save(state, ckpt_new.next()), settle_new)
+            rows.append(("save, new directory: fa.save / save_file + os.sync()", base, ours))
+
+            def settle_over() -> None:
+                state.resources.get("saves").wait()  # the replaced checkpoint's removal, beside the run
+                os.sync()
+
+            base, ours = compare(args.rounds, lambda: raw_save(model, optimizer, raw), lambda: fa.save(state, ckpt),
+                                 settle_over)
+            rows.append(("save over the last: fa.save / save_file + os.sync()", base, ours))
         current = [state]  # fa.load consumes the state it is given: each load takes the last one's
 
         def load() -> None:

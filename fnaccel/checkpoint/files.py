@@ -4,7 +4,8 @@ A checkpoint is written into a hidden sibling directory (``.<name>.tmp-<id>``,
 marked by a `LEFTOVER_MARKER` file written first), every file fsynced, the
 manifest last, the directory fsynced, and only then moved to its name. Over
 an existing checkpoint the move is an atomic exchange (Linux
-``renameat2(RENAME_EXCHANGE)``), after which the old one is deleted: at every
+``renameat2(RENAME_EXCHANGE)``), after which the old one is deleted, off the
+save's critical path (`remove_replaced`, on the run's save queue's thread): at every
 instant the name holds a complete checkpoint, old or new. A crash leaves at
 worst a hidden, marked directory beside it, which nothing mistakes for a
 checkpoint and the next save to that name removes (`remove_leftovers`).
@@ -74,6 +75,7 @@ __all__ = [
     "read_verified",
     "regular_size",
     "remove_leftovers",
+    "remove_replaced",
     "SaveLock",
     "safe_relative",
     "sibling_stem",
@@ -495,10 +497,30 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _delete(old: Path, manifest: str) -> None:
-    """Delete a marked, hidden former checkpoint, its manifest first."""
+    """Delete a marked, hidden former checkpoint: its manifest first, its mark last, so that
+    a crash at any instant leaves a marked leftover the next save removes (`remove_leftovers`)."""
     (old / manifest).unlink(missing_ok=True)
     fsync_dir(old)
-    shutil.rmtree(old)
+    for entry in os.scandir(old):
+        if entry.name == LEFTOVER_MARKER:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+    (old / LEFTOVER_MARKER).unlink()
+    old.rmdir()
+
+
+def remove_replaced(old: Path, manifest: str) -> None:
+    """Delete the former checkpoint `commit` moved aside. Off the save's critical path
+    (`SaveQueue.remove_later`), so an error is not the save's: what is left stays
+    marked, and the next save to that name removes it as a leftover (as another
+    run's save may already have done: then nothing is left here)."""
+    try:
+        _delete(old, manifest)
+    except OSError:
+        pass
 
 
 def discard(checkpoint: Path, manifest: str) -> None:
@@ -512,7 +534,7 @@ def discard(checkpoint: Path, manifest: str) -> None:
     _delete(aside, manifest)
 
 
-def commit(tmp: Path, final: Path, manifest: str) -> None:
+def commit(tmp: Path, final: Path, manifest: str) -> Path | None:
     """Move the complete checkpoint ``tmp`` to ``final``, replacing an older one atomically.
 
     Every directory is marked for as long as it has a hidden name: the old
@@ -520,6 +542,11 @@ def commit(tmp: Path, final: Path, manifest: str) -> None:
     it has moved to ``final``. A crash at any instant thus leaves only marked
     leftovers (`remove_leftovers`), at worst with a mark inside the checkpoint,
     which nothing else reads.
+
+    Returns:
+        The former checkpoint, now under a hidden marked name, for the caller to
+        delete (`remove_replaced`: its removal is no part of the commit); None
+        when ``final`` held none.
     """
     fsync_dir(tmp)
     old: Path | None = None
@@ -535,6 +562,5 @@ def commit(tmp: Path, final: Path, manifest: str) -> None:
             os.rename(tmp, final)
     (final / LEFTOVER_MARKER).unlink()
     fsync_dir(final)
-    if old is not None:
-        _delete(old, manifest)
     fsync_dir(final.parent)
+    return old

@@ -93,7 +93,9 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
     wrote: ``path`` must be new, an empty directory, or an fnaccel checkpoint
     holding only its own files (a symbolic link is followed: the checkpoint
     it names is replaced, the link stays). It removes what earlier crashed
-    saves to ``path`` left beside it.
+    saves to ``path`` left beside it. The checkpoint it replaces is deleted
+    after the new one is in place, beside the run (the save's handle's
+    thread), so that it costs the save nothing.
 
     Args:
         state: the run's state.
@@ -112,7 +114,9 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
             `fa.latest_checkpoint` passes it over while a finite one exists.
 
     Returns:
-        A `SaveHandle` (already done when ``blocking``).
+        A `SaveHandle`. When ``blocking`` the checkpoint is in place; the
+        handle's ``wait()`` (or the next save, or `fa.shutdown`) also waits
+        for the deletion of the one it replaced.
 
     Raises:
         StaleStateError: ``state`` was already consumed.
@@ -196,18 +200,19 @@ def start_save(state: RunState, path: str | Path | None, *, blocking: bool, allo
         if after_commit is not None:
             after_commit(committed)
 
-    def write(on: DistContext) -> None:
+    def write(on: DistContext, remove: Callable[[Callable[[], None]], None]) -> None:
         try:
-            write_snapshot(snap, on, final, token, on_commit, lock)
+            write_snapshot(snap, on, final, token, on_commit, lock, remove)
         finally:
             if lock is not None:
                 lock.release()
 
-    if blocking:
-        write(ctx)
-        return SaveHandle(final)
+    if blocking:  # the replaced checkpoint is deleted beside the run, on the handle's thread
+        removals: list[Callable[[], None]] = []
+        write(ctx, removals.append)
+        return saves.removing(final, removals)
     background = saves.background_ctx(ctx)
-    return saves.start(final, lambda: write(background))
+    return saves.start(final, lambda: write(background, lambda remove: remove()))
 
 
 def _rank_files(state: RunState, directory: Path, manifest: dict[str, Any], allow_global_batch_change: bool,

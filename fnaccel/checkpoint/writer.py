@@ -40,6 +40,7 @@ from fnaccel.checkpoint.files import (
     json_copy,
     make_temporary,
     remove_leftovers,
+    remove_replaced,
     sibling_stem,
     temporary_sibling,
     write_bytes,
@@ -146,15 +147,17 @@ def take_snapshot(state: Any, layout: CheckpointLayout, writer: bool, per_node: 
 
 
 def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
-                   on_commit: Callable[[Path], None], lock: SaveLock | None) -> None:
+                   on_commit: Callable[[Path], None], lock: SaveLock | None,
+                   remove: Callable[[Callable[[], None]], None]) -> None:
     """Write ``snap`` into a temporary sibling of ``final`` and move it into place.
 
     Collective over ``ctx``: every rank calls it. Writers (rank 0, or each
     machine's first process with ``save_on_each_node``) first remove what
     crashed saves to ``final`` left (they hold its `SaveLock`, ``lock``: no live
     save to ``final`` is writing one), create the marked temporary directory,
-    write the shared files and the manifest, commit, then call
-    ``on_commit(final)`` (rotation).
+    write the shared files and the manifest, commit, hand the deletion of the
+    checkpoint it replaced to ``remove`` (which runs it now or on a thread:
+    `SaveQueue.removing`), then call ``on_commit(final)`` (rotation).
 
     The ranks agree on the outcome: a rank whose part fails (a full disk, a
     file it may not create) carries its error in the exchange of file entries
@@ -217,11 +220,13 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
             # whole or absent, even if killed while writing it
             write_json(tmp / f"{MANIFEST}.partial", manifest)
             (tmp / f"{MANIFEST}.partial").rename(tmp / MANIFEST)
-            commit(tmp, final, MANIFEST)
+            replaced = commit(tmp, final, MANIFEST)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             failure, after = _cause(exc), f"its partial directory {tmp} was removed"
             _abandon(snap, tmp)
         else:
+            if replaced is not None:
+                remove(lambda: remove_replaced(replaced, MANIFEST))
             try:
                 on_commit(final)
             except Exception as exc:  # noqa: BLE001 - reported to every rank below

@@ -9,6 +9,11 @@ can land in, however loaded the machine (EOF ends the loop).
 With ``wait`` (``PATH step wait``) the first save, too, waits for a line on stdin: a second
 saver started beside the first prepares while the first does, and saves only when told.
 
+With ``hold`` (``PATH hold fork``) a save that replaces a checkpoint deletes the replaced one's
+manifest, says ``removing NAME`` and never removes the rest: a test kills the saver between
+its commit and the end of that removal (which runs beside the loop: the save says ``saved``
+all the same).
+
 With ``fork`` last (``PATH fork``, ``PATH rotate fork``), every line ``run`` starts that loop
 in a child forked from this process, which has imported torch and prepared the run: a
 test kills the child (SIGKILL) mid-save, and each kill costs a save instead of a new
@@ -21,6 +26,7 @@ loop's lines; once it has ended and been reaped, this process says ``ended``. Ot
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -67,6 +73,24 @@ def save_loop(state: fa.RunState, target: str | None, step: bool) -> None:
         print(f"saved {state.epoch}", flush=True)
 
 
+def hold_removals() -> None:
+    """Replace the background removal of a replaced checkpoint by one that stops half-way, forever."""
+    import threading
+
+    from fnaccel.checkpoint import writer
+
+    def held(old: Path, manifest: str) -> None:
+        (old / manifest).unlink()
+        # one write to the pipe, beside the loop's buffered prints (a print from this thread could
+        # land between another print's text and its newline)
+        os.write(sys.stdout.fileno(), f"removing {old.name}\n".encode())
+        threading.Event().wait()
+
+    writer.remove_replaced = held
+
+
 if __name__ == "__main__":  # a script: importing it (doctest collection) must not run it
     modes = sys.argv[2:]
+    if "hold" in modes:
+        hold_removals()
     main(sys.argv[1], "rotate" in modes, "step" in modes, "fork" in modes, "wait" in modes)

@@ -8,10 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -111,3 +113,94 @@ def test_sigkill_during_rotation_never_shows_a_checkpoint_without_its_manifest(t
             assert fa.load(_fresh(), newest).epoch == manifest_epoch(newest)
             # the leftovers of earlier kills went with later saves: only this kill's remain
             assert len([p for p in root.iterdir() if p.name.startswith(".")]) <= 2, sorted(os.listdir(root))
+
+
+def test_sigkill_between_a_commit_and_the_replaced_checkpoints_removal_leaves_the_new_one(tmp_path: Path) -> None:
+    # The replaced checkpoint is removed beside the run, after the save returned; killed in between (its manifest
+    # gone, its other files not), the new checkpoint is in place and found, and the next save removes the rest
+    path = tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(path), "hold", "fork"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout, child = proc.stdin, proc.stdout, 0
+
+    def lines(*wanted: str) -> dict[str, str]:
+        """The child's next lines, one starting with each of ``wanted`` (the removal's thread and the loop print
+        side by side, in either order)."""
+        got: dict[str, str] = {}
+        while len(got) < len(wanted):
+            line = stdout.readline().strip()
+            start = next((w for w in wanted if line.startswith(w)), None)
+            assert start is not None, f"expected lines starting with {wanted}, got {line!r}"
+            got[start] = line
+        return got
+
+    def leftovers() -> list[str]:
+        return sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-"))
+
+    def stop() -> None:  # a line that never comes ends the wait for it (EOF), never hangs the suite
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        proc.kill()
+
+    watchdog = threading.Timer(300, stop)
+    watchdog.start()
+    try:
+        stdin.write("run\n")
+        stdin.flush()
+        child = int(stdout.readline().removeprefix("pid "))
+        lines("first save done")  # nothing replaced yet
+        stdin.write("go\n")
+        stdin.flush()
+        first = lines("removing", "saved 1")["removing"].removeprefix("removing ")  # the save returned, held
+        os.kill(child, signal.SIGKILL)
+        assert stdout.readline().strip() == "ended"
+        child = 0
+        assert manifest_epoch(path) == 1 and fa.load(_fresh(), path).epoch == 1
+        with pytest.warns(UserWarning, match="skipped .*ckpt.tmp-.*an unfinished save or deletion"):
+            assert fa.latest_checkpoint(tmp_path) == path
+        assert leftovers() == [first] and not (tmp_path / first / "fnaccel.json").exists()
+        assert (tmp_path / first / ".fnaccel-leftover").is_file()  # marked: the next save's to remove
+
+        stdin.write("run\n")  # the next run's first save replaces epoch 1, and removes the killed run's leftover
+        stdin.flush()
+        child = int(stdout.readline().removeprefix("pid "))
+        second = lines("removing", "first save done")["removing"].removeprefix("removing ")
+        assert leftovers() == [second] != [first]
+        assert manifest_epoch(path) == 0
+    finally:
+        watchdog.cancel()
+        stop()
+        proc.wait(timeout=30)
+        stdin.close()
+        stdout.close()
+
+
+def test_the_replaced_checkpoint_is_removed_beside_the_run_and_wait_or_shutdown_waits_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fnaccel.checkpoint import files, writer
+
+    go, started = threading.Event(), threading.Event()
+
+    def slow(old: Path, manifest: str) -> None:
+        started.set()
+        go.wait(timeout=60)
+        files.remove_replaced(old, manifest)
+
+    def replaced() -> list[Path]:
+        return [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")]
+
+    monkeypatch.setattr(writer, "remove_replaced", slow)
+    state = _fresh()
+    assert fa.save(state, tmp_path / "ckpt").done()  # nothing replaced
+    for epoch, settle in ((1, "handle"), (2, "shutdown")):
+        go.clear()
+        started.clear()
+        handle = fa.save(state.replace(epoch=epoch), tmp_path / "ckpt")  # returns before the removal ends
+        assert started.wait(timeout=60) and not handle.done()
+        (old,) = replaced()
+        assert manifest_epoch(tmp_path / "ckpt") == epoch and manifest_epoch(old) == epoch - 1
+        threading.Timer(0.2, go.set).start()
+        handle.wait() if settle == "handle" else fa.shutdown(state)  # each waits for the removal
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -75,7 +75,7 @@ def test_a_symlink_target_replaces_the_checkpoint_it_names_and_stays_a_link(tmp_
     state = _run()
     fa.save(state, tmp_path / "checkpoint_3")
     (tmp_path / "latest").symlink_to("checkpoint_3")
-    fa.save(state.replace(epoch=7), tmp_path / "latest")
+    fa.save(state.replace(epoch=7), tmp_path / "latest").wait()  # the replaced checkpoint removed too
     assert (tmp_path / "latest").is_symlink() and os.readlink(tmp_path / "latest") == "checkpoint_3"
     assert _epoch(tmp_path / "checkpoint_3") == 7  # complete, with its manifest
     assert fa.load(fresh_run(fa.init(seed=0, cpu=True), fa.compose())[0], tmp_path / "latest").epoch == 7
