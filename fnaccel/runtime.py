@@ -193,6 +193,7 @@ def init(
     kwargs_handlers: Iterable[KwargsHandler] = (),
     project_dir: str | os.PathLike[str] | None = None,
     parallelism: ParallelismConfig | None = None,
+    device_specific: bool = False,
 ) -> RunState:
     """Create the first `RunState` of a run from its launch environment.
 
@@ -214,6 +215,11 @@ def init(
         parallelism: the layout of the ranks on the device mesh; default: the
             config's ``parallelism_config`` section, else every rank a
             data-parallel rank (see docs/parallelism.md).
+        device_specific: seed each rank's generators with ``seed + rank`` (the
+            global rank; Accelerate's ``set_seed`` spelling, nanoGPT's ``seed +
+            rank``), so dropout and augmentation differ across ranks. The data
+            order stays global: the loader is shuffled with ``seed`` itself
+            (``state.seed``). Needs a ``seed``.
 
     Returns:
         A fresh `RunState` at step 0.
@@ -221,12 +227,19 @@ def init(
     Raises:
         ConfigError: an invalid config file or launch environment, or a
             parallelism layout that does not fit the world.
+        ValueError: ``device_specific`` without a ``seed``.
+        TypeError: ``device_specific`` is not a bool.
 
     >>> import fnaccel as fa
     >>> state = fa.init(seed=0, cpu=True)
     >>> state.dist.num_processes, state.dist.device.type, state.step
     (1, 'cpu', 0)
     """
+    if not isinstance(device_specific, bool):
+        raise TypeError(f"fa.init: device_specific must be True or False, got {device_specific!r}")
+    if device_specific and seed is None:
+        raise ValueError("fa.init: device_specific=True seeds each rank with seed + rank, so it needs a seed: "
+                         "fa.init(seed=1337, device_specific=True)")
     launch_config = resolve_config(config)
     handlers = _handlers_by_name(kwargs_handlers)
     preemption = handlers.get("PreemptionKwargs")
@@ -291,8 +304,8 @@ def init(
         install(resources, preemption, ctx)  # fa.shutdown puts the previous handlers back
     return RunState(
         dist=ctx,
-        rng=RNGState.capture() if seed is None else RNGState.seeded(seed),
-        seed=seed,
+        rng=RNGState.capture() if seed is None else RNGState.seeded(seed + env["rank"] if device_specific else seed),
+        seed=seed,  # the data order's seed: the same on every rank, device_specific or not
         mixed_precision=precision,
         # what the run uses, arguments included: this is what a checkpoint's config.yaml records
         config=dataclasses.replace(launch_config, mixed_precision=precision.value, use_cpu=use_cpu,

@@ -58,7 +58,10 @@ def set_seed(*args: Any, **kwargs: Any) -> RunState | None:
     - ``set_seed(state, seed, device_specific=False)``: the *run's* generators
       (dropout in its steps) as if seeded with ``seed``, in a new state (the
       old one is not consumed); the process's generators are left alone.
-      ``device_specific`` adds the run's rank, so each rank draws differently.
+      ``device_specific`` adds the run's rank, so each rank draws differently;
+      ``state.seed`` stays ``seed`` on every rank, so a loader prepared after it
+      keeps one global order (``fa.init(seed=..., device_specific=True)`` is the
+      same from the start).
 
     >>> import random, fnaccel as fa
     >>> fa.set_seed(3); first = random.random()
@@ -95,9 +98,8 @@ def _seed_run(state: RunState, seed: int, device_specific: bool = False) -> RunS
     if not is_int(seed):
         raise TypeError(f"set_seed: seed must be an int, got {type(seed).__name__}; set_seed(seed) seeds the "
                         "process's generators, set_seed(state, seed) the run's")
-    if device_specific:
-        seed += state.dist.rank
-    return state.replace(rng=RNGState.seeded(seed), seed=seed)
+    # state.seed stays the run's seed on every rank: the loader's order is shuffled with it
+    return state.replace(rng=RNGState.seeded(seed + state.dist.rank if device_specific else seed), seed=seed)
 
 
 def synchronize_rng_states(

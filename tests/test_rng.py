@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -99,7 +100,7 @@ def test_set_seed_replaces_the_rng_and_device_specific_adds_the_rank() -> None:
     _, drawn = fa.with_rng(state, torch.rand, 2)
     _, again = fa.with_rng(fa.init(seed=11, cpu=True), torch.rand, 2)
     assert torch.equal(drawn, again) and state.seed == 11
-    assert fa.set_seed(fa.init(cpu=True), 11, device_specific=True).seed == 11  # rank 0
+    assert fa.set_seed(fa.init(cpu=True), 11, device_specific=True).seed == 11  # the data order's seed
 
 
 def _seed_per_rank_then_sync(state: fa.RunState) -> tuple[list[float], list[float], list[float]]:
@@ -123,6 +124,60 @@ def test_device_specific_seeds_differ_and_synchronize_makes_them_equal(world: An
     torch.rand(3, generator=rank0)
     assert results[0][1] == torch.rand(3, generator=rank0).tolist()
     assert all(r[2] == results[0][2] for r in results)
+
+
+def _dropout_run(state: fa.RunState, directory: str, device_specific: bool) -> dict[str, Any]:
+    """nanoGPT's per-rank seeding by keyword: a run of its own (`fa.init`, no launch config),
+    4 steps, a save, 4 more, then a load and the same 4 again. Each step's dropout mask
+    and the samples this rank read."""
+    run = fa.init(seed=1337, cpu=True, device_specific=device_specific)
+    try:
+        torch.manual_seed(0)  # the same initial weights on every rank
+        model = torch.nn.Sequential(torch.nn.Linear(1, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 1))
+        masks: list[list[bool]] = []
+        model[1].register_forward_hook(lambda module, args, out: masks.append((out != 0).view(-1).tolist()))
+        data = torch.utils.data.DataLoader(torch.arange(48.0).view(48, 1) / 48, batch_size=2, shuffle=True)
+        run = fa.prepare(run, model, torch.optim.SGD(model.parameters(), lr=0.01), data,
+                         pipeline=fa.ddp(), loss_fn=lambda m, x: m(x).pow(2).mean())
+        samples: list[list[float]] = []
+
+        def steps(run: fa.RunState) -> fa.RunState:
+            for batch in fa.batches(run):
+                run, _ = fa.step(run, batch)
+                samples.append(batch.view(-1).tolist())
+                if len(samples) % 4 == 0:
+                    break
+            return run
+
+        run = steps(run)
+        fa.save(run, directory)
+        run = steps(run)
+        weights = [p.detach().clone() for p in model.parameters()]
+        run = steps(fa.load(run, directory))
+        return {"masks": masks, "samples": samples, "seed": run.seed,
+                "resumed": all(torch.equal(p, q) for p, q in zip(weights, model.parameters()))}
+    finally:
+        fa.shutdown(run)
+
+
+def test_device_specific_gives_each_rank_its_dropout_keeps_the_data_order_and_resumes(
+        world2: Any, tmp_path: Path) -> None:
+    per_rank = world2.run(_dropout_run, str(tmp_path / "per_rank"), True)
+    same = world2.run(_dropout_run, str(tmp_path / "same"), False)
+    for run in (*per_rank, *same):
+        assert run["seed"] == 1337 and run["resumed"]
+        assert run["masks"][8:] == run["masks"][4:8] and run["samples"][8:] == run["samples"][4:8]
+    assert per_rank[0]["masks"][:8] != per_rank[1]["masks"][:8]  # each rank its own dropout
+    assert same[0]["masks"][:8] == same[1]["masks"][:8]
+    assert per_rank[0]["masks"] == same[0]["masks"]  # rank 0 draws from seed + 0 either way
+    assert [r["samples"] for r in per_rank] == [r["samples"] for r in same]  # the data order is the run's
+
+
+def test_device_specific_needs_a_seed() -> None:
+    with pytest.raises(ValueError, match=r"device_specific=True seeds each rank with seed \+ rank, so it needs a seed"):
+        fa.init(cpu=True, device_specific=True)
+    with pytest.raises(TypeError, match="device_specific must be True or False"):
+        fa.init(seed=0, cpu=True, device_specific=1)  # type: ignore[arg-type]
 
 
 def test_synchronize_rejects_unknown_types() -> None:
