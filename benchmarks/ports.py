@@ -4,11 +4,13 @@ tests/ports/plain_train.py (launched with torchrun) and tests/ports/fnaccel_trai
 launched with `fnaccel launch`) each record rank 0's CPU time (`time.process_time`) from one
 update to the next: the forward and backward of every micro-step, the clipping, the optimizer
 step, the hand-set learning rate and the log line. Evaluation and checkpoints are left out
-(one evaluation, at iteration 0, in the warm-up). Each figure is the median over the updates
-after the warm-up of every round, rounds alternating plain and port; the ratio is port / plain.
-CPU time, not wall time: it is what the port adds, and it reads the same on a loaded machine.
+(one evaluation, at iteration 0, in the warm-up). In each round the two launches run at the
+same time, so that both meet the same load from the rest of the machine; a round's figure is
+the median over its updates after the warm-up, its ratio port / plain, and the result the median
+round (with the spread of the rounds' ratios). CPU time, not wall time: it is what each script
+spends, not how long it waited for a core.
 
-    python benchmarks/ports.py [--processes 1 2] [--iters 60] [--warmup 10] [--rounds 3] [--dim 32]
+    python benchmarks/ports.py [--processes 1 2] [--iters 60] [--warmup 10] [--rounds 5] [--dim 32]
 """
 
 from __future__ import annotations
@@ -26,22 +28,31 @@ ROOT = Path(__file__).resolve().parents[1]
 PLAIN, PORT = ROOT / "tests" / "ports" / "plain_train.py", ROOT / "tests" / "ports" / "fnaccel_train.py"
 
 
-def launch(kind: str, num_processes: int, out: Path, args: argparse.Namespace) -> list[float]:
-    """One run of ``kind`` ("plain" or "port"); rank 0's CPU seconds per update."""
-    timings = out / "timings.json"
+def command(kind: str, num_processes: int, out: Path, args: argparse.Namespace) -> list[str]:
+    """The launch of ``kind`` ("plain" or "port"), writing rank 0's CPU seconds per update."""
     script = [f"--out={out}", f"--max-iters={args.iters}", f"--dim={args.dim}",
-              f"--eval-interval={10**9}", f"--timings={timings}"]
+              f"--eval-interval={10**9}", f"--timings={out / 'timings.json'}"]
     if kind == "plain":
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={num_processes}", str(PLAIN), *script]
-    else:
-        command = [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", f"--num_processes={num_processes}",
-                   "--num_cpu_threads_per_process=1", str(PORT), *script]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={num_processes}", str(PLAIN), *script]
+    return [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", f"--num_processes={num_processes}",
+            "--num_cpu_threads_per_process=1", str(PORT), *script]
+
+
+def one_round(num_processes: int, tmp: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Both launches side by side; each one's median CPU seconds per update after the warm-up."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    if done.returncode != 0:
-        raise SystemExit(f"{kind} on {num_processes} processes failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return json.loads(timings.read_text())
+    outs = {kind: tmp / kind for kind in ("plain", "port")}
+    running = {kind: subprocess.Popen(command(kind, num_processes, out, args), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=env)
+               for kind, out in outs.items()}
+    medians = {}
+    for kind, process in running.items():
+        output, _ = process.communicate(timeout=900)
+        if process.returncode != 0:
+            raise SystemExit(f"{kind} on {num_processes} processes failed:\n{output[-4000:]}")
+        medians[kind] = statistics.median(json.loads((outs[kind] / "timings.json").read_text())[args.warmup:])
+    return medians
 
 
 def main() -> None:
@@ -49,23 +60,21 @@ def main() -> None:
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--iters", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dim", type=int, default=32)
     args = parser.parse_args()
     if args.iters <= args.warmup:
         raise SystemExit("--iters must exceed --warmup")
-    print(f"tests/ports scripts, dim {args.dim}, {args.iters} updates ({args.warmup} warm-up), "
-          f"{args.rounds} rounds, one CPU thread per process; CPU ms per update, rank 0, median")
+    print(f"tests/ports scripts, dim {args.dim}, {args.iters} updates ({args.warmup} warm-up), {args.rounds} rounds "
+          "of the two launched side by side, one CPU thread per process; rank 0's CPU ms per update")
     with tempfile.TemporaryDirectory() as tmp:
         for num_processes in args.processes:
-            warm: dict[str, list[float]] = {"plain": [], "port": []}
-            for round_ in range(args.rounds):
-                for kind in ("plain", "port"):
-                    out = Path(tmp) / f"{kind}{num_processes}_{round_}"
-                    warm[kind] += launch(kind, num_processes, out, args)[args.warmup:]
-            plain, port = statistics.median(warm["plain"]), statistics.median(warm["port"])
-            print(f"{num_processes} process{'es' if num_processes > 1 else ''}: plain {plain * 1e3:.2f} ms, "
-                  f"port {port * 1e3:.2f} ms, ratio {port / plain:.3f}")
+            rounds = [one_round(num_processes, Path(tmp) / f"{num_processes}_{i}", args) for i in range(args.rounds)]
+            ratios = sorted(r["port"] / r["plain"] for r in rounds)
+            middle = sorted(rounds, key=lambda r: r["port"] / r["plain"])[len(rounds) // 2]
+            print(f"{num_processes} process{'es' if num_processes > 1 else ''}: median round plain "
+                  f"{middle['plain'] * 1e3:.2f} ms, port {middle['port'] * 1e3:.2f} ms, ratio {ratios[len(ratios) // 2]:.3f} "
+                  f"(rounds {ratios[0]:.3f}-{ratios[-1]:.3f})")
 
 
 if __name__ == "__main__":
