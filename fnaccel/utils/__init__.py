@@ -50,6 +50,7 @@ _PUBLIC = MappingProxyType({
         "local_main_process_first", "main_process_first", "on_local_main_process", "on_main_process",
         "on_process", "print_on_main", "split_between_processes", "wait_for_everyone"), "fnaccel.process"),
     **dict.fromkeys(("set_seed", "synchronize_rng_states"), "fnaccel.seeding"),
+    "get_logger": "fnaccel.tracking.logger",
     # checkpoints
     "ProjectConfiguration": "fnaccel.checkpoint.project",
     # configs, plugins, memory and modelling

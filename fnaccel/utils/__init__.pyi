@@ -244,6 +244,9 @@ from fnaccel.tracking.hosted import (
     TrackioTracker as TrackioTracker,
     WandBTracker as WandBTracker,
 )
+from fnaccel.tracking.logger import (
+    get_logger as get_logger,
+)
 from fnaccel.tracking.registry import (
     TrackerClasses as TrackerClasses,
     register_tracker as register_tracker,
