@@ -384,7 +384,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
         put_back(kinds, held)
         failure = failure_of(owner, error)  # the gradients' all-reduce broke: a rank named why
         if failure is not None:
-            raise failure from error
+            raise failure from None  # the cause, named; gloo's "Connection closed" is its symptom
         raise
     rng = swap_out(rng, kinds, held)
     metrics["loss"] = loss.detach()
@@ -429,7 +429,7 @@ def backward(state: RunState, loss: torch.Tensor, aux: Any = None) -> RunState:
     except RuntimeError as error:
         failure = failure_of(owner, error)  # the gradients' all-reduce broke: a rank named why
         if failure is not None:
-            raise failure from error
+            raise failure from None  # the cause, named; gloo's "Connection closed" is its symptom
         raise
     new = state.advance(by, micro_step=state.micro_step + 1, data_position=_consumed(state))
     if calls is not None:

@@ -75,7 +75,7 @@ def naming_timeouts(ctx: DistContext, op: str) -> Iterator[None]:
     except RuntimeError as exc:
         failure = failure_of(owner, exc)
         if failure is not None:
-            raise failure from exc
+            raise failure from None  # the cause, named; torch's text is its symptom
         text = str(exc)
         if "timed out" not in text.lower() and "timeout" not in text.lower():
             raise
