@@ -40,6 +40,7 @@ _PUBLIC = MappingProxyType({
     "default_pipeline": "fnaccel.preparation",
     "DataLoaderConfiguration": "fnaccel.data.config",
     "SchedulerConfiguration": "fnaccel.train",
+    "SchedulerRuleWarning": "fnaccel.train",
     # Evaluation
     "evaluate": "fnaccel.evaluation",
     "eval_batches": "fnaccel.data.evaluation",

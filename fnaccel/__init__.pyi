@@ -132,6 +132,7 @@ from fnaccel.tracking.throughput import (
 )
 from fnaccel.train import (
     SchedulerConfiguration as SchedulerConfiguration,
+    SchedulerRuleWarning as SchedulerRuleWarning,
     apply_gradients as apply_gradients,
     backward as backward,
     step as step,

@@ -28,7 +28,7 @@ from fnaccel import dryrun
 from fnaccel.config.parallelism import DATA_PARALLEL_DIMS, TRANSFORM_FOR_DIM
 from fnaccel.dist import data_parallel
 from fnaccel.state import RunState
-from fnaccel.train import StepPlan, scheduler_steps, training_transforms
+from fnaccel.train import SchedulerRuleWarning, StepPlan, scheduler_steps, training_transforms
 from fnaccel.transforms.base import Capability, Collective, EngineRequest, Pipeline, Precision, Transform, compose
 from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.fp8 import recipe_from_config
@@ -285,12 +285,29 @@ def prepare(
         plan = dataclasses.replace(plan, backward_inputs=tuple(
             p for group in held.param_groups for p in group["params"] if p.requires_grad))
     changes["plan"] = plan
+    if scheduler is not None and loader is None and state.loader is not None:
+        _warn_scheduler_rule(state, plan.scheduler_steps)
     new = state.advance(by, **changes)
     if new.model is not None:
         plan.set_sync_for(new.model, new.micro_step)
     if dryrun.active() and new.model is not None and new.optimizer is not None:
         dryrun.finish(new)  # `fnaccel launch --dry_run`: one step, this rank's figures, exit
     return new
+
+
+def _warn_scheduler_rule(state: RunState, steps: int) -> None:
+    """A scheduler given after the loader was likely sized from ``len(state.loader)``, in
+    updates: the rule that now advances it ``steps`` times per update (Accelerate's) would
+    end it early. Said once per process (the warnings filter's default), by the main process,
+    unless the run chose a rule (`SchedulerConfiguration`)."""
+    if steps > 1 and state.dist.is_main_process and "SchedulerConfiguration" not in state.kwargs_handlers:
+        warnings.warn(
+            f"fa.prepare: the scheduler given after the loader advances {steps} steps per optimizer update "
+            "(one per process the batches are cut across: Accelerate's rule since the 2026-11-27 release; "
+            "it was one per update), so a schedule sized in updates, from len(state.loader), ends early: "
+            "size it from the loader before fa.prepare (len(loader) * epochs), or keep one step per update with "
+            "fa.init(kwargs_handlers=[fa.SchedulerConfiguration(step_per_process=False)])",
+            SchedulerRuleWarning, stacklevel=3)
 
 
 def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:

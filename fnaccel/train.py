@@ -57,7 +57,7 @@ from fnaccel.transforms.base import (
     UpdateCheckFn,
 )
 
-__all__ = ["SchedulerConfiguration", "StepPlan", "apply_gradients", "backward", "scheduler_steps", "step"]
+__all__ = ["SchedulerConfiguration", "SchedulerRuleWarning", "StepPlan", "apply_gradients", "backward", "scheduler_steps", "step"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,6 +80,14 @@ class SchedulerConfiguration(KwargsHandler):
     """
 
     step_per_process: bool = True
+
+
+class SchedulerRuleWarning(UserWarning):
+    """A scheduler given to a later `fa.prepare` than the loader, on several processes:
+    `fa.step` advances it once per process at each update (Accelerate's rule since the
+    2026-11-27 release; it stepped once per update before), so a schedule sized in
+    updates would end early. Sized from the loader, or with ``SchedulerConfiguration``
+    given, it is not shown."""
 
 
 def scheduler_steps(ctx: DistContext, loader: Any, kwargs_handlers: Mapping[str, Any]) -> int:

@@ -10,6 +10,7 @@ with Accelerate itself, on 1 and 2 real processes; a resume mid-run stays exact;
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
@@ -247,3 +248,32 @@ def test_a_scheduler_that_cannot_be_realigned_is_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match="the scheduler has 2 learning rates but the optimizer has 1 parameter "
                                          "groups.*build the scheduler after fa.prepare"):
         _scheduler_first("linear_warmup", engine=True, later=True)
+
+
+def warned_when_given_later(state: fa.RunState, handlers: tuple[Any, ...], later: bool) -> list[str]:
+    """The scheduler passed after the loader (``later``) or with it; the warnings fa.prepare gave."""
+    model, optimizer, loader, scheduler = _objects("linear")
+    state = state.replace(kwargs_handlers={type(h).__name__: h for h in handlers})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if later:
+            state = fa.prepare(state, model, optimizer, loader, loss_fn=_loss, pipeline=fa.compose(fa.ddp()))
+            state = fa.prepare(state, scheduler=scheduler)
+        else:
+            state = fa.prepare(state, model, optimizer, loader, scheduler, loss_fn=_loss, pipeline=fa.compose(fa.ddp()))
+    fa.shutdown(state)
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_a_scheduler_given_after_the_loader_is_warned_of_the_rule(world2: World) -> None:
+    # Code written before the rule sized its schedule from len(state.loader), in updates, and passed it in a
+    # second fa.prepare: on 2 processes it now ends half-way, which nothing said before
+    later = world2.run(warned_when_given_later, (), True)
+    assert len(later[0]) == 1 and later[1] == []  # once, by the main process
+    assert later[0][0].startswith("SchedulerRuleWarning: fa.prepare: the scheduler given after the loader "
+                                  "advances 2 steps per optimizer update")
+    assert "fa.init(kwargs_handlers=[fa.SchedulerConfiguration(step_per_process=False)])" in later[0][0]
+    # a rule chosen, or the scheduler given with the loader (sized from it, as Accelerate's examples): silent
+    chosen = (fa.SchedulerConfiguration(step_per_process=False),)
+    assert world2.run(warned_when_given_later, chosen, True) == [[], []]
+    assert world2.run(warned_when_given_later, (), False) == [[], []]
