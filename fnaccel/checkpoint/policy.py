@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from fnaccel import ops
+from fnaccel.calls import collective
 from fnaccel.checkpoint.files import discard, locked, remove_leftovers, sibling_stem
 from fnaccel.checkpoint.manifest import MANIFEST, target_problem
 from fnaccel.checkpoint.queue import SaveHandle
@@ -467,6 +468,18 @@ def _save_due(state: RunState, members: tuple[SavePolicy, ...]) -> None:
             acting.append((policy, due is True))
         else:
             verdicts[policy] = bool(due)
+    if acting or any(verdicts.values()):  # alike on every rank: they all act here, or none does
+        _act(state, progress, verdicts, acting, now)
+
+
+@collective("fa.autosave")
+def _act(state: RunState, progress: dict[SavePolicy, _Progress], verdicts: dict[SavePolicy, bool],
+         acting: list[tuple[SavePolicy, bool]], now: float) -> None:
+    """The collective part of `_save_due`: rank 0's verdicts for the timed members (one
+    broadcast), then the saves. A collective fnaccel call: on a distributed run the ranks
+    first agree they are all in it (a rank that called `autosave` alone is named, not waited
+    for), as `fa.save` does."""
+    ctx = state.dist
     if acting:  # rank 0's clock decides; one broadcast, on act steps only
         decisions = ([_decide(policy, progress[policy], state.step, now, saves)
                       for policy, saves in acting] if ctx.is_main_process else [None] * len(acting))

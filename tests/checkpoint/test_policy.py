@@ -383,3 +383,29 @@ def test_a_resume_from_the_policys_tiers_equals_the_uninterrupted_run(world2: An
         assert result["equal"] and result["steps"] == result["whole"] == 15, result
         assert 4 <= result["resumed_at"] <= 7, result
     assert results[0]["disk"] == [8, 12], results[0]
+
+
+def autosave_against_save(state: fa.RunState, root: str) -> str:
+    """Runs on each rank of a run of its own: rank 0 in an autosave that saves, rank 1 in fa.save."""
+    run = fresh_run(fa.init(seed=0, cpu=True), fa.compose(fa.ddp()))[0]
+    run, _ = train(run, epochs=1, stop_after=2)
+    try:
+        if run.dist.rank == 0:
+            fa.autosave(run, fa.save_policy(every_steps=2, directories=f"{root}/policy"))
+        else:
+            fa.save(run, f"{root}/ckpt")
+    except fa.CollectiveCallError as error:
+        fa.shutdown(run)  # on the error path: waits for no other rank
+        return str(error)
+    raise AssertionError("the two calls went on together")
+
+
+def test_an_autosave_on_one_rank_is_named_not_waited_for(world2: Any, tmp_path: Path) -> None:
+    """fa.autosave's saves are a collective fnaccel call, agreed first as fa.save's are: rank 0
+    autosaving while rank 1 saves by hand raises on both at once, naming both calls."""
+    messages = world2.run(autosave_against_save, str(tmp_path))
+    assert messages == ["the ranks made different collective calls at the same point (rank 0: fa.autosave, "
+                        "rank 1: fa.save): every rank must make the same collective fnaccel calls in the same "
+                        "order"] * 2
+    assert not (tmp_path / "policy").exists() and not (tmp_path / "ckpt").exists()
+
