@@ -78,6 +78,7 @@ _PUBLIC = MappingProxyType({
     "ddp": "fnaccel.transforms",
     "fsdp": "fnaccel.transforms",
     "tp": "fnaccel.transforms",
+    "sp": "fnaccel.transforms.sequence",
     "checkpoint_activations": "fnaccel.transforms",
     "deepspeed": "fnaccel.transforms.deepspeed",
     "accumulate": "fnaccel.transforms.accumulate",

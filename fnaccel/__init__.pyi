@@ -186,6 +186,9 @@ from fnaccel.transforms.precision import (
 from fnaccel.transforms.profile import (
     profile as profile,
 )
+from fnaccel.transforms.sequence import (
+    sp as sp,
+)
 from fnaccel.trigger import (
     check_trigger as check_trigger,
     set_trigger as set_trigger,

@@ -127,7 +127,7 @@ def mesh_dim(dist: DistContext, name: str) -> DeviceMesh | None:
     """The 1-D sub-mesh of the mesh dimension ``name`` that holds this rank.
 
     ``name`` is one of ``"pp"``, ``"dp_replicate"``, ``"dp_shard"``, ``"cp"``,
-    ``"tp"``, or ``"dp"`` (the data-parallel ranks as one dimension); its
+    ``"sp"``, ``"tp"``, or ``"dp"`` (the data-parallel ranks as one dimension); its
     process group is ``mesh_dim(dist, name).get_group()``. None when that
     dimension has size 1 (or the run has no mesh).
 

@@ -215,7 +215,8 @@ def world_bytes(kinds: Mapping[str, Sequence[Held]], layout: ParallelismConfig) 
     axes = _Axes(layout, {name for held in sharded for name in held.mesh_dims})
     classes = _classes(axes, sharded)
     members: dict[tuple[int, ...], list[int]] = {}
-    for rank in range(layout.data_parallel_size * layout.pp_size * layout.cp_size * layout.tp_size):
+    for rank in range(layout.data_parallel_size * layout.pp_size * layout.cp_size * layout.sp_size
+                      * layout.tp_size):
         coords = axes.of_rank(rank)
         members.setdefault(tuple(classes[axis][coords[axis]] for axis in axes.sizes), []).append(rank)
     ranks: list[dict[str, int]] = [{}] * sum(map(len, members.values()))

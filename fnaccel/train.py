@@ -8,6 +8,7 @@ happens once and lives in fnaccel/preparation.py, which imports the plan from he
 A step is a fixed sequence; transforms contribute through named hooks
 (`fnaccel.transforms.base`):
 
+    split:     split_batch hooks (fa.sp keeps this rank's part of the sequence)
     forward:   loss_fn(model, batch) under the run's RNG (autocast already
                wraps model.forward; DDP/FSDP's sync switch is already set)
     backward:  loss / micro_steps -> scale_loss hooks -> .backward();
@@ -53,6 +54,7 @@ from fnaccel.transforms.base import (
     Pipeline,
     ScaleLossFn,
     SetSyncFn,
+    SplitBatchFn,
     Transform,
     UpdateCheckFn,
 )
@@ -164,6 +166,7 @@ class StepPlan:
     set_sync: tuple[SetSyncFn, ...] = ()
     after_step: tuple[tuple[AfterStepFn, Any], ...] = ()
     forward_backward: tuple[ForwardBackwardFn, Any] | None = None
+    split_batch: tuple[tuple[SplitBatchFn, Any], ...] = ()
     # The parameters this run's backward writes gradients to (its optimizer's), so that
     # a loss that flows through another run's model leaves nothing on it; None: all.
     backward_inputs: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
@@ -213,6 +216,7 @@ class StepPlan:
             set_sync=tuple(t.set_sync for t in ts if t.set_sync is not None),
             after_step=bound("after_step"),
             forward_backward=runners[0] if runners else None,
+            split_batch=bound("split_batch"),
         )
 
     def set_sync_for(self, model: Any, micro_step: int) -> None:
@@ -379,6 +383,8 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     consumed = _consumed(state)
     held = swap_in(rng, kinds)
     try:
+        for split_batch, transform_state in plan.split_batch:  # fa.sp: this rank's part of the sequence
+            batch = split_batch(batch, transform_state)
         if plan.forward_backward is None:
             out = (state.loss_fn or default_loss_fn)(model, batch)
             loss, aux = out if isinstance(out, tuple) else (out, None)

@@ -83,6 +83,7 @@ PARALLELISM_FLAGS: tuple[Flag, ...] = (
     ("--parallelism_config_dp_shard_size", at_least(1), "Ranks each replica is sharded over (FSDP)."),
     ("--parallelism_config_tp_size", at_least(1), "Tensor-parallel degree (fa.tp in the script's pipeline)."),
     ("--parallelism_config_cp_size", at_least(1), "Context-parallel degree (refused: not built, see docs/parallelism.md)."),
+    ("--parallelism_config_sp_size", at_least(1), "Ulysses sequence-parallel degree (fa.sp in the script's pipeline)."),
     ("--parallelism_config_pp_size", at_least(1), "Pipeline-parallel stages (fa.pp in the script's pipeline)."),
     ("--parallelism_config_cp_comm_strategy", str, "Context-parallel rotation: allgather or alltoall."),
 )

@@ -1,13 +1,13 @@
 """`ParallelismConfig`: how the ranks are laid out on a named `DeviceMesh`.
 
 Accelerate's ``ParallelismConfig`` fields (``dp_replicate_size``,
-``dp_shard_size``, ``tp_size``, ``cp_size``) plus ``pp_size`` in the same
-style. `fa.init(parallelism=...)`, the launch config's ``parallelism_config``
+``dp_shard_size``, ``tp_size``, ``cp_size``, ``sp_size``) plus ``pp_size`` in
+the same style. `fa.init(parallelism=...)`, the launch config's ``parallelism_config``
 section (Accelerate's ``parallelism_config_*`` keys) and the
 ``--parallelism_config_*`` flags of ``fnaccel launch`` all end here.
 
 The mesh's dimensions, outermost first, are `MESH_DIMS`: ``pp``,
-``dp_replicate``, ``dp_shard``, ``cp``, ``tp``. A dimension of size 1 is left
+``dp_replicate``, ``dp_shard``, ``cp``, ``sp``, ``tp``. A dimension of size 1 is left
 out of the mesh (it would be a group of one), so the mesh of a plain
 data-parallel run is 1-D. Rank ``r``'s coordinates are ``r`` unravelled over
 the sizes in that order (tensor-parallel ranks are neighbours).
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DATA_PARALLEL_DIMS", "MESH_DIMS", "ParallelismConfig", "TRANSFORM_FOR_DIM", "build_mesh"]
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
 # The dimensions whose ranks read different data; fa.prepare asks for a transform that averages
 # gradients over them. Every other dimension splits the model and needs a transform that consumes
 # it (`Transform.mesh_dims`), or each of its ranks would silently train the whole model.
@@ -40,6 +40,7 @@ DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
 TRANSFORM_FOR_DIM = MappingProxyType({
     "pp": "fa.pp(loss_fn=lambda output, target: ..., num_microbatches=...)",
     "cp": "a context-parallel transform (none is built yet)",
+    "sp": "fa.sp() (Ulysses sequence parallel over the sp dimension)",
     "tp": "fa.tp({'module.name': ColwiseParallel(), ...})",
 })
 _KEY_PREFIX = "parallelism_config_"
@@ -57,23 +58,26 @@ class ParallelismConfig:
         tp_size: tensor-parallel degree (`fa.tp`).
         cp_size: context-parallel degree (accepted; refused by `fa.init`,
             see docs/parallelism.md).
+        sp_size: Ulysses sequence-parallel degree (`fa.sp`): the ranks of one
+            sp group read one batch and split its sequence.
         pp_size: pipeline stages (`fa.pp`).
         cp_comm_strategy: Accelerate's context-parallel rotation, ``allgather``
             or ``alltoall`` (kept for a config's round trip).
 
     >>> ParallelismConfig(dp_replicate_size=2, tp_size=2).resolved(8)
-    ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2, cp_size=1, pp_size=1, cp_comm_strategy='allgather')
+    ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2, cp_size=1, sp_size=1, pp_size=1, cp_comm_strategy='allgather')
     """
 
     dp_replicate_size: int = 1
     dp_shard_size: int | None = None
     tp_size: int = 1
     cp_size: int = 1
+    sp_size: int = 1
     pp_size: int = 1
     cp_comm_strategy: str = "allgather"
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "pp_size"):
+        for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "pp_size"):
             value = getattr(self, name)
             if value is None and name == "dp_shard_size":
                 continue
@@ -86,7 +90,7 @@ class ParallelismConfig:
     @classmethod
     def from_config(cls, section: Mapping[str, Any], source: str = "parallelism_config") -> ParallelismConfig:
         """Read a config file's ``parallelism_config`` section (Accelerate's keys,
-        ``parallelism_config_dp_replicate_size`` and so on; ``pp_size`` too).
+        ``parallelism_config_dp_replicate_size`` and so on; ``sp_size`` and ``pp_size`` too).
 
         >>> ParallelismConfig.from_config({"parallelism_config_dp_replicate_size": 2,
         ...                                "parallelism_config_dp_shard_size": 2}).dp_replicate_size
@@ -94,7 +98,8 @@ class ParallelismConfig:
         """
         values: dict[str, Any] = {}
         known = [f"{_KEY_PREFIX}{name}" for name in (
-            "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "pp_size", "cp_comm_strategy")]
+            "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "pp_size",
+            "cp_comm_strategy")]
         for key, raw in section.items():
             if key not in known:
                 raise ConfigError(f"{source}: unknown key '{key}'; known keys are {', '.join(known)}")
@@ -115,14 +120,15 @@ class ParallelismConfig:
     def to_config(self) -> dict[str, Any]:
         """The config file's ``parallelism_config`` section (`from_config`'s inverse)."""
         return {f"{_KEY_PREFIX}{name}": getattr(self, name) for name in (
-            "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "pp_size", "cp_comm_strategy")
+            "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "pp_size",
+            "cp_comm_strategy")
             if getattr(self, name) is not None}
 
     @property
     def sizes(self) -> dict[str, int]:
         """Each of `MESH_DIMS` and its size (``dp_shard_size`` None counts as 1)."""
         return {"pp": self.pp_size, "dp_replicate": self.dp_replicate_size,
-                "dp_shard": self.dp_shard_size or 1, "cp": self.cp_size, "tp": self.tp_size}
+                "dp_shard": self.dp_shard_size or 1, "cp": self.cp_size, "sp": self.sp_size, "tp": self.tp_size}
 
     def resolved(self, num_processes: int) -> ParallelismConfig:
         """This config with ``dp_shard_size`` filled in, checked against the world size.
@@ -131,9 +137,10 @@ class ParallelismConfig:
             ValueError: the sizes do not multiply to ``num_processes``; the
                 message names them and the fix.
         """
-        others = self.pp_size * self.dp_replicate_size * self.cp_size * self.tp_size
+        others = self.pp_size * self.dp_replicate_size * self.cp_size * self.sp_size * self.tp_size
         shown = (f"pp_size={self.pp_size} x dp_replicate_size={self.dp_replicate_size} x "
-                 f"dp_shard_size={self.dp_shard_size} x cp_size={self.cp_size} x tp_size={self.tp_size}")
+                 f"dp_shard_size={self.dp_shard_size} x cp_size={self.cp_size} x sp_size={self.sp_size} x "
+                 f"tp_size={self.tp_size}")
         if self.dp_shard_size is None:
             if num_processes % others:
                 raise ValueError(
@@ -157,7 +164,7 @@ class ParallelismConfig:
         """``rank``'s coordinate on each of `MESH_DIMS` (the mesh is ranks in row-major order).
 
         >>> ParallelismConfig(dp_shard_size=2, tp_size=2).coordinates(3)
-        {'pp': 0, 'dp_replicate': 0, 'dp_shard': 1, 'cp': 0, 'tp': 1}
+        {'pp': 0, 'dp_replicate': 0, 'dp_shard': 1, 'cp': 0, 'sp': 0, 'tp': 1}
         """
         out: dict[str, int] = {}
         for name in reversed(MESH_DIMS):

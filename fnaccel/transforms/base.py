@@ -59,8 +59,8 @@ __all__ = [
     "GradientClipping", "Pipeline", "PipelineCheckFn", "Precision", "Transform", "compose",
     # the hooks' signatures, one Protocol each
     "AfterBackwardFn", "AfterStepFn", "BackwardFn", "BeforeUpdateFn", "ForwardBackwardFn", "OptimizerStepFn",
-    "PrepareEngineFn", "PrepareModelFn", "ScaleLossFn", "SetSyncFn", "TransformApplyFn", "TransformInitFn",
-    "UpdateCheckFn",
+    "PrepareEngineFn", "PrepareModelFn", "ScaleLossFn", "SetSyncFn", "SplitBatchFn", "TransformApplyFn",
+    "TransformInitFn", "UpdateCheckFn",
 ]
 
 S = TypeVar("S")
@@ -115,6 +115,16 @@ class SetSyncFn(Protocol):
     """
 
     def __call__(self, model: nn.Module, enabled: bool, /) -> None: ...
+
+
+class SplitBatchFn(Protocol):
+    """``Transform.split_batch``: the part of the batch this rank computes on, before `fa.step`'s loss function.
+
+    `fa.sp` keeps this rank's slice of the sequence: the ranks of one
+    sequence-parallel group read one batch and each computes on its part.
+    """
+
+    def __call__(self, batch: Any, state: Any, /) -> Any: ...
 
 
 class ScaleLossFn(Protocol):
@@ -369,6 +379,7 @@ class Transform:
         init: builds its state record (`TransformInitFn`); None: it has none.
         prepare_model: wraps or shards the model at `fa.prepare` (`PrepareModelFn`).
         set_sync: switches gradient communication for the next backward (`SetSyncFn`).
+        split_batch: the part of the batch this rank computes on (`SplitBatchFn`).
         forward_backward: replaces the loss function and backward (`ForwardBackwardFn`).
         scale_loss: the loss backward runs on (`ScaleLossFn`).
         after_backward: sees each backward's loss and aux (`AfterBackwardFn`).
@@ -393,6 +404,7 @@ class Transform:
     init: TransformInitFn | None = field(default=None, compare=False)
     prepare_model: PrepareModelFn | None = field(default=None, compare=False)
     set_sync: SetSyncFn | None = field(default=None, compare=False)
+    split_batch: SplitBatchFn | None = field(default=None, compare=False)
     forward_backward: ForwardBackwardFn | None = field(default=None, compare=False)
     scale_loss: ScaleLossFn | None = field(default=None, compare=False)
     after_backward: AfterBackwardFn | None = field(default=None, compare=False)

@@ -28,6 +28,7 @@ class Phase(IntEnum):
 
     # Training transforms
     AUTOCAST = 110  # autocast: wraps forward first, so every later wrapper (stages, ddp) runs under it
+    SEQUENCE_PARALLEL = 115  # sp: sums its group's gradients before the scaler unscales and checks them
     GRAD_SCALER = 120  # grad_scaler: scales the loss and unscales the gradients before any hook reads them
     PIPELINE_PARALLEL = 125  # pp: splits the model into stages, each keeping autocast's forward
     TENSOR_PARALLEL = 126  # tp: parallelizes the plain layers before checkpointing and fsdp wrap them
