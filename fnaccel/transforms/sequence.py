@@ -232,7 +232,6 @@ class SequenceParallelForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.shard.armed:  # not a split batch (evaluation, a forward of the user's own)
             return self.inner(*args, **kwargs)
-        self.shard.armed = False
         mode = _UlyssesMode(self.shard)
         with mode:
             out = self.inner(*args, **kwargs)
@@ -309,6 +308,7 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
         return kept * shard.weight.to(loss.dtype)
 
     def after_backward(loss: torch.Tensor, aux: Any, shard: SequenceShard) -> dict[str, torch.Tensor] | None:
+        shard.armed = False  # the step's forwards are done: a later one (evaluation) sees whole sequences
         if shard.size == 1 or shard.num_local is None or shard.num_total is None:
             return None
         summed = torch.where(shard.num_local > 0, loss.detach().double() * shard.num_local, 0.0)

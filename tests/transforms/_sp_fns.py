@@ -11,15 +11,16 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import fnaccel as fa
+from fnaccel.transforms.sequence import ulysses_attention
 
 VOCAB, LENGTH, DIM, HEADS, LR, MAX_NORM = 32, 16, 16, 4, 0.5, 0.05
 NUM_SAMPLES = 16
 
 
 class Attention(nn.Module):
-    def __init__(self, heads: int = HEADS, mask: bool = False, manual: bool = False) -> None:
+    def __init__(self, heads: int = HEADS, mask: bool = False, manual: bool = False, custom: bool = False) -> None:
         super().__init__()
-        self.heads, self.mask, self.manual = heads, mask, manual
+        self.heads, self.mask, self.manual, self.custom = heads, mask, manual, custom
         self.qkv = nn.Linear(DIM, 3 * DIM)
         self.out = nn.Linear(DIM, DIM)
 
@@ -29,12 +30,23 @@ class Attention(nn.Module):
         if self.manual:  # attention written out by hand: nothing fa.sp can find
             scores = (q @ k.transpose(-1, -2)).tril_() / (DIM // self.heads) ** 0.5
             y = torch.softmax(scores, dim=-1) @ v
+        elif self.custom:  # the user's own attention function, marked for fa.sp
+            y = causal_attention(q, k, v)
         elif self.mask:  # a sliding window, built from the local length
             window = torch.ones(length, length, dtype=torch.bool).tril().triu(-4)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=window)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(b, length, DIM))
+
+
+@ulysses_attention
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention written out (a user's own function): over the whole sequence under fa.sp."""
+    length = q.shape[-2]
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~torch.ones(length, length, dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
 
 
 class Block(nn.Module):
@@ -119,12 +131,12 @@ def per_row_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
 
 
 def reference(per_step: list[list[dict[str, torch.Tensor]]], clip: bool,
-              naive_parts: int = 0) -> dict[str, Any]:
+              naive_parts: int = 0, **attention: Any) -> dict[str, Any]:
     """One process, plain PyTorch: each step averages the loss of each data-parallel
-    rank's whole batch (what DDP averages). ``naive_parts``: each batch's loss is
+    rank's whole batch (what DDP averages), ``attention`` as in `train`. ``naive_parts``: each batch's loss is
     instead the mean of the per-part means over that many sequence parts (what a
     per-rank mean without token weighting computes)."""
-    model = make_model()
+    model = make_model(**attention)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     grads, losses = [], []
     for batches in per_step:
@@ -150,14 +162,16 @@ def reference(per_step: list[list[dict[str, torch.Tensor]]], clip: bool,
 
 
 def train(base: fa.RunState, layout: dict[str, int], num_steps: int, *, packed: bool = False, ddp: bool = False,
-          accumulate: int = 1, clip: bool = False, batch_size: int = 2, checkpoint: str | None = None) -> dict[str, Any]:
+          accumulate: int = 1, clip: bool = False, batch_size: int = 2, checkpoint: str | None = None,
+          **attention: Any) -> dict[str, Any]:
     """Train with fa.sp on the layout's mesh; what the reference needs, per rank.
 
     With ``checkpoint``: save after ``num_steps // 2`` steps, train on, then load and
-    train the second half again: both second halves' weights are returned."""
+    train the second half again: both second halves' weights are returned. ``attention``:
+    the `Attention` options (``custom=True``: the user's own function)."""
     state = fa.init(cpu=True, seed=0, parallelism=fa.ParallelismConfig(**layout))
     try:
-        model = make_model()
+        model = make_model(**attention)
         transforms = [fa.sp(), *([fa.ddp()] if ddp else []), *([fa.accumulate(accumulate)] if accumulate > 1 else []),
                       *([fa.clip_grad_norm(MAX_NORM)] if clip else [])]
         state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=LR),

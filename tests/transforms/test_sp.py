@@ -87,12 +87,13 @@ def test_sp2_resumes_bit_for_bit(world2: Any, tmp_path: Path) -> None:
             assert torch.equal(result["resumed"][name], value), name
 
 
-def test_sp4_with_packed_sequences_equals_one_process(world4: Any) -> None:
-    """Positions restart inside a part (two documents per row); one part has no real token."""
-    results = world4.run(fns.train, {"sp_size": 4}, 2, packed=True, clip=True)
+def test_sp4_with_packed_sequences_and_a_users_attention_equals_one_process(world4: Any) -> None:
+    """Positions restart inside a part (two documents per row); one part has no real token;
+    the attention is the user's own function, marked with ulysses_attention."""
+    results = world4.run(fns.train, {"sp_size": 4}, 2, packed=True, clip=True, custom=True)
     _same_batch_per_group(results, 4)
     assert {tuple(b["position_ids"][0, :8].tolist()) for b in results[0]["batches"]} == {(0, 1, 2, 3, 4, 5, 6, 0)}
-    _assert_like(results, fns.reference(_per_step(results), clip=True))
+    _assert_like(results, fns.reference(_per_step(results), clip=True, custom=True))
 
 
 def test_sp2_by_ddp2_with_accumulation_and_clipping_equals_one_process(world4: Any) -> None:
