@@ -106,6 +106,17 @@ def _leaves(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return tree
 
 
+def _with_positions(batch: Any, seq_dim: int, position_ids: str | None) -> Any:
+    """``batch`` with the global position ids under ``position_ids`` when it is a mapping without them."""
+    if position_ids is None or not isinstance(batch, Mapping) or position_ids in batch:
+        return batch
+    shaped = next((t for t in batch.values() if isinstance(t, torch.Tensor) and t.dim() > seq_dim), None)
+    if shaped is None:
+        return batch
+    length = shaped.shape[seq_dim]
+    return {**batch, position_ids: torch.arange(length, device=shaped.device).expand(*shaped.shape[:seq_dim], length)}
+
+
 def _split(batch: Any, shard: SequenceShard, seq_dim: int, labels: str | int, ignore_index: int,
            position_ids: str | None) -> Any:
     lengths: set[int] = set()
@@ -133,9 +144,7 @@ def _split(batch: Any, shard: SequenceShard, seq_dim: int, labels: str | int, ig
                          f"{seq_dim}, got {type(target).__name__}")
     part = length // shard.size
     start = part * shard.rank
-    if position_ids is not None and isinstance(batch, Mapping) and position_ids not in batch:
-        batch = dict(batch)
-        batch[position_ids] = torch.arange(length, device=target.device).expand(*target.shape[:seq_dim], length)
+    batch = _with_positions(batch, seq_dim, position_ids)
     local = _leaves(batch, lambda t: t.narrow(seq_dim, start, part) if t.dim() > seq_dim else t)
     real = target != ignore_index
     num_total = real.sum()
@@ -267,7 +276,7 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
             as the loss of position ``i`` must be with position ``i``).
         ignore_index: the label of tokens that do not count (padding).
         position_ids: the key under which a mapping batch without position
-            ids gets the global ones (None: add none).
+            ids gets the global ones, on one process too (None: add none).
 
     Raises:
         ValueError: a bad argument (at once); at `fa.step`, a sequence length
@@ -296,8 +305,8 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
         return model
 
     def split_batch(batch: Any, shard: SequenceShard) -> Any:
-        if shard.size == 1:
-            return batch
+        if shard.size == 1:  # the same batch keys as on sp ranks: a script runs unchanged on one process
+            return _with_positions(batch, seq_dim, position_ids)
         return _split(batch, shard, seq_dim, labels, ignore_index, position_ids)
 
     def scale_loss(loss: torch.Tensor, shard: SequenceShard) -> torch.Tensor:

@@ -206,6 +206,27 @@ def train(base: fa.RunState, layout: dict[str, int], num_steps: int, *, packed: 
         fa.shutdown(state)
 
 
+def resume(base: fa.RunState | None, layout: dict[str, int], checkpoint: str, num_steps: int,
+           save_at: int | None = None, save_to: str | None = None) -> dict[str, torch.Tensor]:
+    """Load ``checkpoint`` on this layout (on 1 process: ``base`` None), train on to
+    ``num_steps`` (saving at ``save_at`` into ``save_to``); the weights."""
+    state = fa.init(cpu=True, seed=0, parallelism=fa.ParallelismConfig(**layout) if layout else None)
+    try:
+        model = make_model()
+        state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=LR),
+                           DataLoader(Tokens(), batch_size=2), loss_fn=loss_fn, pipeline=fa.sp())
+        state = fa.load(state, checkpoint)
+        for batch in fa.batches(state, epochs=1):
+            state, _ = fa.step(state, batch)
+            if state.step == save_at:
+                fa.save(state, save_to)
+            if state.step == num_steps:
+                break
+        return {n: p.detach().clone() for n, p in state.model.named_parameters()}
+    finally:
+        fa.shutdown(state)
+
+
 def refusals(base: fa.RunState) -> list[str]:
     """The errors of a 2-rank sp run: each message, in order."""
     messages = []

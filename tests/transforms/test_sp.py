@@ -80,11 +80,18 @@ def test_sp2_equals_one_process_on_the_whole_sequence(world2: Any) -> None:
         torch.testing.assert_close(result["evaluated"], whole, rtol=1e-5, atol=1e-5)
 
 
-def test_sp2_resumes_bit_for_bit(world2: Any, tmp_path: Path) -> None:
+def test_sp2_resumes_bit_for_bit_and_on_another_sp_size(world2: Any, tmp_path: Path) -> None:
+    """Saved at step 2 of 4 on sp 2; resumed there (bit for bit), on one process (sp 1),
+    saved at step 3, and that resumed on sp 2 again: the same batches, the same weights."""
     results = world2.run(fns.train, {"sp_size": 2}, 4, checkpoint=str(tmp_path / "ckpt"))
     for result in results:
         for name, value in result["weights"].items():
             assert torch.equal(result["resumed"][name], value), name
+    on_one = fns.resume(None, {}, str(tmp_path / "ckpt"), 4, save_at=3, save_to=str(tmp_path / "one"))
+    back_on_two = world2.run(fns.resume, {"sp_size": 2}, str(tmp_path / "one"), 4)
+    for weights in (on_one, *back_on_two):
+        for name, value in results[0]["weights"].items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-6, atol=1e-7)
 
 
 def test_sp4_with_packed_sequences_and_a_users_attention_equals_one_process(world4: Any) -> None:
