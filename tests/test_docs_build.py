@@ -25,6 +25,7 @@ def build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
                            "--site-dir", str(site)], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly_with_every_public_name(tmp_path: Path) -> None:
     done = build(ROOT / "mkdocs.yml", tmp_path / "site")
     assert done.returncode == 0, done.stderr[-5000:]
@@ -33,6 +34,7 @@ def test_the_site_builds_strictly_with_every_public_name(tmp_path: Path) -> None
     assert 'class="language-pycon"' in reference  # the >>> examples shown as code
 
 
+@pytest.mark.slow
 def test_a_planted_broken_link_and_reference_fail_the_build(tmp_path: Path) -> None:
     docs = tmp_path / "docs"
     shutil.copytree(ROOT / "docs", docs)

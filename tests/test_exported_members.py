@@ -76,6 +76,7 @@ def test_utils_exports_exist_and_are_unique() -> None:
         assert hasattr(fnaccel.utils, name), name
 
 
+@pytest.mark.slow
 def test_import_fnaccel_leaves_the_heavy_layers_for_first_use() -> None:
     """`import fnaccel` stays close to `import torch` (docs/benchmarks.md): these load when used."""
     import subprocess

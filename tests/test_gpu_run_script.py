@@ -18,6 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_tiny_run_writes_every_figure_and_the_suite_selection(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh"), "--tiny"], env=env,

@@ -267,6 +267,7 @@ def test_the_check_fails_on_a_planted_upward_import(tmp_path: Path) -> None:
     assert any("imports private ['_private_helper']" in f for f in found), found
 
 
+@pytest.mark.slow
 def test_importing_the_state_loads_nothing_above_the_leaves() -> None:
     code = ("import sys, fnaccel.state; print('\\n'.join(m for m in sys.modules if m.startswith('fnaccel')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

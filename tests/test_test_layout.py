@@ -206,6 +206,7 @@ def test_marked_by_its_fixture(world2):
 '''
 
 
+@pytest.mark.slow
 def test_an_unmarked_test_starting_a_group_fails_and_the_fast_loop_skips_marked_ones(tmp_path: Path) -> None:
     """What tests/conftest.py does for the ``multiprocess`` marker, on a planted test file run as
     `pytest -m "not multiprocess"` is (the guard and the marker come from the real conftest)."""

@@ -248,6 +248,7 @@ def test_on_cuda_the_loop_and_the_readings_make_no_implicit_sync() -> None:
     assert metrics["loss"].device.type == "cuda"
 
 
+@pytest.mark.slow
 def test_the_documented_loop_runs_and_logs_the_rates(tmp_path: Path) -> None:
     import json
     import re

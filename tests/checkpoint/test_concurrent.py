@@ -52,6 +52,7 @@ def _stop(process: subprocess.Popen[str], *, kill: bool = False) -> tuple[str, s
         process.wait()
 
 
+@pytest.mark.slow
 def test_a_load_meeting_a_save_of_the_same_path_loads_or_says_being_replaced(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     saver = _saver(path)
@@ -108,6 +109,7 @@ def test_the_lock_of_a_save_that_died_is_taken_over(tmp_path: Path) -> None:
     assert lock.read_bytes() == b"a user's file\n"
 
 
+@pytest.mark.slow
 def test_two_processes_saving_to_one_path_never_remove_each_others_directories(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     # both start (import, prepare) at once; the second's first save waits until the first's is done

@@ -76,6 +76,7 @@ def _save_loops(args: list[str]) -> Iterator[Callable[[int, float], None]]:
         stdout.close()
 
 
+@pytest.mark.slow
 def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     epochs_seen = set()
@@ -102,6 +103,7 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path: Path) -> No
     assert len(epochs_seen) > 1  # by construction: after 0 saves the epoch is 0 or 1, after 3 it is 3 or 4
 
 
+@pytest.mark.slow
 def test_sigkill_during_rotation_never_shows_a_checkpoint_without_its_manifest(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     with _save_loops([str(tmp_path), "rotate"]) as kill_during_save:
@@ -115,6 +117,7 @@ def test_sigkill_during_rotation_never_shows_a_checkpoint_without_its_manifest(t
             assert len([p for p in root.iterdir() if p.name.startswith(".")]) <= 2, sorted(os.listdir(root))
 
 
+@pytest.mark.slow
 def test_sigkill_between_a_commit_and_the_replaced_checkpoints_removal_leaves_the_new_one(tmp_path: Path) -> None:
     # The replaced checkpoint is removed beside the run, after the save returned; killed in between (its manifest
     # gone, its other files not), the new checkpoint is in place and found, and the next save removes the rest

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -25,6 +26,7 @@ def _start(part: str, checkpoint: Path, out: Path) -> subprocess.Popen[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.slow
 def test_a_new_interpreter_resumes_bit_for_bit(tmp_path: Path) -> None:
     # the first half in this interpreter (a new one for it would only add its imports), the second
     # in a new one; the uninterrupted run here while that one runs

@@ -40,6 +40,7 @@ def _assert_all_equal(results: dict[str, Any], cases: dict[str, Any]) -> None:
         assert counters[:3] == counters[3:], (name, counters)
 
 
+@pytest.mark.slow
 def test_a_new_interpreter_resumes_every_loop_shape_bit_for_bit(tmp_path: Path) -> None:
     job.first(tmp_path, job.CASES)  # in this interpreter: a new one for it would only add its imports
     _run("second", tmp_path)

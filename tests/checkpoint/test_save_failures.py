@@ -34,6 +34,7 @@ def test_a_write_failing_on_one_rank_fails_on_every_rank_within_seconds(world2: 
     assert results[0]["left"] == ["after"]  # no partial directory of either failed save
 
 
+@pytest.mark.slow
 def test_a_failed_asynchronous_save_is_raised_by_the_next_call_or_ends_the_process(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(ASYNC_JOB), str(tmp_path), "--checks"], capture_output=True,
                           text=True, timeout=180, env=ENV)

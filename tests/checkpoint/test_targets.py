@@ -167,6 +167,7 @@ def test_a_crash_at_any_instant_of_the_commit_leaves_only_marked_leftovers(
     assert steps > 3 and _epoch(final) == 5
 
 
+@pytest.mark.slow
 def test_a_failed_save_removes_its_partial_directory_and_names_the_path(tmp_path: Path) -> None:
     # a child process whose files may not grow past 1 KiB (RLIMIT_FSIZE: writes fail with EFBIG,
     # as on a full disk) saves over a good checkpoint that it wrote before the limit

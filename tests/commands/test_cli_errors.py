@@ -121,6 +121,7 @@ def test_an_unwritable_config_path_exits_2(tmp_path: Path, capsys: pytest.Captur
     assert f"{target}: cannot write the config file" in line
 
 
+@pytest.mark.slow
 def test_the_console_script_prints_no_traceback(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_bytes(b"\xff")
@@ -131,6 +132,7 @@ def test_the_console_script_prints_no_traceback(tmp_path: Path) -> None:
         f"fnaccel env: error: {config}: not UTF-8 text (byte 0); save it as UTF-8"]
 
 
+@pytest.mark.slow
 def test_a_reader_that_stops_reading_ends_the_command_quietly() -> None:
     """`fnaccel env | head -1`, `fnaccel checkpoint diff A B | head`: the reader closes the pipe
     early. The command stops as a process ended by SIGPIPE does (status 141), with no traceback."""

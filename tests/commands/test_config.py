@@ -51,6 +51,7 @@ def test_bad_answers_are_asked_again_and_the_end_of_input_takes_defaults() -> No
     assert config["distributed_type"] == "NO" and config["mixed_precision"] == "no"
 
 
+@pytest.mark.slow
 def test_config_without_a_terminal_writes_the_defaults(tmp_path: Path) -> None:
     target = tmp_path / "c.yaml"
     result = subprocess.run([sys.executable, "-m", "fnaccel", "config", "--config_file", str(target)],

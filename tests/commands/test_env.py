@@ -22,6 +22,7 @@ def _write_default_config(text: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_the_command_line_prints_versions_and_the_default_config() -> None:
     path = _write_default_config("mixed_precision: bf16\nnum_processes: 2\n")
     result = subprocess.run(
@@ -93,6 +94,7 @@ def test_a_missing_config_file_is_an_error(tmp_path: Path, capsys: pytest.Captur
     assert "cannot read the config file" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_an_invalid_default_config_fails_the_real_command_without_a_traceback() -> None:
     _write_default_config("distributed_type: [\n")
     result = subprocess.run(

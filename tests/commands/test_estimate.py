@@ -194,6 +194,7 @@ def test_other_local_mistakes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert status == 2 and "gone.safetensors, which is missing" in err
 
 
+@pytest.mark.slow
 def test_through_python_dash_m(tmp_path: Path) -> None:
     save_file(TENSORS, tmp_path / "model.safetensors")
     result = subprocess.run(

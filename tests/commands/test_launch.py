@@ -380,6 +380,7 @@ def test_launch_help_lists_every_accelerate_flag() -> None:
     assert not missing
 
 
+@pytest.mark.slow
 def test_every_help_lists_every_flag_of_its_parser() -> None:
     def walk(parser: Any, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
         found = [(path, parser)]

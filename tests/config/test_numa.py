@@ -36,6 +36,7 @@ def test_cpu_processes_take_the_nodes_in_turn(tmp_path: Path) -> None:
     assert numa_node_cpus(0, tmp_path / "empty") is None
 
 
+@pytest.mark.slow
 def test_this_machine_pins_a_child_process_to_its_nodes_allowed_cpus() -> None:
     code = (
         "import os\n"

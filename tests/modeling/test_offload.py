@@ -117,6 +117,7 @@ except OSError as exc:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(__import__("signal"), "SIGXFSZ"), reason="needs POSIX file size limits")
 def test_a_failed_write_is_an_oserror_and_leaves_no_file(tmp_path: Path) -> None:
     # a full disk, as a file size limit: plain writes report it (a shared mapping would SIGBUS)

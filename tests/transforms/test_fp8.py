@@ -102,6 +102,7 @@ def test_a_float8_layer_computes_the_hand_written_scaled_float8_matmul() -> None
     assert state.pipeline.names == ("autocast",)
 
 
+@pytest.mark.slow
 @needs_torchao
 def test_fp8_trains_a_small_lm_within_tolerance_of_bf16() -> None:
     bf16 = train_lm(fa.init(seed=0, cpu=True), fa.bf16)
