@@ -79,9 +79,25 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def make_model(**attention: Any) -> TinyLM:
+class TinyLlama(nn.Module):
+    """A transformers Llama from a config (no download): 4 query heads, 2 key/value heads, SDPA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2,
+                             num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=LENGTH)
+        config._attn_implementation = "sdpa"
+        self.lm = LlamaForCausalLM(config)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, position_ids=position_ids).logits
+
+
+def make_model(llama: bool = False, **attention: Any) -> nn.Module:
     torch.manual_seed(3)
-    return TinyLM(**attention)
+    return TinyLlama() if llama else TinyLM(**attention)
 
 
 def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

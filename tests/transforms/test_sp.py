@@ -80,6 +80,13 @@ def test_sp2_equals_one_process_on_the_whole_sequence(world2: Any) -> None:
         torch.testing.assert_close(result["evaluated"], whole, rtol=1e-5, atol=1e-5)
 
 
+def test_sp2_trains_a_transformers_llama_like_one_process(world2: Any) -> None:
+    """Its own SDPA attention (grouped key/value heads), positions passed in, no mask."""
+    pytest.importorskip("transformers")
+    results = world2.run(fns.train, {"sp_size": 2}, 2, llama=True)
+    _assert_like(results, fns.reference(_per_step(results), clip=False, llama=True))
+
+
 def test_sp2_resumes_bit_for_bit_and_on_another_sp_size(world2: Any, tmp_path: Path) -> None:
     """Saved at step 2 of 4 on sp 2; resumed there (bit for bit), on one process (sp 1),
     saved at step 3, and that resumed on sp 2 again: the same batches, the same weights."""
