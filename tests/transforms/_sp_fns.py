@@ -177,7 +177,14 @@ def reference(per_step: list[list[dict[str, torch.Tensor]]], clip: bool,
             "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor (an FSDP shard gathered)."""
+    gather = getattr(tensor, "full_tensor", None)
+    return (gather() if gather else tensor).detach().clone()
+
+
 def train(base: fa.RunState, layout: dict[str, int], num_steps: int, *, packed: bool = False, ddp: bool = False,
+          fsdp: bool = False,
           accumulate: int = 1, clip: bool = False, batch_size: int = 2, checkpoint: str | None = None,
           **attention: Any) -> dict[str, Any]:
     """Train with fa.sp on the layout's mesh; what the reference needs, per rank.
@@ -188,7 +195,7 @@ def train(base: fa.RunState, layout: dict[str, int], num_steps: int, *, packed: 
     state = fa.init(cpu=True, seed=0, parallelism=fa.ParallelismConfig(**layout))
     try:
         model = make_model(**attention)
-        transforms = [fa.sp(), *([fa.ddp()] if ddp else []), *([fa.accumulate(accumulate)] if accumulate > 1 else []),
+        transforms = [fa.sp(), *([fa.ddp()] if ddp else []), *([fa.fsdp()] if fsdp else []), *([fa.accumulate(accumulate)] if accumulate > 1 else []),
                       *([fa.clip_grad_norm(MAX_NORM)] if clip else [])]
         state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=LR),
                            DataLoader(Tokens(packed), batch_size=batch_size), loss_fn=loss_fn,
@@ -200,12 +207,12 @@ def train(base: fa.RunState, layout: dict[str, int], num_steps: int, *, packed: 
             state, metrics = fa.step(state, batch)
             losses.append(metrics["loss"])
             if state.micro_step % accumulate == 0:
-                grads.append({n: p.grad.detach().clone() for n, p in state.model.named_parameters()})
+                grads.append({n: full(p.grad) for n, p in state.model.named_parameters()})
             if saved_at is not None and state.step == saved_at and state.micro_step % accumulate == 0:
                 fa.save(state, checkpoint)
             if state.step == num_steps:
                 break
-        weights = {n.removeprefix("module."): p.detach().clone() for n, p in state.model.named_parameters()}
+        weights = {n.removeprefix("module."): full(p) for n, p in state.model.named_parameters()}
         if checkpoint:
             state = fa.load(state, checkpoint)
             for batch in fa.batches(state, epochs=1):

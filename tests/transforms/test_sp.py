@@ -119,6 +119,13 @@ def test_sp2_by_ddp2_with_accumulation_and_clipping_equals_one_process(world4: A
     _assert_like(results, fns.reference(per_step, clip=True))
 
 
+def test_sp2_by_fsdp2_equals_one_process(world4: Any) -> None:
+    """fa.fsdp() shards over the data-parallel ranks; each sp group's ranks hold the same shards."""
+    results = world4.run(fns.train, {"dp_shard_size": 2, "sp_size": 2}, 2, fsdp=True, clip=True)
+    _same_batch_per_group(results, 2)
+    _assert_like(results, fns.reference(_per_step(results), clip=True))
+
+
 def test_refusals_name_the_cause_and_the_fix(world2: Any) -> None:
     heads, length, mask, manual, missing, items = world2.run(fns.refusals)[0]
     assert "heads divisible by sp_size=2" in heads
