@@ -310,8 +310,13 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
         return _split(batch, shard, seq_dim, labels, ignore_index, position_ids)
 
     def scale_loss(loss: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
-        if shard.size == 1 or shard.weight is None or shard.num_local is None:
+        if shard.size == 1:
             return loss
+        if shard.weight is None or shard.num_local is None:
+            raise ValueError(
+                "fa.sp: this loss was computed on a batch fa.sp did not split (fa.backward after a forward of "
+                "your own): every rank of the sp group computed the whole sequence, and their summed gradients "
+                "would count it sp_size times. Use fa.step(state, batch), which splits the batch")
         # a part with no real token has a NaN mean (0 / 0): it counts zero, its gradient too
         kept = torch.where(shard.num_local > 0, loss, torch.zeros_like(loss))
         return kept * shard.weight.to(loss.dtype)
@@ -322,7 +327,9 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
             return None
         summed = torch.where(shard.num_local > 0, loss.detach().double() * shard.num_local, 0.0)
         dist.all_reduce(summed, group=shard.group)
-        return {"loss": (summed / shard.num_total.clamp(min=1)).to(loss.dtype)}
+        mean = (summed / shard.num_total.clamp(min=1)).to(loss.dtype)
+        shard.num_local = shard.weight = shard.num_total = None  # used: the next loss needs its own split
+        return {"loss": mean}
 
     def before_update(model: nn.Module, optimizer: torch.optim.Optimizer, shard: SequenceShard) -> dict[str, Any]:
         if shard.size > 1:

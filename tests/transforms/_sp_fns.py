@@ -260,15 +260,20 @@ def refusals(base: fa.RunState) -> list[str]:
         ({"manual": True}, Tokens(), [fa.sp()]),  # no SDPA call
         ({}, Tokens(), [fa.ddp()]),  # sp_size 2 without fa.sp
         ({}, Tokens(), [fa.sp(), fa.accumulate(2, normalize="items")]),
+        ({"own_forward": True}, Tokens(), [fa.sp()]),  # fa.backward on a loss fa.sp did not split
     ]
     for attention, data, transforms in cases:
+        own_forward = attention.pop("own_forward", False)
         state = fa.init(cpu=True, seed=0, parallelism=fa.ParallelismConfig(sp_size=2))
         try:
             model = make_model(**attention)
             state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=LR),
                                DataLoader(data, batch_size=2), loss_fn=loss_fn, pipeline=fa.compose(*transforms))
             for batch in fa.batches(state, epochs=1):
-                state, _ = fa.step(state, batch)
+                if own_forward:
+                    state = fa.backward(state, loss_fn(state.model, with_positions(batch)))
+                else:
+                    state, _ = fa.step(state, batch)
                 break
             messages.append("no error")
         except ValueError as exc:
