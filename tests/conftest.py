@@ -3,10 +3,13 @@
 Starting a world (processes that import torch and join a process group) is
 the expensive part of a distributed test, so one 2-rank and one 3-rank world
 serve the whole session; a test that breaks a world gets it rebuilt for the
-next one.
+next one. Under pytest-xdist (`make test` and `make check` run 2 workers, each
+file's tests in one worker) each worker has its own worlds, started when its
+first test asks.
 
 Every test that starts a process group carries the ``multiprocess`` marker, so
-that ``pytest -m "not multiprocess"`` is the fast loop (README, "Contributing"):
+that ``pytest -m "not multiprocess"`` is the fast loop (`make check` also leaves
+out the ``slow`` tests: a script or a new interpreter for seconds; README, "Contributing"):
 tests using the world fixtures get it here; any other test that starts one
 (a `World` of its own, ``fnaccel launch``/torchrun, `notebook_launcher`) marks
 itself, and `multiprocess_marker_is_set` fails a test that starts one unmarked.
