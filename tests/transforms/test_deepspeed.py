@@ -112,6 +112,28 @@ def test_auto_values_are_filled_from_the_run_and_conflicts_name_the_fix() -> Non
             resolve_ds_config(raw, run)
 
 
+REMOVED_IN_0_19 = ("amp", "compression_training", "curriculum_learning", "eigenvalue", "elasticity",
+                   "graph_harvesting", "nebula", "progressive_layer_drop", "quantize_training", "sparse_attention",
+                   "sparse_gradients")
+REMOVED_ZERO_KEYS = ("mics_hierarchical_params_gather", "mics_shard_size", "zeropp_loco_param")
+
+
+@pytest.mark.parametrize("key", [*REMOVED_IN_0_19, *(f"zero_optimization.{k}" for k in REMOVED_ZERO_KEYS)])
+def test_a_section_deepspeed_removed_is_refused_by_name_before_the_engine(key: str) -> None:
+    """DeepSpeed 0.19.6-0.19.8 (issue #8489) refuse these at initialize; fnaccel names each
+    and what replaces it (or that nothing does) while resolving the config."""
+    raw: dict[str, Any] = {"zero_optimization": {"stage": 3, key.split(".")[1]: 2}} if "." in key else {key: {}}
+    with pytest.raises(ConfigError, match=rf"'{key}' names a feature DeepSpeed 0.19.6 removed.*Remove the key"):
+        resolve_ds_config(raw, EngineSettings(micro_batch_size=1))
+
+
+def test_the_removed_sections_are_those_the_installed_deepspeed_refuses() -> None:
+    """Kept in step with DeepSpeed: its own tables, read from the installed package when there is one."""
+    config = pytest.importorskip("deepspeed.runtime.config")
+    assert sorted(getattr(config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS")) == sorted(REMOVED_IN_0_19)
+    assert sorted(getattr(config, "_REMOVED_ZERO_CONFIG_KEYS")) == sorted(REMOVED_ZERO_KEYS)
+
+
 def test_plugin_and_launch_sections_are_checked_where_written(tmp_path: Path) -> None:
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 2}))

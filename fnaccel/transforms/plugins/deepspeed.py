@@ -35,6 +35,31 @@ _FIXED = MappingProxyType({"managed_gradient_accumulation": False, "zero_allow_u
                            "zero_force_ds_cpu_optimizer": False})
 _QUIET_STEPS = 2**62  # DeepSpeed prints progress every steps_per_print steps unless told otherwise
 
+# Sections DeepSpeed 0.19.6-0.19.8 removed (DeepSpeed issue #8489) and now refuses at initialize, with
+# what a run does instead: refused here, before the engine (and its CUDA probing) starts.
+_REMOVED_SECTIONS = MappingProxyType({
+    "amp": "Apex AMP is gone: mixed precision comes from the pipeline, fa.autocast(fa.fp16) or fa.autocast(fa.bf16)",
+    "compression_training": "the compression library is gone, with no replacement: the model would train "
+                            "unquantized",
+    "curriculum_learning": "move it under data_efficiency.data_sampling.curriculum_learning",
+    "eigenvalue": "eigenvalue-based quantization is gone, with no replacement",
+    "elasticity": "elastic batch sizes are gone: give train_micro_batch_size_per_gpu (or \"auto\") and restart "
+                  "failed runs with fnaccel launch --max_restarts (torchrun's elastic agent)",
+    "graph_harvesting": "graph harvesting is gone, with no replacement",
+    "nebula": "Nebula checkpointing is gone: fa.save writes the checkpoint (fa.save_policy for asynchronous tiers)",
+    "progressive_layer_drop": "progressive layer dropping is gone, with no replacement",
+    "quantize_training": "quantization-aware training (MoQ) is gone, with no replacement",
+    "sparse_attention": "sparse attention is gone, with no replacement",
+    "sparse_gradients": "the flag is gone: an nn.Embedding(sparse=True) still has its gradients reduced sparsely, "
+                        "with no flag",
+})
+_REMOVED_ZERO_KEYS = MappingProxyType({
+    "mics_shard_size": "MiCS is gone: shard within a group of ranks and replicate across groups with HSDP, "
+                       "fa.fsdp() and ParallelismConfig(dp_replicate_size=...)",
+    "mics_hierarchical_params_gather": "MiCS is gone: HSDP is fa.fsdp() with ParallelismConfig(dp_replicate_size=...)",
+    "zeropp_loco_param": "LoCo is gone: remove the key (ZeRO++'s quantized gradients run without it)",
+})
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeepSpeedPlugin:
@@ -274,7 +299,8 @@ def resolve_ds_config(raw: Mapping[str, Any], run: EngineSettings, where: str = 
     ``run`` and checked against it.
 
     Raises:
-        ConfigError: an ``optimizer`` or ``scheduler`` section, a stage outside
+        ConfigError: a section DeepSpeed removed (``elasticity``, ``amp``,
+            ``nebula``, MiCS' keys, ...), an ``optimizer`` or ``scheduler`` section, a stage outside
             0-3, a number that disagrees with the pipeline, an ``"auto"`` left
             that nothing fills; the message names the key and the fix.
 
@@ -284,6 +310,14 @@ def resolve_ds_config(raw: Mapping[str, Any], run: EngineSettings, where: str = 
     (16, 2)
     """
     config = copy.deepcopy(dict(raw))
+    zero_raw = config.get("zero_optimization")
+    removed = [(key, key, fix) for key, fix in _REMOVED_SECTIONS.items() if key in config] + [
+        (f"zero_optimization.{key}", key, fix) for key, fix in _REMOVED_ZERO_KEYS.items()
+        if isinstance(zero_raw, dict) and key in zero_raw]
+    if removed:
+        shown, _, fix = removed[0]
+        raise ConfigError(f"{where}: '{shown}' names a feature DeepSpeed 0.19.6 removed (DeepSpeed issue #8489; "
+                          f"0.19.8, the version fnaccel runs, refuses it): {fix}. Remove the key")
     for name, what in (("optimizer", "optimizer"), ("scheduler", "lr scheduler")):
         if name in config:
             raise ConfigError(f"{where}: has a '{name}' section; fnaccel trains with the {what} passed to "
