@@ -93,6 +93,7 @@ _PUBLIC = MappingProxyType({
         "clear_device_cache", "find_executable_batch_size", "release_memory",
         "should_reduce_batch_size"), "fnaccel.modeling.memory"),
     "extract_model_from_parallel": "fnaccel.modeling.unwrap",
+    "get_model_tp_size": "fnaccel.modeling.tp_size",
     **dict.fromkeys(("BnbQuantizationConfig", "load_and_quantize_model"), "fnaccel.modeling.quantization"),
     "merge_fsdp_weights": "fnaccel.checkpoint.merge",
     **dict.fromkeys(("get_grad_scaler", "get_mixed_precision_context_manager"), "fnaccel.precision"),

@@ -193,6 +193,9 @@ from fnaccel.modeling.tied import (
     find_tied_parameters as find_tied_parameters,
     retie_parameters as retie_parameters,
 )
+from fnaccel.modeling.tp_size import (
+    get_model_tp_size as get_model_tp_size,
+)
 from fnaccel.modeling.unwrap import (
     extract_model_from_parallel as extract_model_from_parallel,
 )

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
+from fnaccel.utils import get_model_tp_size
 
 NUM_SAMPLES, DIM, LR, MAX_NORM = 32, 8, 0.2, 0.5
 
@@ -116,7 +117,8 @@ def train_on_mesh(base: fa.RunState, layout: dict[str, int], pipeline: str, num_
         state = fa.load(state, checkpoint)
         reloaded = full_weights(state.model)
         return {"weights": weights, "reloaded": reloaded, "norms": norms, "outputs": outputs,
-                "batches": seen, "kinds": sorted({type(p).__name__ for p in state.model.parameters()})}
+                "batches": seen, "kinds": sorted({type(p).__name__ for p in state.model.parameters()}),
+                "tp_size": get_model_tp_size(state.model)}
     finally:
         fa.shutdown(state)
 

@@ -46,6 +46,7 @@ def test_tp_on_two_ranks_equals_the_unsharded_model(world2: Any, tmp_path: Path)
     assert_trained_like_reference(results, global_batch=4, num_steps=6, atol=1e-6)
     assert results[0]["batches"] == results[1]["batches"]  # one tp group reads one batch
     assert results[0]["kinds"] == ["DTensor", "Parameter"]  # the plan's layers are sharded, the rest not
+    assert [r["tp_size"] for r in results] == [2, 2]  # fa.utils.get_model_tp_size reads it from the mesh
     # a second run on the same layout in the same processes gets its own groups (torch's DTensor
     # caches would otherwise hand it the first run's, gone with fa.shutdown)
     again = world2.run(fns.train_on_mesh, {"tp_size": 2}, "tp", 2, 4, str(tmp_path / "tp_again"))
