@@ -395,6 +395,28 @@ def test_a_registered_class_is_named_like_a_built_in_tracker(tmp_path: Path) -> 
         register_tracker(base, "mine", DirectoryTracker("x", "y"))  # type: ignore[arg-type]
 
 
+def test_register_tracker_class_takes_the_name_from_the_class(tmp_path: Path) -> None:
+    """Accelerate 1.15's register_tracker_class(tracker_class), the state first."""
+    from fnaccel.utils import register_tracker_class
+
+    class Named(DirectoryTracker):
+        name = "named"
+
+    base = fa.init(cpu=True)
+    state = init_trackers(register_tracker_class(base, Named), "exp", log_with="named", logging_dir=tmp_path)
+    log(state, {"loss": 1.0}, step=1)
+    assert isinstance(get_tracker(state, "named"), Named) and get_tracker(state, "named").logged == [(1, {"loss": 1.0})]
+    end_training(state)
+
+    class Nameless:
+        pass
+
+    with pytest.raises(TypeError, match="Nameless has no string class attribute 'name'.*register_tracker"):
+        register_tracker_class(base, Nameless)
+    with pytest.raises(TypeError, match="takes a class"):
+        register_tracker_class(base, Named("x", "y"))  # type: ignore[arg-type]
+
+
 def test_a_tracker_without_its_package_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "swanlab", None)
     for rank in (0, 1):  # every rank, before any opens a file

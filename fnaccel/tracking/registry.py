@@ -1,4 +1,5 @@
-"""`register_tracker`: a user's tracker class, named in ``log_with`` like a built-in one.
+"""`register_tracker` (and `register_tracker_class`, Accelerate 1.15's spelling): a user's tracker
+class, named in ``log_with`` like a built-in one.
 
 The registry is a value of the run (a `TrackerClasses` record among the
 state's kwargs handlers), not a process-wide table: two runs in one process
@@ -15,7 +16,7 @@ from typing import Any
 from fnaccel.constants import LoggerType
 from fnaccel.kwargs.base import KwargsHandler
 
-__all__ = ["TrackerClasses", "register_tracker", "registered_trackers"]
+__all__ = ["TrackerClasses", "register_tracker", "register_tracker_class", "registered_trackers"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,3 +78,28 @@ def register_tracker(state: Any, name: str, tracker_class: type) -> Any:
         )
     classes = {**registered_trackers(state), name: tracker_class}
     return state.replace(kwargs_handlers={**state.kwargs_handlers, "TrackerClasses": TrackerClasses(classes=classes)})
+
+
+def register_tracker_class(state: Any, tracker_class: type) -> Any:
+    """Returns ``state`` knowing ``tracker_class`` as ``log_with=tracker_class.name``; consumes nothing.
+
+    Accelerate 1.15's ``accelerate.tracking.register_tracker_class``, with the
+    state it registers on first: the name is the class's own ``name``
+    attribute, as Accelerate's ``GeneralTracker`` subclasses declare it. The
+    rest is `register_tracker`'s.
+
+    Raises:
+        TypeError: ``tracker_class`` is not a class, or has no string ``name``.
+        ValueError: its name is empty, a built-in tracker's or ``"all"``.
+
+    >>> import fnaccel as fa
+    >>> class Mine:
+    ...     name = "mine"
+    >>> sorted(registered_trackers(register_tracker_class(fa.init(cpu=True), Mine)))
+    ['mine']
+    """
+    name = getattr(tracker_class, "name", None)
+    if isinstance(tracker_class, type) and not isinstance(name, str):
+        raise TypeError(f"register_tracker_class: {tracker_class.__name__} has no string class attribute 'name' "
+                        "(the name log_with uses); add one, or call register_tracker(state, name, cls)")
+    return register_tracker(state, name, tracker_class)

@@ -108,7 +108,7 @@ _PUBLIC = MappingProxyType({
     "skip_first_batches": "fnaccel.data.skip",
     **dict.fromkeys(("LocalSGDState", "local_sgd"), "fnaccel.transforms.local_sgd"),
     # trackers
-    **dict.fromkeys(("TrackerClasses", "register_tracker"), "fnaccel.tracking.registry"),
+    **dict.fromkeys(("TrackerClasses", "register_tracker", "register_tracker_class"), "fnaccel.tracking.registry"),
     **dict.fromkeys(("GeneralTracker", "JSONLTracker", "TensorBoardTracker"), "fnaccel.tracking.trackers"),
     **dict.fromkeys(("ClearMLTracker", "CometMLTracker", "SwanLabTracker", "TrackioTracker", "WandBTracker"),
                     "fnaccel.tracking.hosted"),

@@ -253,6 +253,7 @@ from fnaccel.tracking.logger import (
 from fnaccel.tracking.registry import (
     TrackerClasses as TrackerClasses,
     register_tracker as register_tracker,
+    register_tracker_class as register_tracker_class,
 )
 from fnaccel.tracking.stores import (
     AimTracker as AimTracker,
