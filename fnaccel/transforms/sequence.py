@@ -298,6 +298,13 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
 
     def prepare_model(ctx: DistContext, model: nn.Module, shard: SequenceShard) -> nn.Module:
         if shard.size > 1:
+            # transformers' gradient_checkpointing_enable() sets this flag on the modules it recomputes
+            if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
+                raise ValueError(
+                    "fa.prepare: the model has activation checkpointing of its own (transformers' "
+                    "gradient_checkpointing_enable()); its recomputation in backward would attend over one "
+                    "rank's part of the sequence only. Call model.gradient_checkpointing_disable() with fa.sp(), "
+                    "or set sp_size=1")
             from fnaccel.transforms.parallel import _broadcast_from_first_rank
 
             _broadcast_from_first_rank(model, shard.group)  # the group's ranks must start alike

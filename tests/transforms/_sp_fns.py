@@ -261,12 +261,16 @@ def refusals(base: fa.RunState) -> list[str]:
         ({}, Tokens(), [fa.ddp()]),  # sp_size 2 without fa.sp
         ({}, Tokens(), [fa.sp(), fa.accumulate(2, normalize="items")]),
         ({"own_forward": True}, Tokens(), [fa.sp()]),  # fa.backward on a loss fa.sp did not split
+        ({"llama": True, "recompute": True}, Tokens(), [fa.sp()]),  # transformers' own checkpointing
     ]
     for attention, data, transforms in cases:
         own_forward = attention.pop("own_forward", False)
         state = fa.init(cpu=True, seed=0, parallelism=fa.ParallelismConfig(sp_size=2))
         try:
+            recompute = attention.pop("recompute", False)
             model = make_model(**attention)
+            if recompute:
+                model.lm.gradient_checkpointing_enable()
             state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=LR),
                                DataLoader(data, batch_size=2), loss_fn=loss_fn, pipeline=fa.compose(*transforms))
             for batch in fa.batches(state, epochs=1):

@@ -127,7 +127,7 @@ def test_sp2_by_fsdp2_equals_one_process(world4: Any) -> None:
 
 
 def test_refusals_name_the_cause_and_the_fix(world2: Any) -> None:
-    heads, length, mask, manual, missing, items, own_forward = world2.run(fns.refusals)[0]
+    heads, length, mask, manual, missing, items, own_forward, recompute = world2.run(fns.refusals)[0]
     assert "heads divisible by sp_size=2" in heads
     assert "sequence length 15 is not divisible by sp_size=2" in length and "pad" in length
     assert "attn_mask" in mask and "sliding window" in mask
@@ -135,6 +135,7 @@ def test_refusals_name_the_cause_and_the_fix(world2: Any) -> None:
     assert "sp_size=2" in missing and "fa.sp()" in missing
     assert "normalize='items'" in items
     assert "did not split" in own_forward and "fa.step(state, batch)" in own_forward
+    assert "gradient_checkpointing_enable()" in recompute and "gradient_checkpointing_disable()" in recompute
 
 
 def test_sp_checks_its_arguments_and_combinations() -> None:
