@@ -74,7 +74,9 @@ FSDP_FLAGS: tuple[Flag, ...] = (
     ("--fsdp_use_orig_params", str, "(true|false) FSDP2 always keeps them (false is refused)."),
     ("--fsdp_cpu_ram_efficient_loading", str, "(true|false) real weights on rank 0 only (needs sync)."),
     ("--fsdp_sync_module_states", str, "(true|false) broadcast rank 0's weights before sharding."),
-    ("--fsdp_activation_checkpointing", str, "(true|false) activation checkpointing (true is refused)."),
+    ("--fsdp_activation_checkpointing", str, "(true|false) checkpoint the layers to wrap (fa.checkpoint_activations)."),
+    ("--fsdp_activation_checkpointing_offload", str,
+     "(true|false) keep checkpointed blocks' inputs in host memory (needs --fsdp_activation_checkpointing)."),
 )
 
 # the parallelism_config section (fnaccel.config.parallelism), stored under its config key (the flag's name)

@@ -36,7 +36,10 @@ class FullyShardedDataParallelPlugin:
     ``dp_shard`` dimensions (HSDP; `fa.init` gives a config without a
     ``parallelism_config`` one replica per machine);
     ``activation_checkpointing`` adds `fa.checkpoint_activations` for the
-    layer classes to wrap (every block of the model's ``nn.ModuleList``s without them); ``fsdp_version`` 1 configs run
+    layer classes to wrap (every block of the model's ``nn.ModuleList``s without them), with
+    ``offload=True`` under ``activation_checkpointing_offload`` (Accelerate
+    1.15's; like Accelerate, refused without ``activation_checkpointing``);
+    ``fsdp_version`` 1 configs run
     on FSDP2 (fnaccel ships no FSDP1). ``sync_module_states`` (default True,
     as in Accelerate) broadcasts rank 0's weights before sharding; ``cpu_ram_efficient_loading`` (which needs it)
     means the script loads real weights on rank 0 only, into a model of the
@@ -64,6 +67,7 @@ class FullyShardedDataParallelPlugin:
     sync_module_states: bool = True
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool = False
+    activation_checkpointing_offload: bool = False
 
     @classmethod
     def from_config(
@@ -92,7 +96,8 @@ class FullyShardedDataParallelPlugin:
                 else:
                     values[name] = config_choice(raw, what, _STRATEGIES)
             elif name in ("reshard_after_forward", "forward_prefetch", "use_orig_params",
-                          "sync_module_states", "cpu_ram_efficient_loading", "activation_checkpointing"):
+                          "sync_module_states", "cpu_ram_efficient_loading", "activation_checkpointing",
+                          "activation_checkpointing_offload"):
                 values[name] = config_bool(raw, what)
             elif name == "offload_params":
                 values["cpu_offload"] = config_bool(raw, what)
@@ -110,14 +115,15 @@ class FullyShardedDataParallelPlugin:
                          "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
                          "fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_state_dict_type",
                          "fsdp_use_orig_params", "fsdp_sync_module_states",
-                         "fsdp_cpu_ram_efficient_loading", "fsdp_activation_checkpointing")
+                         "fsdp_cpu_ram_efficient_loading", "fsdp_activation_checkpointing",
+                         "fsdp_activation_checkpointing_offload")
                 raise ConfigError(f"{source}: unknown key '{key}'; known keys are {', '.join(known)}")
         return section_record(cls, values, source)
 
     def __post_init__(self) -> None:
         require_bools(self, ("reshard_after_forward",), ("cpu_offload", "forward_prefetch",
                        "use_orig_params", "sync_module_states", "cpu_ram_efficient_loading",
-                       "activation_checkpointing"))
+                       "activation_checkpointing", "activation_checkpointing_offload"))
         self.check(type(self).__name__)
 
     def check(self, source: str = "fsdp_config") -> None:
@@ -157,6 +163,11 @@ class FullyShardedDataParallelPlugin:
             raise refuse("fsdp_sync_module_states", source,
                           "fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states true: only "
                           "rank 0's weights are real, and the others receive them")
+        if self.activation_checkpointing_offload and not self.activation_checkpointing:
+            # Accelerate 1.15 refuses it too; it offloads what checkpointing saves, and nothing is
+            raise refuse("fsdp_activation_checkpointing_offload", source,
+                          "true needs fsdp_activation_checkpointing true: it offloads the inputs the "
+                          "checkpointed blocks keep; turn both on, or leave the offload out")
         if self.forward_prefetch:
             raise refuse("fsdp_forward_prefetch", source,
                           "true is not supported: explicit forward prefetching is not built")
@@ -184,4 +195,5 @@ class FullyShardedDataParallelPlugin:
 
         if not self.activation_checkpointing:
             return None
-        return checkpoint_activations(*self.transformer_cls_names_to_wrap)
+        return checkpoint_activations(*self.transformer_cls_names_to_wrap,
+                                      offload=self.activation_checkpointing_offload)
