@@ -179,6 +179,10 @@ def _optimizer_step(optimizer: Any, state: DeepSpeedState) -> dict[str, Any]:
     engine = state.engine
     engine.step()
     metrics: dict[str, Any] = {}
+    if not engine.was_step_applied():
+        # DeepSpeed skipped it (gradients with inf/NaN: bf16's check_grad_overflow, on by default
+        # in 0.19.8, or fp16's scaler): fa.step holds the scheduler and says so, as for fp16's scaler
+        metrics["skipped"] = torch.tensor(True)
     if state.clipping:
         norm = engine.get_global_grad_norm()
         if norm is not None:

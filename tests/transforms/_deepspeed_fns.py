@@ -268,3 +268,26 @@ def doc_example(state: fa.RunState, code: str, directory: str) -> dict[str, Any]
     out = {"step": names["state"].step, "groups": len(optimizer.param_groups)}
     fa.shutdown(names["state"])
     return out
+
+
+def bf16_overflow(state: fa.RunState) -> dict[str, Any]:
+    """bf16 ZeRO-2 (DeepSpeed 0.19.8 checks bf16 gradients by default), the second update's inputs inf:
+    what fa.step reported, where the scheduler stood after each update, and whether the skipped update moved a weight."""
+    model, opt, sched, loader, pipeline = _parts(pipeline_of("deepspeed", "bf16", 1, None, zero_stage=2))
+    state = fa.prepare(state, model, opt, loader, sched, pipeline=pipeline, loss_fn=loss_fn)
+    skipped, scheduler_epochs, moved = [], [], False
+    for index, batch in enumerate(fa.batches(state)):
+        if index == 1:
+            batch = (torch.full_like(batch[0], float("inf")), batch[1])
+        before = full_weights(state)
+        state, metrics = fa.step(state, batch)
+        skipped.append(bool(metrics.get("skipped", False)))
+        scheduler_epochs.append(sched.last_epoch)
+        if index == 1:
+            after = full_weights(state)
+            moved = any(not torch.equal(after[name], weight) for name, weight in before.items())
+        if index == 2:
+            break
+    out = {"skipped": skipped, "moved": moved, "scheduler_epochs": scheduler_epochs}
+    fa.shutdown(state)
+    return out

@@ -56,6 +56,15 @@ def test_bf16_stays_within_tolerance_of_ddp(worlds: Any) -> None:
     assert ours["losses"] == pytest.approx(theirs["losses"], abs=2e-2)
 
 
+def test_an_update_deepspeed_skips_in_bf16_is_reported_and_holds_the_scheduler(worlds: Any) -> None:
+    # DeepSpeed 0.19.8's bf16 check_grad_overflow is on: ZeRO-2 skips the update whose gradients are inf
+    out = worlds.get(2).run(fns.bf16_overflow)[0]
+    assert out["skipped"] == [False, True, False]
+    assert not out["moved"]
+    first, held, last = out["scheduler_epochs"]
+    assert held == first < last, out["scheduler_epochs"]  # the skipped update did not step it
+
+
 def _pickles(directory: Path) -> list[str]:
     """Files holding a pickle: protocol 2+ opens with 0x80, a zip (torch.save) with PK."""
     return [p.name for p in directory.rglob("*") if p.is_file() and p.read_bytes()[:2] in (b"\x80\x02", b"\x80\x03",
