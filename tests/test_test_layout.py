@@ -95,7 +95,6 @@ NOT_YET_MIRRORED: dict[str, tuple[str, str]] = {
     "transforms/precision.py": ("tests/test_train.py", "in the step's tests and test_fp8.py"),
     "transforms/parallel.py": ("tests/test_train_dist.py", "fa.ddp / fa.fsdp: tests/transforms/test_parallel.py"),
     "transforms/collectives.py": ("tests/ops/test_collectives.py", "the collective transforms, with ops/"),
-    "transforms/checkpointing.py": ("tests/transforms/test_mesh.py", "activation checkpointing beside fa.tp"),
     "transforms/tensor_parallel.py": ("tests/transforms/test_mesh.py", "fa.tp: tests/transforms/test_tensor_parallel.py"),
     "transforms/pipelining.py": ("tests/transforms/test_pp.py", "named after fa.pp: test_pipelining.py"),
 }
