@@ -116,7 +116,8 @@ def _worker(
         if message is None:
             break
         function, args, kwargs = message
-        borrowed = dataclasses.replace(base.dist, _owner=_BorrowedGroup(base.dist._owner))
+        owner = base.dist._owner  # None in a world of one: no group to lend
+        borrowed = base.dist if owner is None else dataclasses.replace(base.dist, _owner=_BorrowedGroup(owner))
         state = dataclasses.replace(base, dist=borrowed, rng=RNGState.seeded(0), _lease=Lease(),
                                     resources=Resources())
         try:
