@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from fnaccel.dist import DistContext
@@ -35,7 +36,6 @@ class CheckpointedForward:
         self.offload = offload
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import torch
         from torch.utils.checkpoint import checkpoint
 
         if not self.offload:
