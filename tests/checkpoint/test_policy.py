@@ -210,9 +210,13 @@ def test_rotation_removes_leftovers_of_crashed_saves_only(tmp_path: Path) -> Non
     assert _steps(tmp_path) == [8]
 
 
-def test_continuous_saves_only_once_the_last_committed(tmp_path: Path) -> None:
+def test_continuous_saves_only_once_the_last_committed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On one process: a save starts only at a step where the last one is done (no save ever
-    waits for another), and the RAM-like tier keeps one checkpoint."""
+    waits for another), and the RAM-like tier keeps one checkpoint. The CPU clock stands still,
+    so snapshots cost nothing and the 5% pacing never holds a save (that is the next test's);
+    every other step waits for the save in flight, so at least two start whatever the writer's
+    speed, and the steps between show whether one starts while another is still writing."""
+    monkeypatch.setattr(policy_module, "_work_clock", lambda: 0.0)
     state = _run()
     policy = fa.save_policy(continuous=True, keep_last=1, directories=tmp_path)
     starts, idle = [], []
@@ -223,6 +227,8 @@ def test_continuous_saves_only_once_the_last_committed(tmp_path: Path) -> None:
         before = None if mine is None else mine.last_saved
         state = fa.autosave(state, policy)
         starts.append(_book(state)[policy].last_saved != before)
+        if state.step % 2:
+            _book(state)[policy].handle.wait()
     last = _book(state)[policy].last_saved
     fa.shutdown(state)
     assert starts[0] and sum(starts) >= 2
