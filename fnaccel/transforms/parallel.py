@@ -28,7 +28,7 @@ from fnaccel.transforms.phases import Phase
 from fnaccel.kwargs import DistributedDataParallelKwargs
 from fnaccel.resources import GroupOwner
 
-__all__ = ["ddp", "fsdp", "unwrap_compiled", "unwrap_model"]
+__all__ = ["broadcast_from_first_rank", "ddp", "fsdp", "unwrap_compiled", "unwrap_model"]
 
 
 def unwrap_compiled(model: Any) -> Any:
@@ -128,7 +128,7 @@ def _wrap_targets(
     return targets
 
 
-def _broadcast_from_first_rank(model: nn.Module, group: Any) -> None:
+def broadcast_from_first_rank(model: nn.Module, group: Any) -> None:
     # fa.prepare has refused meta tensors on every rank before this point
     first = dist.get_global_rank(group, 0)
     with torch.no_grad():
@@ -211,7 +211,7 @@ def fsdp(
             )
         mesh = _shard_mesh(ctx)
         if sync_module_states:
-            _broadcast_from_first_rank(model, data_parallel_context(ctx).process_group)
+            broadcast_from_first_rank(model, data_parallel_context(ctx).process_group)
         shard_options: dict[str, Any] = {
             "mesh": mesh,
             "reshard_after_forward": reshard_after_forward,

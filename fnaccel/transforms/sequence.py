@@ -305,9 +305,9 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
                     "gradient_checkpointing_enable()); its recomputation in backward would attend over one "
                     "rank's part of the sequence only. Call model.gradient_checkpointing_disable() with fa.sp(), "
                     "or set sp_size=1")
-            from fnaccel.transforms.parallel import _broadcast_from_first_rank
+            from fnaccel.transforms.parallel import broadcast_from_first_rank
 
-            _broadcast_from_first_rank(model, shard.group)  # the group's ranks must start alike
+            broadcast_from_first_rank(model, shard.group)  # the group's ranks must start alike
             model.forward = SequenceParallelForward(model.forward, shard)
         return model
 
