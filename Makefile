@@ -36,6 +36,7 @@ setup: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/ruff check fnaccel tests benchmarks examples
+	$(BIN)/ruff format --check fnaccel tests benchmarks examples
 	$(BIN)/mypy
 
 # The facades' type stubs (fnaccel/__init__.pyi, fnaccel/utils/__init__.pyi), from their tables of

@@ -104,10 +104,15 @@ def _phase(name: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
                 load_checkpoint_in_model(model, checkpoint, strict=True)
             else:
                 model = load_checkpoint_and_dispatch(
-                    model, checkpoint, device_map="auto", max_memory={"cpu": args.cpu, "disk": "100GB"},
-                    no_split_module_classes=["Block"], offload_folder=folder / "offload", strict=True,
+                    model,
+                    checkpoint,
+                    device_map="auto",
+                    max_memory={"cpu": args.cpu, "disk": "100GB"},
+                    no_split_module_classes=["Block"],
+                    offload_folder=folder / "offload",
+                    strict=True,
                 )
-                places = list(getattr(model, "hf_device_map").values())
+                places = list(model.hf_device_map.values())
                 figures["map"] = {place: places.count(place) for place in sorted(set(places))}
             figures["load_s"] = time.perf_counter() - began
             began = time.perf_counter()
@@ -117,9 +122,10 @@ def _phase(name: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
                 began = time.perf_counter()
                 out = model(x)
                 figures["warm_forward_s"] = time.perf_counter() - began
-                device_map = getattr(model, "hf_device_map")
-                figures["on_meta_after"] = all(p.is_meta for n, p in model.named_parameters()
-                                               if device_for(n, device_map) == "disk")
+                device_map = model.hf_device_map
+                figures["on_meta_after"] = all(
+                    p.is_meta for n, p in model.named_parameters() if device_for(n, device_map) == "disk"
+                )
             reference = safetensors.torch.load_file(folder / "reference.safetensors")["out"]
             figures["equal"] = torch.equal(out, reference)
             figures["allclose"] = torch.allclose(out, reference)
@@ -128,8 +134,12 @@ def _phase(name: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(name: str, folder: Path, argv: list[str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, __file__, *argv, "--phase", name, "--folder", str(folder)],
-                          check=True, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, __file__, *argv, "--phase", name, "--folder", str(folder)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -153,24 +163,35 @@ def main() -> None:
         torch.manual_seed(1)
         safetensors.torch.save_file({"x": torch.randn(4, args.dim)}, folder / "input.safetensors")
         model_mb = _run("save", folder, argv)["bytes"] / 2**20
-        rows = [(label, _run(name, folder, argv)) for label, name in (
-            ("plain torch (baseline)", "baseline"),
-            ("load_checkpoint_in_model", "load"),
-            ("load_checkpoint_and_dispatch", "dispatch"),
-        )]
-    print(f"model: {args.blocks} blocks x 4 Linear({args.dim}, {args.dim}), {model_mb:.0f} MiB in float32; "
-          f"shards of {args.shard}; torch {torch.__version__}")
-    print(f"{'case':<30} {'peak RSS':>9} {'at start':>9} {'peak-start':>10} {'/ model':>8} "
-          f"{'/ baseline':>10} {'load s':>7} {'fwd s':>6}  output")
+        rows = [
+            (label, _run(name, folder, argv))
+            for label, name in (
+                ("plain torch (baseline)", "baseline"),
+                ("load_checkpoint_in_model", "load"),
+                ("load_checkpoint_and_dispatch", "dispatch"),
+            )
+        ]
+    print(
+        f"model: {args.blocks} blocks x 4 Linear({args.dim}, {args.dim}), {model_mb:.0f} MiB in float32; "
+        f"shards of {args.shard}; torch {torch.__version__}"
+    )
+    print(
+        f"{'case':<30} {'peak RSS':>9} {'at start':>9} {'peak-start':>10} {'/ model':>8} "
+        f"{'/ baseline':>10} {'load s':>7} {'fwd s':>6}  output"
+    )
     base = rows[0][1]["peak_mb"] - rows[0][1]["start_mb"]
     for label, row in rows:
         used = row["peak_mb"] - row["start_mb"]
         check = "reference" if "equal" not in row else f"equal={row['equal']} allclose={row['allclose']}"
-        print(f"{label:<30} {row['peak_mb']:>7.0f}MB {row['start_mb']:>7.0f}MB {used:>8.0f}MB "
-              f"{used / model_mb:>8.2f} {used / base:>10.2f} {row['load_s']:>7.2f} {row['forward_s']:>6.2f}  {check}")
+        print(
+            f"{label:<30} {row['peak_mb']:>7.0f}MB {row['start_mb']:>7.0f}MB {used:>8.0f}MB "
+            f"{used / model_mb:>8.2f} {used / base:>10.2f} {row['load_s']:>7.2f} {row['forward_s']:>6.2f}  {check}"
+        )
     dispatched = rows[2][1]
-    print(f"dispatch: device map {dispatched['map']} (blocks), warm forward {dispatched['warm_forward_s']:.2f} s, "
-          f"disk weights back on meta after the forward: {dispatched['on_meta_after']}")
+    print(
+        f"dispatch: device map {dispatched['map']} (blocks), warm forward {dispatched['warm_forward_s']:.2f} s, "
+        f"disk weights back on meta after the forward: {dispatched['on_meta_after']}"
+    )
 
 
 if __name__ == "__main__":

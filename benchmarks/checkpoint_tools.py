@@ -41,8 +41,13 @@ def build(directory: Path) -> Path:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(4)))
     loader = DataLoader(TensorDataset(torch.randn(8, WIDTH)), batch_size=2)
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.AdamW(model.parameters(), lr=1e-4), loader,
-                       loss_fn=lambda m, batch: m(batch[0]).pow(2).mean())
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-4),
+        loader,
+        loss_fn=lambda m, batch: m(batch[0]).pow(2).mean(),
+    )
     state, _ = fa.step(state, next(iter(fa.batches(state))))
     fa.save(state, directory / "ckpt")
     fa.shutdown(state)
@@ -70,16 +75,26 @@ def main() -> None:
         for _ in range(args.rounds):
             figures = {
                 "summarize": timed(lambda: summarize(ckpt)),
-                "inspect": timed(lambda: subprocess.run([sys.executable, "-m", "fnaccel", "checkpoint", "inspect",
-                                                        str(ckpt)], check=True, capture_output=True)),
+                "inspect": timed(
+                    lambda: subprocess.run(
+                        [sys.executable, "-m", "fnaccel", "checkpoint", "inspect", str(ckpt)],
+                        check=True,
+                        capture_output=True,
+                    )
+                ),
                 "import": timed(lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True)),
                 "verify": timed(lambda: verify(ckpt)),
                 "sha256": timed(lambda: [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in files]),
                 "cat": timed(lambda: subprocess.run(["cat", *files], check=True, stdout=subprocess.DEVNULL)),
                 "diff": timed(lambda: fa.diff(ckpt, ckpt)),
             }
-            print(" | ".join(f"{name} {seconds * 1000:.1f} ms" if seconds < 0.1 else f"{name} {seconds:.2f} s"
-                             for name, seconds in figures.items()), flush=True)
+            print(
+                " | ".join(
+                    f"{name} {seconds * 1000:.1f} ms" if seconds < 0.1 else f"{name} {seconds:.2f} s"
+                    for name, seconds in figures.items()
+                ),
+                flush=True,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

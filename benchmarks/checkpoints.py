@@ -72,8 +72,11 @@ def make_state(size_mb: float) -> tuple[fa.RunState, nn.Module, torch.optim.Opti
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    return {f"{i}.{key}": value for i, per in optimizer.state_dict()["state"].items()
-            for key, value in per.items()}
+    return {
+        f"{i}.{key}": value
+        for i, per in optimizer.state_dict()["state"].items()
+        for key, value in per.items()
+    }
 
 
 def raw_save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
@@ -117,8 +120,12 @@ def timed(fn: Callable[[], object]) -> float:
     return clock() - start
 
 
-def compare(rounds: int, baseline: Callable[[], object], ours: Callable[[], object],
-            settle: Callable[[], object] = lambda: None) -> tuple[float, float]:
+def compare(
+    rounds: int,
+    baseline: Callable[[], object],
+    ours: Callable[[], object],
+    settle: Callable[[], object] = lambda: None,
+) -> tuple[float, float]:
     """Median seconds of ``baseline`` and of ``ours``, alternating which runs first;
     ``settle`` runs untimed after each."""
     base, mine = [], []
@@ -152,7 +159,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--dir", default=None, help="where to write (a temporary folder inside it)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
-    parser.add_argument("--only", nargs="+", choices=["save", "load", "async"], default=["save", "load", "async"])
+    parser.add_argument(
+        "--only", nargs="+", choices=["save", "load", "async"], default=["save", "load", "async"]
+    )
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
@@ -172,16 +181,24 @@ def main() -> None:
                 raw_new.settle()
                 ckpt_new.settle()
 
-            base, ours = compare(args.rounds, lambda: raw_save(model, optimizer, raw_new.next()),
-                                 lambda: fa.save(state, ckpt_new.next()), settle_new)
+            base, ours = compare(
+                args.rounds,
+                lambda: raw_save(model, optimizer, raw_new.next()),
+                lambda: fa.save(state, ckpt_new.next()),
+                settle_new,
+            )
             rows.append(("save, new directory: fa.save / save_file + os.sync()", base, ours))
 
             def settle_over() -> None:
                 state.resources.get("saves").wait()  # the replaced checkpoint's removal, beside the run
                 os.sync()
 
-            base, ours = compare(args.rounds, lambda: raw_save(model, optimizer, raw), lambda: fa.save(state, ckpt),
-                                 settle_over)
+            base, ours = compare(
+                args.rounds,
+                lambda: raw_save(model, optimizer, raw),
+                lambda: fa.save(state, ckpt),
+                settle_over,
+            )
             rows.append(("save over the last: fa.save / save_file + os.sync()", base, ours))
         current = [state]  # fa.load consumes the state it is given: each load takes the last one's
 
@@ -208,13 +225,20 @@ def main() -> None:
             async_ours.append(timed(background))
             handles.pop().wait()
         if async_ours:
-            rows.append(("async: fa.save(blocking=False) blocks / blocking fa.save",
-                         statistics.median(async_base), statistics.median(async_ours)))
+            rows.append(
+                (
+                    "async: fa.save(blocking=False) blocks / blocking fa.save",
+                    statistics.median(async_base),
+                    statistics.median(async_ours),
+                )
+            )
         fa.shutdown(state)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"checkpoint of {nbytes / 1e6:.0f} MB (model + AdamW state), median of {args.rounds} rounds, "
-          f"torch {torch.__version__}, in {args.dir or tempfile.gettempdir()}, {args.clock} clock")
+    print(
+        f"checkpoint of {nbytes / 1e6:.0f} MB (model + AdamW state), median of {args.rounds} rounds, "
+        f"torch {torch.__version__}, in {args.dir or tempfile.gettempdir()}, {args.clock} clock"
+    )
     print(f"{'what':58} {'baseline s':>10} {'fnaccel s':>10} {'ratio':>6}")
     for name, base, ours in rows:
         print(f"{name:58} {base:10.3f} {ours:10.3f} {ours / base:6.2f}")

@@ -82,8 +82,16 @@ COLS = 256  # columns of the pad+gather case's 2-D tensor
 SIZES = {"1KB": 256, "1MB": 262_144, "64MB": 16_777_216}  # float32 elements per rank
 # The "A/A" cases time the baseline against itself: their ratios show how far
 # from 1.0 noise alone moves a row on this machine.
-CASES = ("gather", "reduce", "broadcast", "pad+gather", "gather A/A", "reduce A/A", "broadcast A/A",
-         "pad+gather A/A")
+CASES = (
+    "gather",
+    "reduce",
+    "broadcast",
+    "pad+gather",
+    "gather A/A",
+    "reduce A/A",
+    "broadcast A/A",
+    "pad+gather A/A",
+)
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -230,11 +238,10 @@ def _fmt(seconds: float) -> str:
 def _summarise(case: str, label: str, numel: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     k = per_rank[0]["k"]
     rounds = len(per_rank[0]["baseline"])
-    row: dict[str, Any] = {"case": case, "size": label, "bytes": numel * 4, "k": k,
-                           "rounds": rounds}
+    row: dict[str, Any] = {"case": case, "size": label, "bytes": numel * 4, "k": k, "rounds": rounds}
     for name in ("baseline", "fnaccel"):
         # a block lasts until its slowest rank is done
-        blocks = [max(times) for times in zip(*(r[name] for r in per_rank))]
+        blocks = [max(times) for times in zip(*(r[name] for r in per_rank), strict=False)]
         per_call = [b / k for b in blocks]
         row[f"{name}_s"] = statistics.median(per_call)
         row[f"{name}_min_s"] = min(per_call)
@@ -247,39 +254,58 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     parser.add_argument("--rounds", type=int, default=21, help="alternating rounds (default 21)")
-    parser.add_argument("--min-block", type=float, default=0.2,
-                        help="seconds a timed block should last at least (default 0.2)")
-    parser.add_argument("--budget", type=float, default=10.0,
-                        help="timed seconds one (case, size) may take at most (default 10)")
+    parser.add_argument(
+        "--min-block",
+        type=float,
+        default=0.2,
+        help="seconds a timed block should last at least (default 0.2)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=10.0,
+        help="timed seconds one (case, size) may take at most (default 10)",
+    )
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES[:4]))
     args = parser.parse_args(argv)
 
     rows = []
     started = time.perf_counter()
-    print(f"{NUM_PROCESSES} gloo processes, torch {torch.__version__}, "
-          f"{platform.machine()}, OMP_NUM_THREADS=1 in the workers", flush=True)
-    header = (f"{'case':<15} {'size':>5} {'k':>5} {'rounds':>6} {'baseline':>11} "
-              f"{'fnaccel':>11} {'ratio':>6}")
+    print(
+        f"{NUM_PROCESSES} gloo processes, torch {torch.__version__}, "
+        f"{platform.machine()}, OMP_NUM_THREADS=1 in the workers",
+        flush=True,
+    )
+    header = f"{'case':<15} {'size':>5} {'k':>5} {'rounds':>6} {'baseline':>11} {'fnaccel':>11} {'ratio':>6}"
     print(header)
     print("-" * len(header), flush=True)
     with World(NUM_PROCESSES, timeout=300.0) as world:
         for case in args.cases:
             for label in args.sizes:
                 numel = SIZES[label]
-                per_rank = world.run(bench_worker, case, numel, args.rounds, args.min_block,
-                                     args.budget)
+                per_rank = world.run(bench_worker, case, numel, args.rounds, args.min_block, args.budget)
                 row = _summarise(case, label, numel, per_rank)
                 rows.append(row)
-                print(f"{case:<15} {label:>5} {row['k']:>5} {row['rounds']:>6} "
-                      f"{_fmt(row['baseline_s']):>11} "
-                      f"{_fmt(row['fnaccel_s']):>11} {row['ratio']:6.3f}", flush=True)
-    print(f"({time.perf_counter() - started:.1f} s in all; per call: median over rounds of "
-          "block time / k, each block timed as the max over ranks)")
+                print(
+                    f"{case:<15} {label:>5} {row['k']:>5} {row['rounds']:>6} "
+                    f"{_fmt(row['baseline_s']):>11} "
+                    f"{_fmt(row['fnaccel_s']):>11} {row['ratio']:6.3f}",
+                    flush=True,
+                )
+    print(
+        f"({time.perf_counter() - started:.1f} s in all; per call: median over rounds of "
+        "block time / k, each block timed as the max over ranks)"
+    )
     if args.json:
-        meta = {"num_processes": NUM_PROCESSES, "torch": torch.__version__,
-                "python": sys.version.split()[0], "rounds": args.rounds,
-                "min_block_s": args.min_block, "budget_s": args.budget}
+        meta = {
+            "num_processes": NUM_PROCESSES,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "rounds": args.rounds,
+            "min_block_s": args.min_block,
+            "budget_s": args.budget,
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
         print(f"wrote {args.json}")

@@ -28,11 +28,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-import fnaccel as fa  # noqa: E402
-from fnaccel.testing import World  # noqa: E402
+import fnaccel as fa
+from fnaccel.testing import World
 
 ROUNDS, BLOCK, WARMUP = 3, 20, 5
 CASES = ("ddp", "zero1", "zero2", "zero3")
@@ -68,8 +68,14 @@ def measure(state: fa.RunState, case: str) -> tuple[float, float]:
 
 def main() -> None:
     code = "import time, torch; t = time.perf_counter(); import deepspeed; print(time.perf_counter() - t)"
-    imports = [float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                    check=True).stdout.split()[-1]) for _ in range(3)]
+    imports = [
+        float(
+            subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            ).stdout.split()[-1]
+        )
+        for _ in range(3)
+    ]
     print(f"import deepspeed after torch: {statistics.median(imports):.2f} s (median of 3)")
     results: dict[str, list[tuple[float, float]]] = {case: [] for case in CASES}
     with World(2, timeout=600) as world:

@@ -50,8 +50,12 @@ def main() -> None:
             elif not torch.equal(out, expected):
                 raise SystemExit("fa.evaluate's outputs differ from the hand loop's")
     base, ours = min(times["hand"]), min(times["fnaccel"])
-    print(f"torch {torch.__version__}, {args.rows} rows x 32, batch 256, best of {args.rounds}, one CPU thread")
-    print(f"evaluate: hand loop {base * 1e3:.0f} ms, fa.evaluate {ours * 1e3:.0f} ms, ratio {ours / base:.3f}")
+    print(
+        f"torch {torch.__version__}, {args.rows} rows x 32, batch 256, best of {args.rounds}, one CPU thread"
+    )
+    print(
+        f"evaluate: hand loop {base * 1e3:.0f} ms, fa.evaluate {ours * 1e3:.0f} ms, ratio {ours / base:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -68,14 +68,18 @@ class Block(nn.Module):
         self.qkv = nn.Linear(shape.width, 3 * shape.width)
         self.proj = nn.Linear(shape.width, shape.width)
         self.norm2 = nn.LayerNorm(shape.width)
-        self.mlp = nn.Sequential(nn.Linear(shape.width, 4 * shape.width), nn.GELU(approximate="tanh"),
-                                 nn.Linear(4 * shape.width, shape.width))
+        self.mlp = nn.Sequential(
+            nn.Linear(shape.width, 4 * shape.width),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(4 * shape.width, shape.width),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(batch, seq, 3, self.heads, width // self.heads).unbind(2)
-        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=True)
+        attended = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, width))
         return x + self.mlp(self.norm2(x))
 
@@ -117,8 +121,9 @@ def make_batches(shape: Shape, device: torch.device, steps: int) -> list[tuple[t
     return out
 
 
-def loops(shape: Shape, device: torch.device, batches: list[Any], compiled: bool,
-          backend: str) -> tuple[Callable[[], None], Callable[[], None], Callable[[], float]]:
+def loops(
+    shape: Shape, device: torch.device, batches: list[Any], compiled: bool, backend: str
+) -> tuple[Callable[[], None], Callable[[], None], Callable[[], float]]:
     """The hand-written loop and the fnaccel loop over ``batches``, each one block,
     and a function giving the largest difference between the two models' weights
     (after as many blocks of each: 0.0 when both computed the same steps)."""
@@ -136,8 +141,11 @@ def loops(shape: Shape, device: torch.device, batches: list[Any], compiled: bool
 
     model = make_model(shape, device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    pipeline = fa.compose(fa.autocast(fa.bf16), fa.compile(backend=backend)) if compiled \
+    pipeline = (
+        fa.compose(fa.autocast(fa.bf16), fa.compile(backend=backend))
+        if compiled
         else fa.compose(fa.autocast(fa.bf16))
+    )
     state = fa.init(seed=0, cpu=device.type == "cpu")
     if state.dist.device != device:
         raise SystemExit(f"fa.init chose {state.dist.device}, the benchmark asked for {device}")
@@ -150,7 +158,10 @@ def loops(shape: Shape, device: torch.device, batches: list[Any], compiled: bool
         holder[0] = s
 
     def difference() -> float:
-        return max((a - b).abs().max().item() for a, b in zip(hand_model.parameters(), model.parameters()))
+        return max(
+            (a - b).abs().max().item()
+            for a, b in zip(hand_model.parameters(), model.parameters(), strict=False)
+        )
 
     return hand, fnaccel, difference
 
@@ -160,8 +171,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(hand: Callable[[], None], ours: Callable[[], None], rounds: int,
-            device: torch.device) -> tuple[float, float]:
+def measure(
+    hand: Callable[[], None], ours: Callable[[], None], rounds: int, device: torch.device
+) -> tuple[float, float]:
     """Median seconds per block of ``hand`` and ``ours`` (one warm-up block each, not timed)."""
     times: dict[str, list[float]] = {"hand": [], "ours": []}
     sides = {"hand": hand, "ours": ours}
@@ -169,7 +181,7 @@ def measure(hand: Callable[[], None], ours: Callable[[], None], rounds: int,
         fn()
         _sync(device)
     for r in range(rounds):
-        for name in (("hand", "ours") if r % 2 == 0 else ("ours", "hand")):
+        for name in ("hand", "ours") if r % 2 == 0 else ("ours", "hand"):
             _sync(device)
             start = time.perf_counter()
             sides[name]()
@@ -196,7 +208,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     batches = make_batches(shape, device, args.steps)
     tokens = args.steps * shape.batch * shape.seq
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{name}, torch {torch.__version__}, {shape}, {args.steps} steps per block, median of {args.rounds}")
+    print(
+        f"{name}, torch {torch.__version__}, {shape}, {args.steps} steps per block, median of {args.rounds}"
+    )
     print(f"{'loop':24} {'hand tok/s':>12} {'fnaccel tok/s':>14} {'ratio':>6} {'max |w - w_hand|':>17}")
     rows = []
     for compiled in (False,) if args.no_compile else (False, True):
@@ -206,8 +220,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ratio = base / mine  # throughput of ours over hand's
         diff = difference()
         print(f"{label:24} {tokens / base:12.0f} {tokens / mine:14.0f} {ratio:6.3f} {diff:17.3g}", flush=True)
-        rows.append({"case": label, "hand_s": base, "fnaccel_s": mine, "throughput_ratio": ratio,
-                     "max_weight_difference": diff})
+        rows.append(
+            {
+                "case": label,
+                "hand_s": base,
+                "fnaccel_s": mine,
+                "throughput_ratio": ratio,
+                "max_weight_difference": diff,
+            }
+        )
     return rows
 
 

@@ -55,17 +55,26 @@ def _plan() -> dict[str, Any]:
     return {"blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
 
 
-def time_layout(base: fa.RunState, layout: dict[str, int], names: tuple[str, ...], steps: int,
-                blocks: int = 5) -> list[float]:
-    makers = {"ddp": fa.ddp, "fsdp": lambda: fa.fsdp(transformer_cls_names_to_wrap=["Block"]),
-              "tp": lambda: fa.tp(_plan()), "ckpt": fa.checkpoint_activations}
+def time_layout(
+    base: fa.RunState, layout: dict[str, int], names: tuple[str, ...], steps: int, blocks: int = 5
+) -> list[float]:
+    makers = {
+        "ddp": fa.ddp,
+        "fsdp": lambda: fa.fsdp(transformer_cls_names_to_wrap=["Block"]),
+        "tp": lambda: fa.tp(_plan()),
+        "ckpt": fa.checkpoint_activations,
+    }
     state = fa.init(cpu=True, seed=0, parallelism=fa.ParallelismConfig(**layout))
     try:
         torch.manual_seed(0)
         model = Net()
-        state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=1e-3),
-                           pipeline=fa.compose(*(makers[n]() for n in names)),
-                           loss_fn=lambda m, x: m(x))
+        state = fa.prepare(
+            state,
+            model,
+            torch.optim.SGD(model.parameters(), lr=1e-3),
+            pipeline=fa.compose(*(makers[n]() for n in names)),
+            loss_fn=lambda m, x: m(x),
+        )
         x = torch.randn(BATCH, WIDTH)
         for _ in range(3):
             state, _ = fa.step(state, x)
@@ -88,8 +97,12 @@ CASES = (
     (2, "TP + activation checkpointing", {"tp_size": 2}, ("tp", "ckpt")),
     (4, "FSDP + TP (2x2)", {"dp_shard_size": 2, "tp_size": 2}, ("tp", "fsdp")),
     (4, "HSDP (2x2)", {"dp_replicate_size": 2, "dp_shard_size": 2}, ("fsdp",)),
-    (4, "HSDP (2x2) + activation checkpointing", {"dp_replicate_size": 2, "dp_shard_size": 2},
-     ("ckpt", "fsdp")),
+    (
+        4,
+        "HSDP (2x2) + activation checkpointing",
+        {"dp_replicate_size": 2, "dp_shard_size": 2},
+        ("ckpt", "fsdp"),
+    ),
 )
 
 
@@ -105,7 +118,9 @@ def main() -> None:
             for size, label, layout, names in CASES:
                 world = worlds.get(size) or worlds.setdefault(size, World(size, timeout=600))
                 per_rank = world.run(time_layout, layout, names, args.steps)
-                block = min(max(ranks) for ranks in zip(*per_rank))  # the slowest rank, best block
+                block = min(
+                    max(ranks) for ranks in zip(*per_rank, strict=False)
+                )  # the slowest rank, best block
                 best[label] = min(best.get(label, float("inf")), block)
         print("| layout | processes | ms/step |\n|---|---|---|")
         for size, label, _, _ in CASES:

@@ -13,9 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
-
 from step_overhead import loss_fn, make_model
+from torch.utils.data import DataLoader
 
 
 def accelerate_loop(loader: DataLoader) -> Callable[[], None]:

@@ -30,28 +30,59 @@ PLAIN, PORT = ROOT / "tests" / "ports" / "plain_train.py", ROOT / "tests" / "por
 
 def command(kind: str, num_processes: int, out: Path, args: argparse.Namespace) -> list[str]:
     """The launch of ``kind`` ("plain" or "port"), writing rank 0's CPU seconds per update."""
-    script = [f"--out={out}", f"--max-iters={args.iters}", f"--dim={args.dim}",
-              f"--eval-interval={10**9}", f"--timings={out / 'timings.json'}"]
+    script = [
+        f"--out={out}",
+        f"--max-iters={args.iters}",
+        f"--dim={args.dim}",
+        f"--eval-interval={10**9}",
+        f"--timings={out / 'timings.json'}",
+    ]
     if kind == "plain":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={num_processes}", str(PLAIN), *script]
-    return [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", f"--num_processes={num_processes}",
-            "--num_cpu_threads_per_process=1", str(PORT), *script]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={num_processes}",
+            str(PLAIN),
+            *script,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "fnaccel",
+        "launch",
+        "-q",
+        "--cpu",
+        f"--num_processes={num_processes}",
+        "--num_cpu_threads_per_process=1",
+        str(PORT),
+        *script,
+    ]
 
 
 def one_round(num_processes: int, tmp: Path, args: argparse.Namespace) -> dict[str, float]:
     """Both launches side by side; each one's median CPU seconds per update after the warm-up."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     outs = {kind: tmp / kind for kind in ("plain", "port")}
-    running = {kind: subprocess.Popen(command(kind, num_processes, out, args), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, env=env)
-               for kind, out in outs.items()}
+    running = {
+        kind: subprocess.Popen(
+            command(kind, num_processes, out, args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for kind, out in outs.items()
+    }
     medians = {}
     for kind, process in running.items():
         output, _ = process.communicate(timeout=900)
         if process.returncode != 0:
             raise SystemExit(f"{kind} on {num_processes} processes failed:\n{output[-4000:]}")
-        medians[kind] = statistics.median(json.loads((outs[kind] / "timings.json").read_text())[args.warmup:])
+        medians[kind] = statistics.median(
+            json.loads((outs[kind] / "timings.json").read_text())[args.warmup :]
+        )
     return medians
 
 
@@ -65,16 +96,23 @@ def main() -> None:
     args = parser.parse_args()
     if args.iters <= args.warmup:
         raise SystemExit("--iters must exceed --warmup")
-    print(f"tests/ports scripts, dim {args.dim}, {args.iters} updates ({args.warmup} warm-up), {args.rounds} rounds "
-          "of the two launched side by side, one CPU thread per process; rank 0's CPU ms per update")
+    print(
+        f"tests/ports scripts, dim {args.dim}, {args.iters} updates ({args.warmup} warm-up), {args.rounds} rounds "
+        "of the two launched side by side, one CPU thread per process; rank 0's CPU ms per update"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for num_processes in args.processes:
-            rounds = [one_round(num_processes, Path(tmp) / f"{num_processes}_{i}", args) for i in range(args.rounds)]
+            rounds = [
+                one_round(num_processes, Path(tmp) / f"{num_processes}_{i}", args) for i in range(args.rounds)
+            ]
             ratios = sorted(r["port"] / r["plain"] for r in rounds)
             middle = sorted(rounds, key=lambda r: r["port"] / r["plain"])[len(rounds) // 2]
-            print(f"{num_processes} process{'es' if num_processes > 1 else ''}: median round plain "
-                  f"{middle['plain'] * 1e3:.2f} ms, port {middle['port'] * 1e3:.2f} ms, ratio {ratios[len(ratios) // 2]:.3f} "
-                  f"(rounds {ratios[0]:.3f}-{ratios[-1]:.3f})")
+            print(
+                f"{num_processes} process{'es' if num_processes > 1 else ''}: median round plain "
+                f"{middle['plain'] * 1e3:.2f} ms, port {middle['port'] * 1e3:.2f} ms, "
+                f"ratio {ratios[len(ratios) // 2]:.3f} "
+                f"(rounds {ratios[0]:.3f}-{ratios[-1]:.3f})"
+            )
 
 
 if __name__ == "__main__":

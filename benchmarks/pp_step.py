@@ -88,12 +88,17 @@ def _by_hand(state: fa.RunState, schedule: str) -> Any:
     bounds = [round(i * len(children) / num_stages) for i in range(num_stages + 1)]
     stages, params = [], []
     for index in range(rank, num_stages, size):
-        body = nn.Sequential(OrderedDict(children[bounds[index]:bounds[index + 1]]))
+        body = nn.Sequential(OrderedDict(children[bounds[index] : bounds[index + 1]]))
         params += list(body.parameters())
-        stages.append(pipelining.PipelineStage(body, index, num_stages, torch.device("cpu"),
-                                               group=state.dist.process_group))
+        stages.append(
+            pipelining.PipelineStage(
+                body, index, num_stages, torch.device("cpu"), group=state.dist.process_group
+            )
+        )
     kind = getattr(pipelining, f"Schedule{schedule}")
-    sched = kind(stages if len(stages) > 1 else stages[0], n_microbatches=MICROBATCHES, loss_fn=F.cross_entropy)
+    sched = kind(
+        stages if len(stages) > 1 else stages[0], n_microbatches=MICROBATCHES, loss_fn=F.cross_entropy
+    )
     opt = torch.optim.SGD(params, lr=0.01)
     x, y = make_batch()
     first, last = rank == 0, rank == size - 1
@@ -136,7 +141,7 @@ def pp_worker(state: fa.RunState, schedule: str, rounds: int, steps: int) -> dic
         run()  # shape inference and warm-up
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(rounds):
-        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+        for name in list(runs) if i % 2 == 0 else list(runs)[::-1]:
             times[name].append(_timed(runs[name], steps, lambda: dist.barrier(group=group)))
     return times
 
@@ -147,8 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, batch {BATCH}, {MICROBATCHES} micro-batches, one thread per process, "
-          f"{args.steps} steps per block, {args.rounds} rounds (median ms per step)")
+    print(
+        f"torch {torch.__version__}, batch {BATCH}, {MICROBATCHES} micro-batches, one thread per process, "
+        f"{args.steps} steps per block, {args.rounds} rounds (median ms per step)"
+    )
     times = unsplit_times(args.rounds, args.steps)
     unsplit = statistics.median(times)
     print(f"{'unsplit, 1 process':<38} {unsplit * 1e3:8.2f} ms (fastest {min(times) * 1e3:.2f})")
@@ -159,8 +166,10 @@ def main(argv: list[str] | None = None) -> None:
                 blocks = [max(r[name][i] for r in per_rank) for i in range(args.rounds)]
                 slowest = statistics.median(blocks)
                 label = f"{schedule} {name.replace('fnaccel', 'fa.pp')}, 2 processes"
-                print(f"{label:<38} {slowest * 1e3:8.2f} ms (fastest {min(blocks) * 1e3:.2f})  "
-                      f"{slowest / unsplit:.2f} x unsplit")
+                print(
+                    f"{label:<38} {slowest * 1e3:8.2f} ms (fastest {min(blocks) * 1e3:.2f})  "
+                    f"{slowest / unsplit:.2f} x unsplit"
+                )
 
 
 if __name__ == "__main__":

@@ -59,10 +59,27 @@ def run(variant: str, cycles: int, hang_after: float) -> bool:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--variant", variant,
-                               "--cycles", str(cycles), "--hang-after", str(hang_after)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--rank",
+                str(rank),
+                "--variant",
+                variant,
+                "--cycles",
+                str(cycles),
+                "--hang-after",
+                str(hang_after),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outputs = []
     for proc in procs:
         try:
@@ -86,8 +103,10 @@ def main() -> None:
         return
     for variant in VARIANTS:
         done = sum(run(variant, args.cycles, args.hang_after) for _ in range(args.runs))
-        print(f"{variant}: {done} of {args.runs} runs finished {args.cycles} cycles "
-              f"({args.runs - done} hung)", flush=True)
+        print(
+            f"{variant}: {done} of {args.runs} runs finished {args.cycles} cycles ({args.runs - done} hung)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

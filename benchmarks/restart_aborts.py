@@ -42,8 +42,13 @@ def worker(out: Path) -> None:
     x, y = torch.randn(64, 8, generator=generator), torch.randn(64, 2, generator=generator)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2))
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
-    state = fa.prepare(state, model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader,
-                       loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    state = fa.prepare(
+        state,
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        loader,
+        loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]),
+    )
     checkpoint = out / "ckpt"
     resumed = (checkpoint / "fnaccel.json").exists()
     if resumed:
@@ -64,16 +69,35 @@ def one_run(processes: int) -> tuple[int, str]:
     """(the launch's exit status, a short account of it)."""
     with tempfile.TemporaryDirectory() as out:
         result = subprocess.run(
-            [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", str(processes),
-             "--max_restarts", "1", "--monitor_interval", "0.2", __file__, "--worker", out],
-            capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            [
+                sys.executable,
+                "-m",
+                "fnaccel",
+                "launch",
+                "-q",
+                "--cpu",
+                "--num_processes",
+                str(processes),
+                "--max_restarts",
+                "1",
+                "--monitor_interval",
+                "0.2",
+                __file__,
+                "--worker",
+                out,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
     finished = len(re.findall(r"attempt 1 finished", result.stdout))
     codes = re.findall(r"exitcode: (-?\d+)", result.stderr)
     aborted = "terminate called" in result.stderr
-    return result.returncode, (f"exit {result.returncode}, {finished}/{processes} ranks of the restarted "
-                               f"group finished, agent saw exit codes {codes}"
-                               + (", terminate called" if aborted else ""))
+    return result.returncode, (
+        f"exit {result.returncode}, {finished}/{processes} ranks of the restarted "
+        f"group finished, agent saw exit codes {codes}" + (", terminate called" if aborted else "")
+    )
 
 
 def main() -> int:

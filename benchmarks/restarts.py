@@ -77,19 +77,31 @@ def worker(args: argparse.Namespace) -> None:
     policy = None
     if args.policy:  # the RAM tier's rule, and the disk tier's, as one fa.autosave policy
         assert ram is not None
-        fast = (fa.save_policy(continuous=True, keep_last=1, directories=ram) if args.policy == "continuous"
-                else fa.save_policy(every_steps=args.ram_every, keep_last=1, directories=ram))
+        fast = (
+            fa.save_policy(continuous=True, keep_last=1, directories=ram)
+            if args.policy == "continuous"
+            else fa.save_policy(every_steps=args.ram_every, keep_last=1, directories=ram)
+        )
         policy = fast | fa.save_policy(every_steps=args.disk_every, keep_last=2, directories=disk / "policy")
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    state = fa.init(seed=0, kwargs_handlers=[fa.ProjectConfiguration(
-        project_dir=str(disk), automatic_checkpoint_naming=True, total_limit=2)])
+    state = fa.init(
+        seed=0,
+        kwargs_handlers=[
+            fa.ProjectConfiguration(project_dir=str(disk), automatic_checkpoint_naming=True, total_limit=2)
+        ],
+    )
     initialized = time.time()
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(4096, args.width, generator=generator)
     model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
     loader = DataLoader(TensorDataset(x, x), batch_size=16, shuffle=True)
-    state = fa.prepare(state, model, torch.optim.AdamW(model.parameters(), lr=1e-4), loader,
-                       loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    state = fa.prepare(
+        state,
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-4),
+        loader,
+        loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]),
+    )
     prepared = time.time()
     tiers = [disk / "checkpoints"] if ram is None else [ram, disk / "checkpoints"]
     if policy is not None:
@@ -110,10 +122,19 @@ def worker(args: argparse.Namespace) -> None:
     for batch in fa.batches(state, epochs=1000):
         state, _ = fa.step(state, batch)
         if restarts == 1 and not record and state.dist.is_main_process:
-            record = {"first_step": time.time(), "started": started, "imported": imported,
-                      "initialized": initialized, "prepared": prepared, "chosen": chosen,
-                      "loaded": loaded, "resumed_from": resumed_from, "checkpoint": str(found), "bytes": size,
-                      "skipped": [str(w.message) for w in skipped]}
+            record = {
+                "first_step": time.time(),
+                "started": started,
+                "imported": imported,
+                "initialized": initialized,
+                "prepared": prepared,
+                "chosen": chosen,
+                "loaded": loaded,
+                "resumed_from": resumed_from,
+                "checkpoint": str(found),
+                "bytes": size,
+                "skipped": [str(w.message) for w in skipped],
+            }
         if restarts == 1 and state.step >= args.kill_at and "back_at_kill" not in record and record:
             record["back_at_kill"] = time.time()
         if state.step == timed_from:
@@ -129,8 +150,15 @@ def worker(args: argparse.Namespace) -> None:
                 fa.save(state, blocking=False)
         if restarts == 0 and state.step == args.kill_at and state.dist.rank == 1:
             now = time.time()
-            (out / "killed.json").write_text(json.dumps({"time": now, "step": state.step,
-                                                         "step_seconds": (now - since) / (state.step - timed_from)}))
+            (out / "killed.json").write_text(
+                json.dumps(
+                    {
+                        "time": now,
+                        "step": state.step,
+                        "step_seconds": (now - since) / (state.step - timed_from),
+                    }
+                )
+            )
             os.kill(os.getpid(), signal.SIGKILL)
     if state.dist.is_main_process and restarts == 1:
         (out / "restart.json").write_text(json.dumps(record))
@@ -144,20 +172,53 @@ def one_row(args: argparse.Namespace, two_tier: bool, policy: str = "") -> dict[
     disk = Path(tempfile.mkdtemp(prefix="restarts-disk-", dir=args.disk))
     ram = Path(tempfile.mkdtemp(prefix="restarts-", dir="/dev/shm")) if two_tier else None
     try:
-        command = [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu",
-                   "--num_processes", str(args.processes), "--max_restarts", "1", "--monitor_interval", "0.2",
-                   __file__, "--worker", str(out), "--disk", str(disk), "--ram", str(ram or ""),
-                   "--width", str(args.width), "--layers", str(args.layers), "--kill_at", str(args.kill_at),
-                   "--ram_every", str(args.ram_every), "--disk_every", str(args.disk_every),
-                   "--policy", policy]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        command = [
+            sys.executable,
+            "-m",
+            "fnaccel",
+            "launch",
+            "-q",
+            "--cpu",
+            "--num_processes",
+            str(args.processes),
+            "--max_restarts",
+            "1",
+            "--monitor_interval",
+            "0.2",
+            __file__,
+            "--worker",
+            str(out),
+            "--disk",
+            str(disk),
+            "--ram",
+            str(ram or ""),
+            "--width",
+            str(args.width),
+            "--layers",
+            str(args.layers),
+            "--kill_at",
+            str(args.kill_at),
+            "--ram_every",
+            str(args.ram_every),
+            "--disk_every",
+            str(args.disk_every),
+            "--policy",
+            policy,
+        ]
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         if result.returncode != 0 or not (out / "restart.json").exists():
             raise SystemExit(f"the launch failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
         killed = json.loads((out / "killed.json").read_text())
         restart = json.loads((out / "restart.json").read_text())
-        return {"killed_at": killed["step"], "step_seconds": killed["step_seconds"], **restart, "to_first_step": restart["first_step"] - killed["time"],
-                "to_killed_step": restart["back_at_kill"] - killed["time"]}
+        return {
+            "killed_at": killed["step"],
+            "step_seconds": killed["step_seconds"],
+            **restart,
+            "to_first_step": restart["first_step"] - killed["time"],
+            "to_killed_step": restart["back_at_kill"] - killed["time"],
+        }
     finally:
         for path in (out, disk, ram):
             if path is not None:
@@ -189,8 +250,10 @@ def choice_cost(disk: str) -> str:
             start = time.perf_counter()
             assert fa.latest_checkpoint(ram, root) == ram / "latest"
             seconds.append(time.perf_counter() - start)
-        return (f"fa.latest_checkpoint(ram, disk), {size / 1e6:.0f} MB checkpoints (1 in RAM, 3 on disk): "
-                f"{sorted(seconds)[2]:.3f} s (median of 5)")
+        return (
+            f"fa.latest_checkpoint(ram, disk), {size / 1e6:.0f} MB checkpoints (1 in RAM, 3 on disk): "
+            f"{sorted(seconds)[2]:.3f} s (median of 5)"
+        )
     finally:
         shutil.rmtree(ram, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
@@ -208,9 +271,13 @@ def cost_run(args: argparse.Namespace, policy: Any, steps: int) -> tuple[float, 
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(64 * steps, args.cost_width, generator=generator)
     model = nn.Sequential(*[nn.Linear(args.cost_width, args.cost_width) for _ in range(args.layers)])
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                       DataLoader(TensorDataset(x, x), batch_size=64),
-                       loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-4),
+        DataLoader(TensorDataset(x, x), batch_size=64),
+        loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]),
+    )
     saves = 0
     batches = iter(fa.batches(state, epochs=1))
     for _ in range(10):  # warm up: allocator, the first save's buffers and process group
@@ -225,7 +292,11 @@ def cost_run(args: argparse.Namespace, policy: Any, steps: int) -> tuple[float, 
             last = [p.last_saved for p in before._members.values()] if before else []
             state = fa.autosave(state, policy)
             saves += [p.last_saved for p in state.resources.get("autosave")._members.values()] != last
-    thread, process, wall = time.thread_time() - thread, time.process_time() - process, time.perf_counter() - wall
+    thread, process, wall = (
+        time.thread_time() - thread,
+        time.process_time() - process,
+        time.perf_counter() - wall,
+    )
     fa.shutdown(state)  # waits for the last save: not counted
     timed = steps - 10
     return thread / timed, process / timed, wall / timed, saves
@@ -242,25 +313,35 @@ def cost(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     ram = Path(tempfile.mkdtemp(prefix="restarts-cost-", dir="/dev/shm"))
     try:
-        patterns = {"no saves": None,
-                    f"every_steps={args.ram_every}": fa.save_policy(every_steps=args.ram_every, keep_last=1,
-                                                                    directories=ram / "every"),
-                    "continuous": fa.save_policy(continuous=True, keep_last=1, directories=ram / "continuous")}
+        patterns = {
+            "no saves": None,
+            f"every_steps={args.ram_every}": fa.save_policy(
+                every_steps=args.ram_every, keep_last=1, directories=ram / "every"
+            ),
+            "continuous": fa.save_policy(continuous=True, keep_last=1, directories=ram / "continuous"),
+        }
         rows: dict[str, list[tuple[float, float, float, int]]] = {name: [] for name in patterns}
         for _ in range(args.repeats):
             for name, policy in patterns.items():
                 rows[name].append(cost_run(args, policy, args.cost_steps))
         size = sum(f.stat().st_size for f in next((ram / "continuous").glob("step_*")).iterdir())
-        print(f"1 process, {args.layers} x Linear({args.cost_width}, {args.cost_width}) + AdamW, batch 64, "
-              f"{args.cost_steps - 10} timed steps, a {size / 1e6:.1f} MB checkpoint to /dev/shm; medians of "
-              f"{args.repeats} alternated runs")
-        print(f"{'pattern':<18}{'main CPU ms/step':>18}{'process CPU ms/step':>21}{'wall ms/step':>14}{'saves':>7}")
+        print(
+            f"1 process, {args.layers} x Linear({args.cost_width}, {args.cost_width}) + AdamW, batch 64, "
+            f"{args.cost_steps - 10} timed steps, a {size / 1e6:.1f} MB checkpoint to /dev/shm; medians of "
+            f"{args.repeats} alternated runs"
+        )
+        print(
+            f"{'pattern':<18}{'main CPU ms/step':>18}{'process CPU ms/step':>21}{'wall ms/step':>14}{'saves':>7}"
+        )
         base = statistics.median(r[0] for r in rows["no saves"])
         for name, runs in rows.items():
             main_cpu, process_cpu, wall = (statistics.median(r[i] for r in runs) for i in range(3))
             saves = statistics.median(r[3] for r in runs)
-            print(f"{name:<18}{main_cpu * 1e3:>12.3f} ({main_cpu / base - 1:+.1%}){process_cpu * 1e3:>13.3f}"
-                  f"{' ' * 8}{wall * 1e3:>14.3f}{saves:>7.0f}", flush=True)
+            print(
+                f"{name:<18}{main_cpu * 1e3:>12.3f} ({main_cpu / base - 1:+.1%}){process_cpu * 1e3:>13.3f}"
+                f"{' ' * 8}{wall * 1e3:>14.3f}{saves:>7.0f}",
+                flush=True,
+            )
     finally:
         shutil.rmtree(ram, ignore_errors=True)
 
@@ -274,9 +355,11 @@ def main() -> None:
     parser.add_argument("--ram_every", type=int, default=5)
     parser.add_argument("--disk_every", type=int, default=100)
     parser.add_argument("--disk", default=".", help="where the disk tier goes (a real disk, not tmpfs)")
-    parser.add_argument("--patterns", default="disk,two-tier",
-                        help="the rows to launch, comma-separated, of disk, two-tier, policy-every, "
-                             "policy-continuous")
+    parser.add_argument(
+        "--patterns",
+        default="disk,two-tier",
+        help="the rows to launch, comma-separated, of disk, two-tier, policy-every, policy-continuous",
+    )
     parser.add_argument("--cost", action="store_true", help="measure continuous saving's step cost instead")
     parser.add_argument("--cost_width", type=int, default=512)
     parser.add_argument("--cost_steps", type=int, default=300)
@@ -292,27 +375,41 @@ def main() -> None:
         cost(args)
         return
     print(choice_cost(args.disk), flush=True)
-    print(f"{args.processes} processes, {args.layers} x Linear({args.width}, {args.width}) + AdamW, killed "
-          f"(rank 1, SIGKILL) after step {args.kill_at}; RAM every {args.ram_every} steps, disk every "
-          f"{args.disk_every}, both asynchronous")
-    print(f"{'pattern':<26}{'s/step':>7}{'killed':>8}{'resumed':>9}{'lost':>6}{'kill->1st step':>16}"
-          f"{'kill->back':>12}{'ckpt MB':>9}")
-    rows = {"disk": ("disk only", False, ""), "two-tier": ("two tiers (/dev/shm+disk)", True, ""),
-            "policy-every": (f"policy: every {args.ram_every}+disk", True, "every"),
-            "policy-continuous": ("policy: continuous+disk", True, "continuous")}
+    print(
+        f"{args.processes} processes, {args.layers} x Linear({args.width}, {args.width}) + AdamW, killed "
+        f"(rank 1, SIGKILL) after step {args.kill_at}; RAM every {args.ram_every} steps, disk every "
+        f"{args.disk_every}, both asynchronous"
+    )
+    print(
+        f"{'pattern':<26}{'s/step':>7}{'killed':>8}{'resumed':>9}{'lost':>6}{'kill->1st step':>16}"
+        f"{'kill->back':>12}{'ckpt MB':>9}"
+    )
+    rows = {
+        "disk": ("disk only", False, ""),
+        "two-tier": ("two tiers (/dev/shm+disk)", True, ""),
+        "policy-every": (f"policy: every {args.ram_every}+disk", True, "every"),
+        "policy-continuous": ("policy: continuous+disk", True, "continuous"),
+    }
     for pattern in args.patterns.split(","):
         name, two_tier, policy = rows[pattern]
         row = one_row(args, two_tier, policy)
         lost = int(row["killed_at"]) - int(row["resumed_from"])  # type: ignore[call-overload]
-        print(f"{name:<26}{row['step_seconds']:>7.3f}{row['killed_at']:>8}{row['resumed_from']:>9}{lost:>6}"
-              f"{row['to_first_step']:>14.2f} s{row['to_killed_step']:>10.2f} s{float(str(row['bytes'])) / 1e6:>9.0f}",
-              flush=True)
-        at = {key: float(row[key]) - float(row["first_step"]) + float(row["to_first_step"])  # type: ignore[arg-type]
-              for key in ("started", "imported", "initialized", "prepared", "chosen", "loaded")}
-        print(f"    after the kill: new rank 0 running {at['started']:.2f} s; then imports {at['imported'] - at['started']:.2f} s, "
-              f"fa.init {at['initialized'] - at['imported']:.2f} s, prepare {at['prepared'] - at['initialized']:.2f} s, "
-              f"latest_checkpoint {at['chosen'] - at['prepared']:.2f} s, load {at['loaded'] - at['chosen']:.2f} s, "
-              f"first step {float(row['to_first_step']) - at['loaded']:.2f} s")  # type: ignore[arg-type]
+        print(
+            f"{name:<26}{row['step_seconds']:>7.3f}{row['killed_at']:>8}{row['resumed_from']:>9}{lost:>6}"
+            f"{row['to_first_step']:>14.2f} s{row['to_killed_step']:>10.2f} s{float(str(row['bytes'])) / 1e6:>9.0f}",
+            flush=True,
+        )
+        at = {
+            key: float(row[key]) - float(row["first_step"]) + float(row["to_first_step"])  # type: ignore[arg-type]
+            for key in ("started", "imported", "initialized", "prepared", "chosen", "loaded")
+        }
+        print(
+            f"    after the kill: new rank 0 running {at['started']:.2f} s; "
+            f"then imports {at['imported'] - at['started']:.2f} s, "
+            f"fa.init {at['initialized'] - at['imported']:.2f} s, prepare {at['prepared'] - at['initialized']:.2f} s, "
+            f"latest_checkpoint {at['chosen'] - at['prepared']:.2f} s, load {at['loaded'] - at['chosen']:.2f} s, "
+            f"first step {float(row['to_first_step']) - at['loaded']:.2f} s"
+        )  # type: ignore[arg-type]
         for message in row["skipped"]:  # type: ignore[attr-defined]
             print(f"    {message}")
 

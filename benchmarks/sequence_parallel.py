@@ -71,11 +71,14 @@ def measure(base: fa.RunState | None, sp_size: int, length: int, steps: int) -> 
     try:
         torch.manual_seed(0)
         model = Model(length)
-        state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.01), loss_fn=loss_fn,
-                           pipeline=fa.sp())
+        state = fa.prepare(
+            state, model, torch.optim.SGD(model.parameters(), lr=0.01), loss_fn=loss_fn, pipeline=fa.sp()
+        )
         generator = torch.Generator().manual_seed(1)
-        batch = {"input_ids": torch.randint(0, VOCAB, (1, length), generator=generator),
-                 "labels": torch.randint(0, VOCAB, (1, length), generator=generator)}
+        batch = {
+            "input_ids": torch.randint(0, VOCAB, (1, length), generator=generator),
+            "labels": torch.randint(0, VOCAB, (1, length), generator=generator),
+        }
         seen: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,8 +109,10 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    print("| sequence | sp | saved for backward per rank (MiB) | vs sp 1 | all-to-all sent per rank per step (MiB) "
-          "| step CPU s per rank (least) |")
+    print(
+        "| sequence | sp | saved for backward per rank (MiB) | vs sp 1 | all-to-all sent per rank per step (MiB) "
+        "| step CPU s per rank (least) |"
+    )
     print("|---|---|---|---|---|---|")
     for length in args.lengths:
         base_saved = None
@@ -122,9 +127,11 @@ def main() -> None:
                     world.close()
             saved = max(r["saved"] for r in results)
             base_saved = base_saved or saved
-            print(f"| {length} | {size} | {saved / 2**20:.1f} | {saved / base_saved:.2f} | "
-                  f"{max(r['sent'] for r in results) / 2**20:.1f} | {max(r['cpu'] for r in results):.2f} |",
-                  flush=True)
+            print(
+                f"| {length} | {size} | {saved / 2**20:.1f} | {saved / base_saved:.2f} | "
+                f"{max(r['sent'] for r in results) / 2**20:.1f} | {max(r['cpu'] for r in results):.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

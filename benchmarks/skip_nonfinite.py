@@ -17,9 +17,9 @@ import argparse
 from typing import Any
 
 import torch
+from step_overhead import CLOCKS, _loops, _row, _time_blocks, loss_fn, make_data, make_model
 
 import fnaccel as fa
-from step_overhead import CLOCKS, _loops, _row, _time_blocks, loss_fn, make_data, make_model
 
 
 def _stepper(pipeline: fa.Pipeline, data: list[Any]) -> Any:
@@ -45,11 +45,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     data = make_data(0)
     print(f"torch {torch.__version__}, one CPU thread, {args.rounds} rounds, {args.clock} clock")
     print(f"{'case':<10} {'without':>13} {'with':>13}  {'ratio':>6}")
-    rows = [_row("hand/step", _time_blocks(*_loops(None, data), rounds=args.rounds, clock=args.clock), 1e6, "us")]
+    rows = [
+        _row("hand/step", _time_blocks(*_loops(None, data), rounds=args.rounds, clock=args.clock), 1e6, "us")
+    ]
     for label, parts in (("plain", ()), ("clip", (fa.clip_grad_norm(1.0),))):
         without = _stepper(fa.compose(*parts), data)
         with_it = _stepper(fa.compose(*parts, fa.skip_nonfinite()), data)
-        rows.append(_row(label, _time_blocks(without, with_it, rounds=args.rounds, clock=args.clock), 1e6, "us"))
+        rows.append(
+            _row(label, _time_blocks(without, with_it, rounds=args.rounds, clock=args.clock), 1e6, "us")
+        )
     return rows
 
 

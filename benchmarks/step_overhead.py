@@ -65,8 +65,9 @@ def make_model() -> nn.Module:
 
 def make_data(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(STEPS)
+    ]
 
 
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -91,8 +92,7 @@ def _loops(state: fa.RunState | None, data: list[Any], wrap_ddp: Any = None) -> 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     pipeline = fa.compose(fa.ddp()) if wrap_ddp is not None else fa.compose()
-    holder = [fa.prepare(state or fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn,
-                         pipeline=pipeline)]
+    holder = [fa.prepare(state or fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn, pipeline=pipeline)]
 
     def fnaccel() -> None:
         s = holder[0]
@@ -106,7 +106,9 @@ def _loops(state: fa.RunState | None, data: list[Any], wrap_ddp: Any = None) -> 
 def shuffled_loader() -> DataLoader:
     """A shuffled ``DataLoader`` (batch 16) over a TensorDataset of ``STEPS`` batches."""
     g = torch.Generator().manual_seed(0)
-    dataset = TensorDataset(torch.randn(STEPS * 16, 32, generator=g), torch.randint(0, 10, (STEPS * 16,), generator=g))
+    dataset = TensorDataset(
+        torch.randn(STEPS * 16, 32, generator=g), torch.randint(0, 10, (STEPS * 16,), generator=g)
+    )
     return DataLoader(dataset, batch_size=16, shuffle=True)
 
 
@@ -126,7 +128,9 @@ def _data_loops() -> tuple[Any, Any]:
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    holder = [fa.prepare(fa.init(seed=0, cpu=True), model, opt, loader, loss_fn=loss_fn, pipeline=fa.compose())]
+    holder = [
+        fa.prepare(fa.init(seed=0, cpu=True), model, opt, loader, loss_fn=loss_fn, pipeline=fa.compose())
+    ]
 
     def fnaccel() -> None:
         s = holder[0]
@@ -140,8 +144,9 @@ def _data_loops() -> tuple[Any, Any]:
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def _time_blocks(hand: Any, fnaccel: Any, rounds: int, barrier: Any = None,
-                 clock: str = "wall") -> dict[str, list[float]]:
+def _time_blocks(
+    hand: Any, fnaccel: Any, rounds: int, barrier: Any = None, clock: str = "wall"
+) -> dict[str, list[float]]:
     now = CLOCKS[clock]
     times: dict[str, list[float]] = {"baseline": [], "fnaccel": []}
     hand(), fnaccel()  # warm-up
@@ -167,8 +172,9 @@ def ddp_worker(state: fa.RunState, rounds: int) -> dict[str, list[float]]:
     return _time_blocks(hand, fnaccel, rounds, barrier=lambda: dist.barrier(group=group))
 
 
-def ddp_loop_worker(state: fa.RunState, rounds: int, check_every: int | None,
-                    clock: str = "wall") -> dict[str, list[float]]:
+def ddp_loop_worker(
+    state: fa.RunState, rounds: int, check_every: int | None, clock: str = "wall"
+) -> dict[str, list[float]]:
     """The ``ddp loop`` rows: `fa.batches` + `fa.step` with ``fa.ddp()``, each rank reading
     ``STEPS`` batches, against a hand DDP loop over a ``DistributedSampler`` (``check_every``
     None); or, with ``check_every``, the same fnaccel loop with a `fa.PreemptionKwargs` watch
@@ -188,10 +194,16 @@ def ddp_loop_worker(state: fa.RunState, rounds: int, check_every: int | None,
     def fnaccel_loop(resources: Resources) -> Any:
         model = make_model()
         fresh = dataclasses.replace(state, resources=resources, _lease=Lease())  # a run of its own
-        holder = [fa.prepare(fresh, model,
-                             torch.optim.SGD(model.parameters(), lr=0.01),
-                             DataLoader(dataset, batch_size=16, shuffle=True), loss_fn=loss_fn,
-                             pipeline=fa.compose(fa.ddp()))]
+        holder = [
+            fa.prepare(
+                fresh,
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.01),
+                DataLoader(dataset, batch_size=16, shuffle=True),
+                loss_fn=loss_fn,
+                pipeline=fa.compose(fa.ddp()),
+            )
+        ]
 
         def loop() -> None:
             s = holder[0]
@@ -214,13 +226,19 @@ def ddp_loop_worker(state: fa.RunState, rounds: int, check_every: int | None,
                 hand_opt.step()
                 hand_opt.zero_grad(set_to_none=True)
 
-        return _time_blocks(hand, fnaccel_loop(Resources()), rounds, barrier=lambda: dist.barrier(group=group),
-                            clock=clock)
+        return _time_blocks(
+            hand, fnaccel_loop(Resources()), rounds, barrier=lambda: dist.barrier(group=group), clock=clock
+        )
     watched = Resources()
     install(watched, fa.PreemptionKwargs(check_every=check_every), state.dist)
     try:
-        return _time_blocks(fnaccel_loop(Resources()), fnaccel_loop(watched), rounds,
-                            barrier=lambda: dist.barrier(group=group), clock=clock)
+        return _time_blocks(
+            fnaccel_loop(Resources()),
+            fnaccel_loop(watched),
+            rounds,
+            barrier=lambda: dist.barrier(group=group),
+            clock=clock,
+        )
     finally:
         watched.close()  # the watch's handlers go back
 
@@ -239,8 +257,10 @@ def import_times(rounds: int) -> dict[str, list[float]]:
 
 def _row(label: str, times: dict[str, list[float]], unit: float, suffix: str) -> dict[str, Any]:
     base, ours = statistics.median(times["baseline"]), statistics.median(times["fnaccel"])
-    print(f"{label:<10} {base * unit:10.1f} {suffix} {ours * unit:10.1f} {suffix}  {ours / base:6.3f}",
-          flush=True)
+    print(
+        f"{label:<10} {base * unit:10.1f} {suffix} {ours * unit:10.1f} {suffix}  {ours / base:6.3f}",
+        flush=True,
+    )
     return {"case": label, "baseline": base, "fnaccel": ours, "ratio": ours / base}
 
 
@@ -249,29 +269,50 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--skip-ddp", action="store_true")
     parser.add_argument("--skip-import", action="store_true")
-    parser.add_argument("--preemption", type=int, nargs="*", default=[8], metavar="K",
-                        help="ddp preempt/K rows: the ddp loop watching for preemption, agreeing every K steps")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="cpu: this process's CPU time (robust on a loaded machine; for ddp, only the preempt rows)")
+    parser.add_argument(
+        "--preemption",
+        type=int,
+        nargs="*",
+        default=[8],
+        metavar="K",
+        help="ddp preempt/K rows: the ddp loop watching for preemption, agreeing every K steps",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="cpu: this process's CPU time (robust on a loaded machine; for ddp, only the preempt rows)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, one CPU thread per process, {STEPS} steps per block, "
-          f"{args.rounds} rounds, {args.clock} clock")
+    print(
+        f"torch {torch.__version__}, one CPU thread per process, {STEPS} steps per block, "
+        f"{args.rounds} rounds, {args.clock} clock"
+    )
     print(f"{'case':<10} {'baseline':>13} {'fnaccel':>13}  {'ratio':>6}")
-    rows = [_row("step", _time_blocks(*_loops(None, make_data(0)), rounds=args.rounds, clock=args.clock), 1e6, "us")]
+    rows = [
+        _row(
+            "step", _time_blocks(*_loops(None, make_data(0)), rounds=args.rounds, clock=args.clock), 1e6, "us"
+        )
+    ]
     rows.append(_row("loop", _time_blocks(*_data_loops(), rounds=args.rounds, clock=args.clock), 1e6, "us"))
     if not args.skip_ddp:
         with World(2) as world:
             per_rank = world.run(ddp_worker, args.rounds)
-            slowest = {name: [max(r[name][i] for r in per_rank) for i in range(args.rounds)]
-                       for name in ("baseline", "fnaccel")}
+            slowest = {
+                name: [max(r[name][i] for r in per_rank) for i in range(args.rounds)]
+                for name in ("baseline", "fnaccel")
+            }
             rows.append(_row("ddp step", slowest, 1e6, "us"))
-            for label, check_every in [("ddp loop", None)] + [(f"ddp preempt/{k}", k)
-                                                               for k in args.preemption]:
+            for label, check_every in [("ddp loop", None)] + [
+                (f"ddp preempt/{k}", k) for k in args.preemption
+            ]:
                 # the cpu clock suits the preempt rows (two fnaccel loops, the same waits)
                 per_rank = world.run(ddp_loop_worker, args.rounds, check_every, args.clock)
-                slowest = {name: [max(r[name][i] for r in per_rank) for i in range(args.rounds)]
-                           for name in ("baseline", "fnaccel")}
+                slowest = {
+                    name: [max(r[name][i] for r in per_rank) for i in range(args.rounds)]
+                    for name in ("baseline", "fnaccel")
+                }
                 rows.append(_row(label, slowest, 1e6, "us"))
     if not args.skip_import:
         rows.append(_row("import", import_times(max(5, args.rounds // 2)), 1e3, "ms"))

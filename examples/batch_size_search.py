@@ -40,8 +40,12 @@ def make_dataset(num_samples: int) -> TensorDataset:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=128, help="samples per update, and the first try")
-    parser.add_argument("--device-capacity", type=int, default=40,
-                        help="emulate a device that holds at most this many samples per forward pass (0: off)")
+    parser.add_argument(
+        "--device-capacity",
+        type=int,
+        default=40,
+        help="emulate a device that holds at most this many samples per forward pass (0: off)",
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="a few steps, for tests")
     args = parser.parse_args()
@@ -68,13 +72,22 @@ def main() -> None:
             model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 2))
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             loader = DataLoader(dataset, batch_size=batch_size, shuffle=True)
-            state = fa.prepare(state, model, optimizer, loader, loss_fn=loss_fn,
-                               pipeline=fa.compose(fa.default_pipeline(state), fa.accumulate(accumulation)))
+            state = fa.prepare(
+                state,
+                model,
+                optimizer,
+                loader,
+                loss_fn=loss_fn,
+                pipeline=fa.compose(fa.default_pipeline(state), fa.accumulate(accumulation)),
+            )
             fa.print_on_main(state, f"trying batch {batch_size} x {accumulation} accumulation steps")
             for batch in fa.batches(state, epochs=args.epochs):
                 state, metrics = fa.step(state, batch)
-            fa.print_on_main(state, f"batch {batch_size} fits (tried {tried}); {accumulation} accumulation steps; "
-                                    f"final loss {metrics['loss'].item():.4f}")
+            fa.print_on_main(
+                state,
+                f"batch {batch_size} fits (tried {tried}); {accumulation} accumulation steps; "
+                f"final loss {metrics['loss'].item():.4f}",
+            )
         finally:
             fa.shutdown(state)  # also after an out-of-memory error: the next try starts a new run
 

@@ -49,8 +49,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, dim = x.shape
-        q, k, v = (t.view(batch, time, self.heads, dim // self.heads).transpose(1, 2)
-                   for t in self.qkv(self.attention_norm(x)).split(dim, dim=2))
+        q, k, v = (
+            t.view(batch, time, self.heads, dim // self.heads).transpose(1, 2)
+            for t in self.qkv(self.attention_norm(x)).split(dim, dim=2)
+        )
         attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # no peeking ahead
         x = x + self.out(attended.transpose(1, 2).reshape(batch, time, dim))
         return x + self.mlp(self.mlp_norm(x))
@@ -112,8 +114,14 @@ def main() -> None:
     # fewer, it memorises where a character falls in a window and writes nonsense elsewhere).
     stride = context if args.tiny else 1  # tiny: windows that do not overlap, fewer steps
     loader = DataLoader(Windows(tokens, context, stride), batch_size=args.batch_size, shuffle=True)
-    state = fa.prepare(state, model, optimizer, loader, loss_fn=loss_fn,
-                       pipeline=fa.compose(fa.default_pipeline(state), fa.clip_grad_norm(1.0)))
+    state = fa.prepare(
+        state,
+        model,
+        optimizer,
+        loader,
+        loss_fn=loss_fn,
+        pipeline=fa.compose(fa.default_pipeline(state), fa.clip_grad_norm(1.0)),
+    )
     checkpoint = os.path.join(args.output, "checkpoint")
     if os.path.exists(os.path.join(checkpoint, "fnaccel.json")):
         state = fa.load(state, checkpoint)
@@ -130,8 +138,11 @@ def main() -> None:
             return
 
     verse = write(model, tokens[:context], length=60 if args.tiny else 400, seed=0)
-    fa.print_on_main(state, f"step {state.step}, loss {metrics['loss'].item():.3f}. It writes:\n"
-                            + "".join(alphabet[i] for i in verse.tolist()))
+    fa.print_on_main(
+        state,
+        f"step {state.step}, loss {metrics['loss'].item():.3f}. It writes:\n"
+        + "".join(alphabet[i] for i in verse.tolist()),
+    )
     fa.shutdown(state)
 
 

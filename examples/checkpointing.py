@@ -78,8 +78,11 @@ def main() -> None:
             fa.shutdown(state)
             return
 
-    fa.print_on_main(state, f"done: step {state.step}, loss {metrics['loss'].item():.4f}, "
-                            f"weights fingerprint {fingerprint(model)}")
+    fa.print_on_main(
+        state,
+        f"done: step {state.step}, loss {metrics['loss'].item():.4f}, "
+        f"weights fingerprint {fingerprint(model)}",
+    )
     fa.shutdown(state)
 
 

@@ -66,15 +66,23 @@ def main() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         train = Subset(dataset, torch.nonzero(fold_of != fold).flatten().tolist())
         held_out = Subset(dataset, torch.nonzero(fold_of == fold).flatten().tolist())
-        state = fa.prepare(state, model, optimizer, DataLoader(train, batch_size=args.batch_size, shuffle=True),
-                           loss_fn=loss_fn)
+        state = fa.prepare(
+            state,
+            model,
+            optimizer,
+            DataLoader(train, batch_size=args.batch_size, shuffle=True),
+            loss_fn=loss_fn,
+        )
         for batch in fa.batches(state, epochs=args.epochs):
-            state, metrics = fa.step(state, batch)
+            state, _metrics = fa.step(state, batch)
 
         held_out_labels = torch.tensor([int(dataset[i][1]) for i in held_out.indices])
         predicted = fa.evaluate(state, DataLoader(held_out, batch_size=256), probabilities).argmax(1)
-        fa.print_on_main(state, f"fold {fold}: initial weight[0, 0] {initial_weight:+.4f}, "
-                                f"held-out accuracy {(predicted == held_out_labels).float().mean().item():.3f}")
+        fa.print_on_main(
+            state,
+            f"fold {fold}: initial weight[0, 0] {initial_weight:+.4f}, "
+            f"held-out accuracy {(predicted == held_out_labels).float().mean().item():.3f}",
+        )
         test_probabilities.append(fa.evaluate(state, test, probabilities))
         main_process = state.dist.is_main_process
         fa.shutdown(state)  # the fold's run ends here, process group included
@@ -83,8 +91,10 @@ def main() -> None:
     ensemble = torch.stack(test_probabilities).mean(dim=0).argmax(1)
     alone = [(p.argmax(1) == test_labels).float().mean().item() for p in test_probabilities]
     if main_process:
-        print(f"test accuracy of each fold's model {[round(a, 3) for a in alone]}, "
-              f"of their ensemble {(ensemble == test_labels).float().mean().item():.3f}")
+        print(
+            f"test accuracy of each fold's model {[round(a, 3) for a in alone]}, "
+            f"of their ensemble {(ensemble == test_labels).float().mean().item():.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,11 @@ def main() -> None:
     # PowerSGD runs plain all-reduces for its first `start_powerSGD_iter` updates (a warm-up
     # that keeps the first, largest gradients exact), then compresses.
     power_sgd = {"matrix_approximation_rank": args.rank, "start_powerSGD_iter": 2}
-    ddp = fa.ddp(comm_hook=args.comm_hook, comm_wrapper=args.comm_wrapper,
-                 comm_state_option=power_sgd if "power_sgd" in args.comm_hook else {})
+    ddp = fa.ddp(
+        comm_hook=args.comm_hook,
+        comm_wrapper=args.comm_wrapper,
+        comm_state_option=power_sgd if "power_sgd" in args.comm_hook else {},
+    )
     state = fa.prepare(state, model, optimizer, loader, loss_fn=loss_fn, pipeline=fa.compose(ddp))
 
     for epoch in range(args.epochs):
@@ -62,8 +65,11 @@ def main() -> None:
             state, metrics = fa.step(state, batch)
             losses.append(metrics["loss"])
         mean_loss = fa.ops.reduce(state, torch.stack(losses).mean())  # the mean over the processes
-        fa.print_on_main(state, f"epoch {epoch} ({args.comm_hook} hook, {args.comm_wrapper} wrapper): "
-                                f"loss {mean_loss.item():.5f}")
+        fa.print_on_main(
+            state,
+            f"epoch {epoch} ({args.comm_hook} hook, {args.comm_wrapper} wrapper): "
+            f"loss {mean_loss.item():.5f}",
+        )
     fa.shutdown(state)
 
 

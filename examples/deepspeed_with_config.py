@@ -48,8 +48,11 @@ def train(args: argparse.Namespace, config: str | None) -> None:
     for batch in fa.batches(state, epochs=args.epochs):
         state, metrics = fa.step(state, batch)
         if "grad_norm" in metrics and state.step % 8 == 0:  # an update (every 2 batches here)
-            fa.print_on_main(state, f"update {state.step}: loss {metrics['loss'].item():.4f}, "
-                                    f"grad norm {metrics['grad_norm'].item():.3f}")
+            fa.print_on_main(
+                state,
+                f"update {state.step}: loss {metrics['loss'].item():.4f}, "
+                f"grad norm {metrics['grad_norm'].item():.3f}",
+            )
     fa.save(state, os.path.join(args.output, "checkpoint"))  # rank<r>.zero.safetensors per process
     fa.save_model(state, os.path.join(args.output, "model"))  # the consolidated weights
     fa.print_on_main(state, f"checkpoint and weights written under {args.output}")

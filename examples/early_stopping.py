@@ -46,7 +46,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
-    parser.add_argument("--target-loss", type=float, default=0.3, help="a smoothed training loss that stops the run")
+    parser.add_argument(
+        "--target-loss", type=float, default=0.3, help="a smoothed training loss that stops the run"
+    )
     parser.add_argument("--patience", type=int, default=2, help="epochs without improvement before stopping")
     parser.add_argument("--output", default="runs/early_stopping")
     parser.add_argument("--tiny", action="store_true", help="a few steps, for tests")
@@ -57,7 +59,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train = DataLoader(make_dataset(256 if args.tiny else 4096, seed=1), batch_size=args.batch_size, shuffle=True)
+    train = DataLoader(
+        make_dataset(256 if args.tiny else 4096, seed=1), batch_size=args.batch_size, shuffle=True
+    )
     validation = DataLoader(make_dataset(128 if args.tiny else 1024, seed=2), batch_size=256)
     state = fa.prepare(state, model, optimizer, train, loss_fn=loss_fn)
     if os.path.exists(os.path.join(checkpoint, "fnaccel.json")):
@@ -80,8 +84,11 @@ def main() -> None:
                 state = fa.end_epoch(state)  # the rest of this epoch is never read
                 break
 
-        losses = fa.evaluate(state, validation, lambda model, batch: nn.functional.cross_entropy(
-            model(batch[0]), batch[1], reduction="none"))
+        losses = fa.evaluate(
+            state,
+            validation,
+            lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none"),
+        )
         validation_loss = losses.mean().item()
         fa.print_on_main(state, f"epoch {epoch}: validation loss {validation_loss:.4f}")
         fa.save(state, checkpoint)  # after fa.end_epoch too: resumes at the next epoch's start

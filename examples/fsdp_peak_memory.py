@@ -48,7 +48,9 @@ def mebibytes(tensors: list[torch.Tensor]) -> float:
 def peak_memory(device: torch.device) -> str:
     if device.type == "cuda":
         return f"peak allocated {torch.cuda.max_memory_allocated(device) / 2**20:.1f} MiB"
-    return f"peak resident {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB"  # KiB on Linux
+    return (
+        f"peak resident {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB"  # KiB on Linux
+    )
 
 
 def main() -> None:
@@ -71,8 +73,14 @@ def main() -> None:
     x = torch.randn(64 if args.tiny else 2048, args.dim, generator=generator)
     loader = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True).sin()), batch_size=16, shuffle=True)
     shard = fa.ddp() if args.ddp else fa.fsdp(transformer_cls_names_to_wrap=["Block"])
-    state = fa.prepare(state, model, optimizer, loader, pipeline=fa.compose(shard, fa.clip_grad_norm(1.0)),
-                       loss_fn=lambda model, batch: nn.functional.mse_loss(model(batch[0]), batch[1]))
+    state = fa.prepare(
+        state,
+        model,
+        optimizer,
+        loader,
+        pipeline=fa.compose(shard, fa.clip_grad_norm(1.0)),
+        loss_fn=lambda model, batch: nn.functional.mse_loss(model(batch[0]), batch[1]),
+    )
 
     for epoch in range(args.epochs):
         if state.dist.device.type == "cuda":
@@ -83,10 +91,12 @@ def main() -> None:
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         optimizer_state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
         # Each process prints its own figures (fa.print_on_main would show rank 0's only).
-        print(f"rank {state.dist.rank} epoch {epoch}: loss {metrics['loss'].item():.4f}; holds "
-              f"parameters {mebibytes(parameters):.2f} MiB, gradients "
-              f"{mebibytes([p.grad for p in parameters if p.grad is not None]):.2f} MiB, "
-              f"optimizer state {mebibytes(optimizer_state):.2f} MiB; {peak_memory(state.dist.device)}")
+        print(
+            f"rank {state.dist.rank} epoch {epoch}: loss {metrics['loss'].item():.4f}; holds "
+            f"parameters {mebibytes(parameters):.2f} MiB, gradients "
+            f"{mebibytes([p.grad for p in parameters if p.grad is not None]):.2f} MiB, "
+            f"optimizer state {mebibytes(optimizer_state):.2f} MiB; {peak_memory(state.dist.device)}"
+        )
 
     fa.save_model(state, args.output)  # every process takes part in gathering the shards
     fa.print_on_main(state, f"full weights written to {args.output}/model.safetensors")

@@ -26,7 +26,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import fnaccel as fa
 
 LATENT = 8
-MODES = torch.tensor([[2 * math.cos(2 * math.pi * k / 8), 2 * math.sin(2 * math.pi * k / 8)] for k in range(8)])
+MODES = torch.tensor(
+    [[2 * math.cos(2 * math.pi * k / 8), 2 * math.sin(2 * math.pi * k / 8)] for k in range(8)]
+)
 
 
 def ring_of_gaussians(num_samples: int) -> torch.Tensor:
@@ -37,7 +39,9 @@ def ring_of_gaussians(num_samples: int) -> torch.Tensor:
 
 
 def mlp(inputs: int, outputs: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(inputs, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, outputs))
+    return nn.Sequential(
+        nn.Linear(inputs, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, outputs)
+    )
 
 
 def main() -> None:
@@ -66,14 +70,22 @@ def main() -> None:
         fake = model(torch.randn(len(real), LATENT))  # noise from the generator's run
         return bce(discriminator(fake), torch.ones(len(fake), 1))  # "call these real"
 
-    loader = DataLoader(TensorDataset(ring_of_gaussians(512 if args.tiny else 8192)),
-                        batch_size=args.batch_size, shuffle=True)
-    d_state = fa.prepare(fa.init(seed=0), discriminator,
-                         torch.optim.Adam(discriminator.parameters(), lr=1e-3, betas=(0.5, 0.999)),
-                         loader, loss_fn=discriminator_loss)
-    g_state = fa.prepare(fa.init(seed=1), generator,
-                         torch.optim.Adam(generator.parameters(), lr=1e-3, betas=(0.5, 0.999)),
-                         loss_fn=generator_loss)
+    loader = DataLoader(
+        TensorDataset(ring_of_gaussians(512 if args.tiny else 8192)), batch_size=args.batch_size, shuffle=True
+    )
+    d_state = fa.prepare(
+        fa.init(seed=0),
+        discriminator,
+        torch.optim.Adam(discriminator.parameters(), lr=1e-3, betas=(0.5, 0.999)),
+        loader,
+        loss_fn=discriminator_loss,
+    )
+    g_state = fa.prepare(
+        fa.init(seed=1),
+        generator,
+        torch.optim.Adam(generator.parameters(), lr=1e-3, betas=(0.5, 0.999)),
+        loss_fn=generator_loss,
+    )
 
     for epoch in range(args.epochs):
         for batch in fa.batches(d_state, epochs=epoch + 1):
@@ -83,10 +95,13 @@ def main() -> None:
             samples = generator(torch.randn(1000, LATENT, generator=torch.Generator().manual_seed(epoch)))
             distance, nearest = torch.cdist(samples, MODES).min(dim=1)
         covered = len(set(nearest[distance < 0.2].tolist()))
-        fa.print_on_main(d_state, f"epoch {epoch}: discriminator loss {d_metrics['loss'].item():.3f}, "
-                                  f"generator loss {g_metrics['loss'].item():.3f}, "
-                                  f"{(distance < 0.2).float().mean().item():.0%} of samples near a mode, "
-                                  f"{covered}/8 modes covered")
+        fa.print_on_main(
+            d_state,
+            f"epoch {epoch}: discriminator loss {d_metrics['loss'].item():.3f}, "
+            f"generator loss {g_metrics['loss'].item():.3f}, "
+            f"{(distance < 0.2).float().mean().item():.0%} of samples near a mode, "
+            f"{covered}/8 modes covered",
+        )
     fa.shutdown(g_state)
     fa.shutdown(d_state)
 

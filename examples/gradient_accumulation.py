@@ -48,16 +48,20 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(make_dataset(96 if args.tiny else 2048), batch_size=args.batch_size, shuffle=True)
-    pipeline = fa.compose(fa.default_pipeline(state), fa.accumulate(args.accumulation_steps),
-                          fa.clip_grad_norm(1.0))
+    pipeline = fa.compose(
+        fa.default_pipeline(state), fa.accumulate(args.accumulation_steps), fa.clip_grad_norm(1.0)
+    )
     state = fa.prepare(state, model, optimizer, loader, loss_fn=loss_fn, pipeline=pipeline)
     fa.print_on_main(state, f"pipeline: {state.pipeline}")
 
     for batch in fa.batches(state, epochs=args.epochs):
         state, metrics = fa.step(state, batch)
         if "grad_norm" in metrics and state.step % 5 == 0:  # an update happened at this batch
-            fa.print_on_main(state, f"update {state.step} (batch {state.micro_step}): "
-                                    f"loss {metrics['loss'].item():.4f}, grad norm {metrics['grad_norm'].item():.3f}")
+            fa.print_on_main(
+                state,
+                f"update {state.step} (batch {state.micro_step}): "
+                f"loss {metrics['loss'].item():.4f}, grad norm {metrics['grad_norm'].item():.3f}",
+            )
 
     # Updates count accumulation windows; batches keep counting across epoch ends.
     fa.print_on_main(state, f"{state.micro_step} batches, {state.step} optimizer updates")

@@ -63,8 +63,9 @@ class TinyCausalLM(nn.Module):
 
 def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     logits = model(batch["input_ids"])
-    loss_sum = nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
-                                           ignore_index=IGNORE, reduction="sum")
+    loss_sum = nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
+    )
     return loss_sum, {"num_items": (batch["labels"] != IGNORE).sum()}
 
 
@@ -82,14 +83,18 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sequences = make_sequences(64 if args.tiny else 1024, max_len=24)
     loader = DataLoader(sequences, batch_size=args.batch_size, shuffle=True, collate_fn=collate)
-    pipeline = fa.compose(fa.default_pipeline(state), fa.accumulate(args.accumulation_steps, normalize="items"))
+    pipeline = fa.compose(
+        fa.default_pipeline(state), fa.accumulate(args.accumulation_steps, normalize="items")
+    )
     state = fa.prepare(state, model, optimizer, loader, loss_fn=loss_fn, pipeline=pipeline)
 
     for epoch in range(args.epochs):
         for batch in fa.batches(state, epochs=epoch + 1):
             state, metrics = fa.step(state, batch)
         # At an update, metrics["loss"] is the mean loss per token of the whole accumulation window.
-        fa.print_on_main(state, f"epoch {epoch}: update {state.step}, loss per token {metrics['loss'].item():.3f}")
+        fa.print_on_main(
+            state, f"epoch {epoch}: update {state.step}, loss per token {metrics['loss'].item():.3f}"
+        )
     fa.shutdown(state)
 
 

@@ -53,16 +53,25 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = DataLoader(make_dataset(256 if args.tiny else 8192), batch_size=args.batch_size, shuffle=True)
-    state = fa.prepare(state, model, optimizer, loader, loss_fn=loss_fn,
-                       pipeline=fa.compose(fa.ddp(), fa.local_sgd(args.local_sgd_steps)))
+    state = fa.prepare(
+        state,
+        model,
+        optimizer,
+        loader,
+        loss_fn=loss_fn,
+        pipeline=fa.compose(fa.ddp(), fa.local_sgd(args.local_sgd_steps)),
+    )
 
     for epoch in range(args.epochs):
         for batch in fa.batches(state, epochs=epoch + 1):
             state, metrics = fa.step(state, batch)
             if state.step % args.local_sgd_steps in (0, args.local_sgd_steps - 1):
                 spread = replica_spread(state, model)  # `model` is the module the processes share
-                fa.print_on_main(state, f"step {state.step}: loss {metrics['loss'].item():.4f}, "
-                                        f"replicas differ by up to {spread:.2e}")
+                fa.print_on_main(
+                    state,
+                    f"step {state.step}: loss {metrics['loss'].item():.4f}, "
+                    f"replicas differ by up to {spread:.2e}",
+                )
     fa.shutdown(state)
 
 

@@ -54,8 +54,14 @@ def make_run(pipeline: fa.Pipeline | None = None) -> fa.RunState:
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(data(), batch_size=BATCH, shuffle=True)
-    return fa.prepare(fa.init(seed=0, cpu=True), model, optimizer, loader, pipeline=pipeline or fa.compose(),
-                      loss_fn=loss_fn)
+    return fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        optimizer,
+        loader,
+        pipeline=pipeline or fa.compose(),
+        loss_fn=loss_fn,
+    )
 
 
 def main(output: Path) -> dict[str, object]:
@@ -68,7 +74,9 @@ def main(output: Path) -> dict[str, object]:
             fa.save(state, output / f"step_{state.step}")
     fa.shutdown(state)
     spike = next(i for i in range(4, len(losses)) if losses[i] > 20 * statistics.median(losses[:i]))
-    print(f"loss spike at step {spike + 1}: {losses[spike]:.1f} (median before {statistics.median(losses[:spike]):.2f})")
+    print(
+        f"loss spike at step {spike + 1}: {losses[spike]:.1f} (median before {statistics.median(losses[:spike]):.2f})"
+    )
 
     # 2. the last checkpoint before it: intact? where in the data?
     before = output / f"step_{spike // SAVE_EVERY * SAVE_EVERY}"
@@ -78,13 +86,14 @@ def main(output: Path) -> dict[str, object]:
 
     # 3. what changed across the spike
     moved = fa.diff(before, after)
-    biggest = sorted((d for d in moved.differences if d.item.startswith("model/")),
-                     key=lambda d: -(d.max_rel or 0))
+    biggest = sorted(
+        (d for d in moved.differences if d.item.startswith("model/")), key=lambda d: -(d.max_rel or 0)
+    )
     print("parameters that moved most across the spike:", *(f"  {d}" for d in biggest[:2]), sep="\n")
 
     # 4. the batches after the checkpoint, read without stepping them
     reader = fa.load(make_run(), before)
-    upcoming = [batch for batch, _ in zip(fa.batches(reader), range(SAVE_EVERY))]
+    upcoming = [batch for batch, _ in zip(fa.batches(reader), range(SAVE_EVERY), strict=False)]
     fa.shutdown(reader)
     culprit = upcoming[spike - reader.step]
     worst = int(culprit[0].abs().amax(dim=1).argmax())
@@ -105,8 +114,12 @@ def main(output: Path) -> dict[str, object]:
     verify_resume(make_run, steps=3)
     print("verify_resume: resumes bit for bit")
     first = report.first
-    return {"spike": spike, "sample": sample, "divergence_step": None if first is None else reader.step + first.step,
-            "parameter": None if first is None else first.parameter}
+    return {
+        "spike": spike,
+        "sample": sample,
+        "divergence_step": None if first is None else reader.step + first.step,
+        "parameter": None if first is None else first.parameter,
+    }
 
 
 if __name__ == "__main__":

@@ -53,18 +53,24 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train = DataLoader(make_dataset(128 if args.tiny else 4096, seed=1), batch_size=args.batch_size, shuffle=True)
+    train = DataLoader(
+        make_dataset(128 if args.tiny else 4096, seed=1), batch_size=args.batch_size, shuffle=True
+    )
     evaluation = DataLoader(make_dataset(args.num_eval_samples, seed=2), batch_size=args.batch_size)
     state = fa.prepare(state, model, optimizer, train, loss_fn=loss_fn)
     for batch in fa.batches(state, epochs=1 if args.tiny else args.epochs):
-        state, metrics = fa.step(state, batch)
+        state, _metrics = fa.step(state, batch)
 
     # 1. The one-call form: outputs per sample, already gathered and in order.
-    outputs = fa.evaluate(state, evaluation, lambda model, batch: {"prediction": model(batch[0]).argmax(1),
-                                                                     "label": batch[1]})
+    outputs = fa.evaluate(
+        state, evaluation, lambda model, batch: {"prediction": model(batch[0]).argmax(1), "label": batch[1]}
+    )
     accuracy = (outputs["prediction"] == outputs["label"]).float().mean().item()
-    fa.print_on_main(state, f"fa.evaluate: {len(outputs['label'])} samples, accuracy {accuracy:.4f}, "
-                            f"F1 {f1_score(outputs['prediction'], outputs['label']):.4f}")
+    fa.print_on_main(
+        state,
+        f"fa.evaluate: {len(outputs['label'])} samples, accuracy {accuracy:.4f}, "
+        f"F1 {f1_score(outputs['prediction'], outputs['label']):.4f}",
+    )
 
     # 2. The hand-written loop: eval mode and no_grad are yours to set, num_valid drops the padding.
     batches = []
@@ -73,10 +79,13 @@ def main() -> None:
         for (x, y), num_valid in fa.eval_batches(state, evaluation):
             batches.append(fa.ops.gather_for_metrics(state, (model(x).argmax(1), y), num_valid=num_valid))
     model.train()
-    predictions, labels = (torch.cat(column) for column in zip(*batches))
+    predictions, labels = (torch.cat(column) for column in zip(*batches, strict=False))
     accuracy = (predictions == labels).float().mean().item()
-    fa.print_on_main(state, f"eval_batches + gather_for_metrics: {len(labels)} samples, accuracy {accuracy:.4f}, "
-                            f"F1 {f1_score(predictions, labels):.4f}")
+    fa.print_on_main(
+        state,
+        f"eval_batches + gather_for_metrics: {len(labels)} samples, accuracy {accuracy:.4f}, "
+        f"F1 {f1_score(predictions, labels):.4f}",
+    )
     fa.shutdown(state)
 
 

@@ -50,12 +50,23 @@ def main() -> None:
         if state.dist.is_main_process:  # every process records its own trace; one table is enough
             print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
 
-    profile = fa.profile(activities=["cpu"], schedule_option={"wait": 1, "warmup": 1, "active": 2},
-                         record_shapes=True, on_trace_ready=print_top_operators, output_trace_dir=args.output)
-    state = fa.prepare(state, model, optimizer, loader, loss_fn=loss_fn,
-                       pipeline=fa.compose(fa.default_pipeline(state), profile))
+    profile = fa.profile(
+        activities=["cpu"],
+        schedule_option={"wait": 1, "warmup": 1, "active": 2},
+        record_shapes=True,
+        on_trace_ready=print_top_operators,
+        output_trace_dir=args.output,
+    )
+    state = fa.prepare(
+        state,
+        model,
+        optimizer,
+        loader,
+        loss_fn=loss_fn,
+        pipeline=fa.compose(fa.default_pipeline(state), profile),
+    )
     for batch in fa.batches(state, epochs=1):
-        state, metrics = fa.step(state, batch)
+        state, _metrics = fa.step(state, batch)
     fa.shutdown(state)  # stops the training profiler
 
 

@@ -66,7 +66,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    train = DataLoader(make_dataset(128 if args.tiny else 4096, seed=1), batch_size=args.batch_size, shuffle=True)
+    train = DataLoader(
+        make_dataset(128 if args.tiny else 4096, seed=1), batch_size=args.batch_size, shuffle=True
+    )
     test = DataLoader(make_dataset(64 if args.tiny else 1024, seed=2), batch_size=128)
     state = fa.prepare(state, model, optimizer, train, loss_fn=loss_fn)
 

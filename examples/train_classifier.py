@@ -45,8 +45,12 @@ def spirals(num_samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_model() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(2, 64), nn.ReLU(), nn.Dropout(0.1),
-        nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.1),
+        nn.Linear(2, 64),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Dropout(0.1),
         nn.Linear(64, 3),
     )
 
@@ -81,8 +85,15 @@ def main() -> None:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(loader))
-    state = fa.prepare(state, model, optimizer, loader, scheduler, loss_fn=loss_fn,
-                       pipeline=fa.compose(fa.ddp(), fa.clip_grad_norm(1.0)))
+    state = fa.prepare(
+        state,
+        model,
+        optimizer,
+        loader,
+        scheduler,
+        loss_fn=loss_fn,
+        pipeline=fa.compose(fa.ddp(), fa.clip_grad_norm(1.0)),
+    )
 
     state = fa.init_trackers(state, "classifier", config=vars(args))
 

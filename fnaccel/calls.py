@@ -41,6 +41,7 @@ A leaf module: it imports nothing from fnaccel above the leaves.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -75,15 +76,17 @@ RELEASE_SECONDS = 10.0
 _ANSWER_SECONDS = 5.0
 
 # What to do, by call; others get the generic sentence.
-_FIXES = MappingProxyType({
-    "fa.save": "fa.save is collective; call it on every rank, and guard only your own files "
-               "with state.dist.is_main_process",
-    "fa.load": "fa.load is collective; call it on every rank (each reads its own part)",
-    "fa.evaluate": "fa.evaluate is collective (each rank evaluates its share of the loader); call it "
-                   "on every rank and print its result on the main process only",
-    "fa.shutdown": "fa.shutdown is collective on a clean end; call it on every rank after its last "
-                   "collective call",
-})
+_FIXES = MappingProxyType(
+    {
+        "fa.save": "fa.save is collective; call it on every rank, and guard only your own files "
+        "with state.dist.is_main_process",
+        "fa.load": "fa.load is collective; call it on every rank (each reads its own part)",
+        "fa.evaluate": "fa.evaluate is collective (each rank evaluates its share of the loader); call it "
+        "on every rank and print its result on the main process only",
+        "fa.shutdown": "fa.shutdown is collective on a clean end; call it on every rank after its last "
+        "collective call",
+    }
+)
 
 
 def collective_timeout() -> float:
@@ -135,11 +138,27 @@ class Calls:
     which close it before the group.
     """
 
-    __slots__ = ("call", "last", "micro_step", "step", "seq", "abort", "timeout", "limit",
-                 "_rank", "_size", "_store", "_generation", "_picked", "_thread", "_closed")
+    __slots__ = (
+        "_closed",
+        "_generation",
+        "_picked",
+        "_rank",
+        "_size",
+        "_store",
+        "_thread",
+        "abort",
+        "call",
+        "last",
+        "limit",
+        "micro_step",
+        "seq",
+        "step",
+        "timeout",
+    )
 
-    def __init__(self, store: Any, watcher_store: Any, rank: int, size: int, timeout: float,
-                 limit: float) -> None:
+    def __init__(
+        self, store: Any, watcher_store: Any, rank: int, size: int, timeout: float, limit: float
+    ) -> None:
         self.call: str | None = None
         self.last: str | None = None
         self.micro_step = 0
@@ -153,8 +172,9 @@ class Calls:
         self._generation = 0
         self._picked = threading.Event()
         self._closed = False
-        self._thread = threading.Thread(target=_watch, args=(self, watcher_store),
-                                        name=f"fnaccel-calls-rank{rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=_watch, args=(self, watcher_store), name=f"fnaccel-calls-rank{rank}", daemon=True
+        )
         self._thread.start()
         atexit.register(self._exiting)
 
@@ -221,14 +241,19 @@ class Calls:
             if message is not None:
                 self._raise(self._publish(message))
             if waited >= self.limit:
-                self._raise(self._publish(
-                    f"{call} was called on every rank but {_ranks(missing)}, which did not reach it within "
-                    f"the process group's timeout ({self.limit:g} s): {_fix(call)}"))
+                self._raise(
+                    self._publish(
+                        f"{call} was called on every rank but {_ranks(missing)}, which did not reach it within "
+                        f"the process group's timeout ({self.limit:g} s): {_fix(call)}"
+                    )
+                )
         names = [value.decode() for value in store.multi_get(keys)]
         if len(set(names)) > 1:
             table = ", ".join(f"rank {r}: {name}" for r, name in enumerate(names))
-            self._raise(f"the ranks made different collective calls at the same point ({table}): every "
-                        "rank must make the same collective fnaccel calls in the same order")
+            self._raise(
+                f"the ranks made different collective calls at the same point ({table}): every "
+                "rank must make the same collective fnaccel calls in the same order"
+            )
 
     def done(self) -> None:
         """Leave the current call (back in the user's code)."""
@@ -248,12 +273,17 @@ class Calls:
                 past.append(f"rank {rank} {_doing(record)}")
         if past:
             inside = [r for r in range(self._size) if r not in missing]
-            return (f"{call} was called on {_ranks(inside)} only ({', '.join(past)}): {_fix(call)}",
-                    now_silent)
+            return (
+                f"{call} was called on {_ranks(inside)} only ({', '.join(past)}): {_fix(call)}",
+                now_silent,
+            )
         gone = sorted(now_silent & silent)
         if gone:
-            return (f"{call}: {_ranks(gone)} did not reach it and did not answer (exited, or stuck "
-                    f"outside fnaccel) for {self.timeout * 2:g} s: {_fix(call)}", now_silent)
+            return (
+                f"{call}: {_ranks(gone)} did not reach it and did not answer (exited, or stuck "
+                f"outside fnaccel) for {self.timeout * 2:g} s: {_fix(call)}",
+                now_silent,
+            )
         return None, now_silent
 
     def _is_past(self, record: dict[str, Any]) -> bool:
@@ -327,16 +357,20 @@ class Calls:
         call ``fa.shutdown`` agrees with this one instead of asking where it is."""
         if self._closed or exception_in_flight():
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the store is gone: the others learn it from their own waits
             self._store.set(self._key(f"enter/{self.seq + 1}/{self._rank}"), "fa.shutdown")
-        except RuntimeError:
-            pass  # the store is gone: the others learn it from their own waits
 
     # -- the watcher ----------------------------------------------------------------------
 
     def record(self) -> dict[str, Any]:
-        return {"call": self.call, "last": self.last, "micro_step": self.micro_step, "step": self.step,
-                "seq": self.seq, "generation": self._generation}
+        return {
+            "call": self.call,
+            "last": self.last,
+            "micro_step": self.micro_step,
+            "step": self.step,
+            "seq": self.seq,
+            "generation": self._generation,
+        }
 
     def close(self) -> None:
         """Stop the watcher (on a clean end; while an exception propagates it is left

@@ -18,9 +18,22 @@ from typing import Any, Literal, TypeGuard, overload
 
 from fnaccel._errors import ConfigError
 
-__all__ = ["require", "check_value", "check_choice", "is_int", "is_number", "str_to_bool", "config_bool",
-           "config_int", "config_str", "config_names", "config_choice", "require_bools", "require_count",
-           "require_number"]
+__all__ = [
+    "require",
+    "check_value",
+    "check_choice",
+    "is_int",
+    "is_number",
+    "str_to_bool",
+    "config_bool",
+    "config_int",
+    "config_str",
+    "config_names",
+    "config_choice",
+    "require_bools",
+    "require_count",
+    "require_number",
+]
 
 
 def require(condition: bool, message: str) -> None:
@@ -181,8 +194,9 @@ def require_count(owner: str, name: str, value: Any, least: int = 1) -> None:
     fnaccel._errors.ConfigError: Plugin: steps must be a positive int, got 0
     """
     if value is not None and (not is_int(value) or value < least):
-        raise ConfigError(f"{owner}: {name} must be {'a positive' if least else 'a non-negative'} int, "
-                          f"got {value!r}")
+        raise ConfigError(
+            f"{owner}: {name} must be {'a positive' if least else 'a non-negative'} int, got {value!r}"
+        )
 
 
 def require_number(owner: str, name: str, value: Any) -> None:

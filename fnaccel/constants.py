@@ -83,26 +83,17 @@ class _ValueContainsMeta(enum.EnumMeta):
         return True
 
 
-class _StrEnum(str, enum.Enum, metaclass=_ValueContainsMeta):
-    """A string enum that prints as its value."""
-
-    def __str__(self) -> str:
-        return str(self.value)
+class _StrEnum(enum.StrEnum, metaclass=_ValueContainsMeta):
+    """A string enum that prints and formats as its value."""
 
     @classmethod
     def list(cls) -> list[str]:
         """Returns every member's value, in definition order."""
         return [str(member.value) for member in cls]
 
-    # A str mixin would otherwise format as "Cls.MEMBER" in f-strings on 3.11.
-    def __format__(self, format_spec: str) -> str:
-        return format(str(self.value), format_spec)
-
     @classmethod
     def _missing_(cls, value: Any) -> None:
-        raise ValueError(
-            f"{value!r} is not a valid {cls.__name__}: use one of {', '.join(cls.list())}"
-        )
+        raise ValueError(f"{value!r} is not a valid {cls.__name__}: use one of {', '.join(cls.list())}")
 
 
 class DistributedType(_StrEnum):

@@ -43,7 +43,8 @@ class DistContext:
         device: the device this process computes on.
         backend: the `torch.distributed` backend, or None in a world of one.
         distributed_type: Accelerate's name for the kind of run.
-        debug: ``FNACCEL_DEBUG_MODE``: the launcher shows full tracebacks (collectives check every rank's tree in every mode).
+        debug: ``FNACCEL_DEBUG_MODE``: the launcher shows full tracebacks (collectives check
+            every rank's tree in every mode).
         parallelism: the run's layout, its sizes resolved against the world
             (None: every rank is a data-parallel rank).
     """

@@ -32,8 +32,17 @@ from fnaccel.config.parallelism import DATA_PARALLEL_DIMS, ParallelismConfig
 from fnaccel.resources import GroupOwner
 from fnaccel.state import RunState
 
-__all__ = ["DRY_RUN_ENV", "REPORT_ENV", "Held", "WorldBytes", "active", "figures", "finish",
-           "start_fake_group", "world_bytes"]
+__all__ = [
+    "DRY_RUN_ENV",
+    "REPORT_ENV",
+    "Held",
+    "WorldBytes",
+    "active",
+    "figures",
+    "finish",
+    "start_fake_group",
+    "world_bytes",
+]
 
 DRY_RUN_ENV = "FNACCEL_DRY_RUN"
 REPORT_ENV = "FNACCEL_DRY_RUN_REPORT"
@@ -83,8 +92,13 @@ class Held:
             return cls(shape=tuple(tensor.shape), element_size=tensor.element_size())
         names = tensor.device_mesh.mesh_dim_names
         assert names is not None, "fnaccel's meshes name their dimensions"
-        return cls(shape=tuple(tensor.shape), element_size=tensor.element_size(), mesh_dims=tuple(names),
-                   mesh_shape=tuple(tensor.device_mesh.shape), placements=tuple(tensor.placements))
+        return cls(
+            shape=tuple(tensor.shape),
+            element_size=tensor.element_size(),
+            mesh_dims=tuple(names),
+            mesh_shape=tuple(tensor.device_mesh.shape),
+            placements=tuple(tensor.placements),
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,6 +118,7 @@ def _shard_sizes(length: int, num_chunks: int, split_factor: int | None) -> list
     """Each chunk's length when ``length`` is sharded over ``num_chunks`` ranks as DTensor
     does: ``torch.chunk``'s split, or, for a strided shard, that split of each of
     ``split_factor`` pieces, the pieces' chunks added up."""
+
     def chunk(n: int) -> list[int]:
         size = -(-n // num_chunks)
         return [max(0, min(size, n - c * size)) for c in range(num_chunks)]
@@ -148,8 +163,10 @@ class _Axes:
     def tensor_coordinate(self, coords: Mapping[str, int], names: Sequence[str]) -> list[int]:
         """A rank's coordinate on a tensor's mesh, from the rank's ``coords`` (`of_rank`)."""
         shard = self.layout.sizes["dp_shard"]
-        return [coords["dp_replicate"] * shard + coords["dp_shard"] if name == "dp" else coords[name]
-                for name in names]
+        return [
+            coords["dp_replicate"] * shard + coords["dp_shard"] if name == "dp" else coords[name]
+            for name in names
+        ]
 
 
 def _classes(axes: _Axes, sharded: Sequence[Held]) -> dict[str, list[int]]:
@@ -215,8 +232,9 @@ def world_bytes(kinds: Mapping[str, Sequence[Held]], layout: ParallelismConfig) 
     axes = _Axes(layout, {name for held in sharded for name in held.mesh_dims})
     classes = _classes(axes, sharded)
     members: dict[tuple[int, ...], list[int]] = {}
-    for rank in range(layout.data_parallel_size * layout.pp_size * layout.cp_size * layout.sp_size
-                      * layout.tp_size):
+    for rank in range(
+        layout.data_parallel_size * layout.pp_size * layout.cp_size * layout.sp_size * layout.tp_size
+    ):
         coords = axes.of_rank(rank)
         members.setdefault(tuple(classes[axis][coords[axis]] for axis in axes.sizes), []).append(rank)
     ranks: list[dict[str, int]] = [{}] * sum(map(len, members.values()))
@@ -225,11 +243,21 @@ def world_bytes(kinds: Mapping[str, Sequence[Held]], layout: ParallelismConfig) 
         numels: dict[Held, int] = {}  # a transformer's layers repeat the same tensors
         for held in every:
             if held not in numels:
-                shape = held.shape if not held.mesh_dims else _utils._compute_local_shape_and_global_offset(
-                    held.shape, held.mesh_shape, axes.tensor_coordinate(coords, held.mesh_dims), held.placements,
-                    skip_offset=True)[0]
+                shape = (
+                    held.shape
+                    if not held.mesh_dims
+                    else _utils._compute_local_shape_and_global_offset(
+                        held.shape,
+                        held.mesh_shape,
+                        axes.tensor_coordinate(coords, held.mesh_dims),
+                        held.placements,
+                        skip_offset=True,
+                    )[0]
+                )
                 numels[held] = math.prod(shape)
-        figures = {kind: sum(numels[held] * held.element_size for held in group) for kind, group in kinds.items()}
+        figures = {
+            kind: sum(numels[held] * held.element_size for held in group) for kind, group in kinds.items()
+        }
         for rank in alike:
             ranks[rank] = figures
     return WorldBytes(ranks=tuple(ranks), num_classes=len(members))
@@ -262,15 +290,34 @@ def figures(state: RunState) -> dict[str, Any]:
     assert layout is not None, "fa.init resolves the layout of every run"
     report: dict[str, Any] = {
         "rank": state.dist.rank,
-        "measured": {"parameters": sum(map(_held, params)), "gradients": sum(map(_held, trainable)),
-                     "optimizer": sum(map(_held, moments))},
-        "layout": [{"name": name, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."),
-                    "placements": _placements(p)} for name, p in model.named_parameters()],
+        "measured": {
+            "parameters": sum(map(_held, params)),
+            "gradients": sum(map(_held, trainable)),
+            "optimizer": sum(map(_held, moments)),
+        },
+        "layout": [
+            {
+                "name": name,
+                "shape": list(p.shape),
+                "dtype": str(p.dtype).removeprefix("torch."),
+                "placements": _placements(p),
+            }
+            for name, p in model.named_parameters()
+        ],
         "parallelism": layout.sizes,
     }
     if state.dist.rank == 0:  # the launcher prints rank 0's table; the last rank's measurement checks it
-        computed = world_bytes({kind: [Held.of(t) for t in tensors] for kind, tensors in (
-            ("parameters", params), ("gradients", trainable), ("optimizer", moments))}, layout)
+        computed = world_bytes(
+            {
+                kind: [Held.of(t) for t in tensors]
+                for kind, tensors in (
+                    ("parameters", params),
+                    ("gradients", trainable),
+                    ("optimizer", moments),
+                )
+            },
+            layout,
+        )
         report.update(ranks=list(computed.ranks), num_classes=computed.num_classes)
     return report
 

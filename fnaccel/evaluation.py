@@ -64,8 +64,9 @@ def _join(parts: list[Any]) -> Any:
 
 
 @collective("fa.evaluate")
-def evaluate(state: RunState, loader: torch.utils.data.DataLoader[Any],
-             fn: Callable[[torch.nn.Module, Any], Any]) -> Any:
+def evaluate(
+    state: RunState, loader: torch.utils.data.DataLoader[Any], fn: Callable[[torch.nn.Module, Any], Any]
+) -> Any:
     """Reads ``state`` (not consumed): ``fn(model, batch)`` over ``loader``'s dataset,
     split across the ranks, gathered on every rank, each sample exactly once, in
     dataset order.

@@ -34,8 +34,8 @@ import torch
 
 from fnaccel._errors import FnaccelError
 from fnaccel.checks import is_int
-from fnaccel.constants import PrecisionType
 from fnaccel.config.environment import patch_environment
+from fnaccel.constants import PrecisionType
 
 __all__ = ["ProcessFailedError", "debug_launcher", "notebook_launcher"]
 
@@ -116,8 +116,10 @@ def notebook_launcher(
     try:
         precision = PrecisionType(str(mixed_precision).lower())
     except ValueError:
-        raise ValueError(f"notebook_launcher: unknown mixed_precision {mixed_precision!r}; use "
-                         f"one of {[p.value for p in PrecisionType]}") from None
+        raise ValueError(
+            f"notebook_launcher: unknown mixed_precision {mixed_precision!r}; use "
+            f"one of {[p.value for p in PrecisionType]}"
+        ) from None
     if not 0 <= node_rank < num_nodes:
         raise ValueError(f"notebook_launcher: node_rank {node_rank} is outside 0..{num_nodes - 1}")
     if rdzv_backend not in ("static", "c10d"):
@@ -138,10 +140,16 @@ def notebook_launcher(
     if rdzv_backend == "static":
         conf["rank"] = node_rank
     config = LaunchConfig(
-        min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=num_processes,
-        run_id=rdzv_id, rdzv_endpoint=rdzv_endpoint or f"{master_addr}:{use_port}",
-        rdzv_backend=rdzv_backend, rdzv_configs=conf, max_restarts=max_restarts,
-        monitor_interval=monitor_interval, start_method="fork",
+        min_nodes=num_nodes,
+        max_nodes=num_nodes,
+        nproc_per_node=num_processes,
+        run_id=rdzv_id,
+        rdzv_endpoint=rdzv_endpoint or f"{master_addr}:{use_port}",
+        rdzv_backend=rdzv_backend,
+        rdzv_configs=conf,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        start_method="fork",
         log_line_prefix_template=log_line_prefix_template,
     )
     gc.collect()  # the launcher's own garbage (an earlier launch's store) is not forked into the workers
@@ -149,7 +157,9 @@ def notebook_launcher(
         return _launch(elastic_launch(config, _fail_fast(function, Path(errors))), args, env, Path(errors))
 
 
-def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> list[Any]:
+def debug_launcher(
+    function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2
+) -> list[Any]:
     """Runs ``function(*args)`` on ``num_processes`` CPU processes, to debug distributed code on a laptop.
 
     Like `notebook_launcher` but always on the CPU (gloo), with the
@@ -163,8 +173,9 @@ def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_p
     """
     _check_count("num_processes", num_processes)
     with patch_environment(FNACCEL_USE_CPU="true"):
-        return notebook_launcher(function, args, num_processes=num_processes,
-                                 rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0")
+        return notebook_launcher(
+            function, args, num_processes=num_processes, rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0"
+        )
 
 
 def _fail_fast(function: Callable[..., Any], errors: Path) -> Callable[..., Any]:
@@ -191,8 +202,12 @@ def _fail_fast(function: Callable[..., Any], errors: Path) -> Callable[..., Any]
             trace = traceback.format_exc()
             print(trace, file=sys.stderr, flush=True)
             rank = os.environ.get("RANK", "0")
-            record = {"rank": int(rank), "time": when, "reason": f"{type(exc).__name__}: {exc}",
-                      "traceback": trace}
+            record = {
+                "rank": int(rank),
+                "time": when,
+                "reason": f"{type(exc).__name__}: {exc}",
+                "traceback": trace,
+            }
             (errors / f"rank{rank}.json.partial").write_text(json.dumps(record))
             (errors / f"rank{rank}.json.partial").rename(errors / f"rank{rank}.json")
             ErrorHandler().record_exception(exc)  # for the agent's own report
@@ -211,8 +226,9 @@ def _check_count(name: str, value: Any) -> None:
         raise ValueError(f"notebook_launcher: {name} must be an int >= 1, got {value!r}")
 
 
-def _launch(launched: Callable[..., dict[int, Any]], args: Sequence[Any], env: dict[str, str],
-            errors: Path) -> list[Any]:
+def _launch(
+    launched: Callable[..., dict[int, Any]], args: Sequence[Any], env: dict[str, str], errors: Path
+) -> list[Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -227,6 +243,7 @@ def _launch(launched: Callable[..., dict[int, Any]], args: Sequence[Any], env: d
         message = f"rank {first['rank']} failed first: {first['reason']}; the other processes were ended."
         if first["traceback"]:
             message += f"\nIts traceback:\n{first['traceback']}"
-        raise ProcessFailedError(message, rank=first["rank"], reason=first["reason"],
-                                 traceback=first["traceback"]) from None
+        raise ProcessFailedError(
+            message, rank=first["rank"], reason=first["reason"], traceback=first["traceback"]
+        ) from None
     return [results[rank] for rank in sorted(results)]

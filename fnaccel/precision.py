@@ -70,8 +70,9 @@ def _autocast(state: RunState, handler: AutocastKwargs) -> Iterator[None]:
     if handler.cache_enabled is not None:
         cache_enabled = handler.cache_enabled
     enabled = handler.enabled and dtype is not torch.float32
-    with torch.autocast(state.dist.device.type, dtype=dtype if enabled else None, enabled=enabled,
-                        cache_enabled=cache_enabled):
+    with torch.autocast(
+        state.dist.device.type, dtype=dtype if enabled else None, enabled=enabled, cache_enabled=cache_enabled
+    ):
         yield
 
 
@@ -89,7 +90,9 @@ def _run_precision(state: RunState) -> tuple[torch.dtype, bool | None]:
     return precision_dtype(state.mixed_precision), None
 
 
-def get_grad_scaler(distributed_type: DistributedType | str | None = None, **kwargs: Any) -> torch.amp.GradScaler:
+def get_grad_scaler(
+    distributed_type: DistributedType | str | None = None, **kwargs: Any
+) -> torch.amp.GradScaler:
     """A gradient scaler for fp16 training on this machine: Accelerate's helper of that name.
 
     CUDA's when CUDA is available, else the CPU's (Accelerate returns a

@@ -69,9 +69,10 @@ class PreemptionKwargs(KwargsHandler):
 
     >>> PreemptionKwargs(signals=("SIGTERM",), check_every=4).signals
     ('SIGTERM',)
-    >>> PreemptionKwargs(signals=("SIGKILL",))
+    >>> PreemptionKwargs(signals=("SIGKILL",))  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    ValueError: signals must be names or numbers of signals that ask a job to stop, got ('SIGKILL',): SIGKILL and SIGSTOP cannot be caught; use e.g. ('SIGTERM', 'SIGUSR1')
+    ValueError: signals must be names or numbers of signals that ask a job to stop, got ('SIGKILL',):
+    SIGKILL and SIGSTOP cannot be caught; use e.g. ('SIGTERM', 'SIGUSR1')
     """
 
     signals: tuple[str | int, ...] = ("SIGTERM", "SIGUSR1")
@@ -79,15 +80,25 @@ class PreemptionKwargs(KwargsHandler):
 
     def _validate(self) -> None:
         single = isinstance(self.signals, (str, bytes, int))  # a name, not a tuple of names
-        check_value("signals", self.signals, not single, "a tuple of signal names or numbers",
-                    f"write signals=({self.signals!r},)")
+        check_value(
+            "signals",
+            self.signals,
+            not single,
+            "a tuple of signal names or numbers",
+            f"write signals=({self.signals!r},)",
+        )
         object.__setattr__(self, "signals", tuple(self.signals))
         problems = list(dict.fromkeys(p for p in map(_signal_problem, self.signals) if p is not None))
-        check_value("signals", self.signals, bool(self.signals) and not problems,
-                    "names or numbers of signals that ask a job to stop",
-                    "; ".join(problems or ["give at least one"]) + "; use e.g. ('SIGTERM', 'SIGUSR1')")
-        check_value("check_every", self.check_every, is_int(self.check_every) and self.check_every >= 1,
-                    "an int >= 1")
+        check_value(
+            "signals",
+            self.signals,
+            bool(self.signals) and not problems,
+            "names or numbers of signals that ask a job to stop",
+            "; ".join(problems or ["give at least one"]) + "; use e.g. ('SIGTERM', 'SIGUSR1')",
+        )
+        check_value(
+            "check_every", self.check_every, is_int(self.check_every) and self.check_every >= 1, "an int >= 1"
+        )
 
     @property
     def signal_numbers(self) -> tuple[signal.Signals, ...]:
@@ -101,20 +112,38 @@ def _to_signal(value: str | int) -> signal.Signals:
 
 # What a scheduler or a person sends to ask a job to stop: Slurm's --signal and scancel, Kubernetes'
 # and most schedulers' SIGTERM, Ctrl-C, a hang-up, a CPU-time or power limit, the real-time range.
-_STOP_SIGNALS = frozenset(getattr(signal, name) for name in (
-    "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGXCPU", "SIGALRM", "SIGPWR",
-    "SIGRTMIN", "SIGRTMAX") if hasattr(signal, name))
+_STOP_SIGNALS = frozenset(
+    getattr(signal, name)
+    for name in (
+        "SIGTERM",
+        "SIGINT",
+        "SIGHUP",
+        "SIGQUIT",
+        "SIGUSR1",
+        "SIGUSR2",
+        "SIGXCPU",
+        "SIGALRM",
+        "SIGPWR",
+        "SIGRTMIN",
+        "SIGRTMAX",
+    )
+    if hasattr(signal, name)
+)
 # A fault in the process: its handler cannot make the run go on (for SIGSEGV, returning from the
 # handler runs the faulting instruction again, and the process hangs)
-_FAULTS = frozenset(getattr(signal, name) for name in (
-    "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS") if hasattr(signal, name))
+_FAULTS = frozenset(
+    getattr(signal, name)
+    for name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS")
+    if hasattr(signal, name)
+)
 
 
 def _signal_problem(value: object) -> str | None:
     """Why ``value`` cannot be one of `PreemptionKwargs`' signals, or None."""
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        return f"{value!r} is not a signal name or number" + (" (a bool would be read as signal 1, SIGHUP)"
-                                                              if isinstance(value, bool) else "")
+        return f"{value!r} is not a signal name or number" + (
+            " (a bool would be read as signal 1, SIGHUP)" if isinstance(value, bool) else ""
+        )
     try:
         sig = _to_signal(value)
     except (KeyError, ValueError):
@@ -215,9 +244,10 @@ class SignalWatch:
     def _mark(self, name: str, text: str = "") -> None:
         """Tell `fnaccel launch` (if it started this process) how the run ended."""
         if self._launch_dir is not None:
-            with contextlib.suppress(OSError):  # only the launcher's exit status depends on it
-                with open(os.path.join(self._launch_dir, f"{name}.{self._ctx.rank}"), "w", encoding="utf-8") as file:
-                    file.write(text)
+            path = os.path.join(self._launch_dir, f"{name}.{self._ctx.rank}")
+            # only the launcher's exit status depends on it
+            with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as file:
+                file.write(text)
 
     def _agree(self) -> None:
         """Read the exchange started ``check_every`` micro-steps ago, start the next one."""
@@ -256,8 +286,10 @@ class SignalWatch:
         if not self._previous:
             return
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("fa.shutdown restores the signal handlers PreemptionKwargs installed, which "
-                               "Python allows only in the main thread; call fa.shutdown from the main thread")
+            raise RuntimeError(
+                "fa.shutdown restores the signal handlers PreemptionKwargs installed, which "
+                "Python allows only in the main thread; call fa.shutdown from the main thread"
+            )
         for sig, previous in self._previous.items():
             # None: the previous handler was not set from Python; the default is the closest.
             signal.signal(sig, signal.SIG_DFL if previous is None else previous)

@@ -26,16 +26,24 @@ from torch import nn
 
 from fnaccel import dryrun
 from fnaccel.config.parallelism import DATA_PARALLEL_DIMS, TRANSFORM_FOR_DIM
+from fnaccel.constants import PrecisionType
 from fnaccel.dist import data_parallel
 from fnaccel.state import RunState
 from fnaccel.train import SchedulerRuleWarning, StepPlan, scheduler_steps, training_transforms
-from fnaccel.transforms.base import Capability, Collective, EngineRequest, Pipeline, Precision, Transform, compose
-from fnaccel.transforms.parallel import ddp, unwrap_model
+from fnaccel.transforms.base import (
+    Capability,
+    Collective,
+    EngineRequest,
+    Pipeline,
+    Precision,
+    Transform,
+    compose,
+)
 from fnaccel.transforms.fp8 import recipe_from_config
+from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin
 from fnaccel.transforms.precision import autocast, fp8, grad_scaler
-from fnaccel.constants import PrecisionType
 
 __all__ = ["default_pipeline", "prepare"]
 
@@ -70,30 +78,38 @@ def default_pipeline(state: RunState) -> Pipeline:
     parts = []
     cast = handlers.get("AutocastKwargs")
     if state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16) and (cast is None or cast.enabled):
-        parts.append(autocast(state.mixed_precision.value,
-                              cache_enabled=None if cast is None else cast.cache_enabled))
+        parts.append(
+            autocast(state.mixed_precision.value, cache_enabled=None if cast is None else cast.cache_enabled)
+        )
     if state.mixed_precision == PrecisionType.FP8 and (cast is None or cast.enabled):
         # the script's FP8RecipeKwargs, else the launch's fp8_config (--fp8_* flags)
         recipe = handlers.get("FP8RecipeKwargs") or recipe_from_config(
-            state.config.fp8_config, _section(state.config, "fp8_config"))
+            state.config.fp8_config, _section(state.config, "fp8_config")
+        )
         parts.append(autocast(fp8, cache_enabled=None if cast is None else cast.cache_enabled, recipe=recipe))
     scaler = handlers.get("GradScalerKwargs")
     if scaler is not None and state.mixed_precision == PrecisionType.FP16:
         parts.append(grad_scaler(**scaler.to_kwargs()))
     config = state.config
     if config.distributed_type == "DEEPSPEED":
-        parts.append(DeepSpeedPlugin.from_config(
-            config.deepspeed_config, _section(config, "deepspeed_config")).transform())
+        parts.append(
+            DeepSpeedPlugin.from_config(
+                config.deepspeed_config, _section(config, "deepspeed_config")
+            ).transform()
+        )
     elif state.dist.num_processes > 1 and config.distributed_type == "FSDP":
         plugin = FullyShardedDataParallelPlugin.from_config(
-            config.fsdp_config, _section(config, "fsdp_config"))
+            config.fsdp_config, _section(config, "fsdp_config")
+        )
         checkpointing = plugin.checkpointing()
         parts.extend([plugin.transform()] if checkpointing is None else [checkpointing, plugin.transform()])
     elif state.dist.num_processes > 1:
         ddp_kwargs = handlers.get("DistributedDataParallelKwargs")
-        fields = {} if ddp_kwargs is None else {
-            f.name: getattr(ddp_kwargs, f.name) for f in dataclasses.fields(ddp_kwargs)
-        }
+        fields = (
+            {}
+            if ddp_kwargs is None
+            else {f.name: getattr(ddp_kwargs, f.name) for f in dataclasses.fields(ddp_kwargs)}
+        )
         parts.append(ddp(**fields))
     dynamo = TorchDynamoPlugin.from_config(config.dynamo_config, _section(config, "dynamo_config"))
     compiled = dynamo.transform()
@@ -133,7 +149,8 @@ def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
             fix = TRANSFORM_FOR_DIM.get(dim, f"a transform whose mesh_dims include {dim!r}")
             raise ValueError(
                 f"fa.prepare: the mesh has {dim}_size={size} but {pipeline!r} has no transform over its "
-                f"{dim} dimension; add {fix} to the pipeline, or set {dim}_size=1")
+                f"{dim} dimension; add {fix} to the pipeline, or set {dim}_size=1"
+            )
     for t in training_transforms(pipeline):
         if t.check_pipeline is not None:
             pipeline = t.check_pipeline(pipeline, state.dist)
@@ -167,7 +184,8 @@ def _as_pipeline(pipeline: Any) -> Pipeline | None:
         return compose(pipeline)
     raise TypeError(
         f"fa.prepare: pipeline must be a transform or fa.compose(...) of transforms, got "
-        f"{type(pipeline).__name__} {pipeline!r:.80}; write pipeline=fa.compose(fa.ddp(), fa.accumulate(4), ...)")
+        f"{type(pipeline).__name__} {pipeline!r:.80}; write pipeline=fa.compose(fa.ddp(), fa.accumulate(4), ...)"
+    )
 
 
 def prepare(
@@ -237,20 +255,32 @@ def prepare(
                 model = t.prepare_model(ctx, model, transform_states.get(t.name))
         if engine is not None:
             groups = [] if optimizer is None else list(optimizer.param_groups)
-            model, optimizer = engine.prepare_engine(EngineRequest(
-                ctx=ctx, pipeline=pipeline, model=model, optimizer=optimizer,
-                micro_batch_size=getattr(loader, "batch_size", None), state=transform_states.get(engine.name)))
+            model, optimizer = engine.prepare_engine(
+                EngineRequest(
+                    ctx=ctx,
+                    pipeline=pipeline,
+                    model=model,
+                    optimizer=optimizer,
+                    micro_batch_size=getattr(loader, "batch_size", None),
+                    state=transform_states.get(engine.name),
+                )
+            )
             if optimizer is not None:
                 _realign_scheduler(scheduler if scheduler is not None else state.scheduler, optimizer, groups)
         elif optimizer is not None:
             _rebind_optimizer(optimizer, names, model)
         changes["model"] = model
     elif optimizer is not None and engine is not None:
-        raise ValueError(f"fa.prepare: {pipeline!r} builds an engine from the model and the optimizer "
-                         "together; pass both in the same fa.prepare call")
+        raise ValueError(
+            f"fa.prepare: {pipeline!r} builds an engine from the model and the optimizer "
+            "together; pass both in the same fa.prepare call"
+        )
     if optimizer is not None:
-        if model is None and state.model is not None \
-                and {Capability.SHARDS_PARAMETERS, Capability.SPLITS_MODEL} & pipeline.capabilities:
+        if (
+            model is None
+            and state.model is not None
+            and {Capability.SHARDS_PARAMETERS, Capability.SPLITS_MODEL} & pipeline.capabilities
+        ):
             _check_optimizer_params(optimizer, state.model)
         changes["optimizer"] = optimizer
     if scheduler is not None:
@@ -260,30 +290,47 @@ def prepare(
         changes["scheduler"] = scheduler
     if loss_fn is not None:
         if Capability.RUNS_FORWARD_BACKWARD in pipeline.capabilities:  # fa.pp computes its loss itself
-            raise ValueError("fa.prepare: under fa.pp the loss is computed at the last stage by "
-                             "fa.pp(loss_fn=lambda output, target: ...); drop fa.prepare's loss_fn")
+            raise ValueError(
+                "fa.prepare: under fa.pp the loss is computed at the last stage by "
+                "fa.pp(loss_fn=lambda output, target: ...); drop fa.prepare's loss_fn"
+            )
         changes["loss_fn"] = loss_fn
     if loader is not None:
         from fnaccel.data.loader import prepare_loader  # the data path's own module
 
         config = state.kwargs_handlers.get("DataLoaderConfiguration")
         # the loader shards over the data-parallel ranks: all of them without a mesh
-        if (Capability.SAME_BATCH_ACROSS_RANKS in pipeline.capabilities and data_parallel(ctx)[1] > 1
-                and (config is None or config.shard is not False)):
+        if (
+            Capability.SAME_BATCH_ACROSS_RANKS in pipeline.capabilities
+            and data_parallel(ctx)[1] > 1
+            and (config is None or config.shard is not False)
+        ):
             raise ValueError(
                 "fa.prepare: every stage of fa.pp must read the same batches, but the loader would be "
                 "sharded over the processes; give fa.init(parallelism=fa.ParallelismConfig(pp_size=N)) "
                 "(the data is then split over the data-parallel ranks only) or pass "
-                "kwargs_handlers=[DataLoaderConfiguration(shard=False)] to fa.init")
+                "kwargs_handlers=[DataLoaderConfiguration(shard=False)] to fa.init"
+            )
         changes["loader"] = prepare_loader(loader, ctx, seed=state.seed or 0, config=config)
     changes["transform_states"] = transform_states
-    plan = StepPlan.of(pipeline, transform_states, scheduler_steps(
-        ctx, changes.get("loader", state.loader), state.kwargs_handlers))
+    plan = StepPlan.of(
+        pipeline,
+        transform_states,
+        scheduler_steps(ctx, changes.get("loader", state.loader), state.kwargs_handlers),
+    )
     held = changes.get("optimizer", state.optimizer)
-    if held is not None and Capability.SHARDS_PARAMETERS not in pipeline.capabilities and plan.backward is None:
+    if (
+        held is not None
+        and Capability.SHARDS_PARAMETERS not in pipeline.capabilities
+        and plan.backward is None
+    ):
         # FSDP2 computes gradients on unsharded copies of the parameters, not on these
-        plan = dataclasses.replace(plan, backward_inputs=tuple(
-            p for group in held.param_groups for p in group["params"] if p.requires_grad))
+        plan = dataclasses.replace(
+            plan,
+            backward_inputs=tuple(
+                p for group in held.param_groups for p in group["params"] if p.requires_grad
+            ),
+        )
     changes["plan"] = plan
     if scheduler is not None and loader is None and state.loader is not None:
         _warn_scheduler_rule(state, plan.scheduler_steps)
@@ -307,15 +354,20 @@ def _warn_scheduler_rule(state: RunState, steps: int) -> None:
             "it was one per update), so a schedule sized in updates, from len(state.loader), ends early: "
             "size it from the loader before fa.prepare (len(loader) * epochs), or keep one step per update with "
             "fa.init(kwargs_handlers=[fa.SchedulerConfiguration(step_per_process=False)])",
-            SchedulerRuleWarning, stacklevel=3)
+            SchedulerRuleWarning,
+            stacklevel=3,
+        )
 
 
 def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
     """An explicit pipeline wins over the launch (as explicit arguments do); say so
     when the launch asked for a precision or FSDP that the pipeline leaves out."""
     cast = pipeline.settings(Precision)
-    wanted = state.mixed_precision if state.mixed_precision in (fp8, PrecisionType.FP16, PrecisionType.BF16) \
+    wanted = (
+        state.mixed_precision
+        if state.mixed_precision in (fp8, PrecisionType.FP16, PrecisionType.BF16)
         else None
+    )
     handler = state.kwargs_handlers.get("AutocastKwargs")
     if handler is not None and not handler.enabled:
         wanted = None  # the default pipeline would leave autocast out too
@@ -323,29 +375,49 @@ def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
         warnings.warn(
             f"fa.prepare: the launch asked for mixed_precision {state.mixed_precision.value} but the "
             f"pipeline passed in is {pipeline!r}; the pipeline wins. Leave pipeline out to follow the "
-            "launch, or add fa.autocast to it", UserWarning, stacklevel=3)
+            "launch, or add fa.autocast to it",
+            UserWarning,
+            stacklevel=3,
+        )
     capabilities = pipeline.capabilities
     # what the launch's engine (fa.deepspeed) and sharding (fa.fsdp) declare, as default_pipeline builds them
     if state.config.distributed_type == "DEEPSPEED" and Capability.OWNS_OPTIMIZER_STEP not in capabilities:
         warnings.warn(
             f"fa.prepare: the launch asked for DeepSpeed but the pipeline passed in is {pipeline!r}; the "
             "pipeline wins. Leave pipeline out to follow the launch, or add fa.deepspeed to it",
-            UserWarning, stacklevel=3)
-    if state.config.distributed_type == "FSDP" and state.dist.num_processes > 1 \
-            and Capability.SHARDS_PARAMETERS not in capabilities:
+            UserWarning,
+            stacklevel=3,
+        )
+    if (
+        state.config.distributed_type == "FSDP"
+        and state.dist.num_processes > 1
+        and Capability.SHARDS_PARAMETERS not in capabilities
+    ):
         warnings.warn(
             f"fa.prepare: the launch asked for FSDP but the pipeline passed in is {pipeline!r}; the "
             "pipeline wins. Leave pipeline out to follow the launch, or add fa.fsdp to it",
-            UserWarning, stacklevel=3)
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 # A torch scheduler's lists that hold one entry per parameter group: every scheduler's
 # base and last rates, LambdaLR's and MultiplicativeLR's lambdas, CyclicLR's bounds,
 # ReduceLROnPlateau's floors (torch.optim.lr_scheduler, torch 2.13)
-_PER_GROUP_LISTS = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs", "base_momentums", "max_momentums")
+_PER_GROUP_LISTS = (
+    "base_lrs",
+    "_last_lr",
+    "lr_lambdas",
+    "min_lrs",
+    "max_lrs",
+    "base_momentums",
+    "max_momentums",
+)
 
 
-def _realign_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+def _realign_scheduler(
+    scheduler: Any, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
+) -> None:
     """Keep a scheduler built before `fa.prepare` in step with an engine's optimizer.
 
     DeepSpeed drops the optimizer's empty parameter groups in place (a weight-decay
@@ -366,16 +438,21 @@ def _realign_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, groups:
     """
     index = {id(group): i for i, group in enumerate(groups)}
     kept = [index.get(id(group), -1) for group in optimizer.param_groups]  # -1: a group the engine built
-    if scheduler is None or (kept == list(range(len(groups))) and getattr(scheduler, "optimizer", None)
-                             is optimizer):
+    if scheduler is None or (
+        kept == list(range(len(groups))) and getattr(scheduler, "optimizer", None) is optimizer
+    ):
         return
     parts = [scheduler, *getattr(scheduler, "_schedulers", ())]
-    if -1 in kept or kept != sorted(kept) or any(type(part).__module__ != torch.optim.lr_scheduler.__name__
-                                                 for part in parts):
+    if (
+        -1 in kept
+        or kept != sorted(kept)
+        or any(type(part).__module__ != torch.optim.lr_scheduler.__name__ for part in parts)
+    ):
         raise ValueError(
             f"fa.prepare: the engine changed the optimizer's parameter groups ({len(groups)} -> "
             f"{len(optimizer.param_groups)}) and the scheduler {type(scheduler).__name__} was built on the old "
-            "ones; build the scheduler after fa.prepare, from state.optimizer, and pass it to a second fa.prepare")
+            "ones; build the scheduler after fa.prepare, from state.optimizer, and pass it to a second fa.prepare"
+        )
     for part in parts:
         for name in _PER_GROUP_LISTS:
             values = getattr(part, name, None)
@@ -392,7 +469,8 @@ def _check_scheduler_groups(scheduler: Any, optimizer: torch.optim.Optimizer) ->
         raise ValueError(
             f"fa.prepare: the scheduler has {len(rates)} learning rates but the optimizer has "
             f"{len(optimizer.param_groups)} parameter groups (fa.deepspeed drops empty groups when fa.prepare "
-            "builds its engine); build the scheduler after fa.prepare, from state.optimizer")
+            "builds its engine); build the scheduler after fa.prepare, from state.optimizer"
+        )
 
 
 def _check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

@@ -81,8 +81,7 @@ def on_process(
     ctx = as_dist(ctx)
     if not 0 <= process_index < ctx.num_processes:
         raise ValueError(
-            f"on_process: process_index={process_index} is not a rank of this "
-            f"{ctx.num_processes}-process run"
+            f"on_process: process_index={process_index} is not a rank of this {ctx.num_processes}-process run"
         )
     return _only_where(ctx.rank == process_index, function)
 
@@ -97,9 +96,7 @@ def on_main_process(ctx: DistContext | Any, function: Callable[..., R]) -> Calla
     return on_process(ctx, function, 0)
 
 
-def on_local_main_process(
-    ctx: DistContext | Any, function: Callable[..., R]
-) -> Callable[..., R | None]:
+def on_local_main_process(ctx: DistContext | Any, function: Callable[..., R]) -> Callable[..., R | None]:
     """``function`` wrapped to run only on each machine's local main process."""
     return _only_where(as_dist(ctx).is_local_main_process, function)
 
@@ -128,10 +125,7 @@ def _split(inputs: Any, num_processes: int, rank: int, apply_padding: bool) -> A
     if apply_padding and extra and rank >= extra and length:
         # Every rank gets ceil(length / num_processes) items: repeat the last input.
         last = inputs[length - 1 : length]
-        if isinstance(part, torch.Tensor):
-            part = torch.cat([part, last])
-        else:
-            part = part + type(part)(last)
+        part = torch.cat([part, last]) if isinstance(part, torch.Tensor) else part + type(part)(last)
     return part
 
 

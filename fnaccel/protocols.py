@@ -64,8 +64,9 @@ class CheckpointLayout(Protocol):
         (every rank calls it); returns the manifest entries of the files written."""
         ...
 
-    def read(self, state: Any, directory: Path, manifest: dict[str, Any],
-             gradients: Mapping[str, Any]) -> Any:
+    def read(
+        self, state: Any, directory: Path, manifest: dict[str, Any], gradients: Mapping[str, Any]
+    ) -> Any:
         """Read and check the model's and optimizer's part of the checkpoint in
         ``directory`` against the live ``state``, changing nothing; ``gradients``
         are those this rank's file holds (a save between micro-steps), by

@@ -131,14 +131,16 @@ def _record_failure() -> None:
     if not path or exc is None or os.path.exists(path):
         return
     now = time.time_ns()
-    data = {"message": {
-        "message": f"{type(exc).__name__}: {exc}",
-        "extraInfo": {
-            "py_callstack": "".join(traceback.format_exception(exc)),
-            "timestamp": str(now // 1_000_000_000),
-            FAILED_AT_KEY: str(now),
-        },
-    }}
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(exc)),
+                "timestamp": str(now // 1_000_000_000),
+                FAILED_AT_KEY: str(now),
+            },
+        }
+    }
     try:
         with open(path, "w", encoding="utf-8") as file:
             json.dump(data, file)
@@ -165,8 +167,7 @@ def _settle(group: Any) -> None:
         else:
             dist.barrier(group=group)
     except Exception as exc:  # a peer is gone: tear down anyway, and say so
-        print(f"fnaccel: not every rank reached the end of the run ({exc}); tearing down",
-              file=sys.stderr)
+        print(f"fnaccel: not every rank reached the end of the run ({exc}); tearing down", file=sys.stderr)
 
 
 class _DefaultGroupUsers:
@@ -191,8 +192,13 @@ class _DefaultGroupUsers:
 _DEFAULT_GROUP_USERS: weakref.WeakKeyDictionary[Any, _DefaultGroupUsers] = weakref.WeakKeyDictionary()
 
 
-def _destroy_group(holder: list[Any], meshes: dict[str, Any], releases: list[Callable[[], None]],
-                   is_default: bool, users: _DefaultGroupUsers | None) -> None:
+def _destroy_group(
+    holder: list[Any],
+    meshes: dict[str, Any],
+    releases: list[Callable[[], None]],
+    is_default: bool,
+    users: _DefaultGroupUsers | None,
+) -> None:
     """End the run's groups: on a clean end, settle, let the group's C++ holders go (the
     ``releases`` of `GroupOwner.release_before_destroy`), then destroy them while the interpreter
     is fully alive (left to finalization, gloo's threads releasing tensors take
@@ -285,7 +291,7 @@ class GroupOwner:
     group or a context, which would keep the group alive).
     """
 
-    __slots__ = ("_holder", "_meshes", "_releases", "_finalizer", "agreed", "calls", "__weakref__")
+    __slots__ = ("__weakref__", "_finalizer", "_holder", "_meshes", "_releases", "agreed", "calls")
 
     def __init__(self, group: Any, *, is_default: bool, shares_default: bool = False) -> None:
         import torch.distributed as dist
@@ -302,8 +308,9 @@ class GroupOwner:
             users = _DEFAULT_GROUP_USERS.get(dist.group.WORLD)  # None: the user's own default group
             if users is not None:
                 users.count += 1
-        self._finalizer = weakref.finalize(self, _destroy_group, self._holder, self._meshes,
-                                           self._releases, is_default, users)
+        self._finalizer = weakref.finalize(
+            self, _destroy_group, self._holder, self._meshes, self._releases, is_default, users
+        )
         # once per process, however many groups: unregister first; atexit runs it before
         # the finalizer above (handlers run last-registered first)
         atexit.unregister(_collect_cycles_at_exit)

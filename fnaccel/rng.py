@@ -70,8 +70,7 @@ class RNGState:
         """
         seed = int(seed)
         cuda = tuple(
-            torch.Generator(device=f"cuda:{i}").manual_seed(seed).get_state()
-            for i in range(_cuda_count())
+            torch.Generator(device=f"cuda:{i}").manual_seed(seed).get_state() for i in range(_cuda_count())
         )
         np = _numpy()
         return cls(

@@ -19,20 +19,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fnaccel import dryrun
 from fnaccel._errors import ConfigError
 from fnaccel.calls import Calls, collective, collective_timeout
-from fnaccel.config.launch import resolve_config
-from fnaccel.config.launch import LaunchConfig
-from fnaccel import dryrun
-from fnaccel.dist import DistContext
+from fnaccel.config.launch import LaunchConfig, resolve_config
 from fnaccel.config.parallelism import ParallelismConfig, build_mesh
+from fnaccel.constants import DistributedType, PrecisionType
+from fnaccel.dist import DistContext
+from fnaccel.kwargs import InitProcessGroupKwargs
+from fnaccel.kwargs.base import KwargsHandler
 from fnaccel.preemption import PreemptionKwargs, check_main_thread, install
 from fnaccel.resources import GroupOwner, Resources
 from fnaccel.rng import RNGState
 from fnaccel.state import RunState
-from fnaccel.constants import DistributedType, PrecisionType
-from fnaccel.kwargs import InitProcessGroupKwargs
-from fnaccel.kwargs.base import KwargsHandler
 
 __all__ = ["COLLECTIVE_TIMEOUT", "init", "shutdown"]
 
@@ -67,9 +66,7 @@ def _read_launch_env(config: LaunchConfig, rendezvous: str) -> dict[str, int]:
     if not 0 <= rank < num_processes:
         raise ConfigError(f"RANK={rank} is outside the world of WORLD_SIZE={num_processes}")
     if not 0 <= local_rank < num_local:
-        raise ConfigError(
-            f"LOCAL_RANK={local_rank} is outside this machine's LOCAL_WORLD_SIZE={num_local}"
-        )
+        raise ConfigError(f"LOCAL_RANK={local_rank} is outside this machine's LOCAL_WORLD_SIZE={num_local}")
     if num_processes > 1 and rendezvous == "env://" and not os.environ.get("MASTER_ADDR"):
         raise ConfigError(
             f"WORLD_SIZE={num_processes} but MASTER_ADDR is not set; start the script "
@@ -91,7 +88,7 @@ def _pin_to_cpus(local_rank: int, num_local: int) -> None:
     migrate over each other's cores and caches)."""
     cpus = sorted(os.sched_getaffinity(0))
     share = max(1, len(cpus) // max(num_local, 1))
-    mine = cpus[local_rank * share:(local_rank + 1) * share] or cpus[-share:]
+    mine = cpus[local_rank * share : (local_rank + 1) * share] or cpus[-share:]
     os.sched_setaffinity(0, mine)
 
 
@@ -121,8 +118,9 @@ def _start_process_group(
         "rank": env["rank"],
         "world_size": env["num_processes"],
         "timeout": timeout,
-        "store": _group_store(options.get("init_method", "env://"), env["rank"], env["num_processes"],
-                              timeout),
+        "store": _group_store(
+            options.get("init_method", "env://"), env["rank"], env["num_processes"], timeout
+        ),
     }
     if device.type == "cuda":
         kwargs["device_id"] = device
@@ -238,8 +236,10 @@ def init(
     if not isinstance(device_specific, bool):
         raise TypeError(f"fa.init: device_specific must be True or False, got {device_specific!r}")
     if device_specific and seed is None:
-        raise ValueError("fa.init: device_specific=True seeds each rank with seed + rank, so it needs a seed: "
-                         "fa.init(seed=1337, device_specific=True)")
+        raise ValueError(
+            "fa.init: device_specific=True seeds each rank with seed + rank, so it needs a seed: "
+            "fa.init(seed=1337, device_specific=True)"
+        )
     launch_config = resolve_config(config)
     handlers = _handlers_by_name(kwargs_handlers)
     preemption = handlers.get("PreemptionKwargs")
@@ -266,15 +266,24 @@ def init(
     backend: str | None = None
     distributed_type = DistributedType.NO
     if env["num_processes"] > 1:
-        backend = "fake" if dry_run else pg_handler.to_kwargs().get("backend") or (
-            "nccl" if device.type == "cuda" else "gloo"
+        backend = (
+            "fake"
+            if dry_run
+            else pg_handler.to_kwargs().get("backend") or ("nccl" if device.type == "cuda" else "gloo")
         )
-        group, owner = (dryrun.start_fake_group(env["rank"], env["num_processes"]) if dry_run
-                        else _start_process_group(pg_handler, backend, device, env))
+        group, owner = (
+            dryrun.start_fake_group(env["rank"], env["num_processes"])
+            if dry_run
+            else _start_process_group(pg_handler, backend, device, env)
+        )
         distributed_type = (
-            DistributedType.FSDP if launch_config.distributed_type == "FSDP"
-            else DistributedType.DEEPSPEED if launch_config.distributed_type == "DEEPSPEED"
-            else DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU
+            DistributedType.FSDP
+            if launch_config.distributed_type == "FSDP"
+            else DistributedType.DEEPSPEED
+            if launch_config.distributed_type == "DEEPSPEED"
+            else DistributedType.MULTI_GPU
+            if device.type == "cuda"
+            else DistributedType.MULTI_CPU
         )
 
     resources = Resources()
@@ -283,8 +292,13 @@ def init(
         # the mesh is the owner's too: fa.shutdown ends its groups with the run's
         owner.hold_meshes(build_mesh(layout, device.type, group))
         if not dry_run:  # closed before the group: registered after it
-            owner.calls = Calls.start(group, env["rank"], env["num_processes"], call_timeout,
-                                      pg_handler.to_kwargs().get("timeout") or COLLECTIVE_TIMEOUT)
+            owner.calls = Calls.start(
+                group,
+                env["rank"],
+                env["num_processes"],
+                call_timeout,
+                pg_handler.to_kwargs().get("timeout") or COLLECTIVE_TIMEOUT,
+            )
             if owner.calls is not None:
                 resources.register("calls", owner.calls)
     del group  # the owner is its only holder: see fnaccel.resources
@@ -304,38 +318,53 @@ def init(
         install(resources, preemption, ctx)  # fa.shutdown puts the previous handlers back
     return RunState(
         dist=ctx,
-        rng=RNGState.capture() if seed is None else RNGState.seeded(seed + env["rank"] if device_specific else seed),
+        rng=RNGState.capture()
+        if seed is None
+        else RNGState.seeded(seed + env["rank"] if device_specific else seed),
         seed=seed,  # the data order's seed: the same on every rank, device_specific or not
         mixed_precision=precision,
         # what the run uses, arguments included: this is what a checkpoint's config.yaml records
-        config=dataclasses.replace(launch_config, mixed_precision=precision.value, use_cpu=use_cpu,
-                                   debug=ctx.debug),
+        config=dataclasses.replace(
+            launch_config, mixed_precision=precision.value, use_cpu=use_cpu, debug=ctx.debug
+        ),
         kwargs_handlers=MappingProxyType(handlers),
         project_dir=None if project_dir is None else os.fspath(project_dir),
         resources=resources,
     )
 
 
-def _resolve_parallelism(parallelism: ParallelismConfig | None, config: LaunchConfig,
-                         env: Mapping[str, int], device: torch.device) -> ParallelismConfig:
+def _resolve_parallelism(
+    parallelism: ParallelismConfig | None, config: LaunchConfig, env: Mapping[str, int], device: torch.device
+) -> ParallelismConfig:
     """The run's layout: the argument, else the config's section, else FSDP's
     HYBRID_SHARD (replicas across machines, shards within one), else all data-parallel;
     checked against the world before any group forms."""
     if parallelism is not None and not isinstance(parallelism, ParallelismConfig):
-        raise TypeError(f"fa.init: parallelism takes a fa.ParallelismConfig, got {type(parallelism).__name__}")
+        raise TypeError(
+            f"fa.init: parallelism takes a fa.ParallelismConfig, got {type(parallelism).__name__}"
+        )
     if parallelism is None and config.parallelism_config:
         where = f"{config.source}: parallelism_config" if config.source else "parallelism_config"
         parallelism = ParallelismConfig.from_config(config.parallelism_config, where)
     strategy = str(config.fsdp_config.get("fsdp_sharding_strategy", "")).upper()
-    if parallelism is None and config.distributed_type == "FSDP" and strategy in ("4", "5", "HYBRID_SHARD",
-                                                                                 "_HYBRID_SHARD_ZERO2"):
+    if (
+        parallelism is None
+        and config.distributed_type == "FSDP"
+        and strategy in ("4", "5", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+    ):
         parallelism = ParallelismConfig(dp_replicate_size=env["num_nodes"])
     if parallelism is not None and parallelism.cp_size > 1:
-        why = ("CPU attention kernels have no sharding strategy for "
-               "aten._scaled_dot_product_flash_attention_for_cpu, so context parallelism cannot run on "
-               "the CPU" if device.type == "cpu" else "context parallelism is not built in fnaccel yet")
-        raise ConfigError(f"fa.init: cp_size={parallelism.cp_size}: {why}; set cp_size=1 (shard long "
-                          "sequences with tp_size or dp_shard_size instead)")
+        why = (
+            "CPU attention kernels have no sharding strategy for "
+            "aten._scaled_dot_product_flash_attention_for_cpu, so context parallelism cannot run on "
+            "the CPU"
+            if device.type == "cpu"
+            else "context parallelism is not built in fnaccel yet"
+        )
+        raise ConfigError(
+            f"fa.init: cp_size={parallelism.cp_size}: {why}; set cp_size=1 (shard long "
+            "sequences with tp_size or dp_shard_size instead)"
+        )
     try:
         return (parallelism or ParallelismConfig()).resolved(env["num_processes"])
     except ValueError as exc:

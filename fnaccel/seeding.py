@@ -11,30 +11,31 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from types import MappingProxyType
 from collections.abc import Callable, Iterable
+from types import MappingProxyType
 from typing import Any, TypeVar, overload
 
 import torch
 
 from fnaccel.checks import is_int
+from fnaccel.constants import RNGType
 from fnaccel.ops.collectives import broadcast_object_list
 from fnaccel.rng import RNGState, installed
-from fnaccel.constants import RNGType
 from fnaccel.state import RunState
-
 
 __all__ = ["set_seed", "synchronize_rng_states", "with_rng"]
 
 R = TypeVar("R")
 
 # RNGType member -> RNGState field it synchronises
-_FIELDS = MappingProxyType({
-    RNGType.PYTHON: "python",
-    RNGType.TORCH: "torch",
-    RNGType.CUDA: "cuda",
-    RNGType.NUMPY: "numpy",
-})
+_FIELDS = MappingProxyType(
+    {
+        RNGType.PYTHON: "python",
+        RNGType.TORCH: "torch",
+        RNGType.CUDA: "cuda",
+        RNGType.NUMPY: "numpy",
+    }
+)
 
 
 @overload
@@ -77,16 +78,20 @@ def set_seed(*args: Any, **kwargs: Any) -> RunState | None:
     if is_int(first):
         _seed_process(*args, **kwargs)
         return None
-    raise TypeError(f"set_seed: got a {type(first).__name__} first; set_seed(seed) seeds the process's "
-                    "generators (as Accelerate's), set_seed(state, seed) the run's (seed an int)")
+    raise TypeError(
+        f"set_seed: got a {type(first).__name__} first; set_seed(seed) seeds the process's "
+        "generators (as Accelerate's), set_seed(state, seed) the run's (seed an int)"
+    )
 
 
 def _seed_process(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
     if device_specific:
         rank = os.environ.get("RANK", "0")
         if not rank.isdigit():
-            raise ValueError(f"set_seed: device_specific adds the process's rank, but RANK={rank!r} is not one; "
-                             "unset it or launch with fnaccel launch / torchrun")
+            raise ValueError(
+                f"set_seed: device_specific adds the process's rank, but RANK={rank!r} is not one; "
+                "unset it or launch with fnaccel launch / torchrun"
+            )
         seed += int(rank)
     seeded = RNGState.seeded(seed)
     seeded.install()
@@ -96,8 +101,10 @@ def _seed_process(seed: int, device_specific: bool = False, deterministic: bool 
 
 def _seed_run(state: RunState, seed: int, device_specific: bool = False) -> RunState:
     if not is_int(seed):
-        raise TypeError(f"set_seed: seed must be an int, got {type(seed).__name__}; set_seed(seed) seeds the "
-                        "process's generators, set_seed(state, seed) the run's")
+        raise TypeError(
+            f"set_seed: seed must be an int, got {type(seed).__name__}; set_seed(seed) seeds the "
+            "process's generators, set_seed(state, seed) the run's"
+        )
     # state.seed stays the run's seed on every rank: the loader's order is shuffled with it
     return state.replace(rng=RNGState.seeded(seed + state.dist.rank if device_specific else seed), seed=seed)
 
@@ -141,9 +148,7 @@ def synchronize_rng_states(
     return state.replace(rng=dataclasses.replace(state.rng, **changes))
 
 
-def with_rng(
-    state: RunState, function: Callable[..., R], *args: Any, **kwargs: Any
-) -> tuple[RunState, R]:
+def with_rng(state: RunState, function: Callable[..., R], *args: Any, **kwargs: Any) -> tuple[RunState, R]:
     """Consumes ``state``: run ``function`` with the run's generators installed.
 
     The generators' values after the call go into the returned state; the

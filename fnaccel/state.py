@@ -16,18 +16,17 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Self
 
 import torch
-from typing_extensions import Self
 
 from fnaccel._errors import StaleStateError
 from fnaccel.config.launch import LaunchConfig
-from fnaccel.rng import STEP_KINDS, RNGState
-from fnaccel.dist import DistContext
 from fnaccel.constants import PrecisionType
+from fnaccel.dist import DistContext
 from fnaccel.protocols import PipelineLike, StepPlanLike
 from fnaccel.resources import Resources
+from fnaccel.rng import STEP_KINDS, RNGState
 
 __all__ = ["DataPosition", "RunState"]
 
@@ -70,7 +69,7 @@ class Lease:
     are and spelled out only for the error (a training step spends a lease every
     time, and the sentence is almost never read)."""
 
-    __slots__ = ("by", "step", "micro_step")
+    __slots__ = ("by", "micro_step", "step")
     step: int
     micro_step: int
 
@@ -139,13 +138,9 @@ class RunState:
     loss_fn: Callable[[Any, Any], Any] | None = field(default=None, repr=False)
     plan: StepPlanLike | None = field(default=None, repr=False)
     extras: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
-    transform_states: Mapping[str, Any] = field(
-        default_factory=lambda: MappingProxyType({}), repr=False
-    )
+    transform_states: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
     config: LaunchConfig = field(default_factory=LaunchConfig, repr=False)
-    kwargs_handlers: Mapping[str, Any] = field(
-        default_factory=lambda: MappingProxyType({}), repr=False
-    )
+    kwargs_handlers: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
     project_dir: str | None = None
     resources: Resources = field(default_factory=Resources, repr=False, compare=False)
     trigger: bool = False
@@ -233,11 +228,12 @@ def _field_by_field_copy() -> Callable[[RunState], RunState]:
     several microseconds more, a few percent of a small model's step.
     """
     lines = "".join(f"    _set(new, {name!r}, state.{name})\n" for name in _SLOTS)
-    source = (f"def copy(state):\n    new = _new(RunState)\n{lines}"
-              "    _set(new, '_lease', Lease())\n    return new\n")
-    namespace: dict[str, Any] = {"_new": object.__new__, "_set": _set, "RunState": RunState,
-                                 "Lease": Lease}
-    exec(source, namespace)  # noqa: S102 - the source is built from the class's own slot names
+    source = (
+        f"def copy(state):\n    new = _new(RunState)\n{lines}"
+        "    _set(new, '_lease', Lease())\n    return new\n"
+    )
+    namespace: dict[str, Any] = {"_new": object.__new__, "_set": _set, "RunState": RunState, "Lease": Lease}
+    exec(source, namespace)
     copy: Callable[[RunState], RunState] = namespace["copy"]
     return copy
 

@@ -28,6 +28,7 @@ guessed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -90,9 +91,7 @@ class _BorrowedGroup:
         """Nothing: the World closes the group when it stops."""
 
 
-def _worker(
-    rank: int, num_processes: int, port: int, conn: Connection, env: Mapping[str, str]
-) -> None:
+def _worker(rank: int, num_processes: int, port: int, conn: Connection, env: Mapping[str, str]) -> None:
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -117,9 +116,12 @@ def _worker(
             break
         function, args, kwargs = message
         owner = base.dist._owner  # None in a world of one: no group to lend
-        borrowed = base.dist if owner is None else dataclasses.replace(base.dist, _owner=_BorrowedGroup(owner))
-        state = dataclasses.replace(base, dist=borrowed, rng=RNGState.seeded(0), _lease=Lease(),
-                                    resources=Resources())
+        borrowed = (
+            base.dist if owner is None else dataclasses.replace(base.dist, _owner=_BorrowedGroup(owner))
+        )
+        state = dataclasses.replace(
+            base, dist=borrowed, rng=RNGState.seeded(0), _lease=Lease(), resources=Resources()
+        )
         try:
             conn.send(("ok", function(state, *args, **kwargs)))
         except BaseException as exc:
@@ -164,7 +166,10 @@ class World:
         self.num_processes = num_processes
         self.timeout = timeout
         self._store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
             timeout=timedelta(seconds=start_timeout),
         )
         worker_env = {"OMP_NUM_THREADS": "1", **(env or {})}
@@ -250,8 +255,7 @@ class World:
                 first = exc
         if hung:
             notes.append(
-                f"rank(s) {hung} did not finish {what} within {timeout:.0f}s; "
-                "the world was torn down"
+                f"rank(s) {hung} did not finish {what} within {timeout:.0f}s; the world was torn down"
             )
         if first is None:
             return DistributedTestError("\n".join(notes))
@@ -261,12 +265,10 @@ class World:
 
     def close(self, force: bool = False) -> None:
         """Stop the workers (politely unless ``force``); idempotent."""
-        for conn, proc in zip(self._conns, self._procs):
+        for conn, proc in zip(self._conns, self._procs, strict=False):
             if not force and proc.is_alive():
-                try:
+                with contextlib.suppress(BrokenPipeError, OSError):
                     conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
         for proc in self._procs:
             proc.join(timeout=0 if force else 30)
             if proc.is_alive():
@@ -284,7 +286,10 @@ class World:
 
 
 def run_distributed(
-    function: Callable[..., Any], num_processes: int = 2, *args: Any, timeout: float = 120.0,
+    function: Callable[..., Any],
+    num_processes: int = 2,
+    *args: Any,
+    timeout: float = 120.0,
     **kwargs: Any,
 ) -> list[Any]:
     """Start a `World`, run ``function(state, *args, **kwargs)`` on every rank, stop it.

@@ -59,7 +59,15 @@ from fnaccel.transforms.base import (
     UpdateCheckFn,
 )
 
-__all__ = ["SchedulerConfiguration", "SchedulerRuleWarning", "StepPlan", "apply_gradients", "backward", "scheduler_steps", "step"]
+__all__ = [
+    "SchedulerConfiguration",
+    "SchedulerRuleWarning",
+    "StepPlan",
+    "apply_gradients",
+    "backward",
+    "scheduler_steps",
+    "step",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -177,19 +185,29 @@ class StepPlan:
     plain_update: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _set(self, "plain_backward", (self.micro_steps == 1 or not self.divide_loss) and not self.scale_loss
-             and self.backward is None and not self.after_backward)
-        _set(self, "plain_update", not self.before_update and self.optimizer_step is None
-             and self.check_update is None)
+        _set(
+            self,
+            "plain_backward",
+            (self.micro_steps == 1 or not self.divide_loss)
+            and not self.scale_loss
+            and self.backward is None
+            and not self.after_backward,
+        )
+        _set(
+            self,
+            "plain_update",
+            not self.before_update and self.optimizer_step is None and self.check_update is None,
+        )
 
     @classmethod
-    def of(cls, pipeline: Pipeline, transform_states: Mapping[str, Any], scheduler_steps: int = 1) -> StepPlan:
+    def of(
+        cls, pipeline: Pipeline, transform_states: Mapping[str, Any], scheduler_steps: int = 1
+    ) -> StepPlan:
         ts = training_transforms(pipeline)
 
         def bound(hook: str) -> tuple[tuple[Callable[..., Any], Any], ...]:
             return tuple(
-                (getattr(t, hook), transform_states.get(t.name))
-                for t in ts if getattr(t, hook) is not None
+                (getattr(t, hook), transform_states.get(t.name)) for t in ts if getattr(t, hook) is not None
             )
 
         steppers = bound("optimizer_step")
@@ -207,10 +225,14 @@ class StepPlan:
             divide_loss=not accumulation.sums_items,
             after_backward=bound("after_backward"),
             scale_loss=bound("scale_loss"),
-            before_update=tuple((t.before_update, transform_states.get(t.name)) for t in ts
-                                if t.before_update is not None and not t.capabilities & taken),
-            backward=None if engine is None or engine.backward is None else (
-                engine.backward, transform_states.get(engine.name)),
+            before_update=tuple(
+                (t.before_update, transform_states.get(t.name))
+                for t in ts
+                if t.before_update is not None and not t.capabilities & taken
+            ),
+            backward=None
+            if engine is None or engine.backward is None
+            else (engine.backward, transform_states.get(engine.name)),
             optimizer_step=steppers[0] if steppers else None,
             check_update=checkers[0] if checkers else None,
             set_sync=tuple(t.set_sync for t in ts if t.set_sync is not None),
@@ -259,8 +281,13 @@ def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> dict[str, Any] | 
     return reported
 
 
-def _update(state: RunState, model: nn.Module, optimizer: torch.optim.Optimizer,
-            plan: StepPlan, position: DataPosition) -> dict[str, Any]:
+def _update(
+    state: RunState,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: StepPlan,
+    position: DataPosition,
+) -> dict[str, Any]:
     if plan.plain_update:  # no hook can skip the update or add metrics
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]  # the rate this update used
@@ -406,8 +433,9 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
         metrics.update(reported)
     if aux is not None:
         metrics["aux"] = aux
-    new = state.advance(by, rng=rng, micro_step=micro_step + 1, step=state.step + boundary,
-                        data_position=consumed)
+    new = state.advance(
+        by, rng=rng, micro_step=micro_step + 1, step=state.step + boundary, data_position=consumed
+    )
     if calls is not None:
         calls.call, calls.micro_step, calls.step = None, new.micro_step, new.step
     if plan.set_sync:
@@ -430,8 +458,10 @@ def backward(state: RunState, loss: torch.Tensor, aux: Any = None) -> RunState:
     by = "fa.backward"
     model, optimizer, plan = _require(state, by)
     if plan.forward_backward is not None:
-        raise ValueError(f"{by}: a pipeline schedule (fa.pp) runs forward and backward together "
-                         "in fa.step; call fa.step(state, batch) instead")
+        raise ValueError(
+            f"{by}: a pipeline schedule (fa.pp) runs forward and backward together "
+            "in fa.step; call fa.step(state, batch) instead"
+        )
     _start_window(state, optimizer, plan)
     owner = state.dist.group_owner
     calls = None if owner is None else owner.calls

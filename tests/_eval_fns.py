@@ -27,9 +27,11 @@ class Rows(Dataset[dict[str, Any]]):
 
 
 def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"index": torch.tensor([s["index"] for s in samples]),
-            "x": torch.stack([s["x"] for s in samples]),
-            "names": [s["name"] for s in samples]}
+    return {
+        "index": torch.tensor([s["index"] for s in samples]),
+        "x": torch.stack([s["x"] for s in samples]),
+        "names": [s["name"] for s in samples],
+    }
 
 
 class Outputs:
@@ -43,8 +45,12 @@ class Outputs:
     def __call__(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
         self.calls += 1
         index = batch["index"]
-        return {"index": index, "pair": (model(batch["x"]), index * 2), "names": batch["names"],
-                "ragged": index[:, None].float().expand(-1, self.calls % 3 + 1)}
+        return {
+            "index": index,
+            "pair": (model(batch["x"]), index * 2),
+            "names": batch["names"],
+            "ragged": index[:, None].float().expand(-1, self.calls % 3 + 1),
+        }
 
 
 def outputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
@@ -54,8 +60,9 @@ def outputs(model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
 def model_and_state(state: fa.RunState) -> fa.RunState:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))
-    return fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                      loss_fn=lambda m, b: m(b[0]).pow(2).mean())
+    return fa.prepare(
+        state, model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=lambda m, b: m(b[0]).pow(2).mean()
+    )
 
 
 def check_sizes(state: fa.RunState, batch_size: int) -> dict[int, dict[str, Any]]:
@@ -75,7 +82,9 @@ def check_sizes(state: fa.RunState, batch_size: int) -> dict[int, dict[str, Any]
             "doubled": out["pair"][1].tolist(),
             "names": out["names"],
             "outputs_match": torch.allclose(out["pair"][0], expected, atol=1e-6),
-            "ragged_rows": [int(r[0]) for r in ragged] if isinstance(ragged, list) else ragged[:, 0].int().tolist(),
+            "ragged_rows": [int(r[0]) for r in ragged]
+            if isinstance(ragged, list)
+            else ragged[:, 0].int().tolist(),
             "mode_restored": model.training,
         }
     fa.shutdown(state)
@@ -102,10 +111,12 @@ def train_with_and_without_evaluation(state: fa.RunState) -> bool:
         runs.append((torch.stack(losses), [p.detach().clone() for p in run.model.parameters()]))  # type: ignore[union-attr]
         fa.shutdown(run)
     (a, pa), (b, pb) = runs
-    return torch.equal(a, b) and all(torch.equal(p, q) for p, q in zip(pa, pb))
+    return torch.equal(a, b) and all(torch.equal(p, q) for p, q in zip(pa, pb, strict=False))
 
 
-def literal_port_counts(state: fa.RunState, sizes: tuple[int, ...], batch_size: int) -> dict[int, dict[str, Any]]:
+def literal_port_counts(
+    state: fa.RunState, sizes: tuple[int, ...], batch_size: int
+) -> dict[int, dict[str, Any]]:
     """run_glue_no_trainer's evaluation loop (Accelerate's multi_process_metrics too),
     ported literally: gather every batch, and truncate the last one (``step ==
     len(eval_dataloader) - 1``) to the dataset's length only when distributed. What it
@@ -125,8 +136,12 @@ def literal_port_counts(state: fa.RunState, sizes: tuple[int, ...], batch_size: 
                 else:
                     samples_seen += index.shape[0]
             indices += index.tolist()
-        seen[n] = {"indices": indices, "num_valid_is_length": num_valid_is_length,
-                   "length": len(eval_dataloader), "num_batches": num_batches}
+        seen[n] = {
+            "indices": indices,
+            "num_valid_is_length": num_valid_is_length,
+            "length": len(eval_dataloader),
+            "num_batches": num_batches,
+        }
     return seen
 
 
@@ -143,7 +158,9 @@ class Wrapped(Dataset[tuple[torch.Tensor, ...]]):
         return self.data[index]
 
 
-def tensor_dataset_reads(state: fa.RunState, sizes: tuple[int, ...], batch_size: int) -> dict[int, dict[str, Any]]:
+def tensor_dataset_reads(
+    state: fa.RunState, sizes: tuple[int, ...], batch_size: int
+) -> dict[int, dict[str, Any]]:
     """A TensorDataset's evaluation batches (one indexing per tensor) against the same
     samples read one at a time, step for step; and how many samples the TensorDataset
     read one at a time (its type made exact again, so the indexed read applies)."""
@@ -154,7 +171,9 @@ def tensor_dataset_reads(state: fa.RunState, sizes: tuple[int, ...], batch_size:
         data = TensorDataset(torch.randn(n, 3, generator=g), torch.randint(0, 5, (n,), generator=g))
         plain, reads = TensorDataset.__getitem__, [0]
 
-        def counted(self: TensorDataset, index: int) -> tuple[torch.Tensor, ...]:
+        def counted(
+            self: TensorDataset, index: int, plain: Any = plain, reads: list[int] = reads
+        ) -> tuple[torch.Tensor, ...]:
             reads[0] += 1
             return plain(self, index)
 
@@ -165,12 +184,21 @@ def tensor_dataset_reads(state: fa.RunState, sizes: tuple[int, ...], batch_size:
             TensorDataset.__getitem__ = plain  # type: ignore[method-assign]
         one_by_one = list(fa.eval_batches(state, DataLoader(Wrapped(data), batch_size=batch_size)))
         same = len(indexed) == len(one_by_one) and all(
-            v == w and len(b) == len(c) and all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(b, c))
-            for (b, v), (c, w) in zip(indexed, one_by_one))
+            v == w
+            and len(b) == len(c)
+            and all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(b, c, strict=False))
+            for (b, v), (c, w) in zip(indexed, one_by_one, strict=False)
+        )
         fn = lambda m, b: {"out": m(b[0]), "label": b[1]}  # noqa: E731
-        a, b = fa.evaluate(state, DataLoader(data, batch_size=batch_size), fn), \
-            fa.evaluate(state, DataLoader(Wrapped(data), batch_size=batch_size), fn)
-        seen[n] = {"same_batches": same, "reads": reads[0], "num_steps": len(indexed),
-                   "same_outputs": torch.equal(a["out"], b["out"]) and torch.equal(a["label"], b["label"]),
-                   "labels_in_order": torch.equal(a["label"], data.tensors[1])}
+        a, b = (
+            fa.evaluate(state, DataLoader(data, batch_size=batch_size), fn),
+            fa.evaluate(state, DataLoader(Wrapped(data), batch_size=batch_size), fn),
+        )
+        seen[n] = {
+            "same_batches": same,
+            "reads": reads[0],
+            "num_steps": len(indexed),
+            "same_outputs": torch.equal(a["out"], b["out"]) and torch.equal(a["label"], b["label"]),
+            "labels_in_order": torch.equal(a["label"], data.tensors[1]),
+        }
     return seen

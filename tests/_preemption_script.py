@@ -49,6 +49,7 @@ def _wait_for(path: Path) -> None:
 
 def _signal_during_save(out: Path) -> threading.Thread:
     """SIGTERM to this process once the save of OUT/mid writes its hidden temporary."""
+
     def watch() -> None:
         deadline = time.monotonic() + 60
         while not any(out.glob(".mid.tmp-*")) and time.monotonic() < deadline:
@@ -74,10 +75,14 @@ def main(out: Path, mode: str) -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(512, 8, generator=g), torch.randn(512, 1, generator=g))
-    state = fa.prepare(state, model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                       DataLoader(data, batch_size=4, shuffle=True),
-                       pipeline=fa.compose(fa.ddp(), fa.accumulate(2)),
-                       loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    state = fa.prepare(
+        state,
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        DataLoader(data, batch_size=4, shuffle=True),
+        pipeline=fa.compose(fa.ddp(), fa.accumulate(2)),
+        loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]),
+    )
     if mode == "resume":
         state = fa.load(state, out / "ckpt")
     evaluated = None
@@ -88,6 +93,7 @@ def main(out: Path, mode: str) -> None:
             if state.step == 3 and rank == 0:
                 (out / "running").touch()
         elif mode == "evaluate" and state.step == 2 and evaluated is None:
+
             def slowly(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
                 (out / "evaluating").touch()
                 time.sleep(0.1)
@@ -106,9 +112,18 @@ def main(out: Path, mode: str) -> None:
     elif mode not in ("full", "resume"):
         if state.preempted:
             fa.save(state, out / "ckpt")
-        (out / f"stop.{rank}.json").write_text(json.dumps(
-            {"micro_step": state.micro_step, "step": state.step, "preempted": state.preempted,
-             "epoch": state.epoch, "saved_at": time.time(), "evaluated": evaluated}))
+        (out / f"stop.{rank}.json").write_text(
+            json.dumps(
+                {
+                    "micro_step": state.micro_step,
+                    "step": state.step,
+                    "preempted": state.preempted,
+                    "epoch": state.epoch,
+                    "saved_at": time.time(),
+                    "evaluated": evaluated,
+                }
+            )
+        )
     else:
         torch.save(model.state_dict(), out / f"{'full' if mode == 'full' else 'resumed'}.{rank}.pt")
     fa.shutdown(state)

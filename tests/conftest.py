@@ -28,9 +28,19 @@ import pytest
 from fnaccel.testing import World
 
 _LAUNCH_VARS = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "MASTER_ADDR", "MASTER_PORT", "FNACCEL_CONFIG_FILE", "FNACCEL_MIXED_PRECISION",
-    "FNACCEL_USE_CPU", "FNACCEL_DEBUG_MODE", "TORCHELASTIC_USE_AGENT_STORE",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "FNACCEL_CONFIG_FILE",
+    "FNACCEL_MIXED_PRECISION",
+    "FNACCEL_USE_CPU",
+    "FNACCEL_DEBUG_MODE",
+    "TORCHELASTIC_USE_AGENT_STORE",
 )
 
 
@@ -47,13 +57,17 @@ def group_command(argv: Any) -> bool:
     """True when a command line starts a process group (a launcher, or `fnaccel test` which launches)."""
     words = [Path(str(a)).name for a in ([argv] if isinstance(argv, (str, bytes, Path)) else argv)]
     words = [w for word in words for w in word.split()]  # a shell command is one string
-    return any(w in ("torchrun", "torch.distributed.run")
-               or (w in ("fnaccel", "accelerate") and words[i + 1:i + 2] in (["launch"], ["test"]))
-               for i, w in enumerate(words))
+    return any(
+        w in ("torchrun", "torch.distributed.run")
+        or (w in ("fnaccel", "accelerate") and words[i + 1 : i + 2] in (["launch"], ["test"]))
+        for i, w in enumerate(words)
+    )
 
 
 @pytest.fixture(autouse=True)
-def multiprocess_marker_is_set(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def multiprocess_marker_is_set(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
     """Fail an unmarked test that started a process group: it would slow the fast loop.
 
     Seen here: a `multiprocessing` process other than a DataLoader worker (`World`, `mp.spawn`,
@@ -83,8 +97,11 @@ def multiprocess_marker_is_set(request: pytest.FixtureRequest, monkeypatch: pyte
     monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
     yield
     if started:
-        pytest.fail(f"this test started {started[0]} but is not marked: add @pytest.mark.multiprocess "
-                    "(or pytestmark = pytest.mark.multiprocess for the module)", pytrace=False)
+        pytest.fail(
+            f"this test started {started[0]} but is not marked: add @pytest.mark.multiprocess "
+            "(or pytestmark = pytest.mark.multiprocess for the module)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)

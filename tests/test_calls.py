@@ -82,9 +82,11 @@ def test_save_on_one_rank_ends_both_naming_fa_save_and_the_step(world2: World, t
     """With the default timeout: rank 0 in fa.save, rank 1 in fa.step's all-reduce."""
     report = tmp_path / "rank0.json"
     error, elapsed = _run_until_one_ends(world2, _save_on_rank0_only, str(tmp_path / "ckpt"), str(report))
-    expected = ("fa.save was called on rank 0 only (rank 1 is in fa.step at step 3): fa.save is "
-                "collective; call it on every rank, and guard only your own files with "
-                "state.dist.is_main_process")
+    expected = (
+        "fa.save was called on rank 0 only (rank 1 is in fa.step at step 3): fa.save is "
+        "collective; call it on every rank, and guard only your own files with "
+        "state.dist.is_main_process"
+    )
     # rank 1's error, raised by its fa.step instead of gloo's "Connection closed by peer"
     assert isinstance(error, fa.CollectiveCallError), error
     assert str(error) == expected
@@ -99,9 +101,11 @@ def test_shutdown_against_a_gather_ends_both(world2: World, tmp_path: Path) -> N
     """rank 0 in fa.shutdown, rank 1 in fa.ops.gather (a short timeout: the default is tested above)."""
     report = tmp_path / "rank0.json"
     error, elapsed = _run_until_one_ends(world2, _shutdown_against_gather, str(report), 1.0)
-    expected = ("fa.shutdown was called on rank 0 only (rank 1 is in fa.ops.gather at step 0): "
-                "fa.shutdown is collective on a clean end; call it on every rank after its last "
-                "collective call")
+    expected = (
+        "fa.shutdown was called on rank 0 only (rank 1 is in fa.ops.gather at step 0): "
+        "fa.shutdown is collective on a clean end; call it on every rank after its last "
+        "collective call"
+    )
     assert isinstance(error, fa.CollectiveCallError), error
     assert str(error) == expected
     assert json.loads(report.read_text())[:2] == ["CollectiveCallError", expected]
@@ -137,8 +141,9 @@ def test_a_rank_nothing_releases_ends_its_process(world2: World, tmp_path: Path)
     assert time.monotonic() - start < 1.0 * 2 + RELEASE_SECONDS + 15
     name, message, _ = json.loads(report.read_text())
     assert name == "CollectiveCallError"
-    assert message.startswith("fa.evaluate was called on rank 0 only (rank 1 is in fa.step at step 3): "
-                              "fa.evaluate is collective")
+    assert message.startswith(
+        "fa.evaluate was called on rank 0 only (rank 1 is in fa.step at step 3): fa.evaluate is collective"
+    )
 
 
 def _shutdown_on_rank0_rank1_exits(state: fa.RunState) -> str:

@@ -65,11 +65,13 @@ def test_config_readers_take_yaml_values_and_the_launchers_text() -> None:
     assert config_bool(None, what, optional=True) is None and config_bool(1, what, optional=True) is True
     assert config_names("A, B,", what) == ("A", "B") and config_names(["A"], what) == ("A",)
     assert config_choice("full_shard", what, ("FULL_SHARD",)) == "FULL_SHARD"
-    for call, message in ((lambda: config_int(True, what), "must be an integer, got True"),
-                          (lambda: config_bool(1, what), "must be true or false, got 1"),
-                          (lambda: config_str(3, what), "must be a string, got 3"),
-                          (lambda: config_names([1], what), r"must be class names \(a list or a comma"),
-                          (lambda: config_choice("x", what, ("A", "B")), "must be one of A, B, got 'x'")):
+    for call, message in (
+        (lambda: config_int(True, what), "must be an integer, got True"),
+        (lambda: config_bool(1, what), "must be true or false, got 1"),
+        (lambda: config_str(3, what), "must be a string, got 3"),
+        (lambda: config_names([1], what), r"must be class names \(a list or a comma"),
+        (lambda: config_choice("x", what, ("A", "B")), "must be one of A, B, got 'x'"),
+    ):
         with pytest.raises(ConfigError, match=f"^{what} {message}"):
             call()
 

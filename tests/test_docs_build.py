@@ -21,8 +21,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config),
-                           "--site-dir", str(site)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(config),
+            "--site-dir",
+            str(site),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
@@ -38,8 +53,9 @@ def test_the_site_builds_strictly_with_every_public_name(tmp_path: Path) -> None
 def test_a_planted_broken_link_and_reference_fail_the_build(tmp_path: Path) -> None:
     docs = tmp_path / "docs"
     shutil.copytree(ROOT / "docs", docs)
-    (docs / "state.md").write_text((docs / "state.md").read_text()
-                                   + "\nSee [the missing page](missing.md) and [fnaccel.nowhere][].\n")
+    (docs / "state.md").write_text(
+        (docs / "state.md").read_text() + "\nSee [the missing page](missing.md) and [fnaccel.nowhere][].\n"
+    )
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
     # the guide alone: generating the reference again would double the test's time (the build above
     # covers it); the links are checked by the same strict settings and cross-references by autorefs
@@ -51,8 +67,9 @@ def test_a_planted_broken_link_and_reference_fail_the_build(tmp_path: Path) -> N
     assert "Could not find cross-reference target 'fnaccel.nowhere'" in done.stderr, done.stderr[-3000:]
 
 
-def test_a_public_function_without_a_docstring_is_reported(monkeypatch: pytest.MonkeyPatch,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_a_public_function_without_a_docstring_is_reported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     spec = importlib.util.spec_from_file_location("docs_reference", ROOT / "docs" / "reference.py")
     assert spec is not None and spec.loader is not None
     reference = importlib.util.module_from_spec(spec)
@@ -65,4 +82,5 @@ def test_a_public_function_without_a_docstring_is_reported(monkeypatch: pytest.M
         text = reference.page("planted", {})
     assert "::: planted.documented" in text and "::: planted.bare" in text
     assert [r.getMessage() for r in caplog.records] == [
-        "planted.bare has no docstring: write one (the reference is generated from it)"]
+        "planted.bare has no docstring: write one (the reference is generated from it)"
+    ]

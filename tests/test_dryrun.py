@@ -25,9 +25,17 @@ def by_dtensor(kinds: dict[str, list[Held]], layout: ParallelismConfig, rank: in
     """``rank``'s bytes, from DTensor's own arithmetic at that rank's coordinate."""
     coords = layout.coordinates(rank)
     coords["dp"] = coords["dp_replicate"] * layout.sizes["dp_shard"] + coords["dp_shard"]
-    numels = {held: math.prod(held.shape if not held.mesh_dims else _utils._compute_local_shape_and_global_offset(
-        held.shape, held.mesh_shape, [coords[n] for n in held.mesh_dims], held.placements)[0])
-        for group in kinds.values() for held in set(group)}
+    numels = {
+        held: math.prod(
+            held.shape
+            if not held.mesh_dims
+            else _utils._compute_local_shape_and_global_offset(
+                held.shape, held.mesh_shape, [coords[n] for n in held.mesh_dims], held.placements
+            )[0]
+        )
+        for group in kinds.values()
+        for held in set(group)
+    }
     return {kind: sum(numels[held] * held.element_size for held in group) for kind, group in kinds.items()}
 
 
@@ -42,25 +50,43 @@ def random_held(rng: random.Random, layout: ParallelismConfig) -> Held:
     placements: list[Any] = []
     for _ in names:
         pick = rng.random()
-        placements.append(Replicate() if pick < 0.2 else Partial() if pick < 0.3 else
-                          Shard(rng.randint(0, 1)) if pick < 0.6 else
-                          _StridedShard(rng.randint(0, 1), split_factor=rng.choice([2, 3, 4])))
-    return Held(shape=shape, element_size=rng.choice([2, 4]), mesh_dims=names, placements=tuple(placements),
-                mesh_shape=tuple(layout.data_parallel_size if n == "dp" else layout.sizes[n] for n in names))
+        placements.append(
+            Replicate()
+            if pick < 0.2
+            else Partial()
+            if pick < 0.3
+            else Shard(rng.randint(0, 1))
+            if pick < 0.6
+            else _StridedShard(rng.randint(0, 1), split_factor=rng.choice([2, 3, 4]))
+        )
+    return Held(
+        shape=shape,
+        element_size=rng.choice([2, 4]),
+        mesh_dims=names,
+        placements=tuple(placements),
+        mesh_shape=tuple(layout.data_parallel_size if n == "dp" else layout.sizes[n] for n in names),
+    )
 
 
 @pytest.mark.parametrize("seed", range(2))
 def test_every_ranks_bytes_equal_dtensors_own_arithmetic(seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(8):
-        layout = ParallelismConfig(pp_size=rng.choice([1, 2]), dp_replicate_size=rng.choice([1, 2, 3]),
-                                   dp_shard_size=rng.choice([1, 2, 3, 5, 8]), tp_size=rng.choice([1, 2, 4]))
+        layout = ParallelismConfig(
+            pp_size=rng.choice([1, 2]),
+            dp_replicate_size=rng.choice([1, 2, 3]),
+            dp_shard_size=rng.choice([1, 2, 3, 5, 8]),
+            tp_size=rng.choice([1, 2, 4]),
+        )
         world = math.prod(layout.sizes.values())
         layout = layout.resolved(world)
         helds = [random_held(rng, layout) for _ in range(6)]
         kinds = {"parameters": helds[:4], "optimizer": helds[2:]}
         computed = world_bytes(kinds, layout)
-        assert list(computed.ranks) == [by_dtensor(kinds, layout, rank) for rank in range(world)], (layout, helds)
+        assert list(computed.ranks) == [by_dtensor(kinds, layout, rank) for rank in range(world)], (
+            layout,
+            helds,
+        )
         assert computed.num_classes <= world
 
 
@@ -70,12 +96,23 @@ def fsdp_x_tp(dp_shard: int) -> list[Held]:
     rows = {"mesh_dims": ("dp_shard",), "mesh_shape": (dp_shard,), "placements": (Shard(0),)}
     colwise = (_StridedShard(0, split_factor=8), Shard(0))
     block = [Held(shape=(128,), element_size=4, **rows)] * 4 + [
-        *[Held(shape=shape, element_size=4, placements=colwise, **mesh)
-          for shape in [(128, 128), (128,)] * 3 + [(512, 128), (512,)]],
-        *[Held(shape=(128, width), element_size=4, placements=(Shard(0), Shard(1)), **mesh) for width in (128, 512)],
-        *[Held(shape=(128,), element_size=4, placements=(Shard(0), Replicate()), **mesh)] * 2]
-    return [Held(shape=(250, 128), element_size=4, **rows), *block, *block,
-            Held(shape=(250, 128), element_size=4, **rows), Held(shape=(250,), element_size=4, **rows)]
+        *[
+            Held(shape=shape, element_size=4, placements=colwise, **mesh)
+            for shape in [(128, 128), (128,)] * 3 + [(512, 128), (512,)]
+        ],
+        *[
+            Held(shape=(128, width), element_size=4, placements=(Shard(0), Shard(1)), **mesh)
+            for width in (128, 512)
+        ],
+        *[Held(shape=(128,), element_size=4, placements=(Shard(0), Replicate()), **mesh)] * 2,
+    ]
+    return [
+        Held(shape=(250, 128), element_size=4, **rows),
+        *block,
+        *block,
+        Held(shape=(250, 128), element_size=4, **rows),
+        Held(shape=(250,), element_size=4, **rows),
+    ]
 
 
 def test_alike_ranks_are_computed_once_at_16384_ranks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,7 +34,9 @@ def test_two_and_three_ranks_return_every_sample_once_in_order_on_every_rank(wor
 
 
 @pytest.mark.parametrize("batch_size", [4, 5])
-def test_one_process_yields_the_loaders_own_batches_so_a_literal_port_counts_exactly_n(batch_size: int) -> None:
+def test_one_process_yields_the_loaders_own_batches_so_a_literal_port_counts_exactly_n(
+    batch_size: int,
+) -> None:
     """As Accelerate on one process: no padding, so a port that truncates only when
     distributed sees each of the N samples once (it saw 128 of 103 when the last batch
     was padded)."""
@@ -96,8 +98,10 @@ def test_the_length_of_a_streams_eval_batches_is_its_steps_or_refused_naming_why
 
 
 def test_eval_batches_reads_a_stream_unpadded_on_one_process() -> None:
-    pairs = [(b.view(-1).tolist(), n) for b, n in fa.eval_batches(fa.init(cpu=True),
-                                                                  DataLoader(Stream(), batch_size=2))]
+    pairs = [
+        (b.view(-1).tolist(), n)
+        for b, n in fa.eval_batches(fa.init(cpu=True), DataLoader(Stream(), batch_size=2))
+    ]
     assert pairs == [([0.0, 1.0], 2), ([2.0, 3.0], 2), ([4.0], 1)]
 
 

@@ -22,7 +22,8 @@ EXAMPLES = ROOT / "examples"
 
 @pytest.mark.multiprocess
 def test_the_classifier_example_trains_on_two_processes_and_writes_its_weights(
-        two_process_launch: tuple[dict[str, str], Path]) -> None:
+    two_process_launch: tuple[dict[str, str], Path],
+) -> None:
     """The README's main job: `fnaccel launch --cpu --num_processes 2 examples/train_classifier.py`
     (the first run of the two-process launch below: fresh processes, the same flags)."""
     out, tmp_path = two_process_launch
@@ -32,8 +33,12 @@ def test_the_classifier_example_trains_on_two_processes_and_writes_its_weights(
     assert accuracy > 0.8, printed  # chance is 0.33
     weights = load_file(output)
     assert set(weights) == {"0.weight", "0.bias", "3.weight", "3.bias", "6.weight", "6.bias"}
-    logged = [json.loads(line) for line in (tmp_path / "classifier" / "metrics.jsonl").read_text().splitlines()]
-    assert [entry["values"]["epoch"] for entry in logged] == list(range(1, 11))  # the main process only: once each
+    logged = [
+        json.loads(line) for line in (tmp_path / "classifier" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [entry["values"]["epoch"] for entry in logged] == list(
+        range(1, 11)
+    )  # the main process only: once each
     assert round(logged[-1]["values"]["test_accuracy"], 3) == accuracy
 
 
@@ -43,9 +48,13 @@ def _documented_names() -> dict[str, set[str]]:
     import fnaccel.utils
 
     api = (ROOT / "docs" / "api.md").read_text()
-    names = {module: set(re.findall(r"^- `(\w+)`", body, re.M))
-             for module, body in re.findall(r"^## `(fnaccel[\w.]*)`\n(.*?)(?=^## |\Z)", api, re.M | re.S)}
-    documented = {word for page in (ROOT / "docs").glob("*.md") for word in re.findall(r"`(\w+)", page.read_text())}
+    names = {
+        module: set(re.findall(r"^- `(\w+)`", body, re.M))
+        for module, body in re.findall(r"^## `(fnaccel[\w.]*)`\n(.*?)(?=^## |\Z)", api, re.M | re.S)
+    }
+    documented = {
+        word for page in (ROOT / "docs").glob("*.md") for word in re.findall(r"`(\w+)", page.read_text())
+    }
     names["fnaccel.utils"] = set(fnaccel.utils.__all__) & documented
     return names
 
@@ -60,7 +69,7 @@ def _undocumented_uses(source: str, names: dict[str, set[str]]) -> list[str]:
             for imported in (a for a in node.names if a.name.split(".")[0] == "fnaccel"):
                 if imported.name not in names:  # `import fnaccel.data.sharding`
                     bad.append(f"line {node.lineno}: import {imported.name}")
-                aliases[imported.asname or "fnaccel"] = imported.asname and imported.name or "fnaccel"
+                aliases[imported.asname or "fnaccel"] = (imported.asname and imported.name) or "fnaccel"
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fnaccel":
             for imported in node.names:
                 if f"{node.module}.{imported.name}" in names:  # a module (`from fnaccel import ops`)
@@ -90,18 +99,29 @@ def test_examples_use_only_the_names_docs_api_md_lists() -> None:
     `from fnaccel... import X` is a name docs/api.md lists (for `fnaccel.utils`: one its docs
     document), never an implementation detail a user could not look up."""
     names = _documented_names()
-    bad = {path.name: found for path in sorted(EXAMPLES.glob("*.py"))
-           if (found := _undocumented_uses(path.read_text(), names))}
+    bad = {
+        path.name: found
+        for path in sorted(EXAMPLES.glob("*.py"))
+        if (found := _undocumented_uses(path.read_text(), names))
+    }
     assert not bad
     # and the check sees what it must
     assert _undocumented_uses("import fnaccel as fa\nfa.ops.gather\nfa.fsdp()\nfa.utils.save", names) == []
     assert _undocumented_uses(
         "import fnaccel as fa\nfrom fnaccel import ops as o\nfrom fnaccel.utils import nothing\n"
         "fa.no_such_name(x)\nfa.ops.gather_all\no.nope\nfa.utils.u.v\nimport fnaccel.data.sharding\n"
-        "from fnaccel.data import loader", names) == [
-        "line 3: from fnaccel.utils import nothing", "line 4: fnaccel.no_such_name",
-        "line 5: fnaccel.ops.gather_all", "line 6: fnaccel.ops.nope", "line 7: fnaccel.utils.u",
-        "line 8: import fnaccel.data.sharding", "line 9: from fnaccel.data import loader"]
+        "from fnaccel.data import loader",
+        names,
+    ) == [
+        "line 3: from fnaccel.utils import nothing",
+        "line 4: fnaccel.no_such_name",
+        "line 5: fnaccel.ops.gather_all",
+        "line 6: fnaccel.ops.nope",
+        "line 7: fnaccel.utils.u",
+        "line 8: import fnaccel.data.sharding",
+        "line 9: from fnaccel.data import loader",
+    ]
+
 
 # ---------------------------------------------------------------------------------------------
 # Every example of examples/ runs, at its --tiny size (the classifier at the README's), in two
@@ -140,14 +160,21 @@ def _run_examples(runs: list[tuple[str, list[str]]], tmp_path: Path, launch: lis
     """Runs the examples in one process (or one launch), returns each run's output by its marker."""
     driver = tmp_path / "run_examples.py"
     driver.write_text(_DRIVER)
-    runs = [(str(EXAMPLES / script), argv if script in _FULL_SIZE else ["--tiny", *argv]) for script, argv in runs]
+    runs = [
+        (str(EXAMPLES / script), argv if script in _FULL_SIZE else ["--tiny", *argv]) for script, argv in runs
+    ]
     result = subprocess.run(
-        [sys.executable, *launch, str(driver), json.dumps(runs)], capture_output=True, text=True,
-        timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},  # in order
+        [sys.executable, *launch, str(driver), json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},  # in order
     )
     sections = re.split(r"^=== (.*)$", result.stdout, flags=re.M)
-    outputs = {" ".join([Path(key.split()[0]).name, *(word for word in key.split()[1:] if word != "--tiny")]): text
-               for key, text in zip(sections[1::2], sections[2::2])}
+    outputs = {
+        " ".join([Path(key.split()[0]).name, *(word for word in key.split()[1:] if word != "--tiny")]): text
+        for key, text in zip(sections[1::2], sections[2::2], strict=False)
+    }
     failed = list(outputs)[-1] if outputs else "(none started)"
     assert result.returncode == 0, f"{failed} failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
     return {key.strip(): text for key, text in outputs.items()} | {"(all)": result.stdout}
@@ -195,8 +222,9 @@ def test_the_one_process_examples_run_and_do_what_they_say(tmp_path: Path) -> No
 
     runs = _one_process_runs(tmp_path)
     has_deepspeed = importlib.util.find_spec("deepspeed") is not None  # in the test extra
-    out = _run_examples([run for run in runs if has_deepspeed or run[0] != "deepspeed_with_config.py"],
-                        tmp_path, launch=[])
+    out = _run_examples(
+        [run for run in runs if has_deepspeed or run[0] != "deepspeed_with_config.py"], tmp_path, launch=[]
+    )
 
     def line(key: str, pattern: str) -> re.Match[str]:
         match = re.search(pattern, out[key])
@@ -231,13 +259,19 @@ def test_the_one_process_examples_run_and_do_what_they_say(tmp_path: Path) -> No
     line(gpt, r"It writes:\nI\n\nFrom fairest")  # the prompt, then what it learnt
 
     if not has_deepspeed:
-        pytest.skip("deepspeed is not installed (pip install 'fnaccel[deepspeed]'): the others ran, "
-                    "deepspeed_with_config.py did not")
-    line(f"deepspeed_with_config.py --output {tmp_path / 'deepspeed'}",
-         r"pipeline from the config: compose\(deepspeed\(gradient_accumulation_steps=2, gradient_clipping=1.0, "
-         r"zero_stage=2")
+        pytest.skip(
+            "deepspeed is not installed (pip install 'fnaccel[deepspeed]'): the others ran, "
+            "deepspeed_with_config.py did not"
+        )
+    line(
+        f"deepspeed_with_config.py --output {tmp_path / 'deepspeed'}",
+        r"pipeline from the config: compose\(deepspeed\(gradient_accumulation_steps=2, gradient_clipping=1.0, "
+        r"zero_stage=2",
+    )
     assert {p.name for p in (tmp_path / "deepspeed" / "checkpoint").glob("rank*.zero.safetensors")} == {
-        "rank0.zero.safetensors", "rank1.zero.safetensors"}
+        "rank0.zero.safetensors",
+        "rank1.zero.safetensors",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -245,12 +279,24 @@ def two_process_launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[s
     """One `fnaccel launch --cpu --num_processes 2` of every distributed example, the classifier
     first: each run's output by its marker, and the directory they wrote in."""
     tmp_path = tmp_path_factory.mktemp("two_process_examples")
-    launch = ["-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", "2", "--num_cpu_threads_per_process", "1"]
+    launch = [
+        "-m",
+        "fnaccel",
+        "launch",
+        "-q",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--num_cpu_threads_per_process",
+        "1",
+    ]
     return _run_examples(_two_process_runs(tmp_path), tmp_path, launch=launch), tmp_path
 
 
 @pytest.mark.multiprocess
-def test_the_distributed_examples_run_on_two_processes(two_process_launch: tuple[dict[str, str], Path]) -> None:
+def test_the_distributed_examples_run_on_two_processes(
+    two_process_launch: tuple[dict[str, str], Path],
+) -> None:
     out, tmp_path = two_process_launch
 
     def lines(key: str, pattern: str) -> list[Any]:
@@ -261,7 +307,10 @@ def test_the_distributed_examples_run_on_two_processes(two_process_launch: tuple
     spread = lines("local_sgd.py --local-sgd-steps 4", r"step (\d+): .* differ by up to ([\d.e+-]+)")
     assert len(spread) > 4 and all((float(by) == 0) == (int(step) % 4 == 0) for step, by in spread), spread
     # the replicas agree right after each average, and only then
-    lines("ddp_comm_hook.py --comm-hook power_sgd --comm-wrapper fp16", r"epoch 2 \(power_sgd hook, fp16 wrapper\)")
+    lines(
+        "ddp_comm_hook.py --comm-hook power_sgd --comm-wrapper fp16",
+        r"epoch 2 \(power_sgd hook, fp16 wrapper\)",
+    )
     counts = lines("multi_process_metrics.py", r": (\d+) samples, accuracy ([\d.]+)")
     assert counts[0] == counts[1] and counts[0][0] == "103"  # both forms count every sample once
     # each rank prints its own figures; the launcher relays the ranks' output in its own order
@@ -270,6 +319,9 @@ def test_the_distributed_examples_run_on_two_processes(two_process_launch: tuple
     initial = lines("cross_validation.py", r"fold \d: initial weight\[0, 0\] ([-+.\d]+)")
     with torch.random.fork_rng():  # the example's one seed: fold k's model is the (k+1)-th built after it
         torch.manual_seed(0)
-        built = [nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 2))[0].weight[0, 0].item() for _ in initial]
+        built = [
+            nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 2))[0].weight[0, 0].item()
+            for _ in initial
+        ]
     assert initial == [f"{w:+.4f}" for w in built] and initial[0] != initial[1]
     lines("gan.py", r"epoch 1: .* modes covered")

@@ -48,7 +48,9 @@ def test_one_table_is_the_surface_in_the_documented_order() -> None:
     documented = _documented("fnaccel")
     assert fnaccel.__all__ == documented, next(
         f"docs/api.md lists {d!r} where _PUBLIC has {t!r}: keep the two in the same order"
-        for t, d in zip(fnaccel.__all__ + [None], documented + [None]) if t != d)
+        for t, d in zip([*fnaccel.__all__, None], [*documented, None], strict=False)
+        if t != d
+    )
 
 
 @pytest.mark.parametrize("facade", [fnaccel, fnaccel.utils], ids=lambda m: m.__name__)
@@ -105,9 +107,11 @@ def test_no_lazy_name_resolves_through_a_package_holding_a_submodule_of_that_nam
 
     shadowable = []
     for name, source in facade._PUBLIC.items():
-        if source != f"{facade.__name__}.{name}" and importlib.util.find_spec(source).submodule_search_locations:
-            if importlib.util.find_spec(f"{source}.{name}") is not None:
-                shadowable.append(f"{name} -> {source}")
+        if (
+            source != f"{facade.__name__}.{name}"
+            and importlib.util.find_spec(source).submodule_search_locations
+        ) and importlib.util.find_spec(f"{source}.{name}") is not None:
+            shadowable.append(f"{name} -> {source}")
     assert not shadowable
     for name in facade._PUBLIC:
         assert not isinstance(getattr(facade, name), ModuleType) or name in facade._PUBLIC[name].split(".")
@@ -118,7 +122,11 @@ def test_only_the_documented_modules_are_modules() -> None:
     function or class it documents. `fa.autocast_context` was the module
     `fnaccel.autocast_context` (the lazy table took a name equal to its module's for a
     submodule), so `with fa.autocast_context(state):` raised "'module' object is not callable"."""
-    modules = set(re.findall(r"^- `(\w+)`", _API.read_text().split("\nModules:\n")[1].split("\n## ")[0], re.M))
+    modules = set(
+        re.findall(r"^- `(\w+)`", _API.read_text().split("\nModules:\n")[1].split("\n## ")[0], re.M)
+    )
     assert modules == {"ops", "utils"}
-    assert sorted(n for n in fnaccel.__all__ if isinstance(getattr(fnaccel, n), ModuleType)) == sorted(modules)
+    assert sorted(n for n in fnaccel.__all__ if isinstance(getattr(fnaccel, n), ModuleType)) == sorted(
+        modules
+    )
     assert callable(fnaccel.autocast_context)

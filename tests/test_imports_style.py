@@ -37,10 +37,15 @@ def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     module = "." * node.level + (node.module or "")
-    if module in WITH_TORCH:  # loaded already (the test imports torch): finding its submodules imports nothing
+    if (
+        module in WITH_TORCH
+    ):  # loaded already (the test imports torch): finding its submodules imports nothing
         package = hasattr(sys.modules.get(module), "__path__")
-        submodules = [f"{module}.{alias.name}" for alias in node.names
-                      if package and importlib.util.find_spec(f"{module}.{alias.name}") is not None]
+        submodules = [
+            f"{module}.{alias.name}"
+            for alias in node.names
+            if package and importlib.util.find_spec(f"{module}.{alias.name}") is not None
+        ]
         return submodules or [module]
     return [module]
 
@@ -58,56 +63,90 @@ def _own_statements(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterato
 def problems(source: str, where: str) -> list[str]:
     """What in ``source`` (a module's text) breaks the rules above, one line each."""
     tree = ast.parse(source)
-    top = {name for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
-           for name in _imported(node)}
+    top = {
+        name
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for name in _imported(node)
+    }
     with_torch = any(name == "torch" or name.startswith("torch.") for name in top)
     found = []
     for function in (n for n in ast.walk(tree) if isinstance(n, FUNCTIONS)):
         at = f"{where}:{function.lineno} {function.name}()"
         own = list(_own_statements(function))
-        found += [f"{at} defines class {node.name} inside it: define it at module level"
-                  for node in own if isinstance(node, ast.ClassDef)]
-        imports = sorted((node for node in own if isinstance(node, (ast.Import, ast.ImportFrom))),
-                         key=lambda node: node.lineno)
+        found += [
+            f"{at} defines class {node.name} inside it: define it at module level"
+            for node in own
+            if isinstance(node, ast.ClassDef)
+        ]
+        imports = sorted(
+            (node for node in own if isinstance(node, (ast.Import, ast.ImportFrom))),
+            key=lambda node: node.lineno,
+        )
         if len(imports) > 1:
             names = ", ".join(name for node in imports for name in _imported(node))
-            found.append(f"{at} makes {len(imports)} deferred imports ({names}): import them at the top, "
-                         "or from one module that is itself imported lazily")
+            found.append(
+                f"{at} makes {len(imports)} deferred imports ({names}): import them at the top, "
+                "or from one module that is itself imported lazily"
+            )
         for name in (name for node in imports for name in _imported(node)):
-            if name.split(".")[0] in sys.stdlib_module_names or name in top or (name in WITH_TORCH and with_torch):
+            if (
+                name.split(".")[0] in sys.stdlib_module_names
+                or name in top
+                or (name in WITH_TORCH and with_torch)
+            ):
                 found.append(f"{at} defers importing {name}, which costs nothing to import at the top")
     return found
 
 
 def test_no_class_inside_a_function_and_one_deferred_import_of_a_heavy_module_at_most() -> None:
-    found = [line for path in sorted(PACKAGE.rglob("*.py"))
-             for line in problems(path.read_text(), str(path.relative_to(PACKAGE.parent)))]
+    found = [
+        line
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line in problems(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    ]
     assert not found, "\n".join(found)
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("def f():\n    class A:\n        pass\n", "f() defines class A inside it"),
-    ("def f():\n    if True:\n        class A: ...\n", "f() defines class A inside it"),
-    ("def f():\n    import deepspeed\n    from torch.distributed.checkpoint import api\n",
-     "f() makes 2 deferred imports (deepspeed, torch.distributed.checkpoint"),
-    ("def f():\n    try:\n        import deepspeed\n    except ImportError:\n        import transformers\n",
-     "f() makes 2 deferred imports"),
-    ("def f():\n    import json\n", "f() defers importing json"),
-    ("import torch\n\ndef f():\n    import torch.distributed as dist\n", "f() defers importing torch.distributed"),
-    ("import torch\n\ndef f():\n    from torch.distributed import ReduceOp\n", "f() defers importing torch.distributed"),
-    ("import deepspeed\n\ndef f():\n    import deepspeed\n", "f() defers importing deepspeed"),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("def f():\n    class A:\n        pass\n", "f() defines class A inside it"),
+        ("def f():\n    if True:\n        class A: ...\n", "f() defines class A inside it"),
+        (
+            "def f():\n    import deepspeed\n    from torch.distributed.checkpoint import api\n",
+            "f() makes 2 deferred imports (deepspeed, torch.distributed.checkpoint",
+        ),
+        (
+            "def f():\n    try:\n        import deepspeed\n    except ImportError:\n        import transformers\n",
+            "f() makes 2 deferred imports",
+        ),
+        ("def f():\n    import json\n", "f() defers importing json"),
+        (
+            "import torch\n\ndef f():\n    import torch.distributed as dist\n",
+            "f() defers importing torch.distributed",
+        ),
+        (
+            "import torch\n\ndef f():\n    from torch.distributed import ReduceOp\n",
+            "f() defers importing torch.distributed",
+        ),
+        ("import deepspeed\n\ndef f():\n    import deepspeed\n", "f() defers importing deepspeed"),
+    ],
+)
 def test_a_planted_breach_is_named(source: str, expected: str) -> None:
     assert any(expected in line for line in problems(source, "m.py")), problems(source, "m.py")
 
 
-@pytest.mark.parametrize("allowed", [
-    "def f():\n    import deepspeed\n\n"
-    "def g():\n    from fnaccel.checkpoint import dcpstore\n\n"
-    "    def inner():\n        import transformers\n\n"  # a nested function counts its own
-    "class A:\n    def m(self):\n        import torchao\n",
-    "def h():\n    import torch.distributed\n",  # in a module without torch: torch itself is deferred
-    "import torch\n\ndef i():\n    from torch.distributed import pipelining\n",  # a submodule torch does not load
-])
+@pytest.mark.parametrize(
+    "allowed",
+    [
+        "def f():\n    import deepspeed\n\n"
+        "def g():\n    from fnaccel.checkpoint import dcpstore\n\n"
+        "    def inner():\n        import transformers\n\n"  # a nested function counts its own
+        "class A:\n    def m(self):\n        import torchao\n",
+        "def h():\n    import torch.distributed\n",  # in a module without torch: torch itself is deferred
+        "import torch\n\ndef i():\n    from torch.distributed import pipelining\n",  # a submodule torch does not load
+    ],
+)
 def test_what_the_rules_allow(allowed: str) -> None:
     assert problems(allowed, "m.py") == []

@@ -27,17 +27,58 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fnaccel"
 
 # (layer, module prefixes), lowest first; the longest matching prefix decides.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("leaves", ("fnaccel._errors", "fnaccel._lazy", "fnaccel.dist", "fnaccel.rng", "fnaccel.constants",
-                "fnaccel.kwargs", "fnaccel.checks",
-                "fnaccel.config", "fnaccel.protocols", "fnaccel.resources", "fnaccel.atomic",
-                "fnaccel.calls")),
+    (
+        "leaves",
+        (
+            "fnaccel._errors",
+            "fnaccel._lazy",
+            "fnaccel.dist",
+            "fnaccel.rng",
+            "fnaccel.constants",
+            "fnaccel.kwargs",
+            "fnaccel.checks",
+            "fnaccel.config",
+            "fnaccel.protocols",
+            "fnaccel.resources",
+            "fnaccel.atomic",
+            "fnaccel.calls",
+        ),
+    ),
     ("state", ("fnaccel.state",)),
-    ("parts", ("fnaccel.transforms", "fnaccel.ops", "fnaccel.seeding", "fnaccel.process",
-               "fnaccel.precision", "fnaccel.trigger", "fnaccel.preemption")),
-    ("loop", ("fnaccel.preparation", "fnaccel.train", "fnaccel.data", "fnaccel.runtime", "fnaccel.dryrun",
-              "fnaccel.evaluation")),
-    ("services", ("fnaccel.checkpoint", "fnaccel.tracking", "fnaccel.modeling", "fnaccel.launchers",
-                  "fnaccel.debug", "fnaccel.testing")),
+    (
+        "parts",
+        (
+            "fnaccel.transforms",
+            "fnaccel.ops",
+            "fnaccel.seeding",
+            "fnaccel.process",
+            "fnaccel.precision",
+            "fnaccel.trigger",
+            "fnaccel.preemption",
+        ),
+    ),
+    (
+        "loop",
+        (
+            "fnaccel.preparation",
+            "fnaccel.train",
+            "fnaccel.data",
+            "fnaccel.runtime",
+            "fnaccel.dryrun",
+            "fnaccel.evaluation",
+        ),
+    ),
+    (
+        "services",
+        (
+            "fnaccel.checkpoint",
+            "fnaccel.tracking",
+            "fnaccel.modeling",
+            "fnaccel.launchers",
+            "fnaccel.debug",
+            "fnaccel.testing",
+        ),
+    ),
     ("facades", ("fnaccel.utils", "fnaccel.commands", "fnaccel.__main__", "fnaccel=")),
 )
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
@@ -87,6 +128,7 @@ def imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str, tuple[str,
 
 def _targets(base: str, names: tuple[str, ...], root: Path) -> list[str]:
     """The modules an import names: ``from fnaccel.pkg import module`` names the module."""
+
     def exists(module: str) -> bool:
         path = root.parent / module.replace(".", "/")
         return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
@@ -110,8 +152,11 @@ def violations(root: Path = PACKAGE, allowed: frozenset[tuple[str, str]] = froze
                 if private and not same_package and target == base:
                     found.append(f"{where}: {here} imports private {private} from {base}")
                 owner = private_owner(target)
-                if owner and not (here == owner or here.startswith(owner + ".")) \
-                        and (here, target) not in allowed:
+                if (
+                    owner
+                    and not (here == owner or here.startswith(owner + "."))
+                    and (here, target) not in allowed
+                ):
                     found.append(f"{where}: {here} imports {target}, private to {owner}")
     return found
 
@@ -168,8 +213,9 @@ def cycles(edges: dict[str, dict[str, str]], allowed: frozenset[tuple[str, str]]
             while not members or members[-1] != node:
                 members.append(stack.pop())
             if len(members) > 1:
-                inside = sorted(f"{a} -> {b} ({w})" for a in members for b, w in kept.get(a, {}).items()
-                                if b in members)
+                inside = sorted(
+                    f"{a} -> {b} ({w})" for a in members for b, w in kept.get(a, {}).items() if b in members
+                )
                 found.append("cycle: " + "; ".join(inside))
 
     for node in sorted(kept):
@@ -182,13 +228,17 @@ def cycles(edges: dict[str, dict[str, str]], allowed: frozenset[tuple[str, str]]
 # (importer, imported) -> why it is still here. An entry no longer needed fails.
 ALLOWED_PRIVATE_IMPORTS: dict[tuple[str, str], str] = {}
 ALLOWED_MODULE_CYCLE_EDGES = {
-    ("fnaccel.transforms.plugins.deepspeed", "fnaccel.transforms.deepspeed"):
-        "DeepSpeedPlugin.zero3_init_context_manager (Accelerate's method) calls the engine's zero_init",
+    (
+        "fnaccel.transforms.plugins.deepspeed",
+        "fnaccel.transforms.deepspeed",
+    ): "DeepSpeedPlugin.zero3_init_context_manager (Accelerate's method) calls the engine's zero_init",
 }
 ALLOWED_FOLDER_CYCLE_EDGES = {
-    ("fnaccel.modeling", "fnaccel.checkpoint"):
-        "modeling/checkpoint_files.py reads tensor headers through checkpoint/tensorfile.py, "
-        "while checkpoint/weights.py reads modeling's index: one safetensors reader for both",
+    (
+        "fnaccel.modeling",
+        "fnaccel.checkpoint",
+    ): "modeling/checkpoint_files.py reads tensor headers through checkpoint/tensorfile.py, "
+    "while checkpoint/weights.py reads modeling's index: one safetensors reader for both",
 }
 
 
@@ -220,38 +270,56 @@ def plant(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_the_check_fails_on_a_planted_cycle_through_a_function_level_import(tmp_path: Path) -> None:
-    package = plant(tmp_path, {
-        "transforms/__init__.py": "",
-        "transforms/engine.py": "from fnaccel.transforms.engine_config import Config\n",
-        "transforms/engine_config.py": "class Config:\n    def start(self):\n"
-                                       "        from fnaccel.transforms.engine import start\n",
-    })
+    package = plant(
+        tmp_path,
+        {
+            "transforms/__init__.py": "",
+            "transforms/engine.py": "from fnaccel.transforms.engine_config import Config\n",
+            "transforms/engine_config.py": "class Config:\n    def start(self):\n"
+            "        from fnaccel.transforms.engine import start\n",
+        },
+    )
     assert violations(package) == []  # same layer, private nothing: only the cycle is wrong
     assert cycles(graph(package)) == [
         "cycle: fnaccel.transforms.engine -> fnaccel.transforms.engine_config (fnaccel/transforms/engine.py:1); "
-        "fnaccel.transforms.engine_config -> fnaccel.transforms.engine (fnaccel/transforms/engine_config.py:3)"]
+        "fnaccel.transforms.engine_config -> fnaccel.transforms.engine (fnaccel/transforms/engine_config.py:3)"
+    ]
 
 
 def test_the_check_fails_on_a_planted_folder_cycle_within_a_layer(tmp_path: Path) -> None:
-    package = plant(tmp_path, {
-        "checkpoint/__init__.py": "", "checkpoint/weights.py": "from fnaccel.modeling.index import read\n",
-        "checkpoint/files.py": "", "modeling/__init__.py": "",
-        "modeling/index.py": "def read():\n    from fnaccel.checkpoint.files import header\n",
-    })
+    package = plant(
+        tmp_path,
+        {
+            "checkpoint/__init__.py": "",
+            "checkpoint/weights.py": "from fnaccel.modeling.index import read\n",
+            "checkpoint/files.py": "",
+            "modeling/__init__.py": "",
+            "modeling/index.py": "def read():\n    from fnaccel.checkpoint.files import header\n",
+        },
+    )
     assert violations(package) == [] and cycles(graph(package)) == []  # no module imports itself back
     assert cycles(graph(package, folders=True)) == [
         "cycle: fnaccel.checkpoint -> fnaccel.modeling (fnaccel/checkpoint/weights.py:1); "
-        "fnaccel.modeling -> fnaccel.checkpoint (fnaccel/modeling/index.py:2)"]
+        "fnaccel.modeling -> fnaccel.checkpoint (fnaccel/modeling/index.py:2)"
+    ]
 
 
 def test_the_check_fails_on_a_planted_private_module_import(tmp_path: Path) -> None:
-    package = plant(tmp_path, {
-        "ops/__init__.py": "", "ops/_shapes.py": "", "ops/collectives.py": "from fnaccel.ops import _shapes\n",
-        "transforms/__init__.py": "", "transforms/base.py": "from fnaccel.ops._shapes import ShapeTable\n",
-        "state.py": "from fnaccel._errors import FnaccelError\n", "_errors.py": "",
-    })
+    package = plant(
+        tmp_path,
+        {
+            "ops/__init__.py": "",
+            "ops/_shapes.py": "",
+            "ops/collectives.py": "from fnaccel.ops import _shapes\n",
+            "transforms/__init__.py": "",
+            "transforms/base.py": "from fnaccel.ops._shapes import ShapeTable\n",
+            "state.py": "from fnaccel._errors import FnaccelError\n",
+            "_errors.py": "",
+        },
+    )
     assert violations(package) == [
-        "fnaccel/transforms/base.py:1: fnaccel.transforms.base imports fnaccel.ops._shapes, private to fnaccel.ops"]
+        "fnaccel/transforms/base.py:1: fnaccel.transforms.base imports fnaccel.ops._shapes, private to fnaccel.ops"
+    ]
     assert violations(package, allowed=frozenset({("fnaccel.transforms.base", "fnaccel.ops._shapes")})) == []
 
 
@@ -269,16 +337,18 @@ def test_the_check_fails_on_a_planted_upward_import(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_importing_the_state_loads_nothing_above_the_leaves() -> None:
-    code = ("import sys, fnaccel.state; print('\\n'.join(m for m in sys.modules if m.startswith('fnaccel')))")
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            cwd=PACKAGE.parent).stdout.split()
+    code = "import sys, fnaccel.state; print('\\n'.join(m for m in sys.modules if m.startswith('fnaccel')))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent
+    ).stdout.split()
     above = [m for m in loaded if m != "fnaccel" and RANK[layer_of(m)] > RANK["state"]]
     assert not above, above
     assert "fnaccel.state" in loaded
 
 
-@pytest.mark.parametrize("module", ["fnaccel.state", "fnaccel.preparation", "fnaccel.train",
-                                    "fnaccel.checkpoint.run"])
+@pytest.mark.parametrize(
+    "module", ["fnaccel.state", "fnaccel.preparation", "fnaccel.train", "fnaccel.checkpoint.run"]
+)
 def test_modules_have_a_layer(module: str) -> None:
     assert layer_of(module) in RANK
 
@@ -291,10 +361,15 @@ def readme_layers(text: str) -> dict[str, str]:
     layer = ""
     for line in block.strip().splitlines():
         if not line.startswith(" "):
-            layer, line = ("loop", line[len("the loop"):]) if line.startswith("the loop") else line.split(" ", 1)
+            layer, line = (
+                ("loop", line[len("the loop") :]) if line.startswith("the loop") else line.split(" ", 1)
+            )
         for name in re.findall(r"[\w/]+/|[\w]+\.py", line.split("(nothing", 1)[0]):
-            module = "fnaccel" if name == "__init__.py" else "fnaccel." + name.removesuffix(".py").strip(
-                "/").replace("/", ".")
+            module = (
+                "fnaccel"
+                if name == "__init__.py"
+                else "fnaccel." + name.removesuffix(".py").strip("/").replace("/", ".")
+            )
             rows[module] = layer
     return rows
 
@@ -304,6 +379,8 @@ def test_the_readme_shows_every_folder_and_root_module_in_its_layer() -> None:
     present = {f"fnaccel.{p.parent.name}" for p in PACKAGE.glob("*/__init__.py")}
     present |= {"fnaccel" if p.name == "__init__.py" else f"fnaccel.{p.stem}" for p in PACKAGE.glob("*.py")}
     assert sorted(present - set(rows)) == [], "missing from fnaccel/README.md's layer block"
-    assert sorted(set(rows) - present - {"fnaccel.transforms.plugins"}) == [], "named there but not in the package"
+    assert sorted(set(rows) - present - {"fnaccel.transforms.plugins"}) == [], (
+        "named there but not in the package"
+    )
     wrong = {m: (row, layer_of(m)) for m, row in rows.items() if layer_of(m) != row}
     assert not wrong, f"in the wrong row (README's, the test's): {wrong}"

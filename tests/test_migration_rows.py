@@ -60,8 +60,9 @@ def rows(text: str) -> list[Row]:
             header = tuple(c.strip() for c in lines[i].strip()[1:-1].split(" | "))
             i += 2
             while i < len(lines) and lines[i].startswith("|"):
-                cells = tuple(c.strip().replace("\\|", "|")
-                              for c in re.split(r"(?<!\\)\|", lines[i].strip()[1:-1]))
+                cells = tuple(
+                    c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", lines[i].strip()[1:-1])
+                )
                 found.append(Row(section=section, header=header, cells=cells, line=i + 1))
                 i += 1
             continue
@@ -72,11 +73,22 @@ def rows(text: str) -> list[Row]:
 # --------------------------------------------------------------------------- what a name means
 
 _ATTRIBUTE_OWNERS: dict[str, Any] = {
-    "state": fa.RunState, "ctx": fa.DistContext, "state.dist": fa.DistContext, "state.plan": StepPlan,
-    "state.loader": PreparedLoader, "state.pipeline": fa.Pipeline,
+    "state": fa.RunState,
+    "ctx": fa.DistContext,
+    "state.dist": fa.DistContext,
+    "state.plan": StepPlan,
+    "state.loader": PreparedLoader,
+    "state.pipeline": fa.Pipeline,
 }
-_FACADES = {"fa": fnaccel, "fnaccel": fnaccel, "u": fnaccel.utils, "fa.utils": fnaccel.utils,
-            "fnaccel.utils": fnaccel.utils, "fa.ops": fa.ops, "fnaccel.ops": fa.ops}
+_FACADES = {
+    "fa": fnaccel,
+    "fnaccel": fnaccel,
+    "u": fnaccel.utils,
+    "fa.utils": fnaccel.utils,
+    "fnaccel.utils": fnaccel.utils,
+    "fa.ops": fa.ops,
+    "fnaccel.ops": fa.ops,
+}
 
 
 def _has_attribute(owner: Any, name: str) -> bool:
@@ -92,7 +104,7 @@ def _resolve_dotted(ref: str) -> str | None:
         owner_key = ".".join(parts[:2]) if ".".join(parts[:2]) in _ATTRIBUTE_OWNERS else parts[0]
         owner = _ATTRIBUTE_OWNERS[owner_key]
         name = parts[len(owner_key.split("."))] if len(parts) > len(owner_key.split(".")) else None
-        if name is None or owner_key == parts[0] and name in ("dist", "plan", "loader", "pipeline"):
+        if name is None or (owner_key == parts[0] and name in ("dist", "plan", "loader", "pipeline")):
             return None if name is None or _has_attribute(owner, name) else f"{ref}: no {name}"
         return None if _has_attribute(owner, name) else f"{ref}: {owner.__name__} has no {name}"
     import importlib
@@ -102,13 +114,15 @@ def _resolve_dotted(ref: str) -> str | None:
         return f"{ref}: not a name of fnaccel"
     obj: Any = _FACADES[facade]
     path = facade
-    for part in ref[len(facade) + 1:].split(".") if ref != facade else []:
+    for part in ref[len(facade) + 1 :].split(".") if ref != facade else []:
         path = f"{path}.{part}"
         if hasattr(obj, part):
             obj = getattr(obj, part)
             continue
         try:  # fnaccel.checkpoint.weights: a module
-            obj = importlib.import_module(path.replace("fa.", "fnaccel.", 1) if path.startswith("fa.") else path)
+            obj = importlib.import_module(
+                path.replace("fa.", "fnaccel.", 1) if path.startswith("fa.") else path
+            )
         except ImportError:
             return f"{ref}: {path} does not exist"
     return None
@@ -138,7 +152,7 @@ def _check_call(span: str, accelerate: str) -> str | None:
     signature_row = re.search(rf"`{re.escape(name.rsplit('.', 1)[-1])}\(", accelerate) is not None
     if (missing := _resolve_dotted(name)) is not None:
         return missing
-    function = eval(name, {"fa": fa, "u": fnaccel.utils, "fnaccel": fnaccel})  # noqa: S307 - a resolved name
+    function = eval(name, {"fa": fa, "u": fnaccel.utils, "fnaccel": fnaccel})
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):
@@ -147,7 +161,9 @@ def _check_call(span: str, accelerate: str) -> str | None:
     positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     shown_args = [a for a in call.args if "..." not in ast.unparse(a)]
     if len(shown_args) > len(positional) and not any(p.kind == p.VAR_POSITIONAL for p in params.values()):
-        return f"{span}: {name} takes {len(positional)} positional arguments, the page shows {len(shown_args)}"
+        return (
+            f"{span}: {name} takes {len(positional)} positional arguments, the page shows {len(shown_args)}"
+        )
     for keyword in call.keywords:
         if keyword.arg is None:
             continue
@@ -225,7 +241,11 @@ def checks(row: Row) -> Iterator[str | None]:
         for ref in _DOTTED.findall(span):
             ref = ref.rstrip(".")
             missing = _resolve_dotted(ref)
-            yield None if missing is None or ref.startswith("fnaccel.") and _in_source(ref) is None else missing
+            yield (
+                None
+                if missing is None or (ref.startswith("fnaccel.") and _in_source(ref) is None)
+                else missing
+            )
         for key in re.findall(r"metrics\[\"(\w+)\"\]", span):
             yield None if f'"{key}"' in SOURCE else f"metrics[{key!r}]: no step reports it"
         if row.section == "Environment variables":  # (the flags table's second column names torchrun's too)
@@ -240,8 +260,11 @@ def checks(row: Row) -> Iterator[str | None]:
     if row.section == "`accelerate launch` flags":  # the first column's flags, whatever fnaccel does
         unknown = fnaccel_text.startswith("unknown")
         for flag in (f for span in first for f in re.findall(r"--[\w-]+", span) if not f.endswith("_")):
-            yield None if (flag in LAUNCH_FLAGS) != unknown else (
-                f"{flag}: {'parsed' if unknown else 'not parsed'} by fnaccel launch")
+            yield (
+                None
+                if (flag in LAUNCH_FLAGS) != unknown
+                else (f"{flag}: {'parsed' if unknown else 'not parsed'} by fnaccel launch")
+            )
         for prefix in re.findall(r"(--[\w]+_)\*", accelerate):
             yield None if any(f.startswith(prefix) for f in LAUNCH_FLAGS) else f"{prefix}*: no such flags"
     if row.section == "Commands":
@@ -260,14 +283,20 @@ def checks(row: Row) -> Iterator[str | None]:
             listed = _bare_names(_without_parentheses(row.cells[1]))
         absent = kind == "not provided"
         for name in listed:
-            yield None if _exists_in_fnaccel(name) != absent else (
-                f"{name}: {'provided' if absent else 'not in fnaccel.utils'}")
+            yield (
+                None
+                if _exists_in_fnaccel(name) != absent
+                else (f"{name}: {'provided' if absent else 'not in fnaccel.utils'}")
+            )
     said_same = re.match(r"(`u\.` )?same\b", fnaccel_text) is not None
     not_provided = fnaccel_text.startswith(("not provided", "not needed:"))
     if (said_same or not_provided) and row.section not in ("`accelerate launch` flags", "Commands"):
         for name in _bare_names(accelerate):
-            yield None if _exists_in_fnaccel(name) != not_provided else (
-                f"{name}: {'provided' if not_provided else 'missing'} in fnaccel")
+            yield (
+                None
+                if _exists_in_fnaccel(name) != not_provided
+                else (f"{name}: {'provided' if not_provided else 'missing'} in fnaccel")
+            )
 
 
 TABLE_ROWS = rows(PAGE.read_text())
@@ -275,7 +304,12 @@ TABLE_ROWS = rows(PAGE.read_text())
 
 def test_the_page_has_its_tables() -> None:
     assert len(TABLE_ROWS) > 200
-    assert {row.section for row in TABLE_ROWS} >= {"Methods", "Properties", "Commands", "Environment variables"}
+    assert {row.section for row in TABLE_ROWS} >= {
+        "Methods",
+        "Properties",
+        "Commands",
+        "Environment variables",
+    }
 
 
 def test_every_row_names_what_exists_or_says_why_it_is_not_checked() -> None:
@@ -287,7 +321,9 @@ def test_every_row_names_what_exists_or_says_why_it_is_not_checked() -> None:
         if not results and NOT_CHECKED not in text and not any(claim in text for claim in BEHAVIOUR.values()):
             unchecked.append(str(row))
     assert wrong == []
-    assert unchecked == [], f"rows checking nothing: name the fnaccel counterpart or write '{NOT_CHECKED}: why'"
+    assert unchecked == [], (
+        f"rows checking nothing: name the fnaccel counterpart or write '{NOT_CHECKED}: why'"
+    )
 
 
 def test_the_row_checks_see_a_wrong_name_a_wrong_default_and_an_unmarked_row() -> None:
@@ -296,19 +332,25 @@ def test_the_row_checks_see_a_wrong_name_a_wrong_default_and_an_unmarked_row() -
         assert results, "nothing was checked"
         return [problem for problem in results if problem is not None]
 
-    assert problems("`reduce(tensor, reduction=\"sum\")`", "`fa.ops.reduce(ctx, tree, reduction=\"mean\")`") == []
-    assert problems("`reduce(tensor, reduction=\"sum\")`", "`fa.ops.reduce(ctx, tree, reduction=\"sum\")`") == [
+    assert problems('`reduce(tensor, reduction="sum")`', '`fa.ops.reduce(ctx, tree, reduction="mean")`') == []
+    assert problems('`reduce(tensor, reduction="sum")`', '`fa.ops.reduce(ctx, tree, reduction="sum")`') == [
         "fa.ops.reduce(ctx, tree, reduction=\"sum\"): fa.ops.reduce's reduction defaults to 'mean', "
-        "the page shows 'sum'"]
+        "the page shows 'sum'"
+    ]
     assert problems("`x()`", "`fa.ops.reduce(ctx, tree, 1, 2, 3, 4)`") == [
-        "fa.ops.reduce(ctx, tree, 1, 2, 3, 4): fa.ops.reduce takes 4 positional arguments, the page shows 6"]
+        "fa.ops.reduce(ctx, tree, 1, 2, 3, 4): fa.ops.reduce takes 4 positional arguments, the page shows 6"
+    ]
     assert problems("`x()`", "`fa.no_such(state)`") == ["fa.no_such: fa.no_such does not exist"] * 2
     assert problems("`x`", "`state.dist.nonsense`") == ["state.dist.nonsense: DistContext has no nonsense"]
     assert problems("`on_last_process(fn)`", "not provided; `fa.utils.on_process(ctx, fn, 1)`") == []
     assert problems("`gather(x)`", "not provided") == ["gather: provided in fnaccel"]
     assert problems("`--mpirun_hostfile`", "unknown", section="`accelerate launch` flags") == []
-    assert problems("`--cpu`", "unknown", section="`accelerate launch` flags") == ["--cpu: parsed by fnaccel launch"]
-    assert problems("`x`", "`FNACCEL_NO_SUCH_THING`") == ["FNACCEL_NO_SUCH_THING: fnaccel's code never names it"]
+    assert problems("`--cpu`", "unknown", section="`accelerate launch` flags") == [
+        "--cpu: parsed by fnaccel launch"
+    ]
+    assert problems("`x`", "`FNACCEL_NO_SUCH_THING`") == [
+        "FNACCEL_NO_SUCH_THING: fnaccel's code never names it"
+    ]
     assert list(checks(Row(section="Methods", header=("a", "b"), cells=("`x`", "a sentence"), line=1))) == []
 
 
@@ -316,10 +358,12 @@ def test_the_row_checks_see_a_wrong_name_a_wrong_default_and_an_unmarked_row() -
 
 # each behaviour test below -> the text of the row whose sentence it checks
 BEHAVIOUR = {
-    "test_data_order_is_randperm_of_seed_plus_epoch_and_ignores_the_users_generator":
-        "a pure function of (seed, epoch)",
-    "test_accumulation_boundaries_run_across_epoch_ends":
-        "an epoch of 25 batches with `accumulate(4)` carries one batch into the next epoch",
+    "test_data_order_is_randperm_of_seed_plus_epoch_and_ignores_the_users_generator": (
+        "a pure function of (seed, epoch)"
+    ),
+    "test_accumulation_boundaries_run_across_epoch_ends": (
+        "an epoch of 25 batches with `accumulate(4)` carries one batch into the next epoch"
+    ),
     "test_sync_gradients_is_lr_in_the_metrics_at_a_boundary_only": '`"lr" in metrics` after `fa.step`',
     "test_an_old_state_passed_again_raises_naming_its_consumer": "**consume** their state",
     "test_no_fnaccel_call_moves_the_process_generators": "which your code outside the run draws from",
@@ -348,10 +392,20 @@ def _row(containing: str) -> Row:
 def _run(num_samples: int = 100, batch_size: int = 4, pipeline: Any = None, seed: int = 0) -> fa.RunState:
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
-    data = DataLoader(TensorDataset(torch.arange(float(num_samples)).view(-1, 1)), batch_size=batch_size,
-                      shuffle=True, generator=torch.Generator().manual_seed(123))
-    return fa.prepare(fa.init(seed=seed, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.01), data,
-                      pipeline=pipeline, loss_fn=lambda m, b: m(b[0]).mean())
+    data = DataLoader(
+        TensorDataset(torch.arange(float(num_samples)).view(-1, 1)),
+        batch_size=batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(123),
+    )
+    return fa.prepare(
+        fa.init(seed=seed, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        data,
+        pipeline=pipeline,
+        loss_fn=lambda m, b: m(b[0]).mean(),
+    )
 
 
 def test_data_order_is_randperm_of_seed_plus_epoch_and_ignores_the_users_generator() -> None:
@@ -463,7 +517,9 @@ def test_jsonl_is_the_default_tracker_and_tensorboard_is_built_in(tmp_path: Path
 
 
 def test_a_checkpoint_holds_no_pickle(tmp_path: Path) -> None:
-    state = fa.utils.register_for_checkpointing(_trained(_run(num_samples=16), 3), extra=torch.nn.Linear(1, 1))
+    state = fa.utils.register_for_checkpointing(
+        _trained(_run(num_samples=16), 3), extra=torch.nn.Linear(1, 1)
+    )
     fa.save(state, tmp_path / "ckpt")
     files = {path.name for path in (tmp_path / "ckpt").rglob("*") if path.is_file()}
     assert {"fnaccel.json", "model.safetensors", "extras.safetensors", "rank0.json"} <= files

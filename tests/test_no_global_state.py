@@ -23,7 +23,9 @@ def test_no_module_level_mutable_containers() -> None:
                 continue
             if isinstance(value, _MUTABLE):
                 offenders.append(f"{name}.{attr} ({type(value).__name__})")
-    assert not offenders, f"module-level mutable state: {offenders}; use tuples, frozensets or MappingProxyType"
+    assert not offenders, (
+        f"module-level mutable state: {offenders}; use tuples, frozensets or MappingProxyType"
+    )
 
 
 def test_the_walk_sees_the_whole_package() -> None:

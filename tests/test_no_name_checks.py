@@ -59,8 +59,11 @@ def transform_names() -> frozenset[str]:
     for path in (PACKAGE / "transforms").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and _callee(node).endswith("Transform"):
-                names.update(kw.value.value for kw in node.keywords
-                             if kw.arg == "name" and isinstance(kw.value, ast.Constant))
+                names.update(
+                    kw.value.value
+                    for kw in node.keywords
+                    if kw.arg == "name" and isinstance(kw.value, ast.Constant)
+                )
     return frozenset(names)
 
 
@@ -103,24 +106,40 @@ def violations(source: str, module: str, names: frozenset[str]) -> list[str]:
             if callee in OTHER_NAMESPACES:
                 exempt.update(id(part) for arg in node.args for part in ast.walk(arg))
             if callee.endswith("Transform"):  # Transform, EngineTransform
-                exempt.update(id(part) for kw in node.keywords if kw.arg in ("name", "conflicts")
-                              for part in ast.walk(kw.value))
+                exempt.update(
+                    id(part)
+                    for kw in node.keywords
+                    if kw.arg in ("name", "conflicts")
+                    for part in ast.walk(kw.value)
+                )
     found = []
     for node in ast.walk(tree):
         where = f"fnaccel/{module}:{getattr(node, 'lineno', '?')}"
-        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in exempt
-                and (node.value in names or node.value.removeprefix("pipeline/") in names)):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in exempt
+            and (node.value in names or node.value.removeprefix("pipeline/") in names)
+        ):
             found.append(f"{where}: the transform name {node.value!r}; ask a Capability or a settings record")
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
             if node.attr == "names":
                 found.append(f"{where}: reads Pipeline.names; ask pipeline.capabilities")
             elif node.attr == "options" and (module, function_of.get(id(node))) not in OPTIONS_READERS:
-                found.append(f"{where}: reads a transform's printed options; read its typed settings "
-                             "(pipeline.settings(Precision), ...)")
-        elif (isinstance(node, ast.Call) and _callee(node) == "get" and isinstance(node.func, ast.Attribute)
-              and _unparse_tail(node.func.value) == "pipeline"):
-            found.append(f"{where}: Pipeline.get looks a transform up by name; ask pipeline.capabilities "
-                         "or pipeline.settings(...)")
+                found.append(
+                    f"{where}: reads a transform's printed options; read its typed settings "
+                    "(pipeline.settings(Precision), ...)"
+                )
+        elif (
+            isinstance(node, ast.Call)
+            and _callee(node) == "get"
+            and isinstance(node.func, ast.Attribute)
+            and _unparse_tail(node.func.value) == "pipeline"
+        ):
+            found.append(
+                f"{where}: Pipeline.get looks a transform up by name; ask pipeline.capabilities "
+                "or pipeline.settings(...)"
+            )
     return found
 
 
@@ -128,8 +147,17 @@ def violations(source: str, module: str, names: frozenset[str]) -> list[str]:
 def names() -> frozenset[str]:
     found = transform_names()
     # the harvest itself works: a broken one would let every name through
-    assert {"ddp", "fsdp", "pp", "tp", "autocast", "grad_scaler", "deepspeed", "accumulate",
-            "clip_grad_norm"} <= found, found
+    assert {
+        "ddp",
+        "fsdp",
+        "pp",
+        "tp",
+        "autocast",
+        "grad_scaler",
+        "deepspeed",
+        "accumulate",
+        "clip_grad_norm",
+    } <= found, found
     return found
 
 
@@ -141,17 +169,22 @@ def test_the_core_asks_what_a_transform_does_never_its_name(module: str, names: 
 
 # What this round removed, written back into a copy of the module it came from.
 PLANTED = [
-    ("preparation.py", 'if num_replicas > 1 and not {"ddp", "fsdp", "pp", "deepspeed"} & set(pipeline.names):\n'
-                       '    pass\n'),
+    (
+        "preparation.py",
+        'if num_replicas > 1 and not {"ddp", "fsdp", "pp", "deepspeed"} & set(pipeline.names):\n    pass\n',
+    ),
     ("preparation.py", 'if "pp" in pipeline.names:\n    pass\n'),
     ("preparation.py", 'cast = pipeline.get("autocast")\n'),
     ("preparation.py", 'dtype = dict(cast.options)["dtype"]\n'),
     ("preparation.py", 'skip = [t for t in pipeline.transforms if t.name == "fsdp"]\n'),
     ("preparation.py", 'engine = state.transform_states["deepspeed"]\n'),
     ("train.py", 'taken = frozenset({"clip_grad_norm"})\n'),
-    ("precision.py", 'cast = state.pipeline.get(name)\n'),
-    ("transforms/deepspeed.py", 'accumulate, clip, cast = (request.pipeline.get(name) for name in '
-                                '("accumulate", "clip_grad_norm", "autocast"))\n'),
+    ("precision.py", "cast = state.pipeline.get(name)\n"),
+    (
+        "transforms/deepspeed.py",
+        "accumulate, clip, cast = (request.pipeline.get(name) for name in "
+        '("accumulate", "clip_grad_norm", "autocast"))\n',
+    ),
     ("transforms/deepspeed.py", 'max_norm = float(dict(clip.options)["max_norm"])\n'),
     ("checkpoint/runinfo.py", 'autocast = next((e for e in pipeline if e["name"] == "autocast"), None)\n'),
     ("checkpoint/runinfo.py", '_LAYOUT_ITEMS = frozenset({"pipeline/ddp", "pipeline/fsdp"})\n'),
@@ -159,8 +192,12 @@ PLANTED = [
 ]
 
 
-@pytest.mark.parametrize(("module", "planted"), PLANTED, ids=[f"{m}:{p.split(chr(10))[0][:40]}" for m, p in PLANTED])
-def test_a_name_check_planted_into_a_core_module_fails(module: str, planted: str, names: frozenset[str]) -> None:
+@pytest.mark.parametrize(
+    ("module", "planted"), PLANTED, ids=[f"{m}:{p.split(chr(10))[0][:40]}" for m, p in PLANTED]
+)
+def test_a_name_check_planted_into_a_core_module_fails(
+    module: str, planted: str, names: frozenset[str]
+) -> None:
     source = (PACKAGE / module).read_text()
     assert not violations(source, module, names)
     assert violations(source + "\n\n" + planted, module, names), planted

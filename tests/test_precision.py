@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fnaccel as fa
-from fnaccel.precision import autocast_context
 from fnaccel.kwargs import AutocastKwargs
+from fnaccel.precision import autocast_context
 
 
 def _matmul() -> torch.Tensor:

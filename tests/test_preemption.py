@@ -52,9 +52,14 @@ def test_one_process_ends_the_loop_at_the_next_update_boundary() -> None:
     loop ends once the accumulation window is complete (micro-step 6 of windows of 2)."""
     model = nn.Linear(2, 1)
     data = DataLoader(TensorDataset(torch.randn(40, 2)), batch_size=2)
-    state = fa.prepare(fa.init(seed=0, cpu=True, kwargs_handlers=[fa.PreemptionKwargs(signals=("SIGUSR1",))]),
-                       model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-                       pipeline=fa.compose(fa.accumulate(2)), loss_fn=lambda m, b: m(b[0]).mean())
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True, kwargs_handlers=[fa.PreemptionKwargs(signals=("SIGUSR1",))]),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        pipeline=fa.compose(fa.accumulate(2)),
+        loss_fn=lambda m, b: m(b[0]).mean(),
+    )
     try:
         for batch in fa.batches(state, epochs=3):
             state, _ = fa.step(state, batch)
@@ -76,9 +81,15 @@ def test_one_process_hears_a_signal_during_evaluate_and_before_the_loop() -> Non
     model = nn.Linear(2, 1)
     data = DataLoader(TensorDataset(torch.randn(40, 2)), batch_size=2)
     handlers = [fa.PreemptionKwargs(signals=("SIGUSR1",))]
-    state = fa.prepare(fa.init(seed=0, cpu=True, kwargs_handlers=handlers), model,
-                       torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=lambda m, b: m(b[0]).mean())
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True, kwargs_handlers=handlers),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        loss_fn=lambda m, b: m(b[0]).mean(),
+    )
     try:
+
         def fn(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
             if batch[0].shape[0] and torch.equal(batch[0], data.dataset.tensors[0][4:6]):
                 os.kill(os.getpid(), signal.SIGUSR1)  # during the third batch
@@ -88,8 +99,13 @@ def test_one_process_hears_a_signal_during_evaluate_and_before_the_loop() -> Non
         assert list(fa.batches(state)) == [] and state.step == 0
     finally:
         fa.shutdown(state)
-    state = fa.prepare(fa.init(seed=0, cpu=True, kwargs_handlers=handlers), model,
-                       torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=lambda m, b: m(b[0]).mean())
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True, kwargs_handlers=handlers),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        loss_fn=lambda m, b: m(b[0]).mean(),
+    )
     try:
         os.kill(os.getpid(), signal.SIGUSR1)  # while the run prepares
         for batch in fa.batches(state):
@@ -125,9 +141,22 @@ def test_handlers_outside_the_main_thread_and_bad_signals_are_refused() -> None:
 
 def _launch(out: Path, mode: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", "2",
-         str(SCRIPT), str(out), mode],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "fnaccel",
+            "launch",
+            "-q",
+            "--cpu",
+            "--num_processes",
+            "2",
+            str(SCRIPT),
+            str(out),
+            mode,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
@@ -263,8 +292,9 @@ def test_a_signal_is_heard_wherever_it_lands_and_the_status_says_whether_to_requ
             stop.pop("saved_at")
         assert stops[0] == stops[1] and stops[0]["preempted"] == "SIGTERM", (mode, stops)
         assert main(["checkpoint", "verify", str(outs[mode] / "ckpt")]) == 0
-    evaluate, prepare, save = (json.loads((outs[mode] / "stop.0.json").read_text())
-                               for mode in ("evaluate", "prepare", "save"))
+    evaluate, prepare, save = (
+        json.loads((outs[mode] / "stop.0.json").read_text()) for mode in ("evaluate", "prepare", "save")
+    )
     # evaluation stopped at a batch boundary (4 samples a step), well before its 64 samples,
     # and the loop at the update it had reached
     assert 0 < evaluate["evaluated"] < 64 and evaluate["evaluated"] % 4 == 0, evaluate
@@ -276,25 +306,39 @@ def test_a_signal_is_heard_wherever_it_lands_and_the_status_says_whether_to_requ
     assert 3 <= save["step"] <= 6, save
 
 
-@pytest.mark.parametrize("signals, why", [
-    ((True,), r"True is not a signal name or number \(a bool would be read as signal 1, SIGHUP\)"),
-    (("SIGCHLD",), r"SIGCHLD arrives whenever a child process ends"),
-    ((signal.SIGCHLD.value,), r"SIGCHLD arrives whenever a child process ends"),
-    (("SIGSEGV",), r"SIGSEGV reports a fault in this process"),
-    (("SIGTERM", "SIGWINCH"), r"SIGWINCH does not ask a job to stop \(those are SIGALRM, SIGHUP, .*SIGTERM"),
-    ((), r"give at least one"),
-])
-def test_signals_that_do_not_ask_a_job_to_stop_are_refused_saying_why(signals: tuple[Any, ...], why: str) -> None:
+@pytest.mark.parametrize(
+    "signals, why",
+    [
+        ((True,), r"True is not a signal name or number \(a bool would be read as signal 1, SIGHUP\)"),
+        (("SIGCHLD",), r"SIGCHLD arrives whenever a child process ends"),
+        ((signal.SIGCHLD.value,), r"SIGCHLD arrives whenever a child process ends"),
+        (("SIGSEGV",), r"SIGSEGV reports a fault in this process"),
+        (
+            ("SIGTERM", "SIGWINCH"),
+            r"SIGWINCH does not ask a job to stop \(those are SIGALRM, SIGHUP, .*SIGTERM",
+        ),
+        ((), r"give at least one"),
+    ],
+)
+def test_signals_that_do_not_ask_a_job_to_stop_are_refused_saying_why(
+    signals: tuple[Any, ...], why: str
+) -> None:
     """Before: (True,) was taken as SIGHUP, SIGCHLD (every DataLoader worker's exit) and SIGSEGV accepted."""
-    with pytest.raises(ValueError, match=rf"signals must be names or numbers of signals that ask a job to stop, "
-                                         rf"got .*: {why}.*; use e\.g\. \('SIGTERM', 'SIGUSR1'\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"signals must be names or numbers of signals that ask a job to stop, "
+        rf"got .*: {why}.*; use e\.g\. \('SIGTERM', 'SIGUSR1'\)",
+    ):
         fa.PreemptionKwargs(signals=signals)
 
 
 def test_one_signal_name_instead_of_a_tuple_gets_the_tuple_to_write() -> None:
     """Before: 'SIGTERM' was read as its characters ('S', 'I', ...) and the message listed them."""
-    with pytest.raises(ValueError, match=r"^signals must be a tuple of signal names or numbers, got 'SIGTERM': "
-                                         r"write signals=\('SIGTERM',\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^signals must be a tuple of signal names or numbers, got 'SIGTERM': "
+        r"write signals=\('SIGTERM',\)$",
+    ):
         fa.PreemptionKwargs(signals="SIGTERM")  # type: ignore[arg-type]
     accepted = fa.PreemptionKwargs(signals=["SIGTERM", signal.SIGUSR2, "SIGINT"])  # type: ignore[arg-type]
     assert accepted.signal_numbers == (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)

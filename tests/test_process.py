@@ -54,7 +54,7 @@ def test_split_between_processes_covers_every_input_once(world: Any, length: int
     assert [r["dict"] for r in results] == [{"a": p, "b": tuple(p)} for p in parts]
     padded = [r["padded"] for r in results]
     assert {len(p) for p in padded} == {max(sizes)}
-    assert all(p[: len(q)] == q for p, q in zip(padded, parts))
+    assert all(p[: len(q)] == q for p, q in zip(padded, parts, strict=False))
 
 
 def _main_first(state: fa.RunState, marker: str, local: bool) -> bool:

@@ -58,8 +58,14 @@ def _loader(num_workers: int = 0) -> DataLoader[Any]:
 
 def _prepared(seed: int | None = 0, **kw: Any) -> fa.RunState:
     model = _model()
-    return fa.prepare(fa.init(seed=seed, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                      _loader(**kw), loss_fn=_loss, pipeline=fa.compose())
+    return fa.prepare(
+        fa.init(seed=seed, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        _loader(**kw),
+        loss_fn=_loss,
+        pipeline=fa.compose(),
+    )
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +170,13 @@ def test_a_step_that_raises_gives_the_process_its_generators_back(kinds: tuple[s
         raise RuntimeError("boom")
 
     model = _model()
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       loss_fn=failing, pipeline=fa.compose())
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=failing,
+        pipeline=fa.compose(),
+    )
     if kinds is not None:
         state = state.replace(step_rng_types=kinds)
     _seed_process()
@@ -187,6 +198,7 @@ def test_code_between_steps_draws_what_it_would_draw_without_fnaccel() -> None:
 def test_the_step_still_draws_dropout_from_the_run() -> None:
     """The run's draws are the run's: a step's dropout mask depends on the run's seed,
     not on the process generator, and the state's generator moves past it."""
+
     def masks(run_seed: int, process_seed: int) -> tuple[list[float], bool]:
         state = _prepared(seed=run_seed)
         torch.manual_seed(process_seed)
@@ -203,9 +215,15 @@ def _fold_run(fold: int) -> list[float]:
     state = fa.init(seed=0, cpu=True)
     model = _model_from_process()  # as a user's script builds it
     weights = model[0].weight.detach().flatten().tolist()
-    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1), _loader(), loss_fn=_loss,
-                       pipeline=fa.compose())
-    for batch, _ in zip(fa.batches(state), range(3)):
+    state = fa.prepare(
+        state,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        _loader(),
+        loss_fn=_loss,
+        pipeline=fa.compose(),
+    )
+    for batch, _ in zip(fa.batches(state), range(3), strict=False):
         state, _ = fa.step(state, batch)
     fa.shutdown(state)
     return weights
@@ -223,7 +241,7 @@ def test_cross_validation_folds_build_different_models_from_the_process_generato
 def test_two_interleaved_runs_each_equal_the_run_alone() -> None:
     def alone(seed: int) -> list[float]:
         state, losses = _prepared(seed=seed), []
-        for batch, _ in zip(fa.batches(state, epochs=2), range(8)):
+        for batch, _ in zip(fa.batches(state, epochs=2), range(8), strict=False):
             state, metrics = fa.step(state, batch)
             losses.append(metrics["loss"].item())
         return losses
@@ -232,7 +250,9 @@ def test_two_interleaved_runs_each_equal_the_run_alone() -> None:
     a, b = _prepared(seed=1), _prepared(seed=2)
     got_a: list[float] = []
     got_b: list[float] = []
-    for (batch_a, batch_b), _ in zip(zip(fa.batches(a, epochs=2), fa.batches(b, epochs=2)), range(8)):
+    for (batch_a, batch_b), _ in zip(
+        zip(fa.batches(a, epochs=2), fa.batches(b, epochs=2), strict=False), range(8), strict=False
+    ):
         a, metrics = fa.step(a, batch_a)
         got_a.append(metrics["loss"].item())
         torch.rand(7), random.random(), np.random.rand()  # the user's own draws in between
@@ -279,14 +299,19 @@ def test_a_literal_port_seeds_the_process_then_a_seedless_run_starts_from_it() -
     gives the run a copy of the seeded generators, so the run is reproducible too."""
     fa.set_seed(21)
     state = fa.init(cpu=True)
-    assert torch.equal(state.rng.torch, fa.RNGState.seeded(21).torch) and state.rng.python == random.getstate()
+    assert (
+        torch.equal(state.rng.torch, fa.RNGState.seeded(21).torch) and state.rng.python == random.getstate()
+    )
     model = _model_from_process()  # draws from the process, not from the run
     assert torch.equal(state.rng.torch, fa.RNGState.seeded(21).torch)
     assert model is not None
 
 
 def test_set_seed_says_which_two_calls_exist_when_given_neither() -> None:
-    with pytest.raises(TypeError, match=r"set_seed\(seed\) seeds the process's generators .* set_seed\(state, seed\) the run's"):
+    with pytest.raises(
+        TypeError,
+        match=r"set_seed\(seed\) seeds the process's generators .* set_seed\(state, seed\) the run's",
+    ):
         fa.set_seed("42")  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="seed must be an int"):
         fa.set_seed(fa.init(cpu=True), 4.5)  # type: ignore[call-overload]

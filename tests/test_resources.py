@@ -75,8 +75,9 @@ def test_the_runtime_and_resources_import_neither_checkpoint_nor_tracking() -> N
 
     for module in (fnaccel.runtime, fnaccel.resources):
         tree = ast.parse(Path(module.__file__).read_text())
-        names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-                 for alias in node.names]
+        names = [
+            alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+        ]
         names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
         assert not [n for n in names if n.startswith(("fnaccel.checkpoint", "fnaccel.tracking"))]
         if module is fnaccel.resources:  # a leaf

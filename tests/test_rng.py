@@ -137,8 +137,14 @@ def _dropout_run(state: fa.RunState, directory: str, device_specific: bool) -> d
         masks: list[list[bool]] = []
         model[1].register_forward_hook(lambda module, args, out: masks.append((out != 0).view(-1).tolist()))
         data = torch.utils.data.DataLoader(torch.arange(48.0).view(48, 1) / 48, batch_size=2, shuffle=True)
-        run = fa.prepare(run, model, torch.optim.SGD(model.parameters(), lr=0.01), data,
-                         pipeline=fa.ddp(), loss_fn=lambda m, x: m(x).pow(2).mean())
+        run = fa.prepare(
+            run,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            data,
+            pipeline=fa.ddp(),
+            loss_fn=lambda m, x: m(x).pow(2).mean(),
+        )
         samples: list[list[float]] = []
 
         def steps(run: fa.RunState) -> fa.RunState:
@@ -154,14 +160,19 @@ def _dropout_run(state: fa.RunState, directory: str, device_specific: bool) -> d
         run = steps(run)
         weights = [p.detach().clone() for p in model.parameters()]
         run = steps(fa.load(run, directory))
-        return {"masks": masks, "samples": samples, "seed": run.seed,
-                "resumed": all(torch.equal(p, q) for p, q in zip(weights, model.parameters()))}
+        return {
+            "masks": masks,
+            "samples": samples,
+            "seed": run.seed,
+            "resumed": all(torch.equal(p, q) for p, q in zip(weights, model.parameters(), strict=False)),
+        }
     finally:
         fa.shutdown(run)
 
 
 def test_device_specific_gives_each_rank_its_dropout_keeps_the_data_order_and_resumes(
-        world2: Any, tmp_path: Path) -> None:
+    world2: Any, tmp_path: Path
+) -> None:
     per_rank = world2.run(_dropout_run, str(tmp_path / "per_rank"), True)
     same = world2.run(_dropout_run, str(tmp_path / "same"), False)
     for run in (*per_rank, *same):
@@ -174,7 +185,9 @@ def test_device_specific_gives_each_rank_its_dropout_keeps_the_data_order_and_re
 
 
 def test_device_specific_needs_a_seed() -> None:
-    with pytest.raises(ValueError, match=r"device_specific=True seeds each rank with seed \+ rank, so it needs a seed"):
+    with pytest.raises(
+        ValueError, match=r"device_specific=True seeds each rank with seed \+ rank, so it needs a seed"
+    ):
         fa.init(cpu=True, device_specific=True)
     with pytest.raises(TypeError, match="device_specific must be True or False"):
         fa.init(seed=0, cpu=True, device_specific=1)  # type: ignore[arg-type]

@@ -68,7 +68,9 @@ def test_config_file_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_an_accelerate_config_file_is_read(tmp_path: Path) -> None:
-    path = _write(tmp_path / "default_config.yaml", """\
+    path = _write(
+        tmp_path / "default_config.yaml",
+        """\
         compute_environment: LOCAL_MACHINE
         debug: false
         distributed_type: MULTI_CPU
@@ -85,7 +87,8 @@ def test_an_accelerate_config_file_is_read(tmp_path: Path) -> None:
         tpu_use_cluster: false
         tpu_use_sudo: false
         use_cpu: true
-    """)
+    """,
+    )
     state = fa.init(config=path)
     assert state.config.num_processes == 2 and state.mixed_precision == fa.PrecisionType.BF16
 
@@ -131,17 +134,30 @@ def test_unknown_mixed_precision_argument() -> None:
 def _describe_context(state: fa.RunState) -> dict[str, Any]:
     ctx = state.dist
     return {
-        "rank": ctx.rank, "num_processes": ctx.num_processes, "local_rank": ctx.local_rank,
-        "num_local_processes": ctx.num_local_processes, "backend": ctx.backend,
-        "type": str(ctx.distributed_type), "main": ctx.is_main_process, "group": ctx.process_group is not None,
+        "rank": ctx.rank,
+        "num_processes": ctx.num_processes,
+        "local_rank": ctx.local_rank,
+        "num_local_processes": ctx.num_local_processes,
+        "backend": ctx.backend,
+        "type": str(ctx.distributed_type),
+        "main": ctx.is_main_process,
+        "group": ctx.process_group is not None,
     }
 
 
 def test_init_reads_torchrun_variables(world: Any) -> None:
     n = world.num_processes
     assert world.run(_describe_context) == [
-        {"rank": r, "num_processes": n, "local_rank": r, "num_local_processes": n,
-         "backend": "gloo", "type": "MULTI_CPU", "main": r == 0, "group": True}
+        {
+            "rank": r,
+            "num_processes": n,
+            "local_rank": r,
+            "num_local_processes": n,
+            "backend": "gloo",
+            "type": "MULTI_CPU",
+            "main": r == 0,
+            "group": True,
+        }
         for r in range(n)
     ]
 
@@ -185,9 +201,21 @@ def test_under_torchrun_a_run_ends_without_abort(tmp_path: Path, ending: str) ->
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         # --standalone: the agent binds a free port itself (no port guessed here)
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(script), str(tmp_path / "ckpt"), ending],
-        capture_output=True, text=True, timeout=120, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            str(tmp_path / "ckpt"),
+            ending,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
@@ -198,9 +226,7 @@ def test_under_torchrun_a_run_ends_without_abort(tmp_path: Path, ending: str) ->
 
 def _init_with_file_rendezvous(rank: int, rendezvous: str, results: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    handler = fa.InitProcessGroupKwargs(
-        backend="gloo", init_method=rendezvous, timeout=timedelta(seconds=33)
-    )
+    handler = fa.InitProcessGroupKwargs(backend="gloo", init_method=rendezvous, timeout=timedelta(seconds=33))
     state = fa.init(cpu=True, kwargs_handlers=[handler])
     group = state.dist.process_group
     assert group is not None
@@ -233,7 +259,7 @@ def test_init_method_and_timeout_are_honoured(tmp_path: Path) -> None:
     for proc in procs:
         proc.join(timeout=30)
     assert [p.exitcode for p in procs] == [0, 0]
-    for rank, timeout, total, second, still_initialized in collected:
+    for _, timeout, total, second, still_initialized in collected:
         assert (timeout, total, still_initialized) == (33.0, 3.0, False)
         assert "init_method" in second and "cannot apply" in second
 
@@ -252,7 +278,7 @@ def test_state_config_is_what_the_run_uses(tmp_path: Path, monkeypatch: pytest.M
 def test_the_default_collective_timeout() -> None:
     from fnaccel.runtime import COLLECTIVE_TIMEOUT
 
-    assert COLLECTIVE_TIMEOUT == timedelta(minutes=10)
+    assert timedelta(minutes=10) == COLLECTIVE_TIMEOUT
 
 
 def _group_timeout(state: Any) -> float:
@@ -291,9 +317,23 @@ def test_an_fsdp_run_with_a_save_ends_without_abort(tmp_path: Path, ending: str)
     script = tmp_path / "job.py"
     script.write_text(_FSDP_SCRIPT)
     result = subprocess.run(
-        [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", "2",
-         str(script), str(tmp_path / "ckpt"), ending],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "fnaccel",
+            "launch",
+            "-q",
+            "--cpu",
+            "--num_processes",
+            "2",
+            str(script),
+            str(tmp_path / "ckpt"),
+            ending,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output

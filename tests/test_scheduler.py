@@ -46,14 +46,18 @@ def _objects(case: str) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader[An
         torch.manual_seed(0)
         model = nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loader = DataLoader(TensorDataset(torch.randn(samples, 3, generator=g), torch.randn(samples, generator=g)),
-                        batch_size=BATCH_SIZE)
+    loader = DataLoader(
+        TensorDataset(torch.randn(samples, 3, generator=g), torch.randn(samples, generator=g)),
+        batch_size=BATCH_SIZE,
+    )
     total = len(loader) * EPOCHS
     if kind == "one_cycle":
         scheduler: Any = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5, total_steps=total)
     else:  # transformers' get_linear_schedule_with_warmup(optimizer, WARMUP, total)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-            (s / WARMUP) if s < WARMUP else 1.0, max(0.0, (total - s) / (total - WARMUP))))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda s: min((s / WARMUP) if s < WARMUP else 1.0, max(0.0, (total - s) / (total - WARMUP))),
+        )
     return model, optimizer, loader, scheduler
 
 
@@ -66,10 +70,19 @@ def fnaccel_rates(state: fa.RunState, case: str, handlers: tuple[Any, ...] = ())
     """The rate of every update of the fnaccel port, and where the scheduler ends."""
     _, _, num_steps, split = CASES[case]
     model, optimizer, loader, scheduler = _objects(case)
-    kwargs_handlers = {type(h).__name__: h for h in (fa.DataLoaderConfiguration(split_batches=split), *handlers)}
+    kwargs_handlers = {
+        type(h).__name__: h for h in (fa.DataLoaderConfiguration(split_batches=split), *handlers)
+    }
     state = state.replace(kwargs_handlers=MappingProxyType(kwargs_handlers))
-    state = fa.prepare(state, model, optimizer, loader, scheduler, loss_fn=_loss,
-                       pipeline=fa.compose(fa.ddp(), fa.accumulate(num_steps)))
+    state = fa.prepare(
+        state,
+        model,
+        optimizer,
+        loader,
+        scheduler,
+        loss_fn=_loss,
+        pipeline=fa.compose(fa.ddp(), fa.accumulate(num_steps)),
+    )
     rates = []
     for batch in fa.batches(state, epochs=EPOCHS):
         state, metrics = fa.step(state, batch)
@@ -88,8 +101,11 @@ def accelerate_rates(_: fa.RunState, case: str) -> dict[str, Any]:
     GradientState._reset_state()
     _, _, num_steps, split = CASES[case]
     model, optimizer, loader, scheduler = _objects(case)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=num_steps,
-                              dataloader_config=DataLoaderConfiguration(split_batches=split))
+    accelerator = Accelerator(
+        cpu=True,
+        gradient_accumulation_steps=num_steps,
+        dataloader_config=DataLoaderConfiguration(split_batches=split),
+    )
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     rates = []
     for _epoch in range(EPOCHS):
@@ -133,18 +149,25 @@ def test_step_per_process_false_steps_once_per_update(world2: World) -> None:
 
 def _prepared(state: fa.RunState) -> tuple[fa.RunState, Any]:
     model, optimizer, loader, scheduler = _objects("linear")
-    return fa.prepare(state, model, optimizer, loader, scheduler, loss_fn=_loss,
-                      pipeline=fa.compose(fa.ddp())), scheduler
+    return fa.prepare(
+        state, model, optimizer, loader, scheduler, loss_fn=_loss, pipeline=fa.compose(fa.ddp())
+    ), scheduler
 
 
-def _run_on(state: fa.RunState, scheduler: Any, rates: list[float], stop_at: int | None = None) -> dict[str, Any]:
+def _run_on(
+    state: fa.RunState, scheduler: Any, rates: list[float], stop_at: int | None = None
+) -> dict[str, Any]:
     for batch in fa.batches(state, epochs=EPOCHS):
         state, metrics = fa.step(state, batch)
         rates.append(float(metrics["lr"]))
         if len(rates) == stop_at:
             break
-    return {"state": state, "rates": rates, "last_epoch": scheduler.last_epoch,
-            "weights": [p.detach().tolist() for p in state.model.parameters()]}
+    return {
+        "state": state,
+        "rates": rates,
+        "last_epoch": scheduler.last_epoch,
+        "weights": [p.detach().tolist() for p in state.model.parameters()],
+    }
 
 
 def uninterrupted(state: fa.RunState) -> dict[str, Any]:
@@ -186,10 +209,13 @@ def _split_by_decay(model: nn.Module) -> torch.optim.Optimizer:
     """Accelerate's examples' weight-decay split; on a model without biases the second group is empty."""
     no_decay = ("bias", "LayerNorm.weight")
     named = list(model.named_parameters())
-    return torch.optim.AdamW([
-        {"params": [p for n, p in named if not any(k in n for k in no_decay)], "weight_decay": 0.01},
-        {"params": [p for n, p in named if any(k in n for k in no_decay)], "weight_decay": 0.0},
-    ], lr=0.05)
+    return torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if not any(k in n for k in no_decay)], "weight_decay": 0.01},
+            {"params": [p for n, p in named if any(k in n for k in no_decay)], "weight_decay": 0.0},
+        ],
+        lr=0.05,
+    )
 
 
 class _OwnSchedule(torch.optim.lr_scheduler.LambdaLR):
@@ -198,10 +224,17 @@ class _OwnSchedule(torch.optim.lr_scheduler.LambdaLR):
 
 SCHEDULES: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "linear_warmup": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / 3, 1.0)),
-    "cyclic": lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, 0.01, 0.05, step_size_up=2, cycle_momentum=False),
-    "sequential": lambda opt: torch.optim.lr_scheduler.SequentialLR(opt, [
-        torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=2),
-        torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)], milestones=[2]),
+    "cyclic": lambda opt: torch.optim.lr_scheduler.CyclicLR(
+        opt, 0.01, 0.05, step_size_up=2, cycle_momentum=False
+    ),
+    "sequential": lambda opt: torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, 0.5, total_iters=2),
+            torch.optim.lr_scheduler.ExponentialLR(opt, 0.9),
+        ],
+        milestones=[2],
+    ),
     "own": lambda opt: _OwnSchedule(opt, lambda s: 1.0),
 }
 
@@ -214,39 +247,61 @@ def _scheduler_first(schedule: str, engine: bool, later: bool = False) -> dict[s
     optimizer = _split_by_decay(model)
     scheduler = SCHEDULES[schedule](optimizer)
     g = torch.Generator().manual_seed(0)
-    loader = DataLoader(TensorDataset(torch.randn(16, 3, generator=g), torch.randn(16, generator=g)), batch_size=2)
-    parts = [EngineTransform(name="drops_groups", phase=Phase.DATA_PARALLEL, prepare_engine=_drop_empty_groups)]
+    loader = DataLoader(
+        TensorDataset(torch.randn(16, 3, generator=g), torch.randn(16, generator=g)), batch_size=2
+    )
+    parts = [
+        EngineTransform(name="drops_groups", phase=Phase.DATA_PARALLEL, prepare_engine=_drop_empty_groups)
+    ]
     state = fa.init(seed=0, cpu=True)
     if later:  # the scheduler built first but passed in a second fa.prepare
         state = fa.prepare(state, model, optimizer, loader, loss_fn=_loss, pipeline=fa.compose(*parts))
         state = fa.prepare(state, scheduler=scheduler)
     else:
-        state = fa.prepare(state, model, optimizer, loader, scheduler, loss_fn=_loss,
-                           pipeline=fa.compose(*parts) if engine else fa.compose())
+        state = fa.prepare(
+            state,
+            model,
+            optimizer,
+            loader,
+            scheduler,
+            loss_fn=_loss,
+            pipeline=fa.compose(*parts) if engine else fa.compose(),
+        )
     rates = []
     for batch in fa.batches(state, epochs=1):
         state, metrics = fa.step(state, batch)
         rates.append(float(metrics["lr"]))
-    return {"rates": rates, "weights": [p.detach().clone() for p in model.parameters()],
-            "groups": len(optimizer.param_groups)}
+    return {
+        "rates": rates,
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "groups": len(optimizer.param_groups),
+    }
 
 
 @pytest.mark.parametrize("schedule", ["linear_warmup", "cyclic", "sequential"])
 def test_a_scheduler_built_before_an_engine_drops_an_empty_group_follows_it(schedule: str) -> None:
     # Before: the first update raised torch's "zip() argument 2 is longer than argument 1"
     ours = _scheduler_first(schedule, engine=True)
-    plain = _scheduler_first(schedule, engine=False)  # the same script without an engine: the empty group kept
+    plain = _scheduler_first(
+        schedule, engine=False
+    )  # the same script without an engine: the empty group kept
     assert ours["groups"] == 1 and plain["groups"] == 2
     assert ours["rates"] == plain["rates"] and len(set(ours["rates"])) > 1
     assert all(torch.equal(a, b) for a, b in zip(ours["weights"], plain["weights"], strict=True))
 
 
 def test_a_scheduler_that_cannot_be_realigned_is_refused_with_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"engine changed the optimizer's parameter groups \(2 -> 1\) and the "
-                                         r"scheduler _OwnSchedule.*build the scheduler after fa.prepare"):
+    with pytest.raises(
+        ValueError,
+        match=r"engine changed the optimizer's parameter groups \(2 -> 1\) and the "
+        r"scheduler _OwnSchedule.*build the scheduler after fa.prepare",
+    ):
         _scheduler_first("own", engine=True)
-    with pytest.raises(ValueError, match="the scheduler has 2 learning rates but the optimizer has 1 parameter "
-                                         "groups.*build the scheduler after fa.prepare"):
+    with pytest.raises(
+        ValueError,
+        match="the scheduler has 2 learning rates but the optimizer has 1 parameter "
+        "groups.*build the scheduler after fa.prepare",
+    ):
         _scheduler_first("linear_warmup", engine=True, later=True)
 
 
@@ -260,7 +315,9 @@ def warned_when_given_later(state: fa.RunState, handlers: tuple[Any, ...], later
             state = fa.prepare(state, model, optimizer, loader, loss_fn=_loss, pipeline=fa.compose(fa.ddp()))
             state = fa.prepare(state, scheduler=scheduler)
         else:
-            state = fa.prepare(state, model, optimizer, loader, scheduler, loss_fn=_loss, pipeline=fa.compose(fa.ddp()))
+            state = fa.prepare(
+                state, model, optimizer, loader, scheduler, loss_fn=_loss, pipeline=fa.compose(fa.ddp())
+            )
     fa.shutdown(state)
     return [f"{w.category.__name__}: {w.message}" for w in caught]
 
@@ -270,8 +327,10 @@ def test_a_scheduler_given_after_the_loader_is_warned_of_the_rule(world2: World)
     # second fa.prepare: on 2 processes it now ends half-way, which nothing said before
     later = world2.run(warned_when_given_later, (), True)
     assert len(later[0]) == 1 and later[1] == []  # once, by the main process
-    assert later[0][0].startswith("SchedulerRuleWarning: fa.prepare: the scheduler given after the loader "
-                                  "advances 2 steps per optimizer update")
+    assert later[0][0].startswith(
+        "SchedulerRuleWarning: fa.prepare: the scheduler given after the loader "
+        "advances 2 steps per optimizer update"
+    )
     assert "fa.init(kwargs_handlers=[fa.SchedulerConfiguration(step_per_process=False)])" in later[0][0]
     # a rule chosen, or the scheduler given with the loader (sized from it, as Accelerate's examples): silent
     chosen = (fa.SchedulerConfiguration(step_per_process=False),)

@@ -22,45 +22,85 @@ PACKAGE, TESTS = ROOT / "fnaccel", ROOT / "tests"
 # module -> (where it is tested, why there). Internals reached only through one public entry point
 # are tested through that entry, which is what a user calls and what the guarantees are stated for.
 COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
-    "__init__.py": ("tests/test_exported_members.py",
-                    "the facade: its names are checked against docs/api.md, every test calls them"),
+    "__init__.py": (
+        "tests/test_exported_members.py",
+        "the facade: its names are checked against docs/api.md, every test calls them",
+    ),
     "__main__.py": ("tests/test_runtime.py", "`python -m fnaccel` is one line; tests launch through it"),
-    "_errors.py": ("tests/ops/test_collectives.py",
-                   "error classes without behaviour; each area's tests assert the ones it raises"),
-    "_lazy.py": ("tests/test_exported_members.py",
-                 "the facades' loading on first use and their type stubs, checked against their tables"),
+    "_errors.py": (
+        "tests/ops/test_collectives.py",
+        "error classes without behaviour; each area's tests assert the ones it raises",
+    ),
+    "_lazy.py": (
+        "tests/test_exported_members.py",
+        "the facades' loading on first use and their type stubs, checked against their tables",
+    ),
     "atomic.py": ("tests/checkpoint/test_crash.py", "fa.save's commit step: SIGKILL mid-save keeps the last"),
     "protocols.py": ("tests/test_state.py", "two Protocols (no code) the state names its pipeline by; mypy"),
-    "checkpoint/run.py": ("tests/checkpoint/test_resume.py", "fa.save / fa.load: every checkpoint test's entry"),
-    "checkpoint/writer.py": ("tests/checkpoint/test_crash.py", "fa.save's snapshot and write, reached only by it"),
-    "checkpoint/codec.py": ("tests/checkpoint/test_resume.py",
-                            "optimizer and RNG payloads, proven by the bit-for-bit resume"),
+    "checkpoint/run.py": (
+        "tests/checkpoint/test_resume.py",
+        "fa.save / fa.load: every checkpoint test's entry",
+    ),
+    "checkpoint/writer.py": (
+        "tests/checkpoint/test_crash.py",
+        "fa.save's snapshot and write, reached only by it",
+    ),
+    "checkpoint/codec.py": (
+        "tests/checkpoint/test_resume.py",
+        "optimizer and RNG payloads, proven by the bit-for-bit resume",
+    ),
     "checkpoint/checks.py": ("tests/checkpoint/test_hostile.py", "fa.load's validation of what it reads"),
     "checkpoint/headers.py": ("tests/checkpoint/test_files.py", "the tensor file format, with tensorfile.py"),
     "checkpoint/tensorfile.py": ("tests/checkpoint/test_files.py", "the tensor file format, with headers.py"),
     "checkpoint/tied.py": ("tests/checkpoint/test_weights.py", "tied weights stored once by fa.save_model"),
-    "checkpoint/layouts/plain.py": ("tests/checkpoint/test_resume.py", "the plain layout: every replicated resume"),
-    "checkpoint/layouts/sharded.py": ("tests/checkpoint/test_reshard.py",
-                                      "the sharded layout needs fsdp() on several processes; also test_sharded.py"),
-    "checkpoint/layouts/zero.py": ("tests/transforms/test_deepspeed.py", "the ZeRO layout needs a DeepSpeed engine"),
+    "checkpoint/layouts/plain.py": (
+        "tests/checkpoint/test_resume.py",
+        "the plain layout: every replicated resume",
+    ),
+    "checkpoint/layouts/sharded.py": (
+        "tests/checkpoint/test_reshard.py",
+        "the sharded layout needs fsdp() on several processes; also test_sharded.py",
+    ),
+    "checkpoint/layouts/zero.py": (
+        "tests/transforms/test_deepspeed.py",
+        "the ZeRO layout needs a DeepSpeed engine",
+    ),
     "checkpoint/extras.py": ("tests/checkpoint/test_registered.py", "registered objects' state"),
-    "checkpoint/manifest.py": ("tests/checkpoint/test_integrity.py", "checked by corrupting real checkpoints"),
-    "checkpoint/queue.py": ("tests/checkpoint/test_save_failures.py", "asynchronous saves and their failures"),
+    "checkpoint/manifest.py": (
+        "tests/checkpoint/test_integrity.py",
+        "checked by corrupting real checkpoints",
+    ),
+    "checkpoint/queue.py": (
+        "tests/checkpoint/test_save_failures.py",
+        "asynchronous saves and their failures",
+    ),
     "checkpoint/runinfo.py": ("tests/debug/test_drift.py", "what fa.load compares on resume"),
     "checkpoint/shardindex.py": ("tests/checkpoint/test_sharded.py", "the DCP index, also read by merge"),
     "checkpoint/summary.py": ("tests/debug/test_diff.py", "what `fnaccel checkpoint` prints and diffs"),
-    "checkpoint/dcpstore.py": ("tests/checkpoint/test_sharded.py", "the sharded layout's DCP storage; also test_merge.py"),
+    "checkpoint/dcpstore.py": (
+        "tests/checkpoint/test_sharded.py",
+        "the sharded layout's DCP storage; also test_merge.py",
+    ),
     "commands/launch_flags.py": ("tests/commands/test_cli_errors.py", "the flags of `fnaccel launch`"),
-    "commands/launch_worker.py": ("tests/commands/test_launch_lifetime.py", "workers end with their launcher"),
-    "commands/merge.py": ("tests/checkpoint/test_merge.py",
-                          "parses and prints; its tests share checkpoint/merge.py's 2-process fixture"),
+    "commands/launch_worker.py": (
+        "tests/commands/test_launch_lifetime.py",
+        "workers end with their launcher",
+    ),
+    "commands/merge.py": (
+        "tests/checkpoint/test_merge.py",
+        "parses and prints; its tests share checkpoint/merge.py's 2-process fixture",
+    ),
     "commands/main.py": ("tests/commands/test_cli_errors.py", "the parser every command goes through"),
     "commands/test_checks.py": ("tests/commands/test_test_command.py", "the checks `fnaccel test` runs"),
     "commands/test_script.py": ("tests/commands/test_test_command.py", "the script `fnaccel test` launches"),
-    "config/launch.py": ("tests/commands/test_config.py",
-                         "the config file `fnaccel config` writes and launch reads; also test_accelerate_files.py"),
-    "transforms/plugins/sections.py": ("tests/transforms/plugins/test_fsdp.py",
-                                       "the key refusals every plugin shares, checked through FSDP's"),
+    "config/launch.py": (
+        "tests/commands/test_config.py",
+        "the config file `fnaccel config` writes and launch reads; also test_accelerate_files.py",
+    ),
+    "transforms/plugins/sections.py": (
+        "tests/transforms/plugins/test_fsdp.py",
+        "the key refusals every plugin shares, checked through FSDP's",
+    ),
     "data/evaluation.py": ("tests/test_evaluation.py", "fa.eval_batches, beside fa.evaluate"),
     "data/iterable.py": ("tests/data/test_prepared.py", "iterable datasets split across ranks"),
     "data/sharding.py": ("tests/data/test_sampler.py", "how batches are split across ranks"),
@@ -75,7 +115,10 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     "ops/_flags.py": ("tests/ops/test_collectives.py", "the collectives' agreement, private to ops/"),
     "ops/_shapes.py": ("tests/ops/test_collectives.py", "the collectives' shape header, private to ops/"),
     "ops/objects.py": ("tests/ops/test_collectives.py", "object collectives beside the tensor ones"),
-    "config/parallelism.py": ("tests/transforms/test_mesh.py", "ParallelismConfig builds the mesh tested there"),
+    "config/parallelism.py": (
+        "tests/transforms/test_mesh.py",
+        "ParallelismConfig builds the mesh tested there",
+    ),
     "preparation.py": ("tests/test_train.py", "fa.prepare, tested with the step it prepares for"),
     "seeding.py": ("tests/test_rng.py", "seeding writes the RNG state rng.py holds"),
 }
@@ -83,19 +126,36 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
 # Tests that exist under a name or folder other than the mirrored one. The structural refactor of
 # issue 27 regroups these modules; their tests move with it (moving them first would move them twice).
 NOT_YET_MIRRORED: dict[str, tuple[str, str]] = {
-    **{f"tracking/{m}.py": ("tests/test_tracking.py", "tracking's tests sit at tests/ root: tests/tracking/")
-       for m in ("common", "registry", "run", "trackers", "values")},
-    "tracking/hosted.py": ("tests/test_tracking_services.py", "at tests/ root: tests/tracking/test_hosted.py"),
-    "tracking/stores.py": ("tests/test_tracking_services.py", "at tests/ root: tests/tracking/test_stores.py"),
+    **{
+        f"tracking/{m}.py": ("tests/test_tracking.py", "tracking's tests sit at tests/ root: tests/tracking/")
+        for m in ("common", "registry", "run", "trackers", "values")
+    },
+    "tracking/hosted.py": (
+        "tests/test_tracking_services.py",
+        "at tests/ root: tests/tracking/test_hosted.py",
+    ),
+    "tracking/stores.py": (
+        "tests/test_tracking_services.py",
+        "at tests/ root: tests/tracking/test_stores.py",
+    ),
     "tracking/progress.py": ("tests/test_progress.py", "at tests/ root: tests/tracking/test_progress.py"),
     "tracking/throughput.py": ("tests/test_tracking_throughput.py", "tests/tracking/test_throughput.py"),
-    "transforms/accumulate.py": ("tests/test_train.py", "in the step's tests: tests/transforms/test_accumulate.py"),
+    "transforms/accumulate.py": (
+        "tests/test_train.py",
+        "in the step's tests: tests/transforms/test_accumulate.py",
+    ),
     "transforms/compile.py": ("tests/test_train.py", "in the step's tests: tests/transforms/test_compile.py"),
     "transforms/profile.py": ("tests/test_train.py", "in the step's tests: tests/transforms/test_profile.py"),
     "transforms/precision.py": ("tests/test_train.py", "in the step's tests and test_fp8.py"),
-    "transforms/parallel.py": ("tests/test_train_dist.py", "fa.ddp / fa.fsdp: tests/transforms/test_parallel.py"),
+    "transforms/parallel.py": (
+        "tests/test_train_dist.py",
+        "fa.ddp / fa.fsdp: tests/transforms/test_parallel.py",
+    ),
     "transforms/collectives.py": ("tests/ops/test_collectives.py", "the collective transforms, with ops/"),
-    "transforms/tensor_parallel.py": ("tests/transforms/test_mesh.py", "fa.tp: tests/transforms/test_tensor_parallel.py"),
+    "transforms/tensor_parallel.py": (
+        "tests/transforms/test_mesh.py",
+        "fa.tp: tests/transforms/test_tensor_parallel.py",
+    ),
     "transforms/pipelining.py": ("tests/transforms/test_pp.py", "named after fa.pp: test_pipelining.py"),
 }
 
@@ -115,16 +175,19 @@ def mirrored(module: str, package: Path = PACKAGE, tests: Path = TESTS) -> bool:
     return any((home / f"test_{stem}.py").exists() or any(home.glob(f"test_{stem}_*.py")) for home in homes)
 
 
-def problems(package: Path = PACKAGE, tests: Path = TESTS,
-             listed: dict[str, tuple[str, str]] | None = None) -> list[str]:
+def problems(
+    package: Path = PACKAGE, tests: Path = TESTS, listed: dict[str, tuple[str, str]] | None = None
+) -> list[str]:
     listed = {**COVERED_ELSEWHERE, **NOT_YET_MIRRORED} if listed is None else listed
     found = []
     present = modules(package)
     for module in present:
         if not mirrored(module, package, tests) and module not in listed:
             *folders, name = Path(module).parts
-            found.append(f"{package.name}/{module} has no tests at tests/{'/'.join([*folders, ''])}"
-                         f"test_{name}: write them there, or list it with where and why")
+            found.append(
+                f"{package.name}/{module} has no tests at tests/{'/'.join([*folders, ''])}"
+                f"test_{name}: write them there, or list it with where and why"
+            )
     for module, (where, why) in listed.items():
         if module not in present:
             found.append(f"{module} is listed but no longer exists: remove its entry")
@@ -144,16 +207,24 @@ def test_every_module_has_tests_at_its_mirrored_path_or_says_where() -> None:
 
 def test_the_check_fails_on_a_module_without_tests_and_on_a_stale_entry(tmp_path: Path) -> None:
     package, tests = tmp_path / "fnaccel", tmp_path / "tests"
-    for path in ("__init__.py", "state.py", "ops/__init__.py", "ops/tree.py", "ops/gone_home.py",
-                 "kwargs.py"):
+    for path in (
+        "__init__.py",
+        "state.py",
+        "ops/__init__.py",
+        "ops/tree.py",
+        "ops/gone_home.py",
+        "kwargs.py",
+    ):
         (package / path).parent.mkdir(parents=True, exist_ok=True)
         (package / path).write_text("")
     for path in ("test_state.py", "ops/test_tree_ranks.py", "utils/test_kwargs.py", "test_api.py"):
         (tests / path).parent.mkdir(parents=True, exist_ok=True)
         (tests / path).write_text("")
-    listed = {"__init__.py": ("tests/test_api.py", "the facade"),
-              "state.py": ("tests/test_api.py", "stale: state has its own tests now"),
-              "removed.py": ("tests/test_api.py", "stale: the module is gone")}
+    listed = {
+        "__init__.py": ("tests/test_api.py", "the facade"),
+        "state.py": ("tests/test_api.py", "stale: state has its own tests now"),
+        "removed.py": ("tests/test_api.py", "stale: the module is gone"),
+    }
     assert problems(package, tests, listed) == [
         "fnaccel/ops/gone_home.py has no tests at tests/ops/test_gone_home.py: write them there, "
         "or list it with where and why",
@@ -168,7 +239,7 @@ def test_each_entry_says_why_in_one_short_line(entries: dict[str, tuple[str, str
     assert not long, long
 
 
-GUARDED = '''
+GUARDED = """
 import multiprocessing, os, subprocess, sys
 
 import pytest
@@ -202,7 +273,7 @@ def test_marked_launch():
 
 def test_marked_by_its_fixture(world2):
     subprocess.run(LAUNCH, check=True)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -217,18 +288,36 @@ def test_an_unmarked_test_starting_a_group_fails_and_the_fast_loop_skips_marked_
         f"spec = importlib.util.spec_from_file_location('suite_conftest', {str(TESTS / 'conftest.py')!r})\n"
         "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
         "multiprocess_marker_is_set = suite.multiprocess_marker_is_set\n"
-        "pytest_collection_modifyitems = suite.pytest_collection_modifyitems\n")
+        "pytest_collection_modifyitems = suite.pytest_collection_modifyitems\n"
+    )
     (tmp_path / "test_planted.py").write_text(GUARDED)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers = multiprocess: starts a process group\n")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m",
-                           "not multiprocess", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not multiprocess",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = done.stdout
     assert done.returncode == 1, out
     # the two marked tests (one by its world fixture) are deselected; the unmarked ones run, and
     # those that started a group fail at teardown
     assert "3 passed, 2 deselected, 2 errors" in out, out
-    assert ("this test started the command [" in out and "'fnaccel', 'launch'] but is not marked: "
-            "add @pytest.mark.multiprocess") in out, out
+    assert (
+        "this test started the command [" in out
+        and "'fnaccel', 'launch'] but is not marked: add @pytest.mark.multiprocess"
+    ) in out, out
     assert "this test started a process running posix.getpid but is not marked" in out, out
     assert "ERROR test_planted.py::test_unmarked_plain_subprocess" not in out, out

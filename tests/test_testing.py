@@ -57,9 +57,11 @@ def test_a_hung_rank_and_a_dead_rank_tear_the_world_down() -> None:
             world.run(_rank_times, 1)
     results = run_distributed(_rank_times, 2, 5)
     assert results == [0, 5]
-    with World(2, timeout=30) as world:
-        with pytest.raises(DistributedTestError, match=r"rank 1 died \(exit code 3\)"):
-            world.run(_die_on_rank_one)
+    with (
+        World(2, timeout=30) as world,
+        pytest.raises(DistributedTestError, match=r"rank 1 died \(exit code 3\)"),
+    ):
+        world.run(_die_on_rank_one)
 
 
 def _shut_down(state: fa.RunState) -> int:

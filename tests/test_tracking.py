@@ -23,10 +23,17 @@ from fnaccel.tracking import (
 )
 from fnaccel.tracking.values import _to_cpu_at_once, read_values
 
-_READS = frozenset({
-    torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy, torch.Tensor.__float__,
-    torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__index__,
-})
+_READS = frozenset(
+    {
+        torch.Tensor.tolist,
+        torch.Tensor.item,
+        torch.Tensor.numpy,
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+        torch.Tensor.__bool__,
+        torch.Tensor.__index__,
+    }
+)
 
 
 def _counting_tensor_class(counted: frozenset[Any] = _READS) -> tuple[type[torch.Tensor], list[str]]:
@@ -100,16 +107,24 @@ _ODD_DTYPES = (torch.int64, torch.bool, torch.int8, torch.bfloat16, torch.float1
 def test_values_can_cross_to_the_host_as_bytes_in_one_transfer() -> None:
     # MPS has no float64, so there the values cross before the upcast, this way; checked on the CPU
     Counted, moves = _counting_tensor_class(_READS | {torch.Tensor.cpu, torch.Tensor.to})
-    tensors = [torch.tensor(v, dtype=d).as_subclass(Counted) for v, d in zip(_ODD_VALUES, _ODD_DTYPES)]
+    tensors = [
+        torch.tensor(v, dtype=d).as_subclass(Counted) for v, d in zip(_ODD_VALUES, _ODD_DTYPES, strict=False)
+    ]
     host = _to_cpu_at_once(tensors)
     assert moves == ["cpu"]
     assert [(t.dtype, t.shape) for t in host] == [(d, torch.Size([])) for d in _ODD_DTYPES]
-    assert all(torch.equal(h.as_subclass(torch.Tensor), t.as_subclass(torch.Tensor)) for h, t in zip(host, tensors))
+    assert all(
+        torch.equal(h.as_subclass(torch.Tensor), t.as_subclass(torch.Tensor))
+        for h, t in zip(host, tensors, strict=False)
+    )
 
 
 @pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an MPS device")
 def test_values_on_mps_are_read_exactly() -> None:
-    tensors = {f"v{i}": torch.tensor(v, dtype=d) for i, (v, d) in enumerate(zip(_ODD_VALUES, _ODD_DTYPES))}
+    tensors = {
+        f"v{i}": torch.tensor(v, dtype=d)
+        for i, (v, d) in enumerate(zip(_ODD_VALUES, _ODD_DTYPES, strict=False))
+    }
     assert read_values({k: t.to("mps") for k, t in tensors.items()}) == read_values(tensors)
 
 
@@ -143,12 +158,23 @@ def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     state = fa.init(cpu=True, project_dir=tmp_path)
-    state = init_trackers(state, "tb", {"lr": 0.1, "name": "mlp"}, log_with="tensorboard",
-                          init_kwargs={"tensorboard": {"flush_secs": 5}})
+    state = init_trackers(
+        state,
+        "tb",
+        {"lr": 0.1, "name": "mlp"},
+        log_with="tensorboard",
+        init_kwargs={"tensorboard": {"flush_secs": 5}},
+    )
     assert isinstance(get_tracker(state, "tensorboard", unwrap=True), SummaryWriter)
     for step in (1, 2):
-        log(state.replace(step=step), {"loss": torch.tensor(1.0 / step), "note": f"step {step}",
-                                       "acc": {"train": 0.5 * step, "test": 0.25 * step}})
+        log(
+            state.replace(step=step),
+            {
+                "loss": torch.tensor(1.0 / step),
+                "note": f"step {step}",
+                "acc": {"train": 0.5 * step, "test": 0.25 * step},
+            },
+        )
     end_training(state)
 
     events = EventAccumulator(str(tmp_path / "tb"))
@@ -161,7 +187,13 @@ def test_tensorboard_event_files_read_back(tmp_path: Path) -> None:
 
 
 # what transformers' run_clm_no_trainer and run_glue_no_trainer log each epoch (Accelerate takes them)
-_CLM = {"perplexity": 15.2, "eval_loss": torch.tensor(2.72), "train_loss": torch.tensor(2.9), "epoch": 0, "step": 12}
+_CLM = {
+    "perplexity": 15.2,
+    "eval_loss": torch.tensor(2.72),
+    "train_loss": torch.tensor(2.9),
+    "epoch": 0,
+    "step": 12,
+}
 _GLUE = {"accuracy": 0.6505, "train_loss": torch.tensor(0.61), "epoch": 1, "step": 26}
 
 
@@ -170,7 +202,9 @@ def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
     events = EventAccumulator(str(directory))
     events.Reload()
-    return {tag: [(e.step, round(e.value, 4)) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return {
+        tag: [(e.step, round(e.value, 4)) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]
+    }
 
 
 def test_the_transformers_scripts_dicts_are_logged_step_included(tmp_path: Path) -> None:
@@ -186,8 +220,16 @@ def test_the_transformers_scripts_dicts_are_logged_step_included(tmp_path: Path)
 
     lines = _lines(tmp_path / "run" / "metrics.jsonl")
     assert [(line["step"], line["values"]) for line in lines] == [
-        (3, {"perplexity": 15.2, "eval_loss": pytest.approx(2.72), "train_loss": pytest.approx(2.9), "epoch": 0,
-             "step": 12}),
+        (
+            3,
+            {
+                "perplexity": 15.2,
+                "eval_loss": pytest.approx(2.72),
+                "train_loss": pytest.approx(2.9),
+                "epoch": 0,
+                "step": 12,
+            },
+        ),
         (7, {"accuracy": 0.6505, "train_loss": pytest.approx(0.61), "epoch": 1, "step": 26}),
     ]
     theirs = AccelerateTensorBoard("run", tmp_path / "accelerate")
@@ -288,8 +330,9 @@ class ListTracker:
 def test_a_user_tracker_gets_plain_values(tmp_path: Path) -> None:
     mine = ListTracker()
     assert isinstance(mine, GeneralTracker)
-    state = init_trackers(fa.init(cpu=True), "exp", {"lr": 0.1}, log_with=[mine, "jsonl"],
-                          logging_dir=tmp_path)
+    state = init_trackers(
+        fa.init(cpu=True), "exp", {"lr": 0.1}, log_with=[mine, "jsonl"], logging_dir=tmp_path
+    )
     log(state, {"loss": torch.tensor(0.5)}, step=2)
     assert mine.config == {"lr": 0.1} and mine.logged == [(2, {"loss": 0.5})]
     assert get_tracker(state, "memory") is mine and get_tracker(state, "memory", unwrap=True) is mine.logged
@@ -353,13 +396,17 @@ def test_a_resumed_run_adds_to_its_config_and_metrics(tmp_path: Path) -> None:
     log(first, {"loss": 1.0}, step=1)
     end_training(first)
     # the resumed run: a new process, the same project; it changes one value and adds one
-    resumed = init_trackers(fa.init(cpu=True), "exp", {"lr": 0.05, "resumed_from": "ckpt"}, logging_dir=tmp_path)
+    resumed = init_trackers(
+        fa.init(cpu=True), "exp", {"lr": 0.05, "resumed_from": "ckpt"}, logging_dir=tmp_path
+    )
     log(resumed, {"loss": 0.5}, step=2)
     end_training(resumed)
     config = json.loads((tmp_path / "exp" / "config.json").read_text())
     assert config == {"lr": 0.05, "epochs": 3, "resumed_from": "ckpt"}
     assert [(line["step"], line["values"]) for line in _lines(tmp_path / "exp" / "metrics.jsonl")] == [
-        (1, {"loss": 1.0}), (2, {"loss": 0.5})]
+        (1, {"loss": 1.0}),
+        (2, {"loss": 0.5}),
+    ]
     (tmp_path / "exp" / "config.json").write_text("[1, 2")
     with pytest.raises(ValueError, match="config.json is not valid JSON.*repair or remove it"):
         init_trackers(fa.init(cpu=True), "exp", {"lr": 0.1}, logging_dir=tmp_path)
@@ -380,8 +427,14 @@ def test_a_registered_class_is_named_like_a_built_in_tracker(tmp_path: Path) -> 
 
     base = fa.init(cpu=True)
     state = register_tracker(base, "mine", DirectoryTracker)
-    state = init_trackers(state, "exp", {"lr": 0.1}, log_with=["mine", "jsonl"], logging_dir=tmp_path,
-                          init_kwargs={"mine": {"label": "a"}})
+    state = init_trackers(
+        state,
+        "exp",
+        {"lr": 0.1},
+        log_with=["mine", "jsonl"],
+        logging_dir=tmp_path,
+        init_kwargs={"mine": {"label": "a"}},
+    )
     log(state, {"loss": torch.tensor(0.5)}, step=4)
     mine = get_tracker(state, "mine")
     assert isinstance(mine, DirectoryTracker) and mine.where == ("exp", tmp_path, "a")
@@ -405,7 +458,9 @@ def test_register_tracker_class_takes_the_name_from_the_class(tmp_path: Path) ->
     base = fa.init(cpu=True)
     state = init_trackers(register_tracker_class(base, Named), "exp", log_with="named", logging_dir=tmp_path)
     log(state, {"loss": 1.0}, step=1)
-    assert isinstance(get_tracker(state, "named"), Named) and get_tracker(state, "named").logged == [(1, {"loss": 1.0})]
+    assert isinstance(get_tracker(state, "named"), Named) and get_tracker(state, "named").logged == [
+        (1, {"loss": 1.0})
+    ]
     end_training(state)
 
     class Nameless:
@@ -417,7 +472,9 @@ def test_register_tracker_class_takes_the_name_from_the_class(tmp_path: Path) ->
         register_tracker_class(base, Named("x", "y"))  # type: ignore[arg-type]
 
 
-def test_a_tracker_without_its_package_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tracker_without_its_package_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "swanlab", None)
     for rank in (0, 1):  # every rank, before any opens a file
         with pytest.raises(ImportError, match="pip install swanlab \\(or fnaccel\\[swanlab\\]\\)"):

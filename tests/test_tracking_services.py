@@ -23,8 +23,14 @@ IMAGE = np.zeros((8, 8, 3), dtype=np.uint8)
 
 def _run(tmp_path: Path, tracker: str, **init: Any) -> fa.RunState:
     """Opens the tracker, logs two steps (device-style tensors, a string) and returns the state."""
-    state = init_trackers(fa.init(cpu=True), "exp", CONFIG, log_with=tracker,
-                          init_kwargs={tracker: init} if init else None, logging_dir=tmp_path)
+    state = init_trackers(
+        fa.init(cpu=True),
+        "exp",
+        CONFIG,
+        log_with=tracker,
+        init_kwargs={tracker: init} if init else None,
+        logging_dir=tmp_path,
+    )
     log(state, {"loss": torch.tensor(0.5), "phase": "warmup"}, step=1)
     log(state, {"loss": torch.tensor(0.25), "acc": {"train": 0.75}}, step=2)
     return state
@@ -59,7 +65,10 @@ def test_mlflow_local_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     run = client.get_run(tracker.run_id)
     assert run.data.params == {"lr": "0.1", "optimizer": "sgd"} and run.info.status == "FINISHED"
     assert run.data.tags["phase"] == "warmup"
-    assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "loss")] == [(1, 0.5), (2, 0.25)]
+    assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "loss")] == [
+        (1, 0.5),
+        (2, 0.25),
+    ]
     assert [(m.step, m.value) for m in client.get_metric_history(tracker.run_id, "acc/train")] == [(2, 0.75)]
     artifacts = [a.path for a in client.list_artifacts(tracker.run_id, "images")]
     assert artifacts and all("sample" in a for a in artifacts)
@@ -71,10 +80,20 @@ def test_comet_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from PIL import Image  # comet converts numpy arrays to images only with matplotlib installed
 
     # no environment logging: it would probe the cloud providers' metadata addresses
-    quiet = comet_ml.ExperimentConfig(log_code=False, log_git_metadata=False, log_git_patch=False,
-                                      log_env_details=False, log_env_host=False, log_env_cpu=False,
-                                      log_env_gpu=False, log_env_network=False, log_env_disk=False,
-                                      auto_log_co2=False, parse_args=False, auto_output_logging=False)
+    quiet = comet_ml.ExperimentConfig(
+        log_code=False,
+        log_git_metadata=False,
+        log_git_patch=False,
+        log_env_details=False,
+        log_env_host=False,
+        log_env_cpu=False,
+        log_env_gpu=False,
+        log_env_network=False,
+        log_env_disk=False,
+        auto_log_co2=False,
+        parse_args=False,
+        auto_output_logging=False,
+    )
     state = _run(tmp_path, "comet_ml", online=False, experiment_config=quiet)
     tracker = get_tracker(state, "comet_ml")
     tracker.log_images({"sample": Image.fromarray(IMAGE)}, step=2)
@@ -110,8 +129,13 @@ def test_clearml_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # ClearML's offline cache
     monkeypatch.setenv("CLEARML_OFFLINE_MODE", "1")
     clearml = pytest.importorskip("clearml", reason="needs clearml (pip install fnaccel[clearml])")
-    state = _run(tmp_path, "clearml", auto_connect_frameworks=False, auto_resource_monitoring=False,
-                 auto_connect_streams=False)
+    state = _run(
+        tmp_path,
+        "clearml",
+        auto_connect_frameworks=False,
+        auto_resource_monitoring=False,
+        auto_connect_streams=False,
+    )
     tracker = get_tracker(state, "clearml")
     tracker.log_images({"sample": IMAGE}, step=2)
     tracker.log_table("preds", columns=["id", "label"], data=[[0, "cat"]], step=2)

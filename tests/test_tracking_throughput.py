@@ -4,6 +4,7 @@ value between two readings."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from fnaccel.tracking.throughput import _peak_for_name
 
 def _linear_stack(widths: tuple[int, ...], bias: bool) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for fan_in, fan_out in zip(widths, widths[1:]):
+    for fan_in, fan_out in itertools.pairwise(widths):
         layers += [nn.Linear(fan_in, fan_out, bias=bias), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 
@@ -30,7 +31,7 @@ def _linear_stack(widths: tuple[int, ...], bias: bool) -> nn.Sequential:
 def test_a_stack_of_linears_counts_the_hand_written_flops(bias: bool) -> None:
     widths, rows = (12, 32, 24, 5), 7
     model = _linear_stack(widths, bias)
-    weights = sum(a * b for a, b in zip(widths, widths[1:]))
+    weights = sum(a * b for a, b in itertools.pairwise(widths))
     forward = 2 * rows * weights  # 2*m*k*n per product; the bias add is not a product
     first = 2 * rows * widths[0] * widths[1]
     x = torch.randn(rows, widths[0])
@@ -58,7 +59,9 @@ class _Block(nn.Module):
 
 
 class _TinyLM(nn.Module):
-    def __init__(self, vocab: int = 50, width: int = 16, heads: int = 2, layers: int = 2, seq: int = 12) -> None:
+    def __init__(
+        self, vocab: int = 50, width: int = 16, heads: int = 2, layers: int = 2, seq: int = 12
+    ) -> None:
         super().__init__()
         self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(seq, width)
         self.blocks = nn.Sequential(*(_Block(width, heads) for _ in range(layers)))
@@ -87,7 +90,10 @@ def test_a_transformer_step_counts_6_n_tokens_plus_attention() -> None:
     matmul_params = layers * (3 * width * width + width * width + 8 * width * width) + vocab * width
     # attention's QK^T and AV: 2 products of 2*b*s*s*width each forward, twice that backward
     attention = 12 * layers * batch * seq * seq * width
-    assert fa.count_flops(model, _lm_batch(batch, seq, vocab), _lm_loss) == 6 * matmul_params * tokens + attention
+    assert (
+        fa.count_flops(model, _lm_batch(batch, seq, vocab), _lm_loss)
+        == 6 * matmul_params * tokens + attention
+    )
 
 
 def test_counting_leaves_the_model_and_the_rng_as_they_were() -> None:
@@ -131,8 +137,12 @@ class _Clock:
 def _prepared(seed: int = 0) -> fa.RunState:
     torch.manual_seed(seed)
     model = _linear_stack((6, 8, 1), bias=True)
-    return fa.prepare(fa.init(cpu=True, seed=seed), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                      loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]))
+    return fa.prepare(
+        fa.init(cpu=True, seed=seed),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]),
+    )
 
 
 def _batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -143,16 +153,26 @@ def _batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 def test_rates_over_each_window_are_exact_under_a_controlled_clock() -> None:
     state, clock, batches = _prepared(), _Clock(), _batches()
-    meter = fa.throughput_meter(state, samples_per_batch=4, tokens_per_batch=4 * 10, flops_per_batch=3000,
-                                peak_flops=6000.0, clock=clock)
+    meter = fa.throughput_meter(
+        state,
+        samples_per_batch=4,
+        tokens_per_batch=4 * 10,
+        flops_per_batch=3000,
+        peak_flops=6000.0,
+        clock=clock,
+    )
     for seconds, steps in ((2.0, 5), (0.5, 3)):
         for _ in range(steps):
             state, _ = fa.step(state, next(batches))
         clock.now += seconds
         first = meter
         meter, rates = fa.throughput(meter, state)
-        assert rates == {"samples_per_second": steps * 4 / seconds, "tokens_per_second": steps * 40 / seconds,
-                         "flops_per_second": steps * 3000 / seconds, "mfu": steps * 3000 / seconds / 6000}
+        assert rates == {
+            "samples_per_second": steps * 4 / seconds,
+            "tokens_per_second": steps * 40 / seconds,
+            "flops_per_second": steps * 3000 / seconds,
+            "mfu": steps * 3000 / seconds / 6000,
+        }
         assert (meter.micro_step, meter.time) == (state.micro_step, clock.now)
         assert (first.micro_step, first.time) != (meter.micro_step, meter.time)  # a value: the old one stays
 
@@ -229,12 +249,21 @@ def test_on_cuda_the_loop_and_the_readings_make_no_implicit_sync() -> None:
     torch.manual_seed(0)
     model = _linear_stack((64, 256, 1), bias=True)
     state = fa.init(seed=0)
-    state = fa.prepare(state, model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
-                       loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]))
-    batches = [(torch.randn(32, 64, device=state.dist.device), torch.randn(32, 1, device=state.dist.device))
-               for _ in range(10)]
-    meter = fa.throughput_meter(state, tokens_per_batch=32, flops_per_batch=fa.count_flops(
-        model, batches[0], lambda m, b: F.mse_loss(m(b[0]), b[1])))
+    state = fa.prepare(
+        state,
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]),
+    )
+    batches = [
+        (torch.randn(32, 64, device=state.dist.device), torch.randn(32, 1, device=state.dist.device))
+        for _ in range(10)
+    ]
+    meter = fa.throughput_meter(
+        state,
+        tokens_per_batch=32,
+        flops_per_batch=fa.count_flops(model, batches[0], lambda m, b: F.mse_loss(m(b[0]), b[1])),
+    )
     torch.cuda.set_sync_debug_mode("error")  # an implicit sync (.item(), a pageable copy) raises
     try:
         for i, batch in enumerate(batches, 1):
@@ -254,17 +283,29 @@ def test_the_documented_loop_runs_and_logs_the_rates(tmp_path: Path) -> None:
     import re
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "tracking.md").read_text()
-    [block] = [code for code in re.findall(r"```python\n(.*?)```", page, re.S) if "fa.throughput_meter(" in code]
+    [block] = [
+        code for code in re.findall(r"```python\n(.*?)```", page, re.S) if "fa.throughput_meter(" in code
+    ]
     ids = torch.randint(0, 50, (40, 13), generator=torch.Generator().manual_seed(0))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=2)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=2
+    )
     model = _TinyLM()
     names: dict[str, Any] = {
-        "fa": fa, "model": model, "loss_fn": _lm_loss, "optimizer": torch.optim.AdamW(model.parameters()),
-        "loader": loader, "batch": next(iter(loader)), "batch_size": 2, "seq_len": 12,
+        "fa": fa,
+        "model": model,
+        "loss_fn": _lm_loss,
+        "optimizer": torch.optim.AdamW(model.parameters()),
+        "loader": loader,
+        "batch": next(iter(loader)),
+        "batch_size": 2,
+        "seq_len": 12,
         "state": fa.init_trackers(fa.init(cpu=True, seed=0, project_dir=tmp_path), "tp"),
     }
     exec(block, names)
     lines = [json.loads(line) for line in (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [10, 20]
-    assert all(line["values"]["tokens_per_second"] > 0 and "mfu" not in line["values"] for line in lines)  # no peak on the CPU
+    assert all(
+        line["values"]["tokens_per_second"] > 0 and "mfu" not in line["values"] for line in lines
+    )  # no peak on the CPU
     fa.shutdown(names["state"])

@@ -22,8 +22,9 @@ def make_model(seed: int = 0, dropout: float = 0.1) -> nn.Module:
 
 def make_batches(num: int, size: int = 16, seed: int = 1) -> list[Batch]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(size, 8, generator=g), torch.randint(0, 4, (size,), generator=g))
-            for _ in range(num)]
+    return [
+        (torch.randn(size, 8, generator=g), torch.randint(0, 4, (size,), generator=g)) for _ in range(num)
+    ]
 
 
 def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -38,8 +39,14 @@ OPTIMIZERS: dict[str, Opt] = {
 }
 
 
-def hand_loop(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, batches: list[Batch],
-              seed: int, accumulate: int = 1) -> list[float]:
+def hand_loop(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    batches: list[Batch],
+    seed: int,
+    accumulate: int = 1,
+) -> list[float]:
     """nanoGPT-style reference loop; the RNG is seeded right before it, as fa.init(seed=) does."""
     torch.manual_seed(seed)
     losses = []
@@ -72,7 +79,7 @@ def test_step_equals_a_hand_written_loop_bit_for_bit(name: str) -> None:
         losses.append(metrics["loss"].item())
         lrs.append(metrics["lr"])
     assert losses == ref_losses
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=False):
         assert torch.equal(p, q)
     assert state.step == 12 and state.micro_step == 12
     assert lrs[2] == lrs[0] and lrs[3] == lrs[0] * 0.5  # the scheduler stepped per update
@@ -90,15 +97,16 @@ def test_accumulate_k_equals_the_k_times_batch() -> None:
 
     model = make_model(dropout=0.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn,
-                       pipeline=fa.compose(fa.accumulate(4)))
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn, pipeline=fa.compose(fa.accumulate(4))
+    )
     updates = []
     for batch in small:
         state, metrics = fa.step(state, batch)
         updates.append("lr" in metrics)
     assert updates == [False, False, False, True] * 3
     assert (state.step, state.micro_step) == (3, 12)
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=False):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
 
 
@@ -106,15 +114,16 @@ def test_clip_grad_norm_reports_the_norm_and_clips() -> None:
     model = make_model(dropout=0.0)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn,
-                       pipeline=fa.compose(fa.clip_grad_norm(0.01)))
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn, pipeline=fa.compose(fa.clip_grad_norm(0.01))
+    )
     batch = make_batches(1)[0]
     state, metrics = fa.step(state, batch)
     loss_fn(ref, batch).backward()
     expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
     torch.optim.SGD(ref.parameters(), lr=1.0).step()
     assert torch.equal(metrics["grad_norm"], expected) and expected > 0.01
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=False):
         assert torch.equal(p, q)
 
 
@@ -127,8 +136,14 @@ def test_fp16_scaler_skips_an_inf_step_and_halves_the_scale() -> None:
     def poisoned(model: nn.Module, batch: Batch) -> torch.Tensor:
         return loss_fn(model, batch) * torch.tensor(float("inf"))
 
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, opt, scheduler=sched, loss_fn=poisoned,
-                       pipeline=fa.compose(fa.autocast(fa.fp16), fa.ddp(), fa.clip_grad_norm(1e3)))
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        opt,
+        scheduler=sched,
+        loss_fn=poisoned,
+        pipeline=fa.compose(fa.autocast(fa.fp16), fa.ddp(), fa.clip_grad_norm(1e3)),
+    )
     assert state.pipeline is not None  # the scaler is added in its canonical place
     assert state.pipeline.names == ("autocast", "grad_scaler", "ddp", "clip_grad_norm")
     state, metrics = fa.step(state, make_batches(1)[0])
@@ -145,8 +160,9 @@ def test_fp16_scaler_skips_an_inf_step_and_halves_the_scale() -> None:
 def test_bf16_autocast_runs_and_returns_fp32_outputs() -> None:
     model = make_model(dropout=0.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn,
-                       pipeline=fa.compose(fa.autocast(fa.bf16)))
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True), model, opt, loss_fn=loss_fn, pipeline=fa.compose(fa.autocast(fa.bf16))
+    )
     assert model(torch.randn(2, 8)).dtype == torch.float32
     state, metrics = fa.step(state, make_batches(1)[0])
     assert metrics["loss"].dtype == torch.float32
@@ -154,8 +170,9 @@ def test_bf16_autocast_runs_and_returns_fp32_outputs() -> None:
 
 def _run(seed: int, batches: list[Batch]) -> tuple[list[float], list[torch.Tensor]]:
     model = make_model(dropout=0.5)
-    state = fa.prepare(fa.init(seed=seed, cpu=True), model,
-                       torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn)
+    state = fa.prepare(
+        fa.init(seed=seed, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn
+    )
     losses = []
     for batch in batches:
         state, metrics = fa.step(state, batch)
@@ -167,8 +184,12 @@ def test_two_runs_interleaved_equal_each_run_alone() -> None:
     batches = make_batches(6)
     alone_a, alone_b = _run(1, batches), _run(2, batches)
     a_model, b_model = make_model(dropout=0.5), make_model(dropout=0.5)
-    a = fa.prepare(fa.init(seed=1, cpu=True), a_model, torch.optim.SGD(a_model.parameters(), lr=0.1), loss_fn=loss_fn)
-    b = fa.prepare(fa.init(seed=2, cpu=True), b_model, torch.optim.SGD(b_model.parameters(), lr=0.1), loss_fn=loss_fn)
+    a = fa.prepare(
+        fa.init(seed=1, cpu=True), a_model, torch.optim.SGD(a_model.parameters(), lr=0.1), loss_fn=loss_fn
+    )
+    b = fa.prepare(
+        fa.init(seed=2, cpu=True), b_model, torch.optim.SGD(b_model.parameters(), lr=0.1), loss_fn=loss_fn
+    )
     losses_a, losses_b = [], []
     for batch in batches:
         a, metrics = fa.step(a, batch)
@@ -177,15 +198,16 @@ def test_two_runs_interleaved_equal_each_run_alone() -> None:
         b, metrics = fa.step(b, batch)
         losses_b.append(metrics["loss"].item())
     assert losses_a == alone_a[0] and losses_b == alone_b[0]
-    assert all(torch.equal(p, q) for p, q in zip(a_model.parameters(), alone_a[1]))
-    assert all(torch.equal(p, q) for p, q in zip(b_model.parameters(), alone_b[1]))
+    assert all(torch.equal(p, q) for p, q in zip(a_model.parameters(), alone_a[1], strict=False))
+    assert all(torch.equal(p, q) for p, q in zip(b_model.parameters(), alone_b[1], strict=False))
     assert losses_a != losses_b
 
 
 def test_the_rng_a_step_captured_is_a_value_later_draws_leave_alone() -> None:
     model = make_model(dropout=0.5)
-    state = fa.prepare(fa.init(seed=3, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       loss_fn=loss_fn)
+    state = fa.prepare(
+        fa.init(seed=3, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn
+    )
     batches = make_batches(3)
     state, _ = fa.step(state, batches[0])
     captured = state.rng.torch.clone()
@@ -199,23 +221,34 @@ def test_the_rng_a_step_captured_is_a_value_later_draws_leave_alone() -> None:
     assert not torch.equal(torch.get_rng_state(), after.rng.torch)
 
 
-@pytest.mark.parametrize(("pipeline", "plain_backward", "plain_update"), [
-    (fa.compose(), True, True),
-    (fa.compose(fa.accumulate(2)), False, True),
-    (fa.compose(fa.clip_grad_norm(1.0)), True, False),
-])
+@pytest.mark.parametrize(
+    ("pipeline", "plain_backward", "plain_update"),
+    [
+        (fa.compose(), True, True),
+        (fa.compose(fa.accumulate(2)), False, True),
+        (fa.compose(fa.clip_grad_norm(1.0)), True, False),
+    ],
+)
 def test_the_plan_says_when_backward_and_update_are_pytorchs_alone(
-        pipeline: Any, plain_backward: bool, plain_update: bool) -> None:
+    pipeline: Any, plain_backward: bool, plain_update: bool
+) -> None:
     model = make_model()
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       loss_fn=loss_fn, pipeline=pipeline)
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=loss_fn,
+        pipeline=pipeline,
+    )
     assert state.plan is not None
     assert (state.plan.plain_backward, state.plan.plain_update) == (plain_backward, plain_update)
 
 
 def test_reusing_a_consumed_state_raises() -> None:
     model = make_model()
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn)
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn
+    )
     new, _ = fa.step(state, make_batches(1)[0])
     with pytest.raises(fa.StaleStateError, match=r"consumed by fa.step at step 0 \(micro-step 0\)"):
         fa.step(state, make_batches(1)[0])
@@ -225,26 +258,37 @@ def test_reusing_a_consumed_state_raises() -> None:
 def test_backward_and_apply_gradients_equal_step() -> None:
     batches = make_batches(8)
     ref_model = make_model()
-    ref = fa.prepare(fa.init(seed=3, cpu=True), ref_model, torch.optim.AdamW(ref_model.parameters()),
-                     loss_fn=loss_fn, pipeline=fa.compose(fa.accumulate(2), fa.clip_grad_norm(0.5)))
+    ref = fa.prepare(
+        fa.init(seed=3, cpu=True),
+        ref_model,
+        torch.optim.AdamW(ref_model.parameters()),
+        loss_fn=loss_fn,
+        pipeline=fa.compose(fa.accumulate(2), fa.clip_grad_norm(0.5)),
+    )
     for batch in batches:
         ref, _ = fa.step(ref, batch)
 
     model = make_model()
-    state = fa.prepare(fa.init(seed=3, cpu=True), model, torch.optim.AdamW(model.parameters()),
-                       pipeline=fa.compose(fa.accumulate(2), fa.clip_grad_norm(0.5)))
+    state = fa.prepare(
+        fa.init(seed=3, cpu=True),
+        model,
+        torch.optim.AdamW(model.parameters()),
+        pipeline=fa.compose(fa.accumulate(2), fa.clip_grad_norm(0.5)),
+    )
     for batch in batches:
         state, loss = fa.with_rng(state, loss_fn, model, batch)
         state = fa.backward(state, loss)
-        state, metrics = fa.apply_gradients(state)
+        state, _metrics = fa.apply_gradients(state)
     assert (state.step, state.micro_step) == (ref.step, ref.micro_step) == (4, 8)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters(), strict=False))
 
 
 def test_bad_pipelines_fail_at_compose_or_prepare() -> None:
     with pytest.raises(ValueError, match="num_steps must be a positive int"):
         fa.accumulate(0)
-    with pytest.raises(ValueError, match=r"autocast\(dtype=torch.float16\) and autocast\(dtype=torch.bfloat16\) both appear"):
+    with pytest.raises(
+        ValueError, match=r"autocast\(dtype=torch.float16\) and autocast\(dtype=torch.bfloat16\) both appear"
+    ):
         fa.compose(fa.autocast(fa.fp16), fa.autocast(fa.bf16))
     with pytest.raises(ValueError, match="cannot be combined"):
         fa.compose(fa.clip_grad_norm(1.0), fa.clip_grad_value(1.0))
@@ -264,8 +308,9 @@ def test_autocast_fp16_adds_a_grad_scaler_unless_another_transform_scales_the_lo
     SCALES_LOSS) takes the place of fa.grad_scaler(), as DeepSpeed's does."""
     added = fa.prepare(fa.init(cpu=True), make_model(), pipeline=fa.compose(fa.autocast(fa.fp16)))
     assert repr(added.pipeline) == "compose(autocast(dtype=torch.float16), grad_scaler())"
-    own = fa.Transform(name="my_scaler", phase=fa.Phase.GRAD_SCALER,
-                       capabilities=frozenset({fa.Capability.SCALES_LOSS}))
+    own = fa.Transform(
+        name="my_scaler", phase=fa.Phase.GRAD_SCALER, capabilities=frozenset({fa.Capability.SCALES_LOSS})
+    )
     kept = fa.prepare(fa.init(cpu=True), make_model(), pipeline=fa.compose(fa.autocast(fa.fp16), own))
     assert repr(kept.pipeline) == "compose(autocast(dtype=torch.float16), my_scaler())"
 
@@ -310,8 +355,13 @@ def test_default_pipeline_nested_in_compose_adds_a_transform_and_keeps_the_launc
     model = make_model()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
-                           pipeline=fa.compose(fa.default_pipeline(state), fa.accumulate(2)))
+        state = fa.prepare(
+            state,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=loss_fn,
+            pipeline=fa.compose(fa.default_pipeline(state), fa.accumulate(2)),
+        )
     assert state.pipeline is not None
     assert state.pipeline.names == ("autocast", "grad_scaler", "accumulate", "compile")
     assert state.plan is not None and state.plan.micro_steps == 2
@@ -320,16 +370,24 @@ def test_default_pipeline_nested_in_compose_adds_a_transform_and_keeps_the_launc
 def test_compile_matches_eager_bit_for_bit() -> None:
     batches = make_batches(4)
     eager_model, compiled_model = make_model(dropout=0.0), make_model(dropout=0.0)
-    eager = fa.prepare(fa.init(seed=0, cpu=True), eager_model,
-                       torch.optim.SGD(eager_model.parameters(), lr=0.1), loss_fn=loss_fn)
-    compiled = fa.prepare(fa.init(seed=0, cpu=True), compiled_model,
-                          torch.optim.SGD(compiled_model.parameters(), lr=0.1), loss_fn=loss_fn,
-                          pipeline=fa.compose(fa.compile(backend="aot_eager")))
+    eager = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        eager_model,
+        torch.optim.SGD(eager_model.parameters(), lr=0.1),
+        loss_fn=loss_fn,
+    )
+    compiled = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        compiled_model,
+        torch.optim.SGD(compiled_model.parameters(), lr=0.1),
+        loss_fn=loss_fn,
+        pipeline=fa.compose(fa.compile(backend="aot_eager")),
+    )
     assert type(compiled.model).__name__ == "OptimizedModule"
     for batch in batches:
         eager, _ = fa.step(eager, batch)
         compiled, _ = fa.step(compiled, batch)
-    for p, q in zip(compiled_model.parameters(), eager_model.parameters()):
+    for p, q in zip(compiled_model.parameters(), eager_model.parameters(), strict=False):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         fa.compile(backend="nope")
@@ -339,8 +397,13 @@ def test_profile_writes_a_chrome_trace_per_rank(tmp_path: Any) -> None:
     import json
 
     model = make_model()
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       loss_fn=loss_fn, pipeline=fa.compose(fa.profile(output_trace_dir=str(tmp_path))))
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=loss_fn,
+        pipeline=fa.compose(fa.profile(output_trace_dir=str(tmp_path))),
+    )
     for batch in make_batches(3):
         state, _ = fa.step(state, batch)
     assert state.resources.get("transform:profile") is state.transform_states["profile"]  # one owner
@@ -376,29 +439,42 @@ def test_accumulate_normalised_by_items_equals_the_mean_over_all_tokens() -> Non
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for i in range(0, 6, 3):  # one update per 3 micro-batches: mean over all their tokens
         group = batches[i : i + 3]
-        total = sum(loss_sum_tokens[1]["num_items"] for loss_sum_tokens in
-                    [token_loss_sum(ref, b) for b in group])
+        total = sum(
+            loss_sum_tokens[1]["num_items"] for loss_sum_tokens in [token_loss_sum(ref, b) for b in group]
+        )
         loss = sum(token_loss_sum(ref, b)[0] for b in group) / total
         loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
 
     model = make_model(dropout=0.0)
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.5),
-                       loss_fn=token_loss_sum, pipeline=fa.compose(fa.accumulate(3, normalize="items")))
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        loss_fn=token_loss_sum,
+        pipeline=fa.compose(fa.accumulate(3, normalize="items")),
+    )
     for batch in batches:
         state, _ = fa.step(state, batch)
     assert state.step == 2
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=False):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
     plain = make_model()
-    bad = fa.prepare(fa.init(cpu=True), plain, torch.optim.SGD(plain.parameters(), lr=0.1),
-                     loss_fn=loss_fn, pipeline=fa.compose(fa.accumulate(2, normalize="items")))
+    bad = fa.prepare(
+        fa.init(cpu=True),
+        plain,
+        torch.optim.SGD(plain.parameters(), lr=0.1),
+        loss_fn=loss_fn,
+        pipeline=fa.compose(fa.accumulate(2, normalize="items")),
+    )
     with pytest.raises(ValueError, match="num_items"):  # the loss function gave no item count
         fa.step(bad, make_batches(1)[0])
 
 
-def test_accumulate_by_items_reports_the_windows_per_item_loss_as_a_hand_loop_prints_it(tmp_path: Any) -> None:
+def test_accumulate_by_items_reports_the_windows_per_item_loss_as_a_hand_loop_prints_it(
+    tmp_path: Any,
+) -> None:
     """metrics["loss"] is the window's loss per item (what a token-normalised hand loop
     prints), not the micro-batch's summed loss; "loss_sum" and "num_items" hold the window's
     sum and item count so far. Device tensors; a save mid-window resumes them."""
@@ -421,8 +497,13 @@ def test_accumulate_by_items_reports_the_windows_per_item_loss_as_a_hand_loop_pr
 
     def fresh() -> fa.RunState:
         model = make_model(dropout=0.0)
-        return fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.5),
-                          loss_fn=token_loss_sum, pipeline=fa.compose(fa.accumulate(3, normalize="items")))
+        return fa.prepare(
+            fa.init(seed=0, cpu=True),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            loss_fn=token_loss_sum,
+            pipeline=fa.compose(fa.accumulate(3, normalize="items")),
+        )
 
     state, reported = fresh(), []
     for i, batch in enumerate(batches):
@@ -439,7 +520,9 @@ def test_accumulate_by_items_reports_the_windows_per_item_loss_as_a_hand_loop_pr
     resumed = fa.load(fresh(), tmp_path / "mid_window")
     for i, batch in enumerate(batches[4:], start=4):
         resumed, metrics = fa.step(resumed, batch)
-        assert (metrics["loss"].item(), metrics["loss_sum"].item(), metrics["num_items"].item()) == reported[i]
+        assert (metrics["loss"].item(), metrics["loss_sum"].item(), metrics["num_items"].item()) == reported[
+            i
+        ]
     with pytest.raises(ValueError, match="saved loss_sum must be a finite number or null, got 'x'"):
         resumed.transform_states["accumulate"].load_state_dict({"total": 3.0, "loss_sum": "x"})
 
@@ -460,10 +543,15 @@ def test_an_explicit_pipeline_that_drops_the_launch_precision_warns(monkeypatch:
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same precision, or autocast switched off: nothing to say
-        off = fa.init(seed=0, cpu=True, mixed_precision="bf16", kwargs_handlers=[fa.AutocastKwargs(enabled=False)])
+        off = fa.init(
+            seed=0, cpu=True, mixed_precision="bf16", kwargs_handlers=[fa.AutocastKwargs(enabled=False)]
+        )
         fa.prepare(off, nn.Linear(2, 2), pipeline=fa.compose(fa.clip_grad_norm(1.0)))
-        fa.prepare(fa.init(seed=0, cpu=True, mixed_precision="bf16"), nn.Linear(2, 2),
-                   pipeline=fa.compose(fa.autocast(fa.bf16)))
+        fa.prepare(
+            fa.init(seed=0, cpu=True, mixed_precision="bf16"),
+            nn.Linear(2, 2),
+            pipeline=fa.compose(fa.autocast(fa.bf16)),
+        )
         fa.prepare(fa.init(seed=0, cpu=True), nn.Linear(2, 2), pipeline=fa.compose(fa.autocast(fa.bf16)))
 
 
@@ -478,16 +566,25 @@ def test_the_launch_warning_asks_what_the_pipeline_declares_not_its_names() -> N
     with pytest.warns(UserWarning, match="the launch asked for DeepSpeed"):
         fa.prepare(fa.init(seed=0, cpu=True, config=deepspeed_launch), nn.Linear(2, 2), pipeline=fa.compose())
     engine = fa.Transform(name="my_engine", capabilities=frozenset({fa.Capability.OWNS_OPTIMIZER_STEP}))
-    fp16 = fa.Transform(name="my_half", settings=Precision(precision=fa.PrecisionType.FP16, dtype=torch.float16),
-                        capabilities=frozenset({fa.Capability.SCALES_LOSS}))
+    fp16 = fa.Transform(
+        name="my_half",
+        settings=Precision(precision=fa.PrecisionType.FP16, dtype=torch.float16),
+        capabilities=frozenset({fa.Capability.SCALES_LOSS}),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fa.prepare(fa.init(seed=0, cpu=True, config=deepspeed_launch), nn.Linear(2, 2), pipeline=fa.compose(engine))
-        fa.prepare(fa.init(seed=0, cpu=True, mixed_precision="fp16"), nn.Linear(2, 2), pipeline=fa.compose(fp16))
+        fa.prepare(
+            fa.init(seed=0, cpu=True, config=deepspeed_launch), nn.Linear(2, 2), pipeline=fa.compose(engine)
+        )
+        fa.prepare(
+            fa.init(seed=0, cpu=True, mixed_precision="fp16"), nn.Linear(2, 2), pipeline=fa.compose(fp16)
+        )
 
 
 def test_autocast_kwargs_enabled_false_leaves_autocast_out() -> None:
-    state = fa.init(seed=0, cpu=True, mixed_precision="bf16", kwargs_handlers=[fa.AutocastKwargs(enabled=False)])
+    state = fa.init(
+        seed=0, cpu=True, mixed_precision="bf16", kwargs_handlers=[fa.AutocastKwargs(enabled=False)]
+    )
     assert repr(fa.prepare(state, nn.Linear(2, 2)).pipeline) == "compose()"
 
 
@@ -515,16 +612,24 @@ def test_a_window_starts_with_every_gradient_cleared_as_zero_grad_does() -> None
     optimizer.add_param_group({"params": [extra]})  # a group added after the optimizer was built
     state = fa.prepare(fa.init(seed=0, cpu=True), model, optimizer, loss_fn=loss_fn)
     stale = [torch.full_like(p, 7.0) for p in (*model.parameters(), extra)]
-    for p, g in zip((*model.parameters(), extra), stale):
+    for p, g in zip((*model.parameters(), extra), stale, strict=False):
         p.grad = g  # what other code left on the parameters
     state, _ = fa.step(state, make_batches(1)[0])
     assert extra.grad is None  # cleared, and this loss does not reach it
-    assert all(p.grad is not None and not torch.equal(p.grad, g) for p, g in zip(model.parameters(), stale))
+    assert all(
+        p.grad is not None and not torch.equal(p.grad, g)
+        for p, g in zip(model.parameters(), stale, strict=False)
+    )
 
     _CountingSGD.calls = 0
     counted = make_model()
-    state = fa.prepare(fa.init(seed=0, cpu=True), counted, _CountingSGD(counted.parameters(), lr=0.1),
-                       loss_fn=loss_fn, pipeline=fa.compose(fa.accumulate(2)))
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        counted,
+        _CountingSGD(counted.parameters(), lr=0.1),
+        loss_fn=loss_fn,
+        pipeline=fa.compose(fa.accumulate(2)),
+    )
     for batch in make_batches(4):
         state, _ = fa.step(state, batch)
     assert _CountingSGD.calls == 2  # once per accumulation window, its own zero_grad

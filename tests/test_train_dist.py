@@ -18,11 +18,15 @@ GLOBAL_BATCH = 24  # divisible by 2 and 3 ranks
 
 def global_batches(num: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
-    return [(torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g))
-            for _ in range(num)]
+    return [
+        (torch.randn(GLOBAL_BATCH, 8, generator=g), torch.randint(0, 4, (GLOBAL_BATCH,), generator=g))
+        for _ in range(num)
+    ]
 
 
-def my_part(batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+def my_part(
+    batch: tuple[torch.Tensor, torch.Tensor], rank: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     size = GLOBAL_BATCH // world
     return tuple(t[rank * size : (rank + 1) * size] for t in batch)  # type: ignore[return-value]
 
@@ -74,7 +78,7 @@ def test_ddp_equals_one_process_on_the_global_batches(world: Any) -> None:
     expected = single_process_reference(6)
     for result in world.run(train_ddp, 6, 1):
         assert result["wrapped"] == "DistributedDataParallel" and result["step"] == 6
-        for p, q in zip(result["params"], expected):
+        for p, q in zip(result["params"], expected, strict=False):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
         assert all(n > 0 for n in result["reductions"])
 
@@ -82,7 +86,7 @@ def test_ddp_equals_one_process_on_the_global_batches(world: Any) -> None:
 def test_accumulate_under_ddp_equals_the_big_batch_without_early_reductions(world2: Any) -> None:
     expected = single_process_reference(8, accumulate=4)
     for result in world2.run(train_ddp, 8, 4):
-        for p, q in zip(result["params"], expected):
+        for p, q in zip(result["params"], expected, strict=False):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
         reductions = result["reductions"]
         assert reductions[0] == reductions[1] == reductions[2] == 0
@@ -121,7 +125,7 @@ def test_shutdown_lets_the_ddp_reducer_go_and_the_model_goes_on_alone(world2: An
         opt.zero_grad()
     for result in world2.run(_after_shutdown):
         assert result["held"] == []
-        for p, q in zip(result["params"], model.parameters()):
+        for p, q in zip(result["params"], model.parameters(), strict=False):
             torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-6)
 
 
@@ -187,8 +191,8 @@ def test_fsdp_ends_at_the_same_parameters_as_ddp(world2: Any) -> None:
     ddp_results = world2.run(train_parallel, "ddp", 6, True)
     fsdp_results = world2.run(train_parallel, "fsdp", 6, True)
     assert "FSDPBlock" in fsdp_results[0]["classes"]  # each Block was sharded on its own
-    for ours, theirs in zip(fsdp_results, ddp_results):
-        for p, q in zip(ours["params"], theirs["params"]):
+    for ours, theirs in zip(fsdp_results, ddp_results, strict=False):
+        for p, q in zip(ours["params"], theirs["params"], strict=False):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours["norms"], theirs["norms"], rtol=1e-5, atol=1e-5)
 
@@ -198,8 +202,13 @@ def train_items(state: fa.RunState) -> tuple[list[torch.Tensor], list[tuple[floa
 
     mine = _token_batches(4, seed=20 + state.dist.rank)  # each rank: its own token counts
     model = make_model(dropout=0.0)
-    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.5), loss_fn=token_loss_sum,
-                       pipeline=fa.compose(fa.ddp(), fa.accumulate(2, normalize="items")))
+    state = fa.prepare(
+        state,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        loss_fn=token_loss_sum,
+        pipeline=fa.compose(fa.ddp(), fa.accumulate(2, normalize="items")),
+    )
     reported = []
     for batch in mine:
         state, metrics = fa.step(state, batch)
@@ -216,12 +225,12 @@ def test_items_normalisation_under_ddp_is_the_global_mean_over_tokens(world2: An
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for i in (0, 2):
         group = [b for rank_batches in per_rank for b in rank_batches[i : i + 2]]
-        sums, counts = zip(*(token_loss_sum(ref, b) for b in group))
+        sums, counts = zip(*(token_loss_sum(ref, b) for b in group), strict=False)
         (sum(sums) / sum(c["num_items"] for c in counts)).backward()
         opt.step()
         opt.zero_grad()
     for rank, (params, reported) in enumerate(world2.run(train_items)):
-        for p, q in zip(params, ref.parameters()):
+        for p, q in zip(params, ref.parameters(), strict=False):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
         windows = [per_rank[rank][i : i + 2] for i in (0, 2)]  # this rank's items, not all ranks'
         num_items = [float(sum(mask.sum() for _, _, mask in window)) for window in windows]
@@ -244,8 +253,10 @@ def train_fsdp_variant(state: fa.RunState, variant: str) -> dict[str, Any]:
     if variant == "late_optimizer":  # built on the parameters fsdp() then replaced
         state = fa.prepare(state, model, pipeline=fa.compose(fa.fsdp()))
         errors = []
-        for attempt in (lambda: fa.prepare(state, optimizer=opt),
-                        lambda: fa.utils.save(state, model.state_dict(), "/nonexistent/x.safetensors")):
+        for attempt in (
+            lambda: fa.prepare(state, optimizer=opt),
+            lambda: fa.utils.save(state, model.state_dict(), "/nonexistent/x.safetensors"),
+        ):
             try:
                 attempt()
             except ValueError as exc:
@@ -301,13 +312,13 @@ def test_fsdp_by_size_with_bf16_policy_and_offload_refused_on_cpu(world2: Any) -
     assert "'0.linear.weight' is on the meta device" in rank1["error"]
     for variant in ("min_size", "sync"):
         for result in world2.run(train_fsdp_variant, variant):
-            for p, q in zip(result["params"], expected):
+            for p, q in zip(result["params"], expected, strict=False):
                 torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)
     for result in world2.run(train_fsdp_variant, "bf16"):
         assert not result["patched_forward"]  # the precision went into MixedPrecisionPolicy
         assert result["param_dtype"] == "torch.float32"  # sharded master weights stay fp32
         assert all(math.isfinite(loss) for loss in result["losses"])
-        for p, q in zip(result["params"], expected):
+        for p, q in zip(result["params"], expected, strict=False):
             torch.testing.assert_close(p, q, rtol=0.05, atol=0.02)  # bf16 compute
 
 
@@ -323,6 +334,7 @@ def _default_pipeline_from_handler(state: fa.RunState) -> str:
 
 
 def test_the_default_ddp_takes_the_kwargs_handler(world2: Any) -> None:
-    assert world2.run(_default_pipeline_from_handler) == [
-        "compose(ddp(bucket_cap_mb=10, find_unused_parameters=True))"
-    ] * 2
+    assert (
+        world2.run(_default_pipeline_from_handler)
+        == ["compose(ddp(bucket_cap_mb=10, find_unused_parameters=True))"] * 2
+    )

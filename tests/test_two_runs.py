@@ -32,11 +32,19 @@ def _d_loss(d: nn.Module, fake: torch.Tensor, real: torch.Tensor) -> torch.Tenso
 def test_the_discriminators_update_uses_only_its_own_gradients(micro_steps: int, generator_step: str) -> None:
     g, d = _models()
     reference_d = copy.deepcopy(d)
-    g_run = fa.prepare(fa.init(seed=1, cpu=True), g, torch.optim.SGD(g.parameters(), lr=0.1),
-                       loss_fn=lambda model, z: -d(model(z)).mean())  # flows into d: leaves grads on it
-    d_run = fa.prepare(fa.init(seed=2, cpu=True), d, torch.optim.SGD(d.parameters(), lr=0.1),
-                       pipeline=fa.compose(fa.accumulate(micro_steps)),
-                       loss_fn=lambda model, batch: _d_loss(model, *batch))
+    g_run = fa.prepare(
+        fa.init(seed=1, cpu=True),
+        g,
+        torch.optim.SGD(g.parameters(), lr=0.1),
+        loss_fn=lambda model, z: -d(model(z)).mean(),
+    )  # flows into d: leaves grads on it
+    d_run = fa.prepare(
+        fa.init(seed=2, cpu=True),
+        d,
+        torch.optim.SGD(d.parameters(), lr=0.1),
+        pipeline=fa.compose(fa.accumulate(micro_steps)),
+        loss_fn=lambda model, batch: _d_loss(model, *batch),
+    )
     reference_opt = torch.optim.SGD(reference_d.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
@@ -57,15 +65,19 @@ def test_the_discriminators_update_uses_only_its_own_gradients(micro_steps: int,
         for fake, real in windows:
             (_d_loss(reference_d, fake, real) / micro_steps).backward()
         reference_opt.step()
-        for p, q in zip(d.parameters(), reference_d.parameters()):
+        for p, q in zip(d.parameters(), reference_d.parameters(), strict=False):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
     assert d_run.step == 3
 
 
 def test_a_runs_backward_writes_no_gradient_on_another_runs_model() -> None:
     g, d = _models()
-    g_run = fa.prepare(fa.init(seed=1, cpu=True), g, torch.optim.SGD(g.parameters(), lr=0.1),
-                       loss_fn=lambda model, z: -d(model(z)).mean())
+    g_run = fa.prepare(
+        fa.init(seed=1, cpu=True),
+        g,
+        torch.optim.SGD(g.parameters(), lr=0.1),
+        loss_fn=lambda model, z: -d(model(z)).mean(),
+    )
     fa.step(g_run, torch.randn(5, 4))
     assert all(p.grad is None for p in d.parameters())
     assert all(p.grad is not None for p in g.parameters())  # zeroed at the next window's start
@@ -77,8 +89,12 @@ def test_a_runs_backward_writes_no_gradient_on_another_runs_model() -> None:
 def _prepared(seed: int) -> fa.RunState:
     torch.manual_seed(seed)
     model = nn.Linear(4, 1)
-    return fa.prepare(fa.init(seed=seed, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                      loss_fn=lambda m, b: m(b).pow(2).mean())
+    return fa.prepare(
+        fa.init(seed=seed, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=lambda m, b: m(b).pow(2).mean(),
+    )
 
 
 def _works(state: fa.RunState) -> fa.RunState:

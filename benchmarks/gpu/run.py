@@ -63,12 +63,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+import gpu_step  # noqa: E402  (the model, the batches, the loss and the alternating timer)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 import fnaccel as fa  # noqa: E402
-import gpu_step  # noqa: E402  (the model, the batches, the loss and the alternating timer)
 
 SECTIONS = ("step", "resume", "async_save")
 ROWS = ("eager", "fsdp", "deepspeed_zero2", "compiled", "fp8")
@@ -100,8 +100,9 @@ def fused_adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
 
 
-def hand_block(model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any],
-               device: torch.device) -> Callable[[], None]:
+def hand_block(
+    model: nn.Module, opt: torch.optim.Optimizer, batches: list[Any], device: torch.device
+) -> Callable[[], None]:
     def block() -> None:
         for batch in batches:
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -146,8 +147,14 @@ def why_not(row: str, device: torch.device) -> str | None:
     return None
 
 
-def step_row(row: str, shape: gpu_step.Shape, device: torch.device, args: argparse.Namespace,
-             flops: int, peak: float | None) -> dict[str, Any]:
+def step_row(
+    row: str,
+    shape: gpu_step.Shape,
+    device: torch.device,
+    args: argparse.Namespace,
+    flops: int,
+    peak: float | None,
+) -> dict[str, Any]:
     batches = gpu_step.make_batches(shape, device, args.steps)
     hand_model = gpu_step.make_model(shape, device)
     model = gpu_step.make_model(shape, device)
@@ -167,16 +174,25 @@ def step_row(row: str, shape: gpu_step.Shape, device: torch.device, args: argpar
     with world_of_one(device) if row == "deepspeed_zero2" else contextlib.nullcontext():
         hand = hand_block(run_hand, fused_adamw(hand_model), batches, device)
         state = fa.init(seed=0, cpu=device.type == "cpu")
-        state = fa.prepare(state, model, fused_adamw(model), loss_fn=gpu_step.loss_fn, pipeline=fa.compose(*parts))
+        state = fa.prepare(
+            state, model, fused_adamw(model), loss_fn=gpu_step.loss_fn, pipeline=fa.compose(*parts)
+        )
         ours, holder = fnaccel_block(state, batches)
         hand_s, ours_s = gpu_step.measure(hand, ours, args.rounds, device)
         tokens = args.steps * shape.batch * shape.seq
-        diff = max((a.float() - b.float()).abs().max().item()
-                   for a, b in zip(hand_model.parameters(), model.parameters()))
+        diff = max(
+            (a.float() - b.float()).abs().max().item()
+            for a, b in zip(hand_model.parameters(), model.parameters(), strict=False)
+        )
         fa.shutdown(holder[0])
     result: dict[str, Any] = {
-        "section": "step", "row": row, "hand_tokens_per_second": tokens / hand_s, "fnaccel_tokens_per_second": tokens / ours_s,
-        "throughput_ratio": hand_s / ours_s, "flops_per_batch": flops, "max_weight_difference": diff,
+        "section": "step",
+        "row": row,
+        "hand_tokens_per_second": tokens / hand_s,
+        "fnaccel_tokens_per_second": tokens / ours_s,
+        "throughput_ratio": hand_s / ours_s,
+        "flops_per_batch": flops,
+        "max_weight_difference": diff,
     }
     for side, seconds in (("hand", hand_s), ("fnaccel", ours_s)):
         result[f"{side}_mfu"] = None if peak is None else args.steps * flops / seconds / peak
@@ -192,22 +208,36 @@ def world_of_one(device: torch.device) -> Iterator[None]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with fa.utils.patch_environment(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)):
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    with fa.utils.patch_environment(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    ):
+        torch.distributed.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1
+        )
         try:
             yield
         finally:
             torch.distributed.destroy_process_group()
 
 
-def step_section(shapes: list[tuple[str, gpu_step.Shape]], rows: list[str], device: torch.device,
-                 args: argparse.Namespace, report: Report) -> None:
+def step_section(
+    shapes: list[tuple[str, gpu_step.Shape]],
+    rows: list[str],
+    device: torch.device,
+    args: argparse.Namespace,
+    report: Report,
+) -> None:
     peak = fa.device_peak_flops(device, fa.bf16)
     for shape_name, shape in shapes:
         count_model = gpu_step.GPT(shape)  # counted on a meta copy: no second model on the device
-        flops = fa.count_flops(count_model, gpu_step.make_batches(shape, torch.device("cpu"), 1)[0],
-                               gpu_step.loss_fn)
+        flops = fa.count_flops(
+            count_model, gpu_step.make_batches(shape, torch.device("cpu"), 1)[0], gpu_step.loss_fn
+        )
         del count_model
         for row in rows:
             reason = why_not(row, device)
@@ -217,13 +247,19 @@ def step_section(shapes: list[tuple[str, gpu_step.Shape]], rows: list[str], devi
             try:
                 result = {"shape": shape_name, **step_row(row, shape, device, args, flops, peak)}
             except Exception as exc:  # a broken row is a finding; the next rows still run
-                result = {"section": "step", "row": row, "shape": shape_name, "error": f"{type(exc).__name__}: {exc}"}
+                result = {
+                    "section": "step",
+                    "row": row,
+                    "shape": shape_name,
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
             report.add(result)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
 
 # ---- resume: three fresh processes -------------------------------------------------------------
+
 
 def resume_child(mode: str, directory: Path, device: torch.device) -> None:
     """One process of the resume section: ``full`` (saving mid-epoch on the way) or ``resumed``."""
@@ -234,8 +270,9 @@ def resume_child(mode: str, directory: Path, device: torch.device) -> None:
     model = gpu_step.make_model(shape, device)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, shape.vocab, (RESUME_BATCHES * shape.batch, shape.seq + 1), generator=g)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]),
-                                         batch_size=shape.batch, shuffle=True)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=shape.batch, shuffle=True
+    )
 
     def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
         inputs, targets = batch
@@ -243,8 +280,9 @@ def resume_child(mode: str, directory: Path, device: torch.device) -> None:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     state = fa.init(seed=0, cpu=device.type == "cpu")
-    state = fa.prepare(state, model, fused_adamw(model), loader, loss_fn=loss_fn,
-                       pipeline=fa.compose(fa.autocast(fa.bf16)))
+    state = fa.prepare(
+        state, model, fused_adamw(model), loader, loss_fn=loss_fn, pipeline=fa.compose(fa.autocast(fa.bf16))
+    )
     checkpoint = directory / "mid_epoch"
     if mode == "resumed":
         state = fa.load(state, checkpoint)
@@ -256,8 +294,9 @@ def resume_child(mode: str, directory: Path, device: torch.device) -> None:
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    (directory / f"{mode}.json").write_text(json.dumps({"micro_step": state.micro_step,
-                                                        "weights_sha256": digest.hexdigest()}))
+    (directory / f"{mode}.json").write_text(
+        json.dumps({"micro_step": state.micro_step, "weights_sha256": digest.hexdigest()})
+    )
     fa.shutdown(state)
 
 
@@ -268,31 +307,45 @@ def resume_section(device: torch.device, report: Report) -> None:
         started = time.perf_counter()
         for mode in ("full", "resumed"):
             try:
-                done = subprocess.run([sys.executable, __file__, "--resume-child", mode, "--dir", tmp,
-                                       "--device", str(device)], env=env, timeout=300, capture_output=True,
-                                      text=True)
+                done = subprocess.run(
+                    [sys.executable, __file__, "--resume-child", mode, "--dir", tmp, "--device", str(device)],
+                    env=env,
+                    timeout=300,
+                    capture_output=True,
+                    text=True,
+                )
             except subprocess.TimeoutExpired as exc:  # subprocess.run has killed it
                 report.add({"section": "resume", "error": f"the {mode!r} process ran past {exc.timeout} s"})
                 return
             if done.returncode != 0:
-                report.add({"section": "resume", "error": f"the {mode!r} process failed:\n{done.stderr[-3000:]}"})
+                report.add(
+                    {"section": "resume", "error": f"the {mode!r} process failed:\n{done.stderr[-3000:]}"}
+                )
                 return
             out[mode] = json.loads((Path(tmp) / f"{mode}.json").read_text())
     full, resumed = out["full"], out["resumed"]
-    report.add({"section": "resume", "saved_at_micro_step": RESUME_SAVE_AT,
-                "micro_steps": [full["micro_step"], resumed["micro_step"]],
-                "bit_identical": full["weights_sha256"] == resumed["weights_sha256"],
-                "seconds": time.perf_counter() - started})
+    report.add(
+        {
+            "section": "resume",
+            "saved_at_micro_step": RESUME_SAVE_AT,
+            "micro_steps": [full["micro_step"], resumed["micro_step"]],
+            "bit_identical": full["weights_sha256"] == resumed["weights_sha256"],
+            "seconds": time.perf_counter() - started,
+        }
+    )
 
 
 # ---- asynchronous save -------------------------------------------------------------------------
 
-def async_save_section(shape: gpu_step.Shape, device: torch.device, args: argparse.Namespace,
-                       report: Report) -> None:
+
+def async_save_section(
+    shape: gpu_step.Shape, device: torch.device, args: argparse.Namespace, report: Report
+) -> None:
     model = gpu_step.make_model(shape, device)
     state = fa.init(seed=0, cpu=device.type == "cpu")
-    state = fa.prepare(state, model, fused_adamw(model), loss_fn=gpu_step.loss_fn,
-                       pipeline=fa.compose(fa.autocast(fa.bf16)))
+    state = fa.prepare(
+        state, model, fused_adamw(model), loss_fn=gpu_step.loss_fn, pipeline=fa.compose(fa.autocast(fa.bf16))
+    )
     batches = gpu_step.make_batches(shape, device, 5)
     for batch in batches:  # AdamW's state exists, the kernels are warm
         state, _ = fa.step(state, batch)
@@ -309,7 +362,7 @@ def async_save_section(shape: gpu_step.Shape, device: torch.device, args: argpar
     blocking, blocked, during, idle = [], [], [], []
     with tempfile.TemporaryDirectory(dir=args.save_dir) as tmp:
         for r in range(args.save_rounds):
-            for kind in (("blocking", "async") if r % 2 == 0 else ("async", "blocking")):
+            for kind in ("blocking", "async") if r % 2 == 0 else ("async", "blocking"):
                 gpu_step._sync(device)
                 start = time.perf_counter()
                 if kind == "blocking":
@@ -323,17 +376,25 @@ def async_save_section(shape: gpu_step.Shape, device: torch.device, args: argpar
                     handle.wait()
         size = sum(f.stat().st_size for f in (Path(tmp) / "blocking").rglob("*") if f.is_file())
     fa.shutdown(state)
-    report.add({"section": "async_save", "checkpoint_bytes": size,
-                "blocking_save_s": statistics.median(blocking), "async_blocked_s": statistics.median(blocked),
-                "blocked_ratio": statistics.median(blocked) / statistics.median(blocking),
-                "steps_during_write_over_idle": statistics.median(idle) / statistics.median(during)})
+    report.add(
+        {
+            "section": "async_save",
+            "checkpoint_bytes": size,
+            "blocking_save_s": statistics.median(blocking),
+            "async_blocked_s": statistics.median(blocked),
+            "blocked_ratio": statistics.median(blocked) / statistics.median(blocking),
+            "steps_during_write_over_idle": statistics.median(idle) / statistics.median(during),
+        }
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="gpu_step's toy size: checks the script on a CPU")
-    parser.add_argument("--medium", action="store_true", help="also the step rows at GPT-2 medium's shape (350M)")
+    parser.add_argument(
+        "--medium", action="store_true", help="also the step rows at GPT-2 medium's shape (350M)"
+    )
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {SECTIONS}")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"step rows, comma-separated, of {ROWS}")
     parser.add_argument("--rounds", type=int, default=5)
@@ -361,10 +422,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shapes = [("tiny" if args.tiny else "gpt2_small_124m", shape)]
     if args.medium and not args.tiny:
         shapes.append(("gpt2_medium_350m", GPT2_MEDIUM))
-    header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-              "torch": torch.__version__, "python": platform.python_version(),
-              "peak_bf16_flops": fa.device_peak_flops(device, fa.bf16),
-              "steps_per_block": args.steps, "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    header = {
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "peak_bf16_flops": fa.device_peak_flops(device, fa.bf16),
+        "steps_per_block": args.steps,
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     print(json.dumps(header), flush=True)
     report = Report(args.json, header)
     # the rows that compile go last, so that a run cut short by its time limit has the rest

@@ -24,9 +24,12 @@ def kind_of(obj: object) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def check_layout(saved: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
-                 expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]], source: str,
-                 what: str) -> None:
+def check_layout(
+    saved: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
+    expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]],
+    source: str,
+    what: str,
+) -> None:
     """Same keys, and each entry's ``(shape, dtype)`` as expected; else `CheckpointError`
     naming ``source`` and up to five differences."""
     missing = sorted(set(expected) - set(saved))
@@ -38,19 +41,28 @@ def check_layout(saved: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]]
         )
     wrong = [
         f"{key!r} has shape {saved[key][0]} in the checkpoint but {shape} in {what}"
-        if saved[key][0] != shape else
-        f"{key!r} has dtype {saved[key][1]} in the checkpoint but {dtype} in {what}"
-        for key, (shape, dtype) in expected.items() if saved[key] != (shape, dtype)
+        if saved[key][0] != shape
+        else f"{key!r} has dtype {saved[key][1]} in the checkpoint but {dtype} in {what}"
+        for key, (shape, dtype) in expected.items()
+        if saved[key] != (shape, dtype)
     ]
     if wrong:
         raise CheckpointError(f"{source}: {'; '.join(wrong[:5])}")
 
 
-def check_tensors(saved: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], source: str,
-                  what: str = "the model") -> None:
+def check_tensors(
+    saved: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    source: str,
+    what: str = "the model",
+) -> None:
     """Same keys, and each tensor with the expected shape and dtype."""
-    check_layout({k: (tuple(t.shape), t.dtype) for k, t in saved.items()},
-                 {k: (tuple(t.shape), t.dtype) for k, t in expected.items()}, source, what)
+    check_layout(
+        {k: (tuple(t.shape), t.dtype) for k, t in saved.items()},
+        {k: (tuple(t.shape), t.dtype) for k, t in expected.items()},
+        source,
+        what,
+    )
 
 
 def _kind(value: Any) -> str:
@@ -99,8 +111,10 @@ def _like(saved: Any, live: Any, file: str, key: str, strict: bool) -> None:
         if not isinstance(saved, torch.Tensor):
             raise fail(f"must be a tensor, not {_kind(saved)}")
         if saved.shape != live.shape or saved.dtype != live.dtype:
-            raise fail(f"has shape {tuple(saved.shape)} and dtype {saved.dtype} in the checkpoint but "
-                       f"{tuple(live.shape)} and {live.dtype} in this run")
+            raise fail(
+                f"has shape {tuple(saved.shape)} and dtype {saved.dtype} in the checkpoint but "
+                f"{tuple(live.shape)} and {live.dtype} in this run"
+            )
         return
     if isinstance(live, Mapping):
         if not isinstance(saved, Mapping):
@@ -108,10 +122,17 @@ def _like(saved: Any, live: Any, file: str, key: str, strict: bool) -> None:
         live_keys = {str(k): k for k in live}
         saved_keys = {str(k): k for k in saved}
         if strict and set(live_keys) != set(saved_keys):
-            missing, extra = sorted(set(live_keys) - set(saved_keys)), sorted(set(saved_keys) - set(live_keys))
-            raise fail(f"holds keys that differ from this run's: missing {missing[:5]}, unexpected {extra[:5]}")
+            missing, extra = (
+                sorted(set(live_keys) - set(saved_keys)),
+                sorted(set(saved_keys) - set(live_keys)),
+            )
+            raise fail(
+                f"holds keys that differ from this run's: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
         for name in sorted(set(live_keys) & set(saved_keys)):
-            _like(saved[saved_keys[name]], live[live_keys[name]], file, f"{key}/{name}" if key else name, strict)
+            _like(
+                saved[saved_keys[name]], live[live_keys[name]], file, f"{key}/{name}" if key else name, strict
+            )
         return
     if isinstance(live, (list, tuple)):
         if not isinstance(saved, (list, tuple)):
@@ -120,7 +141,7 @@ def _like(saved: Any, live: Any, file: str, key: str, strict: bool) -> None:
             raise fail(f"holds {len(saved)} items in the checkpoint but {len(live)} in this run")
         if all(type(x) is int for x in live) and all(type(x) is int for x in saved):
             return  # integers where integers are (a generator's 625 words): no call per item
-        for i, (item, now) in enumerate(zip(saved, live)):
+        for i, (item, now) in enumerate(zip(saved, live, strict=False)):
             _like(item, now, file, f"{key}/{i}" if key else str(i), strict)
         return
     if live is None:

@@ -17,8 +17,8 @@ import torch
 
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.checks import check_like, kind_of
-from fnaccel.rng import RNGState
 from fnaccel.checks import is_int
+from fnaccel.rng import RNGState
 
 __all__ = ["check_kind", "optimizer_payload", "optimizer_state", "restore_groups", "rng_from", "rng_payload"]
 
@@ -74,29 +74,36 @@ def _class_defaults(optimizer: torch.optim.Optimizer) -> set[str]:
     (torch's ``__setstate__`` defaults the options newer than a checkpoint); none if it fails."""
     probe = object.__new__(type(optimizer))
     try:
-        type(optimizer).__setstate__(probe, {"defaults": dict(optimizer.defaults), "state": {},
-                                             "param_groups": [{"params": []}]})
+        type(optimizer).__setstate__(
+            probe, {"defaults": dict(optimizer.defaults), "state": {}, "param_groups": [{"params": []}]}
+        )
         return set(probe.param_groups[0]) - {"params"}
-    except Exception:  # noqa: BLE001 - another class's own __setstate__: then it fills in nothing
+    except Exception:
         return set()
 
 
-def _throwaway(cls: type[torch.optim.Optimizer], settings: dict[str, Any], like: torch.Tensor | None
-               ) -> torch.optim.Optimizer:
+def _throwaway(
+    cls: type[torch.optim.Optimizer], settings: dict[str, Any], like: torch.Tensor | None
+) -> torch.optim.Optimizer:
     """A ``cls`` built with the ``settings`` its constructor takes, over one one-element
     parameter of ``like``'s ndim, dtype and device (Muon takes only matrices, fused only floats)."""
     accepted = inspect.signature(cls).parameters
     kwargs = {k: v for k, v in settings.items() if k in accepted and k != "params"}
-    probe = torch.zeros(1) if like is None else torch.zeros((1,) * like.ndim, dtype=like.dtype, device=like.device)
+    probe = (
+        torch.zeros(1)
+        if like is None
+        else torch.zeros((1,) * like.ndim, dtype=like.dtype, device=like.device)
+    )
     return cls([torch.nn.Parameter(probe)], **kwargs)
 
 
-def _check_settings(optimizer: torch.optim.Optimizer, settings: dict[str, Any], like: torch.Tensor | None,
-                    where: str) -> None:
+def _check_settings(
+    optimizer: torch.optim.Optimizer, settings: dict[str, Any], like: torch.Tensor | None, where: str
+) -> None:
     """Numbers a C double holds, and, for torch's own optimizers, settings their constructor
     accepts (``0 <= betas[0] < 1``, ``eps >= 0``, ...), checked on a `_throwaway` one."""
     for key, value in settings.items():
-        if is_int(value) and not -2**63 <= value < 2**63:
+        if is_int(value) and not -(2**63) <= value < 2**63:
             raise CheckpointError(f"{where}: key {key!r} is {value}, out of any range torch computes in")
     cls = type(optimizer)
     if not cls.__module__.startswith("torch.optim."):
@@ -107,8 +114,12 @@ def _check_settings(optimizer: torch.optim.Optimizer, settings: dict[str, Any], 
         raise CheckpointError(f"{where}: {cls.__name__} refuses these settings ({exc})") from None
 
 
-def _probe_step(cls: type[torch.optim.Optimizer], settings: dict[str, Any], like: torch.Tensor,
-                entries: dict[str, Any] | None) -> None:
+def _probe_step(
+    cls: type[torch.optim.Optimizer],
+    settings: dict[str, Any],
+    like: torch.Tensor,
+    entries: dict[str, Any] | None,
+) -> None:
     """One step of a `_throwaway` ``cls`` from a zero gradient, its state ``entries`` (each
     one element, or as saved when 0-d) or a fresh state (None)."""
     optimizer = _throwaway(cls, settings, like)
@@ -128,14 +139,22 @@ def _stand_ins(saved: Mapping[str, Any], param: torch.Tensor) -> dict[str, Any] 
         if isinstance(value, torch.Tensor):
             if value.ndim and value.shape != param.shape:
                 return None
-            value = torch.zeros((1,) * param.ndim, dtype=value.dtype, device=param.device) if value.ndim \
+            value = (
+                torch.zeros((1,) * param.ndim, dtype=value.dtype, device=param.device)
+                if value.ndim
                 else value.clone()
+            )
         entries[key] = value
     return entries
 
 
-def _check_state_fits(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
-                      state: Mapping[int, Mapping[str, Any]], like: Mapping[int, torch.Tensor], source: str) -> None:
+def _check_state_fits(
+    optimizer: torch.optim.Optimizer,
+    groups: list[dict[str, Any]],
+    state: Mapping[int, Mapping[str, Any]],
+    like: Mapping[int, torch.Tensor],
+    source: str,
+) -> None:
     """For torch's own optimizers: the saved state of each group's first parameter with
     state fits the saved settings (``amsgrad`` needs ``max_exp_avg_sq``; ``capturable``
     a device that has it), or the first step would fail after the state was consumed.
@@ -146,7 +165,7 @@ def _check_state_fits(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
     cls = type(optimizer)
     if not cls.__module__.startswith("torch.optim."):
         return
-    for group, live in zip(groups, optimizer.param_groups):
+    for group, live in zip(groups, optimizer.param_groups, strict=False):
         index = next((i for i in group["params"] if i in state), None)
         if index is None:
             continue
@@ -155,10 +174,10 @@ def _check_state_fits(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
             continue
         try:
             _probe_step(cls, group, like[index], entries)
-        except Exception as exc:  # noqa: BLE001 - any failure of that step is what is refused
+        except Exception as exc:
             try:
                 _probe_step(cls, live, like[index], None)  # _throwaway takes no "params" from a group
-            except Exception:  # noqa: BLE001 - the probe does not apply to this optimizer
+            except Exception:
                 continue
             raise CheckpointError(
                 f"{source}: the state saved for {sorted(entries)} does not fit the group's settings: "
@@ -166,8 +185,9 @@ def _check_state_fits(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
             ) from None
 
 
-def restore_groups(saved: Any, current: list[dict[str, Any]], source: str,
-                   optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+def restore_groups(
+    saved: Any, current: list[dict[str, Any]], source: str, optimizer: torch.optim.Optimizer
+) -> list[dict[str, Any]]:
     """The saved param groups, checked against the live optimizer's (``params`` as names in
     both), with the live ``params`` and the live tuple types (JSON has none) put back.
 
@@ -175,8 +195,10 @@ def restore_groups(saved: Any, current: list[dict[str, Any]], source: str,
     and lack only those ``optimizer``'s class fills in itself; the settings both have must
     be alike (lists of the same length), and ``optimizer``'s own constructor must accept them.
     """
-    if not (isinstance(saved, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
-                                            for g in saved)):
+    if not (
+        isinstance(saved, list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved)
+    ):
         raise CheckpointError(f"{source}: key 'param_groups' must be a list of objects with 'params'")
     if [g["params"] for g in saved] != [list(g["params"]) for g in current]:
         raise CheckpointError(
@@ -186,19 +208,26 @@ def restore_groups(saved: Any, current: list[dict[str, Any]], source: str,
         )
     filled = _class_defaults(optimizer)
     restored = []
-    for i, (group, now) in enumerate(zip(saved, current)):
+    for i, (group, now) in enumerate(zip(saved, current, strict=False)):
         where = f"{source}: param_groups/{i}"
         settings = {k: v for k, v in group.items() if k != "params"}
         live = {k: v for k, v in now.items() if k != "params"}
         missing = sorted(set(live) - set(settings) - filled)
         if missing:
             raise CheckpointError(f"{where}: key {missing[0]!r} is missing (the settings lack {missing})")
-        check_like({k: v for k, v in settings.items() if k in live},
-                   {k: v for k, v in live.items() if k in settings}, where)
+        check_like(
+            {k: v for k, v in settings.items() if k in live},
+            {k: v for k, v in live.items() if k in settings},
+            where,
+        )
         live_params = optimizer.param_groups[i]["params"]
         _check_settings(optimizer, settings, live_params[0] if live_params else None, where)
-        restored.append({**{k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in settings.items()},
-                         "params": now["params"]})
+        restored.append(
+            {
+                **{k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in settings.items()},
+                "params": now["params"],
+            }
+        )
     return restored
 
 
@@ -210,7 +239,9 @@ def _check_state_tensor(key: str, value: torch.Tensor, param: torch.Tensor, sour
         if value.dtype.is_complex or value.dtype == torch.bool:
             raise CheckpointError(f"{source}: key {key!r} has dtype {value.dtype}, not a real number")
         return
-    fits = value.ndim == param.ndim and all(s in (1, n) for s, n in zip(value.shape, param.shape))
+    fits = value.ndim == param.ndim and all(
+        s in (1, n) for s, n in zip(value.shape, param.shape, strict=False)
+    )
     if not fits or value.dtype != param.dtype:
         raise CheckpointError(
             f"{source}: key {key!r} has shape {tuple(value.shape)} and dtype {value.dtype}, but its "
@@ -236,7 +267,7 @@ def optimizer_state(
     current = optimizer.state_dict()
     named = [{**g, "params": [order[i] for i in g["params"]]} for g in current["param_groups"]]
     groups = restore_groups(saved["param_groups"], named, source, optimizer)
-    for group, now in zip(groups, current["param_groups"]):
+    for group, now in zip(groups, current["param_groups"], strict=False):
         group["params"] = now["params"]
     live = {order[i]: fields for i, fields in current["state"].items()}
     state: dict[int, dict[str, Any]] = {}
@@ -244,7 +275,9 @@ def optimizer_state(
     for key, value in tensors.items():
         name, _, field = key.rpartition("/")
         if name not in index:
-            raise CheckpointError(f"{tensor_source}: key {key!r}: optimizer state for unknown parameter {name!r}")
+            raise CheckpointError(
+                f"{tensor_source}: key {key!r}: optimizer state for unknown parameter {name!r}"
+            )
         _check_state_tensor(key, value, params[name], tensor_source)
         state.setdefault(index[name], {})[field] = value
     scalars = saved["scalars"]
@@ -255,7 +288,9 @@ def optimizer_state(
             raise CheckpointError(f"{source}: key 'scalars/{name}': not a parameter of this optimizer")
         for field, value in fields.items():
             if not (value is None or isinstance(value, (bool, int, float, str))):
-                raise CheckpointError(f"{source}: key 'scalars/{name}/{field}' must be a number, string or null")
+                raise CheckpointError(
+                    f"{source}: key 'scalars/{name}/{field}' must be a number, string or null"
+                )
         state.setdefault(index[name], {}).update(fields)
     for name, fields in live.items():  # a run that already stepped: its state says what fits
         if index[name] in state:
@@ -304,8 +339,10 @@ def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, so
     # random.setstate refuses another version only when the state is installed (fa.evaluate,
     # a step with step_rng_types "python"): after the state was consumed
     if version != live.python[0] or not _uint32s(words) or not (gauss is None or _finite(gauss)):
-        raise CheckpointError(f"{source}: key 'rng/python' is not a Python generator state of version "
-                              f"{live.python[0]} (32-bit words, a finite or null cached Gaussian)")
+        raise CheckpointError(
+            f"{source}: key 'rng/python' is not a Python generator state of version "
+            f"{live.python[0]} (32-bit words, a finite or null cached Gaussian)"
+        )
     for name, now in (("rng/torch", live.torch), *((f"rng/cuda/{i}", s) for i, s in enumerate(live.cuda))):
         value = tensors.get(name)
         if value is None:
@@ -316,8 +353,13 @@ def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, so
         import numpy as np
 
         kind, key, pos, has_gauss, cached = saved["numpy"]
-        if (kind != live.numpy[0] or not _uint32s(key) or not 0 <= pos <= len(key) or has_gauss not in (0, 1)
-                or not _finite(cached)):
+        if (
+            kind != live.numpy[0]
+            or not _uint32s(key)
+            or not 0 <= pos <= len(key)
+            or has_gauss not in (0, 1)
+            or not _finite(cached)
+        ):
             raise CheckpointError(f"{source}: key 'rng/numpy' is not a NumPy generator state")
         numpy = (kind, np.array(key, dtype=np.uint32), pos, has_gauss, cached)
     return RNGState(

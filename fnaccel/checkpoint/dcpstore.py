@@ -46,8 +46,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -136,7 +136,9 @@ def metadata_json(metadata: Metadata, storage: list[dict[str, Any]]) -> dict[str
     }
 
 
-def metadata_from(saved: Any, files: Mapping[str, Any], source: str) -> tuple[Metadata, dict[Any, tuple[str, str]]]:
+def metadata_from(
+    saved: Any, files: Mapping[str, Any], source: str
+) -> tuple[Metadata, dict[Any, tuple[str, str]]]:
     """DCP's Metadata and ``{chunk index: (file, key)}`` from ``sharded/metadata.json``,
     checked first by `read_index` (known dtypes and layouts, chunks inside their tensors,
     files among the manifest's ``files`` under ``sharded/``, declared sizes within theirs)."""
@@ -144,18 +146,27 @@ def metadata_from(saved: Any, files: Mapping[str, Any], source: str) -> tuple[Me
     state_dict_metadata: dict[str, Any] = {
         fqn: TensorStorageMetadata(
             properties=TensorProperties(
-                dtype=torch_dtype(item.dtype), layout=_LAYOUTS[item.layout], requires_grad=item.requires_grad,
-                memory_format=_MEMORY_FORMATS[item.memory_format], pin_memory=item.pin_memory,
+                dtype=torch_dtype(item.dtype),
+                layout=_LAYOUTS[item.layout],
+                requires_grad=item.requires_grad,
+                memory_format=_MEMORY_FORMATS[item.memory_format],
+                pin_memory=item.pin_memory,
             ),
             size=torch.Size(item.size),
-            chunks=[ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                    for offsets, sizes in item.chunks],
+            chunks=[
+                ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                for offsets, sizes in item.chunks
+            ],
         )
         for fqn, item in index.keys.items()
     }
     storage = {MetadataIndex(fqn, offset): where for (fqn, offset), where in index.storage.items()}
-    metadata = Metadata(state_dict_metadata=state_dict_metadata, planner_data=index.planner_data,
-                        storage_data=storage, version=index.dcp_version)
+    metadata = Metadata(
+        state_dict_metadata=state_dict_metadata,
+        planner_data=index.planner_data,
+        storage_data=storage,
+        version=index.dcp_version,
+    )
     return metadata, storage
 
 
@@ -193,8 +204,13 @@ def load(targets: dict[str, Any], reader: StorageReader, group: Any, action: str
     try:
         with warnings.catch_warnings():  # DCP warns that it "assumes" the one process we asked for
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(targets, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=group,
-                     no_dist=group is None)
+            dcp.load(
+                targets,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(),
+                process_group=group,
+                no_dist=group is None,
+            )
     except CheckpointException as exc:
         raise _checkpoint_error(exc, action, name_rank=group is not None) from None
 
@@ -248,11 +264,13 @@ class ShardWriter(StorageWriter):
                 tensor = tensor.clone()
             storages.add(storage)
             tensors[key] = tensor
-            results.append(WriteResult(
-                index=item.index,
-                size_in_bytes=data.numel() * data.element_size(),
-                storage_data={"file": name, "key": key},
-            ))
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=data.numel() * data.element_size(),
+                    storage_data={"file": name, "key": key},
+                )
+            )
         if tensors:
             self.entries[name] = write_tensors(self.root / name, tensors)
             fsync_dir((self.root / name).parent)
@@ -261,7 +279,8 @@ class ShardWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = [
             {"fqn": r.index.fqn, "offset": list(r.index.offset or ()), **r.storage_data}
-            for rank_results in results for r in rank_results
+            for rank_results in results
+            for r in rank_results
         ]
         self.entries[METADATA] = write_json(self.root / METADATA, metadata_json(metadata, storage))
         fsync_dir((self.root / METADATA).parent)
@@ -274,8 +293,9 @@ class ShardWriter(StorageWriter):
 class ShardReader(StorageReader):
     """Reads the chunks back, every file verified against the run's manifest first."""
 
-    def __init__(self, root: Path, manifest: dict[str, Any], metadata: Metadata,
-                 storage: Mapping[Any, tuple[str, str]]) -> None:
+    def __init__(
+        self, root: Path, manifest: dict[str, Any], metadata: Metadata, storage: Mapping[Any, tuple[str, str]]
+    ) -> None:
         self.root = root
         self.manifest = manifest
         self.metadata = metadata
@@ -287,7 +307,9 @@ class ShardReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -308,9 +330,12 @@ class ShardReader(StorageReader):
                 source = tensors.get(key)
                 if source is None:
                     raise CheckpointError(f"{self.root / name}: no tensor {key!r}")
-                piece = source[tuple(
-                    slice(start, start + length) for start, length in zip(item.storage_offsets, item.lengths)
-                )]
+                piece = source[
+                    tuple(
+                        slice(start, start + length)
+                        for start, length in zip(item.storage_offsets, item.lengths, strict=False)
+                    )
+                ]
                 target = planner.resolve_tensor(item).detach()
                 if target.shape != piece.shape:
                     raise CheckpointError(
@@ -388,8 +413,16 @@ class DirectoryReader(dcp.FileSystemReader):
         data = read_bounded(self.source, DCP_METADATA, limit=MAX_DCP_METADATA_BYTES)
         try:
             metadata = _MetadataUnpickler(io.BytesIO(data), path).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError,
-                KeyError, RecursionError) as exc:
+        except (
+            pickle.UnpicklingError,
+            EOFError,
+            AttributeError,
+            ValueError,
+            TypeError,
+            IndexError,
+            KeyError,
+            RecursionError,
+        ) as exc:
             raise CheckpointError(f"{path}: corrupt ({type(exc).__name__}: {exc})") from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP's Metadata")
@@ -412,9 +445,11 @@ class DirectoryReader(dcp.FileSystemReader):
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except CheckpointError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - whatever torch.load raises on damaged bytes
-                raise CheckpointError(f"{self.source / name}: corrupt (torch cannot read a tensor stored in it: "
-                                      f"{type(exc).__name__}); the file was damaged after it was written") from None
+            except Exception as exc:
+                raise CheckpointError(
+                    f"{self.source / name}: corrupt (torch cannot read a tensor stored in it: "
+                    f"{type(exc).__name__}); the file was damaged after it was written"
+                ) from None
         return _done(None)
 
 
@@ -430,9 +465,13 @@ def _check_types(metadata: Metadata, where: str) -> None:
             raise fail(fqn, "a key must be a string")
         if isinstance(item, BytesStorageMetadata):
             continue
-        if not (isinstance(item, TensorStorageMetadata) and isinstance(item.properties, TensorProperties)
-                and isinstance(item.properties.dtype, torch.dtype) and isinstance(item.chunks, list)
-                and all(isinstance(chunk, ChunkStorageMetadata) for chunk in item.chunks)):
+        if not (
+            isinstance(item, TensorStorageMetadata)
+            and isinstance(item.properties, TensorProperties)
+            and isinstance(item.properties.dtype, torch.dtype)
+            and isinstance(item.chunks, list)
+            and all(isinstance(chunk, ChunkStorageMetadata) for chunk in item.chunks)
+        ):
             raise fail(fqn, "not a tensor's metadata (properties with a torch dtype, a list of chunks)")
     for index in metadata.storage_data:
         if not (isinstance(index, MetadataIndex) and isinstance(index.fqn, str)):
@@ -440,8 +479,10 @@ def _check_types(metadata: Metadata, where: str) -> None:
     planned = metadata.planner_data
     if planned is not None and not (
         isinstance(planned, dict)
-        and all(isinstance(path, (list, tuple)) and all(isinstance(part, (str, int)) for part in path)
-                for path in planned.values())
+        and all(
+            isinstance(path, (list, tuple)) and all(isinstance(part, (str, int)) for part in path)
+            for path in planned.values()
+        )
     ):
         raise fail("planner_data", "must map keys to their paths (lists of names)")
 
@@ -462,8 +503,13 @@ def check_directory_metadata(metadata: Metadata, source: Path) -> None:
         if name not in sizes:
             sizes[name] = regular_size(source, name)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
-                and offset + length <= sizes[name]):
+        if not (
+            isinstance(offset, int)
+            and isinstance(length, int)
+            and offset >= 0
+            and length >= 0
+            and offset + length <= sizes[name]
+        ):
             raise CheckpointError(
                 f"{where}: key {getattr(index, 'fqn', index)!r} is stored at bytes {offset!r}..+{length!r} "
                 f"of {name}, which holds {sizes[name]} bytes"

@@ -57,7 +57,9 @@ def register_for_checkpointing(state: Any, **objects: Any) -> Any:
     ['ema']
     """
     for name, obj in objects.items():
-        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        if not (
+            callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+        ):
             raise TypeError(
                 f"register_for_checkpointing: {name}={type(obj).__name__} has no state_dict() and "
                 "load_state_dict(); only such objects can be saved with the run"
@@ -105,8 +107,11 @@ def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor], copy: bool,
         if metadata is not None:
             out["metadata"] = _encode(metadata, f"{path}/_metadata", {}, False, name)
         return out
-    _refuse(name, path, f"a {kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins"
-            else f"a {kind.__name__}")
+    _refuse(
+        name,
+        path,
+        f"a {kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else f"a {kind.__name__}",
+    )
 
 
 def _refuse(name: str, path: str, what: str) -> None:
@@ -139,11 +144,15 @@ def _decode(tree: Any, tensors: Mapping[str, torch.Tensor], where: str, path: st
         return [_decode(item, tensors, where, f"{path}/{i}") for i, item in enumerate(tree)]
 
     def fail(detail: str) -> CheckpointError:
-        return CheckpointError(f"{where}: key {path.lstrip('/')!r}: {detail}; the checkpoint was edited or is hostile")
+        return CheckpointError(
+            f"{where}: key {path.lstrip('/')!r}: {detail}; the checkpoint was edited or is hostile"
+        )
 
-    if not isinstance(tree, dict) or len(tree) != 1 and not (len(tree) == 2 and {"odict", "metadata"} == set(tree)):
+    if not isinstance(tree, dict) or (
+        len(tree) != 1 and not (len(tree) == 2 and {"odict", "metadata"} == set(tree))
+    ):
         raise fail(f"{_short(tree)} is not one of the stored forms (tuple, dict, odict, tensor)")
-    (tag, body), = ((k, v) for k, v in tree.items() if k != "metadata")
+    ((tag, body),) = ((k, v) for k, v in tree.items() if k != "metadata")
     if tag == "tensor":
         if not isinstance(body, str) or body not in tensors:
             raise fail(f"tensor {_short(body)} is not in extras.safetensors")

@@ -26,6 +26,7 @@ a private mapping whose tensors are views of it
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -165,7 +166,7 @@ def remove_leftovers(parent: Path, names: str, *, holding: SaveLock | None = Non
         except OSError:
             marked = False
         lock = parent / f".{match.group(1)}.lock"
-        if marked and (holding is not None and holding.path == lock or not locked(lock)):
+        if marked and ((holding is not None and holding.path == lock) or not locked(lock)):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
     return removed
@@ -195,19 +196,25 @@ class SaveLock:
             return f"{final}: cannot create its directory {final.parent} ({exc.strerror})"
         for _ in range(3):  # the path may be unlinked by its owner between our open and our flock
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+                fd = os.open(
+                    path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644
+                )
             except OSError as exc:
                 return f"{final}: cannot create the save's lock file {path} ({exc.strerror})"
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    return f"{final}: {path} is not a regular file; fnaccel keeps its save lock there: remove it"
+                    return (
+                        f"{final}: {path} is not a regular file; fnaccel keeps its save lock there: remove it"
+                    )
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     owner = os.pread(fd, 4096, 0).removeprefix(LOCK_MARKER).decode(errors="replace").strip()
-                    return (f"{final}: another save to this path is in progress ({owner or 'starting'}); two "
-                            "runs saving to one path would replace each other's checkpoints: save elsewhere, "
-                            "or wait for it to end")
+                    return (
+                        f"{final}: another save to this path is in progress ({owner or 'starting'}); two "
+                        "runs saving to one path would replace each other's checkpoints: save elsewhere, "
+                        "or wait for it to end"
+                    )
                 content = os.pread(fd, len(LOCK_MARKER), 0)
                 if content and content != LOCK_MARKER:
                     return f"{final}: {path} is not fnaccel's save lock, and fnaccel keeps its lock there: move it"
@@ -216,8 +223,13 @@ class SaveLock:
                 except FileNotFoundError:
                     current = False
                 if current:
-                    owner = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                        "since": time.strftime("%Y-%m-%d %H:%M:%S")})
+                    owner = json.dumps(
+                        {
+                            "pid": os.getpid(),
+                            "host": socket.gethostname(),
+                            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                        }
+                    )
                     os.ftruncate(fd, 0)
                     os.pwrite(fd, LOCK_MARKER + owner.encode() + b"\n", 0)
                     lock, fd = SaveLock(path, fd), -1
@@ -259,7 +271,11 @@ def locked(path: Path) -> bool:
 def safe_relative(name: object, where: str) -> str:
     """``name`` if it is a relative path that stays inside its directory, else a `CheckpointError`."""
     if not (
-        isinstance(name, str) and name and not name.startswith("/") and "\\" not in name and "\0" not in name
+        isinstance(name, str)
+        and name
+        and not name.startswith("/")
+        and "\\" not in name
+        and "\0" not in name
         and all(part not in ("", ".", "..") for part in name.split("/"))
     ):
         raise CheckpointError(
@@ -336,9 +352,18 @@ def open_inside(directory: Path, name: str) -> int:
     mode = os.fstat(file_fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(file_fd)
-        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
-            else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise CheckpointError(f"{path}: {kind}; a checkpoint's files must be regular files inside its directory")
+        kind = (
+            "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a directory"
+            if stat.S_ISDIR(mode)
+            else "not a regular file"
+        )
+        raise CheckpointError(
+            f"{path}: {kind}; a checkpoint's files must be regular files inside its directory"
+        )
     return file_fd
 
 
@@ -366,7 +391,9 @@ def read_bounded(directory: Path, name: str, *, size: int | None = None, limit: 
         while left > 0:  # one read for any file under 1 GiB: no copy beyond the bytes returned
             piece = os.read(fd, min(left, _CHUNK))
             if not piece:
-                raise CheckpointError(f"{path}: truncated while being read ({actual - left} of {actual} bytes)")
+                raise CheckpointError(
+                    f"{path}: truncated while being read ({actual - left} of {actual} bytes)"
+                )
             pieces.append(piece)
             left -= len(piece)
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)  # b"" for an empty file
@@ -391,7 +418,9 @@ def _entry(directory: Path, name: str, manifest: dict[str, Any]) -> dict[str, An
 def _checked_size(fd: int, path: Path, entry: dict[str, Any]) -> int:
     size = os.fstat(fd).st_size
     if size != entry["size"]:
-        raise CheckpointError(f"{path}: truncated or extended ({size} bytes, the manifest says {entry['size']})")
+        raise CheckpointError(
+            f"{path}: truncated or extended ({size} bytes, the manifest says {entry['size']})"
+        )
     return size
 
 
@@ -463,7 +492,7 @@ def read_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[s
     length = int.from_bytes(data[:8], "little")
     if length > size - 8:
         raise not_safetensors(path, f"its header length {length} runs past the end of the file")
-    specs = layout(path, bytes(data[8:8 + length]), size - 8 - length)
+    specs = layout(path, bytes(data[8 : 8 + length]), size - 8 - length)
     import torch
 
     tensors: dict[str, torch.Tensor] = {}
@@ -475,8 +504,9 @@ def read_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[s
             raw = torch.frombuffer(data, dtype=torch.uint8, count=end - begin, offset=offset)
             tensors[key] = raw.clone().view(dtype).view(shape)
         else:
-            tensors[key] = torch.frombuffer(data, dtype=dtype, count=(end - begin) // dtype.itemsize,
-                                            offset=offset).view(shape)
+            tensors[key] = torch.frombuffer(
+                data, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=offset
+            ).view(shape)
     return tensors
 
 
@@ -517,10 +547,8 @@ def remove_replaced(old: Path, manifest: str) -> None:
     (`SaveQueue.remove_later`), so an error is not the save's: what is left stays
     marked, and the next save to that name removes it as a leftover (as another
     run's save may already have done: then nothing is left here)."""
-    try:
+    with contextlib.suppress(OSError):
         _delete(old, manifest)
-    except OSError:
-        pass
 
 
 def discard(checkpoint: Path, manifest: str) -> None:

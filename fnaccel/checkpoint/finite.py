@@ -75,7 +75,9 @@ def first_nonfinite(state: Any) -> str | None:
     for _, tensor in found:
         groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
     with torch.no_grad():
-        if all(bool(torch.stack(torch._foreach_norm(group, 2)).isfinite().all()) for group in groups.values()):
+        if all(
+            bool(torch.stack(torch._foreach_norm(group, 2)).isfinite().all()) for group in groups.values()
+        ):
             return None
         # rare: something is NaN or inf, or a norm overflowed; the exact check names it
         return next((what for what, tensor in found if not bool(torch.isfinite(tensor).all())), None)

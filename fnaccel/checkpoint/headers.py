@@ -60,8 +60,9 @@ class TensorFile:
     (['bias', 'weight'], torch.Size([1]))
     """
 
-    def __init__(self, directory: Path, name: str, manifest: dict[str, Any],
-                 specs: dict[str, TensorSpec] | None = None) -> None:
+    def __init__(
+        self, directory: Path, name: str, manifest: dict[str, Any], specs: dict[str, TensorSpec] | None = None
+    ) -> None:
         """Open ``directory/name`` and check its header (or take ``specs``, this file's
         header as an earlier `TensorFile` checked it: reopening then costs no parse)."""
         entry = manifest["files"].get(name)
@@ -73,7 +74,8 @@ class TensorFile:
             size = os.fstat(self._fd).st_size
             if size != entry["size"]:
                 raise CheckpointError(
-                    f"{self.path}: truncated or extended ({size} bytes, the manifest says {entry['size']})")
+                    f"{self.path}: truncated or extended ({size} bytes, the manifest says {entry['size']})"
+                )
             self.specs = self._header(size) if specs is None else specs
         except BaseException:
             os.close(self._fd)
@@ -123,5 +125,7 @@ class TensorFile:
     def __enter__(self) -> TensorFile:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()

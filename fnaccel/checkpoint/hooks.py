@@ -72,10 +72,13 @@ def _with(state: Any, kind: str, hook: StateDictHook) -> Any:
             f"register_{kind}_hook takes a callable hook(model, state_dict), got {type(hook).__name__}"
         )
     current = _hooks(state)
-    updated = CheckpointHooks(**{
-        "save_state_pre": current.save_state_pre, "load_state_pre": current.load_state_pre,
-        kind: getattr(current, kind) + (hook,),
-    })
+    updated = CheckpointHooks(
+        **{
+            "save_state_pre": current.save_state_pre,
+            "load_state_pre": current.load_state_pre,
+            kind: (*getattr(current, kind), hook),
+        }
+    )
     return state.replace(kwargs_handlers={**state.kwargs_handlers, "CheckpointHooks": updated})
 
 
@@ -124,8 +127,9 @@ def register_load_state_pre_hook(state: Any, hook: StateDictHook) -> Any:
     return _with(state, "load_state_pre", hook)
 
 
-def _run(hooks: tuple[StateDictHook, ...], model: torch.nn.Module,
-         weights: Mapping[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+def _run(
+    hooks: tuple[StateDictHook, ...], model: torch.nn.Module, weights: Mapping[str, torch.Tensor], kind: str
+) -> dict[str, torch.Tensor]:
     current = dict(weights)
     for hook in hooks:
         returned = hook(model, current)
@@ -144,8 +148,9 @@ def saved_weights(state: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]
     return _run(_hooks(state).save_state_pre, model, model.state_dict(), "save_state_pre")
 
 
-def loaded_weights(state: Any, model: torch.nn.Module,
-                   weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def loaded_weights(
+    state: Any, model: torch.nn.Module, weights: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """``weights`` read from a checkpoint as the run's load hooks transform them (what the model gets)."""
     return _run(_hooks(state).load_state_pre, model, weights, "load_state_pre")
 

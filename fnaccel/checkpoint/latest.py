@@ -60,8 +60,11 @@ def _candidates(directory: Path) -> tuple[list[Path], list[Path]]:
         for entry in sorted(entries, key=lambda e: e.name):
             if _unfinished(entry):
                 unfinished.append(directory / entry.name)
-            elif (not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False)
-                  and os.path.lexists(Path(entry.path) / MANIFEST)):
+            elif (
+                not entry.name.startswith(".")
+                and entry.is_dir(follow_symlinks=False)
+                and os.path.lexists(Path(entry.path) / MANIFEST)
+            ):
                 found.append(directory / entry.name)
     return found, unfinished
 
@@ -111,23 +114,31 @@ def latest_checkpoint(*directories: str | Path) -> Path | None:
     True
     """
     if not directories:
-        raise TypeError("fa.latest_checkpoint: give at least one directory (e.g. '/dev/shm/run', 'checkpoints')")
+        raise TypeError(
+            "fa.latest_checkpoint: give at least one directory (e.g. '/dev/shm/run', 'checkpoints')"
+        )
     for index, given in enumerate(directories):
         if not isinstance(given, (str, os.PathLike)):
-            raise TypeError(f"fa.latest_checkpoint: directories[{index}] must be a path (str or os.PathLike), "
-                            f"got {type(given).__name__} {given!r}"[:300])
+            raise TypeError(
+                f"fa.latest_checkpoint: directories[{index}] must be a path (str or os.PathLike), "
+                f"got {type(given).__name__} {given!r}"[:300]
+            )
         if os.fspath(given) in ("", b""):
-            raise ValueError(f"fa.latest_checkpoint: directories[{index}] is an empty path, which would scan "
-                             "the current directory; give the directory that holds the checkpoints ('.' for "
-                             "the current one)")
+            raise ValueError(
+                f"fa.latest_checkpoint: directories[{index}] is an empty path, which would scan "
+                "the current directory; give the directory that holds the checkpoints ('.' for "
+                "the current one)"
+            )
     ranked: list[tuple[tuple[bool, int, int, int, int], Path, str]] = []
     for tier, given in enumerate(directories):
         directory = Path(os.fsdecode(given))
         if not directory.exists():
             continue
         if not directory.is_dir():
-            raise ValueError(f"fa.latest_checkpoint: {directory} is not a directory; give the directories "
-                             "that hold checkpoints (or checkpoints themselves)")
+            raise ValueError(
+                f"fa.latest_checkpoint: {directory} is not a directory; give the directories "
+                "that hold checkpoints (or checkpoints themselves)"
+            )
         found, unfinished = _candidates(directory)
         for path in unfinished:
             _skip(str(path), "an unfinished save or deletion (the next save to that name removes it)")
@@ -139,14 +150,21 @@ def latest_checkpoint(*directories: str | Path) -> Path | None:
                 continue
             written = os.stat(path / MANIFEST).st_mtime_ns
             # sorted ascending: finite ones, then most steps, then the first tier, then the latest manifest
-            ranked.append(((not manifest["finite"], -manifest["step"], -manifest["micro_step"], tier, -written),
-                           path, f"step {manifest['step']}"))
+            ranked.append(
+                (
+                    (not manifest["finite"], -manifest["step"], -manifest["micro_step"], tier, -written),
+                    path,
+                    f"step {manifest['step']}",
+                )
+            )
     ranked.sort(key=lambda item: item[0])
     for key, path, step in ranked:
         lock = path.parent / f".{sibling_stem(path.name)}.lock"
         if locked(lock):
-            _skip(f"{path} ({step})", f"a save to it is in progress (it holds {lock.name}) and may replace it "
-                  "while it is read")
+            _skip(
+                f"{path} ({step})",
+                f"a save to it is in progress (it holds {lock.name}) and may replace it while it is read",
+            )
             continue
         try:
             verify(path)
@@ -158,15 +176,23 @@ def latest_checkpoint(*directories: str | Path) -> Path | None:
     return None
 
 
-def _name_nonfinite(ranked: list[tuple[tuple[bool, int, int, int, int], Path, str]],
-                    chosen: tuple[bool, int, int, int, int], path: Path) -> None:
+def _name_nonfinite(
+    ranked: list[tuple[tuple[bool, int, int, int, int], Path, str]],
+    chosen: tuple[bool, int, int, int, int],
+    path: Path,
+) -> None:
     """Warn about the checkpoints with NaN or inf passed over for a finite, older ``path``; or,
     when ``path`` is such a checkpoint itself (no finite one held), that it is one."""
     nonfinite = "saved with NaN or inf values (fa.save(..., allow_nonfinite=True))"
     if chosen[0]:
-        warnings.warn(f"fa.latest_checkpoint: no finite checkpoint holds; {path} is {nonfinite}",
-                      SkippedCheckpointWarning, stacklevel=3)
+        warnings.warn(
+            f"fa.latest_checkpoint: no finite checkpoint holds; {path} is {nonfinite}",
+            SkippedCheckpointWarning,
+            stacklevel=3,
+        )
         return
     for key, other, step in ranked:
         if key[0] and key[1:3] < chosen[1:3]:
-            _skip(f"{other} ({step})", f"it was {nonfinite}; the newest finite checkpoint, {path}, comes first")
+            _skip(
+                f"{other} ({step})", f"it was {nonfinite}; the newest finite checkpoint, {path}, comes first"
+            )

@@ -67,28 +67,37 @@ def _files(value: Any) -> bool:
         return False
     for name, entry in value.items():
         safe_relative(name, f"{MANIFEST}: key 'files'")
-        if not (isinstance(entry, dict) and set(entry) == {CHECKSUM, "size"} and _count(entry["size"])
-                and isinstance(entry[CHECKSUM], str) and CHECKSUM_PATTERN.fullmatch(entry[CHECKSUM])):
+        if not (
+            isinstance(entry, dict)
+            and set(entry) == {CHECKSUM, "size"}
+            and _count(entry["size"])
+            and isinstance(entry[CHECKSUM], str)
+            and CHECKSUM_PATTERN.fullmatch(entry[CHECKSUM])
+        ):
             return False
     return True
 
 
 # every key of a manifest, what it must be, and the test
-_FIELDS: Mapping[str, tuple[str, Callable[[Any], bool]]] = MappingProxyType({
-    "format": (repr(FORMAT), lambda v: v == FORMAT),
-    "schema_version": (str(SCHEMA_VERSION), lambda v: type(v) is int and v == SCHEMA_VERSION),
-    "num_processes": ("an integer >= 1", lambda v: _count(v) and v >= 1),
-    "step": ("an integer >= 0", _count),
-    "micro_step": ("an integer >= 0", _count),
-    "epoch": ("an integer >= 0", _count),
-    "seed": ("an integer or null", lambda v: v is None or is_int(v)),
-    "pipeline": ("a string", lambda v: isinstance(v, str)),
-    "finite": ("true or false", lambda v: type(v) is bool),
-    "tied": ("an object of parameter names to parameter names",
-             lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values()))),
-    "files": ('an object of relative file names to {"blocksum": 64 hex digits, "size": bytes}', _files),
-    "manifest_sha256": ("64 hex digits", lambda v: isinstance(v, str) and bool(_SHA256.fullmatch(v))),
-})
+_FIELDS: Mapping[str, tuple[str, Callable[[Any], bool]]] = MappingProxyType(
+    {
+        "format": (repr(FORMAT), lambda v: v == FORMAT),
+        "schema_version": (str(SCHEMA_VERSION), lambda v: type(v) is int and v == SCHEMA_VERSION),
+        "num_processes": ("an integer >= 1", lambda v: _count(v) and v >= 1),
+        "step": ("an integer >= 0", _count),
+        "micro_step": ("an integer >= 0", _count),
+        "epoch": ("an integer >= 0", _count),
+        "seed": ("an integer or null", lambda v: v is None or is_int(v)),
+        "pipeline": ("a string", lambda v: isinstance(v, str)),
+        "finite": ("true or false", lambda v: type(v) is bool),
+        "tied": (
+            "an object of parameter names to parameter names",
+            lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())),
+        ),
+        "files": ('an object of relative file names to {"blocksum": 64 hex digits, "size": bytes}', _files),
+        "manifest_sha256": ("64 hex digits", lambda v: isinstance(v, str) and bool(_SHA256.fullmatch(v))),
+    }
+)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -164,13 +173,17 @@ def target_problem(final: Path) -> str | None:
     """
     size = len(os.fsencode(final.name))
     if size > NAME_MAX:
-        return (f"{final}: its name is {size} bytes, more than the {NAME_MAX} a file name may have; "
-                "choose a shorter name")
+        return (
+            f"{final}: its name is {size} bytes, more than the {NAME_MAX} a file name may have; "
+            "choose a shorter name"
+        )
     if not os.path.lexists(final):
         above = next((p for p in final.parents if os.path.lexists(p)), None)
         if above is not None and not above.is_dir():
-            return (f"{final}: {above} is a file, not a directory a checkpoint can be written in; "
-                    "choose another path")
+            return (
+                f"{final}: {above} is a file, not a directory a checkpoint can be written in; "
+                "choose another path"
+            )
         return None if above is None else _unwritable(final, above)
     problem = _replaceable(final)
     return problem if problem is not None else _unwritable(final, final.parent)
@@ -185,23 +198,32 @@ def _unwritable(final: Path, directory: Path) -> str | None:
         read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
     except OSError:  # gone since: the save's own mkdir will say so
         return None
-    why = "on a read-only file system" if read_only else "not writable by this process (its permissions " \
-        "or its immutable attribute)"
-    return (f"{final}: cannot be written: {directory} is {why}; nothing was written; save to a directory "
-            "this process may write in")
+    why = (
+        "on a read-only file system"
+        if read_only
+        else "not writable by this process (its permissions or its immutable attribute)"
+    )
+    return (
+        f"{final}: cannot be written: {directory} is {why}; nothing was written; save to a directory "
+        "this process may write in"
+    )
 
 
 def _replaceable(final: Path) -> str | None:
     """Why a save may not replace what exists at ``final``, or None."""
     if not final.is_dir():
-        return (f"{final} is a file, not a checkpoint directory; fa.save writes a directory there and "
-                "never deletes a file it did not write: choose another path")
+        return (
+            f"{final} is a file, not a checkpoint directory; fa.save writes a directory there and "
+            "never deletes a file it did not write: choose another path"
+        )
     entries = sorted(os.listdir(final))
     if not entries:
         return None
-    refuse = (f"{final} is a directory that is not an fnaccel checkpoint; a save replaces the whole "
-              "directory and never deletes files it did not write: save to a new or empty directory "
-              f"(e.g. a subdirectory such as {final / 'checkpoint'})")
+    refuse = (
+        f"{final} is a directory that is not an fnaccel checkpoint; a save replaces the whole "
+        "directory and never deletes files it did not write: save to a new or empty directory "
+        f"(e.g. a subdirectory such as {final / 'checkpoint'})"
+    )
     if MANIFEST not in entries:
         return f"{refuse} (it holds {entries[:5]})"
     try:
@@ -210,6 +232,8 @@ def _replaceable(final: Path) -> str | None:
         return f"{refuse} ({exc})"
     foreign = _foreign(final, listed)
     if foreign:
-        return (f"{final} is an fnaccel checkpoint that also holds files it did not write ({foreign[:5]}); "
-                "a save would replace the directory and lose them: move them out, or save elsewhere")
+        return (
+            f"{final} is an fnaccel checkpoint that also holds files it did not write ({foreign[:5]}); "
+            "a save would replace the directory and lose them: move them out, or save elsewhere"
+        )
     return None

@@ -97,8 +97,9 @@ def _model_tensors(metadata: Metadata, reader: StorageReader) -> dict[str, torch
 def _read_fnaccel(source: Path) -> dict[str, torch.Tensor]:
     manifest = read_manifest(source)
     if METADATA in manifest["files"]:  # an fsdp() run: DCP's chunks in pickle-free files
-        metadata, storage = dcpstore.metadata_from(read_json(source, METADATA, manifest), manifest["files"],
-                                                   str(source / METADATA))
+        metadata, storage = dcpstore.metadata_from(
+            read_json(source, METADATA, manifest), manifest["files"], str(source / METADATA)
+        )
         return _model_tensors(metadata, dcpstore.ShardReader(source, manifest, metadata, storage))
     if "model.safetensors" in manifest["files"]:  # already whole: ties restored, as fa.load does
         return retie(read_tensors(source, "model.safetensors", manifest), manifest["tied"])
@@ -113,7 +114,9 @@ def _not_a_checkpoint(source: Path) -> CheckpointError:
         markers = (MANIFEST, dcpstore.DCP_METADATA)
         inner = sorted({p.parent.name for marker in markers for p in source.glob(f"*/{marker}")})
         if inner:
-            hint = f"; it holds the checkpoint directories {inner}: pass one of them (e.g. {source / inner[0]})"
+            hint = (
+                f"; it holds the checkpoint directories {inner}: pass one of them (e.g. {source / inner[0]})"
+            )
     return CheckpointError(
         f"{source}: not a checkpoint: no {MANIFEST} (fa.save) and no {dcpstore.DCP_METADATA} "
         f"(torch.distributed.checkpoint){hint}"
@@ -137,7 +140,9 @@ def merge_weights(checkpoint_dir: str | Path, output_path: str | Path, remove_ch
             "give the checkpoint directory"
         )
     if output.exists() and not output.is_dir():
-        raise ValueError(f"{output} is a file; output_path names the directory to write the merged weights into")
+        raise ValueError(
+            f"{output} is a file; output_path names the directory to write the merged weights into"
+        )
     if remove_checkpoint_dir and output.is_relative_to(source):
         raise ValueError(
             f"{output} is inside {source}, which --remove_checkpoint_dir would delete; "

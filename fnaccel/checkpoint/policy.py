@@ -89,16 +89,31 @@ def _directories(value: Any) -> tuple[Path, ...]:
     """``directories`` as a tuple of paths: one path, or a non-empty sequence of distinct ones."""
     expected = "a directory (a str or os.PathLike) or a non-empty list or tuple of them"
     items = (value,) if isinstance(value, (str, os.PathLike)) else value
-    check_value("save_policy: directories", value, isinstance(items, (list, tuple)) and len(items) > 0,
-                expected, "e.g. directories='/dev/shm/run' or directories=('ckpt_a', 'ckpt_b')")
+    check_value(
+        "save_policy: directories",
+        value,
+        isinstance(items, (list, tuple)) and len(items) > 0,
+        expected,
+        "e.g. directories='/dev/shm/run' or directories=('ckpt_a', 'ckpt_b')",
+    )
     for item in items:
         ok = isinstance(item, (str, os.PathLike)) and isinstance(os.fspath(item), str)
-        check_value("save_policy: directories", value, ok and os.fspath(item) != "", expected,
-                    f"{item!r} is not a directory's path")
+        check_value(
+            "save_policy: directories",
+            value,
+            ok and os.fspath(item) != "",
+            expected,
+            f"{item!r} is not a directory's path",
+        )
     paths = tuple(Path(item) for item in items)
     seen = [os.path.normpath(path) for path in paths]
-    check_value("save_policy: directories", value, len(set(seen)) == len(seen), "distinct directories",
-                "give each directory once")
+    check_value(
+        "save_policy: directories",
+        value,
+        len(set(seen)) == len(seen),
+        "distinct directories",
+        "give each directory once",
+    )
     return paths
 
 
@@ -129,30 +144,52 @@ class SavePolicy:
         name = "save_policy: "
         for field in ("every_steps", "keep_last", "keep_every"):
             value = getattr(self, field)
-            check_value(name + field, value, value is None or (is_int(value) and value >= 1), "None or an int >= 1")
+            check_value(
+                name + field, value, value is None or (is_int(value) and value >= 1), "None or an int >= 1"
+            )
         seconds = self.every_seconds
-        check_value(name + "every_seconds", seconds,
-                    seconds is None or (is_number(seconds) and math.isfinite(seconds) and seconds > 0),
-                    "None or a number of seconds > 0")
+        check_value(
+            name + "every_seconds",
+            seconds,
+            seconds is None or (is_number(seconds) and math.isfinite(seconds) and seconds > 0),
+            "None or a number of seconds > 0",
+        )
         for field in ("on_preemption", "continuous"):
-            check_value(name + field, getattr(self, field), isinstance(getattr(self, field), bool), "True or False")
+            check_value(
+                name + field, getattr(self, field), isinstance(getattr(self, field), bool), "True or False"
+            )
         object.__setattr__(self, "directories", _directories(self.directories))
-        check_value(name + "continuous", self.continuous,
-                    not (self.continuous and (self.every_steps is not None or self.every_seconds is not None)),
-                    "False when every_steps or every_seconds is given",
-                    "a continuous policy saves whenever the last save has committed, so an interval adds "
-                    "nothing; compose two policies with | to save elsewhere on another rule")
-        require(self.on_preemption or self.continuous or self.every_steps is not None
-                or self.every_seconds is not None,
-                "save_policy: this policy never saves (on_preemption=False, and no every_steps, every_seconds or "
-                "continuous=True): give one of them")
+        check_value(
+            name + "continuous",
+            self.continuous,
+            not (self.continuous and (self.every_steps is not None or self.every_seconds is not None)),
+            "False when every_steps or every_seconds is given",
+            "a continuous policy saves whenever the last save has committed, so an interval adds "
+            "nothing; compose two policies with | to save elsewhere on another rule",
+        )
+        require(
+            self.on_preemption
+            or self.continuous
+            or self.every_steps is not None
+            or self.every_seconds is not None,
+            "save_policy: this policy never saves (on_preemption=False, and no every_steps, every_seconds or "
+            "continuous=True): give one of them",
+        )
         if self.keep_every is not None:
-            check_value(name + "keep_every", self.keep_every, self.keep_last is not None,
-                        "given with keep_last", "without keep_last every checkpoint is kept anyway")
-            check_value(name + "keep_every", self.keep_every,
-                        self.every_steps is None or self.keep_every % self.every_steps == 0,
-                        f"a multiple of every_steps={self.every_steps}",
-                        "otherwise the steps it keeps are not the ones saved")
+            check_value(
+                name + "keep_every",
+                self.keep_every,
+                self.keep_last is not None,
+                "given with keep_last",
+                "without keep_last every checkpoint is kept anyway",
+            )
+            check_value(
+                name + "keep_every",
+                self.keep_every,
+                self.every_steps is None or self.keep_every % self.every_steps == 0,
+                f"a multiple of every_steps={self.every_steps}",
+                "otherwise the steps it keeps are not the ones saved",
+            )
 
     @property
     def policies(self) -> tuple[SavePolicy, ...]:
@@ -165,9 +202,17 @@ class SavePolicy:
         return AnySavePolicy(policies=self.policies + other.policies)
 
     def __repr__(self) -> str:
-        defaults = {"every_steps": None, "every_seconds": None, "on_preemption": True, "continuous": False,
-                    "keep_last": None, "keep_every": None}
-        given = [f"{k}={getattr(self, k)!r}" for k, default in defaults.items() if getattr(self, k) != default]
+        defaults = {
+            "every_steps": None,
+            "every_seconds": None,
+            "on_preemption": True,
+            "continuous": False,
+            "keep_last": None,
+            "keep_every": None,
+        }
+        given = [
+            f"{k}={getattr(self, k)!r}" for k, default in defaults.items() if getattr(self, k) != default
+        ]
         places = [str(path) for path in self.directories]
         shown = repr(places[0]) if len(places) == 1 else repr(tuple(places))
         return f"save_policy({', '.join([*given, f'directories={shown}'])})"
@@ -186,16 +231,25 @@ class AnySavePolicy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policies", tuple(self.policies))
-        check_value("AnySavePolicy: policies", self.policies,
-                    len(self.policies) >= 2 and all(isinstance(p, SavePolicy) for p in self.policies),
-                    "two or more SavePolicy values", "compose them with fa.save_policy(...) | fa.save_policy(...)")
+        check_value(
+            "AnySavePolicy: policies",
+            self.policies,
+            len(self.policies) >= 2 and all(isinstance(p, SavePolicy) for p in self.policies),
+            "two or more SavePolicy values",
+            "compose them with fa.save_policy(...) | fa.save_policy(...)",
+        )
         seen: dict[str, int] = {}
         for index, policy in enumerate(self.policies):
             for path in policy.directories:
                 owner = seen.setdefault(os.path.normpath(path), index)
-                check_value("save_policy: directories", str(path), owner == index, "in one composed policy only",
-                            "each member rotates its own directories, so two would delete each other's "
-                            "checkpoints; give each member a directory of its own")
+                check_value(
+                    "save_policy: directories",
+                    str(path),
+                    owner == index,
+                    "in one composed policy only",
+                    "each member rotates its own directories, so two would delete each other's "
+                    "checkpoints; give each member a directory of its own",
+                )
 
     @property
     def directories(self) -> tuple[Path, ...]:
@@ -211,9 +265,16 @@ class AnySavePolicy:
         return " | ".join(map(repr, self.policies))
 
 
-def save_policy(*, every_steps: int | None = None, every_seconds: float | None = None, on_preemption: bool = True,
-                continuous: bool = False, keep_last: int | None = None, keep_every: int | None = None,
-                directories: str | os.PathLike[str] | list[Any] | tuple[Any, ...]) -> SavePolicy:
+def save_policy(
+    *,
+    every_steps: int | None = None,
+    every_seconds: float | None = None,
+    on_preemption: bool = True,
+    continuous: bool = False,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    directories: str | os.PathLike[str] | list[Any] | tuple[Any, ...],
+) -> SavePolicy:
     """When to save, where, and which checkpoints to keep: an immutable value for `autosave`.
 
     Compose policies with ``|`` (any of them saves, each into its own
@@ -254,8 +315,9 @@ def save_policy(*, every_steps: int | None = None, every_seconds: float | None =
     >>> import fnaccel as fa
     >>> ram = fa.save_policy(continuous=True, keep_last=1, directories="/dev/shm/run")
     >>> disk = fa.save_policy(every_steps=500, keep_last=2, keep_every=5000, directories="ckpt")
-    >>> ram | disk
-    save_policy(continuous=True, keep_last=1, directories='/dev/shm/run') | save_policy(every_steps=500, keep_last=2, keep_every=5000, directories='ckpt')
+    >>> ram | disk  # doctest: +NORMALIZE_WHITESPACE
+    save_policy(continuous=True, keep_last=1, directories='/dev/shm/run')
+    | save_policy(every_steps=500, keep_last=2, keep_every=5000, directories='ckpt')
     >>> disk == fa.save_policy(every_steps=500, keep_last=2, keep_every=5000, directories=["ckpt"])
     True
     >>> [str(path) for path in (ram | disk).directories]
@@ -264,9 +326,15 @@ def save_policy(*, every_steps: int | None = None, every_seconds: float | None =
     Traceback (most recent call last):
     ValueError: save_policy: every_steps must be None or an int >= 1, got 0
     """
-    return SavePolicy(every_steps=every_steps, every_seconds=every_seconds, on_preemption=on_preemption,
-                      continuous=continuous, keep_last=keep_last, keep_every=keep_every,
-                      directories=_directories(directories))
+    return SavePolicy(
+        every_steps=every_steps,
+        every_seconds=every_seconds,
+        on_preemption=on_preemption,
+        continuous=continuous,
+        keep_last=keep_last,
+        keep_every=keep_every,
+        directories=_directories(directories),
+    )
 
 
 def _rotate(directory: Path, policy: SavePolicy, newest: Path) -> None:
@@ -280,7 +348,7 @@ def _rotate(directory: Path, policy: SavePolicy, newest: Path) -> None:
             if match and entry.is_dir(follow_symlinks=False) and os.path.isfile(Path(entry.path) / MANIFEST):
                 found.append((int(match.group(1)), Path(entry.path)))
     found.sort()
-    keep = {path for _, path in found[-policy.keep_last:]} | {newest}
+    keep = {path for _, path in found[-policy.keep_last :]} | {newest}
     if policy.keep_every is not None:
         firsts: dict[int, Path] = {}
         for step, path in found:
@@ -297,8 +365,18 @@ def _rotate(directory: Path, policy: SavePolicy, newest: Path) -> None:
 class _Progress:
     """One member's live bookkeeping in a run (rank 0's clocks are read on rank 0 only)."""
 
-    __slots__ = ("last_saved", "act_at", "since", "mark", "work_mark", "handle", "started", "work_started",
-                 "save_seconds", "snapshot_seconds")
+    __slots__ = (
+        "act_at",
+        "handle",
+        "last_saved",
+        "mark",
+        "save_seconds",
+        "since",
+        "snapshot_seconds",
+        "started",
+        "work_mark",
+        "work_started",
+    )
 
     def __init__(self) -> None:
         self.last_saved: int | None = None  # the step this member last saved
@@ -331,8 +409,10 @@ class Autosaves:
         if found is None:
             for directory in policy.directories:  # once per member: a checkpoint is not a directory of them
                 if os.path.lexists(directory / MANIFEST):
-                    raise ValueError(f"fa.autosave: directories: {directory} is a checkpoint itself; give the "
-                                     "directory that should hold the policy's step_<n> checkpoints")
+                    raise ValueError(
+                        f"fa.autosave: directories: {directory} is a checkpoint itself; give the "
+                        "directory that should hold the policy's step_<n> checkpoints"
+                    )
             found = self._members[policy] = _Progress()
             found.since = now
             found.mark = (now, state.step)
@@ -361,7 +441,11 @@ def _decide(policy: SavePolicy, progress: _Progress, step: int, now: float, save
         progress.work_mark = (work, step)
         pace = _PACE * progress.snapshot_seconds
         pace_left = progress.work_started + pace - work  # this thread's CPU time still to spend
-        if saves or progress.handle is None or (progress.save_seconds is not None and pace_left <= step_work / 2):
+        if (
+            saves
+            or progress.handle is None
+            or (progress.save_seconds is not None and pace_left <= step_work / 2)
+        ):
             commit = math.ceil((progress.save_seconds or step_seconds) / step_seconds)
             return True, max(1, commit, math.ceil(pace / step_work))
         # not committed yet: look again after as long again; committed: when the pace allows
@@ -389,7 +473,9 @@ def _due(policy: SavePolicy, progress: _Progress, state: RunState, now: float) -
     if state.dist.num_processes == 1:
         if policy.continuous:
             return progress.handle is None or (
-                progress.handle.done() and _work_clock() - progress.work_started >= _PACE * progress.snapshot_seconds)
+                progress.handle.done()
+                and _work_clock() - progress.work_started >= _PACE * progress.snapshot_seconds
+            )
         return now - progress.since >= policy.every_seconds  # type: ignore[operator]
     assert progress.act_at is not None
     return None if state.step >= progress.act_at else False
@@ -444,8 +530,10 @@ def autosave(state: RunState, policy: SavePolicy | AnySavePolicy) -> RunState:
     """
     state.check_fresh("fa.autosave")
     if not isinstance(policy, (SavePolicy, AnySavePolicy)):
-        raise TypeError(f"fa.autosave: policy must be a fa.save_policy(...) value (or several joined with |), "
-                        f"got {policy!r}")
+        raise TypeError(
+            f"fa.autosave: policy must be a fa.save_policy(...) value (or several joined with |), "
+            f"got {policy!r}"
+        )
     window = state.plan.micro_steps if state.plan is not None else 1
     if state.step > 0 and state.micro_step % window == 0:
         _save_due(state, policy.policies)
@@ -473,16 +561,24 @@ def _save_due(state: RunState, members: tuple[SavePolicy, ...]) -> None:
 
 
 @collective("fa.autosave")
-def _act(state: RunState, progress: dict[SavePolicy, _Progress], verdicts: dict[SavePolicy, bool],
-         acting: list[tuple[SavePolicy, bool]], now: float) -> None:
+def _act(
+    state: RunState,
+    progress: dict[SavePolicy, _Progress],
+    verdicts: dict[SavePolicy, bool],
+    acting: list[tuple[SavePolicy, bool]],
+    now: float,
+) -> None:
     """The collective part of `_save_due`: rank 0's verdicts for the timed members (one
     broadcast), then the saves. A collective fnaccel call: on a distributed run the ranks
     first agree they are all in it (a rank that called `autosave` alone is named, not waited
     for), as `fa.save` does."""
     ctx = state.dist
     if acting:  # rank 0's clock decides; one broadcast, on act steps only
-        decisions = ([_decide(policy, progress[policy], state.step, now, saves)
-                      for policy, saves in acting] if ctx.is_main_process else [None] * len(acting))
+        decisions = (
+            [_decide(policy, progress[policy], state.step, now, saves) for policy, saves in acting]
+            if ctx.is_main_process
+            else [None] * len(acting)
+        )
         decisions = ops.broadcast_object_list(ctx, [decisions], from_process=0)[0]
         for (policy, _), (save, steps) in zip(acting, decisions, strict=True):
             progress[policy].act_at = state.step + steps
@@ -491,14 +587,21 @@ def _act(state: RunState, progress: dict[SavePolicy, _Progress], verdicts: dict[
     for policy, save in verdicts.items():
         if not save:
             continue
-        rotate = None if policy.keep_last is None else (
-            lambda committed, member=policy: _rotate(committed.parent, member, committed))
+        rotate = (
+            None
+            if policy.keep_last is None
+            else (lambda committed, member=policy: _rotate(committed.parent, member, committed))
+        )
         mine = progress[policy]
         began = _work_clock() if policy.continuous else 0.0
         mine.work_started = began
         for directory in policy.directories:
-            mine.handle = start_save(state, directory / f"step_{state.step}",
-                                     blocking=preempted and policy.on_preemption, after_commit=rotate)
+            mine.handle = start_save(
+                state,
+                directory / f"step_{state.step}",
+                blocking=preempted and policy.on_preemption,
+                after_commit=rotate,
+            )
         if policy.continuous:
             mine.snapshot_seconds = _work_clock() - began
         mine.last_saved, mine.since, mine.started, mine.save_seconds = state.step, now, now, None

@@ -56,7 +56,9 @@ class ProjectConfiguration(KwargsHandler):
 
     def _validate(self) -> None:
         if self.total_limit is not None and (isinstance(self.total_limit, bool) or self.total_limit < 1):
-            raise ValueError(f"ProjectConfiguration: total_limit must be None or >= 1, got {self.total_limit!r}")
+            raise ValueError(
+                f"ProjectConfiguration: total_limit must be None or >= 1, got {self.total_limit!r}"
+            )
 
 
 def _numbered(root: Path, *, complete: bool) -> list[tuple[int, Path]]:

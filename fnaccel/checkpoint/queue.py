@@ -77,8 +77,11 @@ class SaveHandle:
         if self._error is None:
             return
         error = str(self._error).replace("\n", " ")
-        print(f"fnaccel: the asynchronous save to {self.path} failed and the script ended before it "
-              f"was reported: {error}", file=sys.stderr)
+        print(
+            f"fnaccel: the asynchronous save to {self.path} failed and the script ended before it "
+            f"was reported: {error}",
+            file=sys.stderr,
+        )
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(1)
@@ -87,7 +90,7 @@ class SaveHandle:
 class SaveQueue:
     """The run's saves, one at a time; a live object carried by the run's states."""
 
-    __slots__ = ("_pending", "_failed", "_ctx", "_owner", "_staging")
+    __slots__ = ("_ctx", "_failed", "_owner", "_pending", "_staging")
 
     def __init__(self) -> None:
         self._pending: SaveHandle | None = None
@@ -154,7 +157,9 @@ class SaveQueue:
             for remove in removals:
                 remove()
 
-        handle = SaveHandle(path, threading.Thread(target=run, name=f"fnaccel-remove-{path.name}", daemon=False))
+        handle = SaveHandle(
+            path, threading.Thread(target=run, name=f"fnaccel-remove-{path.name}", daemon=False)
+        )
         self._pending = handle
         assert handle._thread is not None
         handle._thread.start()

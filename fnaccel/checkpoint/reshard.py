@@ -61,8 +61,9 @@ def derived_generators(saved: RNGState, rank: int) -> RNGState:
     return RNGState.seeded(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def refuse_moved_gradients(grads: Mapping[str, torch.Tensor], manifest: Mapping[str, Any], ctx: DistContext,
-                           source: str) -> None:
+def refuse_moved_gradients(
+    grads: Mapping[str, torch.Tensor], manifest: Mapping[str, Any], ctx: DistContext, source: str
+) -> None:
     """Refuse gradients accumulated between micro-steps on another number of processes."""
     saved = manifest["num_processes"]
     if grads and saved != ctx.num_processes:

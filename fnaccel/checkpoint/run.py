@@ -61,16 +61,16 @@ from fnaccel.checkpoint.files import SaveLock, read_json, read_tensors
 from fnaccel.checkpoint.finite import first_nonfinite
 from fnaccel.checkpoint.layouts import layout_for
 from fnaccel.checkpoint.manifest import read_manifest, target_problem
-from fnaccel.checkpoint.runinfo import ResumeDriftWarning, resume_drift
 from fnaccel.checkpoint.project import next_checkpoint, project_of, rotate
 from fnaccel.checkpoint.queue import SaveHandle, SaveQueue
 from fnaccel.checkpoint.reshard import derived_generators, refuse_moved_gradients, source_rank
+from fnaccel.checkpoint.runinfo import ResumeDriftWarning, resume_drift
 from fnaccel.checkpoint.writer import take_snapshot, write_snapshot
+from fnaccel.checks import is_int
 from fnaccel.dist import DistContext
 from fnaccel.protocols import CheckpointLayout
 from fnaccel.rng import RNGState
 from fnaccel.state import DataPosition, RunState
-from fnaccel.checks import is_int
 
 __all__ = ["load", "save", "start_save"]
 
@@ -83,8 +83,9 @@ def _target(path: Path) -> Path:
 
 
 @collective("fa.save")
-def save(state: RunState, path: str | Path | None = None, *, blocking: bool = True,
-         allow_nonfinite: bool = False) -> SaveHandle:
+def save(
+    state: RunState, path: str | Path | None = None, *, blocking: bool = True, allow_nonfinite: bool = False
+) -> SaveHandle:
     """Write a checkpoint of ``state`` (the state is not consumed); every rank calls it.
 
     Atomic: a crash, or ``kill -9``, leaves either the old checkpoint or the
@@ -141,8 +142,14 @@ def save(state: RunState, path: str | Path | None = None, *, blocking: bool = Tr
     return start_save(state, path, blocking=blocking, allow_nonfinite=allow_nonfinite)
 
 
-def start_save(state: RunState, path: str | Path | None, *, blocking: bool, allow_nonfinite: bool = False,
-               after_commit: Callable[[Path], None] | None = None) -> SaveHandle:
+def start_save(
+    state: RunState,
+    path: str | Path | None,
+    *,
+    blocking: bool,
+    allow_nonfinite: bool = False,
+    after_commit: Callable[[Path], None] | None = None,
+) -> SaveHandle:
     """`save`, then ``after_commit(path)`` on the ranks that wrote the shared files, once the
     checkpoint is in place and before the save's handle is done (`fa.autosave`'s rotation);
     its error fails the save on every rank, naming the checkpoint as saved."""
@@ -169,8 +176,9 @@ def start_save(state: RunState, path: str | Path | None, *, blocking: bool, allo
         problem, lock = (taken, None) if isinstance(taken, str) else (problem, taken)
         problem = None if problem is None else f"fa.save: {problem}"
     try:  # every rank (a ZeRO-3 snapshot is collective); a value it cannot store is this rank's problem
-        snap = take_snapshot(state, layout_for(state), writer, project.save_on_each_node,
-                             None if blocking else saves)
+        snap = take_snapshot(
+            state, layout_for(state), writer, project.save_on_each_node, None if blocking else saves
+        )
     except CheckpointError as exc:
         problem = problem or str(exc)
     nonfinite = first_nonfinite(state)  # this rank's tensors (its shards): NaN or inf?
@@ -181,11 +189,13 @@ def start_save(state: RunState, path: str | Path | None, *, blocking: bool, allo
     bad = next(((rank, what) for rank, (_, _, what) in enumerate(votes) if what is not None), None)
     if problem is None and bad is not None and not allow_nonfinite:
         where = f" on rank {bad[0]}" if ctx.num_processes > 1 else ""
-        problem = (f"fa.save: {bad[1]} holds NaN or inf values{where}; nothing was written: a checkpoint "
-                   "of a diverged run would be loaded on restart (fa.latest_checkpoint) and rotation would "
-                   "delete finite ones before it. Save before the values went bad (fa.skip_nonfinite skips "
-                   "such updates), or pass fa.save(..., allow_nonfinite=True) to write it anyway, marked "
-                   "as non-finite")
+        problem = (
+            f"fa.save: {bad[1]} holds NaN or inf values{where}; nothing was written: a checkpoint "
+            "of a diverged run would be loaded on restart (fa.latest_checkpoint) and rotation would "
+            "delete finite ones before it. Save before the values went bad (fa.skip_nonfinite skips "
+            "such updates), or pass fa.save(..., allow_nonfinite=True) to write it anyway, marked "
+            "as non-finite"
+        )
     if problem is not None:
         if lock is not None:
             lock.release()
@@ -215,8 +225,9 @@ def start_save(state: RunState, path: str | Path | None, *, blocking: bool, allo
     return saves.start(final, lambda: write(background, lambda remove: remove()))
 
 
-def _rank_files(state: RunState, directory: Path, manifest: dict[str, Any], allow_global_batch_change: bool,
-                strict: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor], RNGState, DataPosition]:
+def _rank_files(
+    state: RunState, directory: Path, manifest: dict[str, Any], allow_global_batch_change: bool, strict: bool
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], RNGState, DataPosition]:
     """This rank's file pair (rank 0's for a rank the saving run did not have: reshard.py),
     checked: generators, transform states, the data position, and the gradients (which
     the layout checks against the model). Returns ``(rank<r>.json, gradients by
@@ -240,20 +251,24 @@ def _rank_files(state: RunState, directory: Path, manifest: dict[str, Any], allo
     if not isinstance(own["transforms"], dict):
         raise CheckpointError(f"{source}: key 'transforms' must be an object of transform names")
     if not strict:  # a transform this run dropped (fp16's grad scaler, resuming in bf16): its state goes too
-        own["transforms"] = {name: saved for name, saved in own["transforms"].items()
-                             if name in state.transform_states}
+        own["transforms"] = {
+            name: saved for name, saved in own["transforms"].items() if name in state.transform_states
+        }
     for name, saved in own["transforms"].items():
         value = state.transform_states.get(name)
         if value is None or not callable(getattr(value, "load_state_dict", None)):
-            raise CheckpointError(f"{source}: state for transform {name!r}, which this run's pipeline lacks; "
-                                  "prepare the run with the pipeline that saved it, or fa.load(..., "
-                                  "strict=False) to drop that state")
+            raise CheckpointError(
+                f"{source}: state for transform {name!r}, which this run's pipeline lacks; "
+                "prepare the run with the pipeline that saved it, or fa.load(..., "
+                "strict=False) to drop that state"
+            )
         check_like(saved, value.state_dict(), f"{source}: transforms/{name}")
     return own, grads, rng, position
 
 
-def _data_position(data: Any, manifest: dict[str, Any], state: RunState, where: Path,
-                   allow_global_batch_change: bool) -> DataPosition:
+def _data_position(
+    data: Any, manifest: dict[str, Any], state: RunState, where: Path, allow_global_batch_change: bool
+) -> DataPosition:
     """The saved data position, refused when this run's loader would read it differently."""
     if not isinstance(data, dict) or set(data) != {"num_batches", "loader_state", "layout"}:
         raise CheckpointError(f"{where}: 'data' must hold num_batches, loader_state and layout, got {data!r}")
@@ -267,10 +282,13 @@ def _data_position(data: Any, manifest: dict[str, Any], state: RunState, where: 
     if state.loader is None:
         return position
     if data["layout"] is None:
-        raise CheckpointError(f"{where}: the checkpoint was saved without a loader but this run has one; "
-                              "prepare the loader after fa.load, or resume a run saved with its loader")
-    return state.loader.resume_position(data["layout"], position, str(where),
-                                        allow_global_batch_change=allow_global_batch_change)
+        raise CheckpointError(
+            f"{where}: the checkpoint was saved without a loader but this run has one; "
+            "prepare the loader after fa.load, or resume a run saved with its loader"
+        )
+    return state.loader.resume_position(
+        data["layout"], position, str(where), allow_global_batch_change=allow_global_batch_change
+    )
 
 
 def _check_drift(state: RunState, directory: Path, manifest: dict[str, Any], strict: bool) -> None:
@@ -284,8 +302,11 @@ def _check_drift(state: RunState, directory: Path, manifest: dict[str, Any], str
             "prepare it as the run that saved it, or pass fa.load(..., strict=False) to resume anyway"
         )
     if drift:
-        warnings.warn(f"fa.load: {directory} was saved by a run set up differently: "
-                      f"{'; '.join(map(str, drift))}", ResumeDriftWarning, stacklevel=3)
+        warnings.warn(
+            f"fa.load: {directory} was saved by a run set up differently: {'; '.join(map(str, drift))}",
+            ResumeDriftWarning,
+            stacklevel=3,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -340,8 +361,16 @@ def _read(state: RunState, directory: Path, allow_global_batch_change: bool, str
     model = layout.read(state, directory, manifest, grads)
     scheduler, extras = _scheduler(state, directory, manifest), _extras(state, directory, manifest)
     _check_drift(state, directory, manifest, strict)  # reads config.yaml and run.json, verified
-    return _Saved(manifest=manifest, layout=layout, model=model, scheduler=scheduler,
-                  transforms=own["transforms"], rng=rng, position=position, extras=extras)
+    return _Saved(
+        manifest=manifest,
+        layout=layout,
+        model=model,
+        scheduler=scheduler,
+        transforms=own["transforms"],
+        rng=rng,
+        position=position,
+        extras=extras,
+    )
 
 
 _READ_ATTEMPTS = 3
@@ -377,8 +406,9 @@ def _read_stable(state: RunState, directory: Path, allow_global_batch_change: bo
 
 
 @collective("fa.load")
-def load(state: RunState, path: str | Path, *, allow_global_batch_change: bool = False,
-         strict: bool = True) -> RunState:
+def load(
+    state: RunState, path: str | Path, *, allow_global_batch_change: bool = False, strict: bool = True
+) -> RunState:
     """Consumes ``state``: restore the checkpoint at ``path`` into its live objects.
 
     ``state`` must be prepared like the run that saved (same model, optimizer,
@@ -440,9 +470,13 @@ def load(state: RunState, path: str | Path, *, allow_global_batch_change: bool =
     by = "fa.load"
     state.check_fresh(by)
     if not isinstance(allow_global_batch_change, bool):
-        raise TypeError(f"fa.load: allow_global_batch_change must be True or False, got {allow_global_batch_change!r}")
+        raise TypeError(
+            f"fa.load: allow_global_batch_change must be True or False, got {allow_global_batch_change!r}"
+        )
     saved = _read_stable(state, Path(path).absolute(), allow_global_batch_change, strict)
-    saved.layout.restore(state, saved.model)  # the model and the optimizer (a sharded run's: read here, checked)
+    saved.layout.restore(
+        state, saved.model
+    )  # the model and the optimizer (a sharded run's: read here, checked)
     if saved.scheduler is not None:
         state.scheduler.load_state_dict(saved.scheduler)
     for name, value in saved.transforms.items():

@@ -32,15 +32,17 @@ from pathlib import Path
 from typing import Any
 
 from fnaccel._errors import CheckpointError
-from fnaccel.constants import PrecisionType
 from fnaccel.checkpoint.files import read_json, read_verified
+from fnaccel.constants import PrecisionType
 
 __all__ = ["RUN_FILE", "Drift", "ResumeDriftWarning", "describe_run", "resume_drift", "saved_config"]
 
 RUN_FILE = "run.json"
 # where a machine is, not how it trains (differs between the machines and launches of one run),
 # and the world's size, which fa.load itself checks (another size is resharded or refused there)
-_NOT_COMPARED = frozenset({"machine_rank", "main_process_ip", "main_process_port", "num_processes", "num_machines"})
+_NOT_COMPARED = frozenset(
+    {"machine_rank", "main_process_ip", "main_process_port", "num_processes", "num_machines"}
+)
 
 
 class ResumeDriftWarning(UserWarning):
@@ -74,8 +76,14 @@ def _setup(state: Any) -> dict[str, Any]:
 
     held = state.pipeline.transforms if isinstance(state.pipeline, Pipeline) else ()
     transforms = [t for t in held if isinstance(t, Transform)]  # fa.prepare refuses collectives
-    pipeline = [{"name": t.name, "options": {key: repr(value) for key, value in t.options},
-                 "capabilities": sorted(c.name for c in t.capabilities)} for t in transforms]
+    pipeline = [
+        {
+            "name": t.name,
+            "options": {key: repr(value) for key, value in t.options},
+            "capabilities": sorted(c.name for c in t.capabilities),
+        }
+        for t in transforms
+    ]
     cast = state.pipeline.settings(Precision) if isinstance(state.pipeline, Pipeline) else None
     precision = "fp32" if cast is None or cast.precision is PrecisionType.NO else cast.precision.value
     return {
@@ -114,8 +122,14 @@ def _pipeline_drift(saved: list[dict[str, Any]], now: list[dict[str, Any]]) -> l
                 if a != b:
                     out.append(Drift(item=f"pipeline/{name}/{key}", saved=a, now=b, exact=True))
     if not out and [t["name"] for t in saved] != [t["name"] for t in now]:
-        out.append(Drift(item="pipeline/order", saved=[t["name"] for t in saved],
-                         now=[t["name"] for t in now], exact=True))
+        out.append(
+            Drift(
+                item="pipeline/order",
+                saved=[t["name"] for t in saved],
+                now=[t["name"] for t in now],
+                exact=True,
+            )
+        )
     return out
 
 
@@ -146,18 +160,24 @@ def resume_drift(state: Any, directory: Path, manifest: dict[str, Any]) -> list[
     now = _setup(state)
     out: list[Drift] = []
     saved = read_json(directory, RUN_FILE, manifest)
-    if not isinstance(saved, dict) or not isinstance(saved.get("pipeline"), list) or not all(
-        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("options"), dict)
-        for t in saved["pipeline"]
+    if (
+        not isinstance(saved, dict)
+        or not isinstance(saved.get("pipeline"), list)
+        or not all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("options"), dict)
+            for t in saved["pipeline"]
+        )
     ):
-        raise CheckpointError(f"{directory / RUN_FILE}: key 'pipeline' must be a list of "
-                              "{'name': ..., 'options': {...}}")
+        raise CheckpointError(
+            f"{directory / RUN_FILE}: key 'pipeline' must be a list of {{'name': ..., 'options': {{...}}}}"
+        )
     drift = _pipeline_drift(saved["pipeline"], now["pipeline"])
     if manifest["num_processes"] != state.dist.num_processes:
         # another number of processes: fa.load reshards between data-parallel layouts (ddp, fsdp,
         # a world of one), so a data-parallel transform present on one side only is expected
-        data_parallel = {f"pipeline/{t['name']}" for t in [*saved["pipeline"], *now["pipeline"]]
-                         if _averages_gradients(t)}
+        data_parallel = {
+            f"pipeline/{t['name']}" for t in [*saved["pipeline"], *now["pipeline"]] if _averages_gradients(t)
+        }
         drift = [d for d in drift if d.item not in data_parallel]
     out += drift
     for key in ("precision", "mixed_precision", "micro_steps"):

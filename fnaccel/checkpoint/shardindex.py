@@ -71,8 +71,9 @@ class ShardIndex:
     dcp_version: str | None
 
 
-def check_chunks(fqn: str, size: Sequence[Any], chunks: Sequence[tuple[Sequence[Any], Sequence[Any]]],
-                 source: str) -> int:
+def check_chunks(
+    fqn: str, size: Sequence[Any], chunks: Sequence[tuple[Sequence[Any], Sequence[Any]]], source: str
+) -> int:
     """Check that every chunk (offsets, sizes) of the tensor ``fqn`` of ``size`` lies inside
     it and that together they cover it; return its element count.
 
@@ -87,9 +88,13 @@ def check_chunks(fqn: str, size: Sequence[Any], chunks: Sequence[tuple[Sequence[
         raise CheckpointError(f"{source}: key {fqn!r}: size {list(size)} is not a list of counts")
     covered = 0
     for offsets, sizes in ((tuple(o), tuple(s)) for o, s in chunks):
-        if len(offsets) != len(size) or len(sizes) != len(size) or any(
-            not (isinstance(o, int) and isinstance(n, int) and 0 <= o and 0 <= n and o + n <= d)
-            for o, n, d in zip(offsets, sizes, size)
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(
+                not (isinstance(o, int) and isinstance(n, int) and o >= 0 and n >= 0 and o + n <= d)
+                for o, n, d in zip(offsets, sizes, size, strict=False)
+            )
         ):
             raise CheckpointError(
                 f"{source}: key {fqn!r}: chunk at {list(offsets)} of size {list(sizes)} does not lie "
@@ -97,7 +102,9 @@ def check_chunks(fqn: str, size: Sequence[Any], chunks: Sequence[tuple[Sequence[
             )
         covered += math.prod(sizes)
     if covered != math.prod(size):
-        raise CheckpointError(f"{source}: key {fqn!r}: its chunks cover {covered} elements of {math.prod(size)}")
+        raise CheckpointError(
+            f"{source}: key {fqn!r}: its chunks cover {covered} elements of {math.prod(size)}"
+        )
     return covered
 
 
@@ -136,7 +143,11 @@ def read_index(saved: Any, files: Mapping[str, Any], source: str) -> ShardIndex:
     Traceback (most recent call last):
     fnaccel._errors.CheckpointError: index: not a sharded-checkpoint index this fnaccel reads ...
     """
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT or saved.get("format_version") != FORMAT_VERSION:
+    if (
+        not isinstance(saved, dict)
+        or saved.get("format") != FORMAT
+        or saved.get("format_version") != FORMAT_VERSION
+    ):
         found = saved if not isinstance(saved, dict) else (saved.get("format"), saved.get("format_version"))
         raise CheckpointError(
             f"{source}: not a sharded-checkpoint index this fnaccel reads (format and version {found!r})"
@@ -149,9 +160,11 @@ def read_index(saved: Any, files: Mapping[str, Any], source: str) -> ShardIndex:
             if not isinstance(item["dtype"], str) or item["dtype"] not in ITEMSIZES:
                 raise CheckpointError(f"{source}: key {key!r}: unknown dtype {item['dtype']!r}")
             keys[fqn] = IndexKey(
-                dtype=item["dtype"], layout=_choice(item["layout"], LAYOUTS),
+                dtype=item["dtype"],
+                layout=_choice(item["layout"], LAYOUTS),
                 memory_format=_choice(item["memory_format"], MEMORY_FORMATS),
-                requires_grad=bool(item["requires_grad"]), pin_memory=bool(item["pin_memory"]),
+                requires_grad=bool(item["requires_grad"]),
+                pin_memory=bool(item["pin_memory"]),
                 size=_ints(item["size"]),
                 chunks=tuple((_ints(c["offsets"]), _ints(c["sizes"])) for c in item["chunks"]),
             )
@@ -161,8 +174,10 @@ def read_index(saved: Any, files: Mapping[str, Any], source: str) -> ShardIndex:
             key = f"storage/{s.get('fqn')!r}"
             name = safe_relative(s["file"], source)
             if not name.startswith(f"{SHARDED_DIR}/") or name not in files:
-                raise CheckpointError(f"{source}: key {key!r}: file {name!r} is not one of the checkpoint's "
-                                      f"{SHARDED_DIR}/ files")
+                raise CheckpointError(
+                    f"{source}: key {key!r}: file {name!r} is not one of the checkpoint's "
+                    f"{SHARDED_DIR}/ files"
+                )
             if s["fqn"] not in keys or not isinstance(s["key"], str):
                 raise CheckpointError(f"{source}: key {key!r}: names no tensor of the index")
             storage[(s["fqn"], None if s["offset"] is None else _ints(s["offset"]))] = (name, s["key"])
@@ -174,5 +189,9 @@ def read_index(saved: Any, files: Mapping[str, Any], source: str) -> ShardIndex:
         raise CheckpointError(f"{source}: key {key!r} is malformed ({type(exc).__name__}: {exc})") from None
     total = sum(check_chunks(fqn, k.size, k.chunks, source) * ITEMSIZES[k.dtype] for fqn, k in keys.items())
     check_bytes(total, sum(files[name]["size"] for name in {name for name, _ in storage.values()}), source)
-    return ShardIndex(keys=keys, storage=storage, planner_data=planner_data,
-                      dcp_version=saved.get("dcp_version") if isinstance(saved.get("dcp_version"), str) else None)
+    return ShardIndex(
+        keys=keys,
+        storage=storage,
+        planner_data=planner_data,
+        dcp_version=saved.get("dcp_version") if isinstance(saved.get("dcp_version"), str) else None,
+    )

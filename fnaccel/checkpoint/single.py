@@ -41,8 +41,11 @@ def drop_shared_tensors(obj: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
         first_of[key] = name
         kept[name] = tensor
     if dropped:
-        _LOG.warning("Removed shared tensor %s while saving (each is the same tensor as one kept); tie them "
-                     "again after loading (fnaccel.utils.retie_parameters)", sorted(dropped))
+        _LOG.warning(
+            "Removed shared tensor %s while saving (each is the same tensor as one kept); tie them "
+            "again after loading (fnaccel.utils.retie_parameters)",
+            sorted(dropped),
+        )
     return kept
 
 
@@ -82,28 +85,37 @@ def save(
     tensor([1., 1.])
     """
     if not safe_serialization:
-        raise ValueError("save: safe_serialization=False would write a pickle, which fnaccel never does "
-                         "(a pickle runs code when loaded); leave it True to write safetensors")
+        raise ValueError(
+            "save: safe_serialization=False would write a pickle, which fnaccel never does "
+            "(a pickle runs code when loaded); leave it True to write safetensors"
+        )
     if not isinstance(obj, Mapping):
         raise ValueError(f"save: obj must map names to tensors (e.g. a state_dict), got {type(obj).__name__}")
     dtensor = getattr(torch.distributed, "tensor", None)
     for name, value in obj.items():
         if not isinstance(name, str) or not isinstance(value, torch.Tensor):
-            raise ValueError(f"save: safetensors holds tensors under string names; {name!r} is a "
-                             f"{type(value).__name__}")
+            raise ValueError(
+                f"save: safetensors holds tensors under string names; {name!r} is a {type(value).__name__}"
+            )
         if dtensor is not None and isinstance(value, getattr(dtensor, "DTensor", ())):
             # every rank holds only its shard: one process cannot write the whole tensor
-            raise ValueError(f"save: {name!r} is sharded over the ranks (an fsdp() model's state_dict); "
-                             "write the model with fa.save_model(state, path), which gathers the shards")
+            raise ValueError(
+                f"save: {name!r} is sharded over the ranks (an fsdp() model's state_dict); "
+                "write the model with fa.save_model(state, path), which gathers the shards"
+            )
     ctx = as_dist(state)
     if not (ctx.is_local_main_process if save_on_each_node else ctx.is_main_process):
         return
     # safetensors refuses shared storage: each name kept gets its own contiguous copy
-    data = to_bytes({name: t.detach().cpu().contiguous().clone() for name, t in drop_shared_tensors(obj).items()})
+    data = to_bytes(
+        {name: t.detach().cpu().contiguous().clone() for name, t in drop_shared_tensors(obj).items()}
+    )
     replace_atomically(Path(f), lambda file: file.write(data))
 
 
-def load(f: str | os.PathLike[str], map_location: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+def load(
+    f: str | os.PathLike[str], map_location: str | torch.device | None = None
+) -> dict[str, torch.Tensor]:
     """Read a safetensors file written by `save` (or anyone): Accelerate's ``accelerate.utils.load``.
 
     Pickles (``.bin``, ``.pt``: what ``torch.load`` reads) are refused, since
@@ -133,6 +145,8 @@ def load(f: str | os.PathLike[str], map_location: str | torch.device | None = No
     try:
         tensors = load_file(path, device="cpu")
     except SafetensorError as exc:
-        raise ValueError(f"load: {path} is not a safetensors file ({exc}); fnaccel reads no pickles: convert a "
-                         "torch.save file with safetensors.torch.save_file in a process you trust") from None
+        raise ValueError(
+            f"load: {path} is not a safetensors file ({exc}); fnaccel reads no pickles: convert a "
+            "torch.save file with safetensors.torch.save_file in a process you trust"
+        ) from None
     return tensors if device.type == "cpu" else {name: t.to(device) for name, t in tensors.items()}

@@ -70,8 +70,10 @@ class CheckpointSummary:
             f"precision    {self.precision}, "
             f"{'?' if self.micro_steps is None else self.micro_steps} micro-step(s) per update",
             f"model        {self.parameters:,} parameters: "
-            + ", ".join(f"{dtype} {n:,} ({_size(self.bytes_by_dtype[dtype])})"
-                        for dtype, n in self.parameters_by_dtype.items()),
+            + ", ".join(
+                f"{dtype} {n:,} ({_size(self.bytes_by_dtype[dtype])})"
+                for dtype, n in self.parameters_by_dtype.items()
+            ),
             "by module    " + ", ".join(f"{name} {n:,}" for name, n in self.parameters_by_module.items()),
             f"versions     fnaccel {self.fnaccel_version}, torch {self.torch_version}",
             f"files        {len(self.files)}, {_size(sum(self.files.values()))}:",
@@ -96,8 +98,11 @@ def _model_tensors(directory: Path, manifest: dict[str, Any]) -> dict[str, tuple
             return {key: (s.dtype, s.shape) for key, s in f.specs.items()}
     if METADATA in files:
         index = read_index(read_json(directory, METADATA, manifest), files, str(directory / METADATA))
-        return {fqn.removeprefix("model."): (item.dtype, item.size)
-                for fqn, item in index.keys.items() if fqn.startswith("model.")}
+        return {
+            fqn.removeprefix("model."): (item.dtype, item.size)
+            for fqn, item in index.keys.items()
+            if fqn.startswith("model.")
+        }
     return {}
 
 
@@ -134,23 +139,40 @@ def summarize(path: str | Path) -> CheckpointSummary:
         by_module[top] = by_module.get(top, 0) + count
     pipeline = run.get("pipeline")
     if isinstance(pipeline, list):
-        text = "compose(" + ", ".join(
-            f"{t.get('name')}({', '.join(f'{k}={v}' for k, v in (t.get('options') or {}).items())})"
-            for t in pipeline if isinstance(t, dict)) + ")"
+        text = (
+            "compose("
+            + ", ".join(
+                f"{t.get('name')}({', '.join(f'{k}={v}' for k, v in (t.get('options') or {}).items())})"
+                for t in pipeline
+                if isinstance(t, dict)
+            )
+            + ")"
+        )
     else:
         text = manifest["pipeline"]
-    layout = ("sharded (fsdp(): sharded/rank<r>.safetensors + index)" if METADATA in files
-              else "one model.safetensors, optimizer.safetensors" if "model.safetensors" in files
-              else "no model")
+    layout = (
+        "sharded (fsdp(): sharded/rank<r>.safetensors + index)"
+        if METADATA in files
+        else "one model.safetensors, optimizer.safetensors"
+        if "model.safetensors" in files
+        else "no model"
+    )
     return CheckpointSummary(
-        path=str(directory), step=manifest["step"], micro_step=manifest["micro_step"], epoch=manifest["epoch"],
+        path=str(directory),
+        step=manifest["step"],
+        micro_step=manifest["micro_step"],
+        epoch=manifest["epoch"],
         num_batches=num_batches if isinstance(num_batches, int) else None,
-        num_processes=manifest["num_processes"], layout=layout, pipeline=text,
+        num_processes=manifest["num_processes"],
+        layout=layout,
+        pipeline=text,
         precision=str(run.get("precision", "unknown")),
         micro_steps=run.get("micro_steps") if isinstance(run.get("micro_steps"), int) else None,
         fnaccel_version=str(run.get("fnaccel_version", "unknown")),
         torch_version=str(run.get("torch_version", "unknown")),
-        parameters=sum(by_dtype.values()), bytes_by_dtype=bytes_by_dtype, parameters_by_dtype=by_dtype,
+        parameters=sum(by_dtype.values()),
+        bytes_by_dtype=bytes_by_dtype,
+        parameters_by_dtype=by_dtype,
         parameters_by_module=by_module,
         files={name: entry["size"] for name, entry in sorted(files.items())},
     )

@@ -75,13 +75,28 @@ _WRITE_CHUNK = 16 << 20  # writes and hash updates go in 16 MiB pieces, so the t
 _HASH_THREAD_MIN = 4 << 20  # smaller files are hashed inline: a thread costs more than it saves
 # safetensors dtype name -> (torch dtype name, bytes per element): the dtypes safetensors itself
 # reads back. A plain table, so that reading a header (`fnaccel checkpoint inspect`) needs no torch.
-DTYPES = MappingProxyType({
-    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
-    "BOOL": ("bool", 1), "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2),
-    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
-    "F8_E5M2": ("float8_e5m2", 1), "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1), "C64": ("complex64", 8),
-})
+DTYPES = MappingProxyType(
+    {
+        "F64": ("float64", 8),
+        "F32": ("float32", 4),
+        "F16": ("float16", 2),
+        "BF16": ("bfloat16", 2),
+        "I64": ("int64", 8),
+        "I32": ("int32", 4),
+        "I16": ("int16", 2),
+        "I8": ("int8", 1),
+        "U8": ("uint8", 1),
+        "BOOL": ("bool", 1),
+        "U64": ("uint64", 8),
+        "U32": ("uint32", 4),
+        "U16": ("uint16", 2),
+        "F8_E4M3": ("float8_e4m3fn", 1),
+        "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
+        "F8_E5M2": ("float8_e5m2", 1),
+        "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+        "C64": ("complex64", 8),
+    }
+)
 _SAFETENSORS_NAMES = MappingProxyType({torch_name: name for name, (torch_name, _) in DTYPES.items()})
 ITEMSIZES = MappingProxyType({torch_name: size for torch_name, size in DTYPES.values()})
 
@@ -96,7 +111,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
     dtype = getattr(torch, name, None)
     if name not in ITEMSIZES or not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"dtype {name!r} is not one this torch {torch.__version__} stores in safetensors")
+        raise CheckpointError(
+            f"dtype {name!r} is not one this torch {torch.__version__} stores in safetensors"
+        )
     return dtype
 
 
@@ -112,7 +129,7 @@ class Checksum:
     True
     """
 
-    __slots__ = ("_sha", "_carry", "_size")
+    __slots__ = ("_carry", "_sha", "_size")
 
     def __init__(self) -> None:
         self._sha = hashlib.sha256()
@@ -166,12 +183,12 @@ def python_block_sums(blocks: memoryview | bytearray | bytes) -> bytes:
     """
     words = memoryview(blocks).cast("B").cast("Q")
     step = _BLOCK // 8
-    return array("Q", [sum(words[i:i + step]) & _MASK64 for i in range(0, len(words), step)]).tobytes()
+    return array("Q", [sum(words[i : i + step]) & _MASK64 for i in range(0, len(words), step)]).tobytes()
 
 
 def _write_all(fd: int, chunk: memoryview) -> None:
     while chunk:
-        chunk = chunk[os.write(fd, chunk):]
+        chunk = chunk[os.write(fd, chunk) :]
 
 
 def write_hashed(path: Path, pieces: Iterable[memoryview]) -> dict[str, Any]:
@@ -188,7 +205,7 @@ def write_hashed(path: Path, pieces: Iterable[memoryview]) -> dict[str, Any]:
             if pool is None and len(piece) >= _HASH_THREAD_MIN:
                 pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnaccel-checksum")
             for start in range(0, len(piece), _WRITE_CHUNK):
-                chunk = piece[start:start + _WRITE_CHUNK]
+                chunk = piece[start : start + _WRITE_CHUNK]
                 if pool is None:
                     digest.update(chunk)
                 else:
@@ -217,7 +234,9 @@ def _tensor_bytes(name: str, tensor: torch.Tensor, where: Path) -> tuple[torch.T
             f"convert it to one of {sorted(f'torch.{d}' for d in _SAFETENSORS_NAMES)} before saving"
         )
     if tensor.layout != torch.strided:
-        raise CheckpointError(f"{where}: tensor {name!r} is {tensor.layout}; save its dense form (.to_dense())")
+        raise CheckpointError(
+            f"{where}: tensor {name!r} is {tensor.layout}; save its dense form (.to_dense())"
+        )
     return tensor.detach().cpu().resolve_conj().resolve_neg().contiguous(), dtype
 
 
@@ -252,7 +271,10 @@ def layout(path: Path, text: bytes, data_size: int) -> list[_Spec]:
         shape, offsets = fields.get("shape"), fields.get("data_offsets")
         known = DTYPES.get(fields["dtype"]) if isinstance(fields.get("dtype"), str) else None
         if not (
-            known is not None and isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2
+            known is not None
+            and isinstance(shape, list)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
             and all(type(x) is int and x >= 0 for x in [*shape, *offsets])
         ):
             raise not_safetensors(path, f"tensor {key!r} has a malformed dtype, shape or data_offsets")
@@ -261,7 +283,9 @@ def layout(path: Path, text: bytes, data_size: int) -> list[_Spec]:
             numel *= x
         dtype, itemsize = known
         if offsets[1] - offsets[0] != numel * itemsize:
-            raise not_safetensors(path, f"tensor {key!r}: its offsets do not hold shape {shape} of torch.{dtype}")
+            raise not_safetensors(
+                path, f"tensor {key!r}: its offsets do not hold shape {shape} of torch.{dtype}"
+            )
         specs.append((offsets[0], offsets[1], key, dtype, shape))
     specs.sort(key=lambda s: (s[0], s[1]))
     end = 0
@@ -285,7 +309,9 @@ def map_file(fd: int, size: int) -> mmap.mmap | bytearray:
     return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
 
 
-def safetensors_pieces(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[list[memoryview], list[torch.Tensor]]:
+def safetensors_pieces(
+    path: Path, tensors: dict[str, torch.Tensor]
+) -> tuple[list[memoryview], list[torch.Tensor]]:
     """The pieces of the safetensors file of ``tensors`` (header, then each tensor's
     bytes as a view of its memory), and the tensors those views read, which must
     stay alive until the pieces are written. Tensors go largest element first

@@ -17,8 +17,13 @@ __all__ = ["retie", "untie"]
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]:
     # the same storage viewed the same way is the same tensor; a different view is not
-    return (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape),
-            tuple(tensor.stride()), tensor.dtype)
+    return (
+        tensor.untyped_storage().data_ptr(),
+        int(tensor.storage_offset()),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    )
 
 
 def untie(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -47,10 +47,10 @@ from fnaccel.atomic import fsync_dir
 from fnaccel.checkpoint.files import write_bytes
 from fnaccel.checkpoint.layouts.sharded import is_pipelined, is_sharded
 from fnaccel.checkpoint.tied import retie, untie
+from fnaccel.constants import SAFE_MODEL_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from fnaccel.ops.collectives import broadcast_object_list
 from fnaccel.transforms.deepspeed import gathered_parameters
 from fnaccel.transforms.parallel import unwrap_model
-from fnaccel.constants import SAFE_MODEL_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 if TYPE_CHECKING:
     from fnaccel.state import RunState
@@ -64,7 +64,9 @@ __all__ = [
 ]
 
 _PRIVATE = ".fnaccel-"  # staging and parked folders inside a save directory
-_SHARD_NAME = re.compile(re.escape(SAFE_MODEL_NAME) + r"-\d{5}-of-\d{5}\.safetensors")  # as shard_checkpoint names them
+_SHARD_NAME = re.compile(
+    re.escape(SAFE_MODEL_NAME) + r"-\d{5}-of-\d{5}\.safetensors"
+)  # as shard_checkpoint names them
 
 
 def __getattr__(name: str) -> Any:
@@ -104,9 +106,10 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if is_sharded(module):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = cast(dict[str, torch.Tensor], get_model_state_dict(
-            module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        ))
+        full = cast(
+            dict[str, torch.Tensor],
+            get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+        )
         if not full:
             return {}
         # each name is gathered on its own, so ties come from the module's own objects
@@ -182,7 +185,7 @@ def shard_checkpoint(
         return {weights_name: blocks[0]}, None
     stem, suffix = os.path.splitext(weights_name)
     names = [f"{stem}-{i:05d}-of-{len(blocks):05d}{suffix}" for i in range(1, len(blocks) + 1)]
-    shards = dict(zip(names, blocks))
+    shards = dict(zip(names, blocks, strict=False))
     weight_map = {key: file for file, block in shards.items() for key in block}
     return shards, {"metadata": {"total_size": total_size}, "weight_map": weight_map}
 
@@ -237,7 +240,9 @@ def save_model(
     limit = _size_in_bytes(max_shard_size)  # on every rank, before the gather
     ctx = state.dist
     module = unwrap_model(state.model)
-    gather = ctx.is_main_process or is_sharded(module) or any(hasattr(p, "ds_id") for p in module.parameters())
+    gather = (
+        ctx.is_main_process or is_sharded(module) or any(hasattr(p, "ds_id") for p in module.parameters())
+    )
     weights = consolidated_state_dict(state.model) if gather else {}
     error: Exception | None = None
     if ctx.is_main_process:
@@ -247,7 +252,9 @@ def save_model(
         except Exception as exc:  # re-raised below, after the other ranks heard of it
             error = exc
     if ctx.num_processes > 1:
-        [message] = broadcast_object_list(ctx, [None if error is None else f"{type(error).__name__}: {error}"])
+        [message] = broadcast_object_list(
+            ctx, [None if error is None else f"{type(error).__name__}: {error}"]
+        )
         if message is not None and error is None:
             raise CheckpointError(f"fa.save_model: the main process failed to write {path}: {message}")
     if error is not None:
@@ -307,8 +314,9 @@ def write_configs(module: nn.Module, path: Path) -> list[str]:
 
 
 def _is_config(value: Any) -> bool:
-    return value is not None and any(callable(getattr(value, method, None))
-                                     for method in ("save_pretrained", "to_json_string"))
+    return value is not None and any(
+        callable(getattr(value, method, None)) for method in ("save_pretrained", "to_json_string")
+    )
 
 
 def _size_in_bytes(size: int | str) -> int:
@@ -343,7 +351,8 @@ def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     others (views into one storage, transposed parameters), and only those."""
     users = Counter(t.untyped_storage().data_ptr() for t in tensors.values())
     return {
-        name: t if t.is_contiguous() and users[t.untyped_storage().data_ptr()] == 1
+        name: t
+        if t.is_contiguous() and users[t.untyped_storage().data_ptr()] == 1
         else t.clone(memory_format=torch.contiguous_format)
         for name, t in tensors.items()
     }

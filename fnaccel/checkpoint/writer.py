@@ -47,9 +47,9 @@ from fnaccel.checkpoint.files import (
     write_json,
     write_tensors,
 )
-from fnaccel.checkpoint.runinfo import RUN_FILE, describe_run
 from fnaccel.checkpoint.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, manifest_hash
 from fnaccel.checkpoint.queue import SaveQueue
+from fnaccel.checkpoint.runinfo import RUN_FILE, describe_run
 from fnaccel.dist import DistContext
 from fnaccel.process import wait_for_everyone
 from fnaccel.protocols import CheckpointLayout
@@ -101,27 +101,40 @@ def data_payload(state: Any) -> dict[str, Any]:
     }
 
 
-def take_snapshot(state: Any, layout: CheckpointLayout, writer: bool, per_node: bool,
-                  staging: SaveQueue | None) -> Snapshot:
+def take_snapshot(
+    state: Any, layout: CheckpointLayout, writer: bool, per_node: bool, staging: SaveQueue | None
+) -> Snapshot:
     """Everything ``state``'s checkpoint holds, captured now, the model and optimizer
     by ``layout`` (with ``staging``: the tensors copied to the CPU, into the buffers
     that queue keeps). Every rank calls it (a layout's snapshot may be collective)."""
     import yaml
 
     ctx: DistContext = state.dist
-    snap = Snapshot(rank=ctx.rank, node_rank=ctx.node_rank, writer=writer, layout=layout, per_node=per_node,
-                    staging=staging)
+    snap = Snapshot(
+        rank=ctx.rank,
+        node_rank=ctx.node_rank,
+        writer=writer,
+        layout=layout,
+        per_node=per_node,
+        staging=staging,
+    )
     rank_tensors, rng_json = rng_payload(state.rng)
     transforms = {
-        name: value.state_dict() for name, value in state.transform_states.items()
+        name: value.state_dict()
+        for name, value in state.transform_states.items()
         if callable(getattr(value, "state_dict", None))
     }
     snap.add_tensors(f"rank{ctx.rank}.safetensors", rank_tensors)
-    snap.add_json(f"rank{ctx.rank}.json", {"rng": rng_json, "transforms": transforms, "data": data_payload(state)})
+    snap.add_json(
+        f"rank{ctx.rank}.json", {"rng": rng_json, "transforms": transforms, "data": data_payload(state)}
+    )
     snap.captured = layout.snapshot(state, snap)
     if writer:
         if state.scheduler is not None:
-            snap.add_json("scheduler.json", {"kind": kind_of(state.scheduler), "state_dict": state.scheduler.state_dict()})
+            snap.add_json(
+                "scheduler.json",
+                {"kind": kind_of(state.scheduler), "state_dict": state.scheduler.state_dict()},
+            )
         if state.extras:
             extra_tensors: dict[str, torch.Tensor] = {}
             trees = {
@@ -132,7 +145,9 @@ def take_snapshot(state: Any, layout: CheckpointLayout, writer: bool, per_node: 
             snap.add_json("extras.json", trees)
         # libyaml's dumper where PyYAML has it: the same text, 6x faster (0.13 ms, not 0.85, on a step's path)
         dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-        snap.raw_files["config.yaml"] = yaml.dump(state.config.to_dict(), Dumper=dumper, sort_keys=True).encode()
+        snap.raw_files["config.yaml"] = yaml.dump(
+            state.config.to_dict(), Dumper=dumper, sort_keys=True
+        ).encode()
         snap.json_files[RUN_FILE] = describe_run(state)  # pipeline, precision, versions: drift on resume
     snap.manifest = {
         "format": FORMAT,
@@ -148,9 +163,15 @@ def take_snapshot(state: Any, layout: CheckpointLayout, writer: bool, per_node: 
     return snap
 
 
-def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
-                   on_commit: Callable[[Path], None], lock: SaveLock | None,
-                   remove: Callable[[Callable[[], None]], None]) -> None:
+def write_snapshot(
+    snap: Snapshot,
+    ctx: DistContext,
+    final: Path,
+    token: str,
+    on_commit: Callable[[Path], None],
+    lock: SaveLock | None,
+    remove: Callable[[Callable[[], None]], None],
+) -> None:
     """Write ``snap`` into a temporary sibling of ``final`` and move it into place.
 
     Collective over ``ctx``: every rank calls it. Writers (rank 0, or each
@@ -180,13 +201,13 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
             remove_leftovers(final.parent, re.escape(sibling_stem(final.name)), holding=lock)
             make_temporary(final, token)
             prepared = True
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below, not here
+        except Exception as exc:
             failure = _cause(exc)
     wait_for_everyone(ctx)
     files: dict[str, Any] = {}
     try:  # collective: every rank, over ctx's group, whatever failed before
         files.update(snap.layout.write(snap.captured, ctx, tmp))
-    except Exception as exc:  # noqa: BLE001 - raised on every rank (DCP's collective)
+    except Exception as exc:
         failure = failure or _cause(exc)
     if failure is None:
         try:
@@ -197,7 +218,7 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
                 files[name] = write_json(tmp / name, value)
             for name, data in snap.raw_files.items():
                 files[name] = write_bytes(tmp / name, data)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        except Exception as exc:
             failure = _cause(exc)
     everyone = ops.gather_object(ctx, [(snap.node_rank, files, failure, prepared)])
     failed = [(rank, cause) for rank, (_, _, cause, _) in enumerate(everyone) if cause is not None]
@@ -205,8 +226,13 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
         _abandon(snap, tmp)
         written = any(was_prepared for *_, was_prepared in everyone)
         rank, cause = failed[0]
-        _raise(final, ctx, rank, cause, f"its partial directory {tmp} was removed" if written
-               else "nothing was written")
+        _raise(
+            final,
+            ctx,
+            rank,
+            cause,
+            f"its partial directory {tmp} was removed" if written else "nothing was written",
+        )
     after = ""
     if snap.writer:
         try:
@@ -223,7 +249,7 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
             write_json(tmp / f"{MANIFEST}.partial", manifest)
             (tmp / f"{MANIFEST}.partial").rename(tmp / MANIFEST)
             replaced = commit(tmp, final, MANIFEST)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        except Exception as exc:
             failure, after = _cause(exc), f"its partial directory {tmp} was removed"
             _abandon(snap, tmp)
         else:
@@ -231,7 +257,7 @@ def write_snapshot(snap: Snapshot, ctx: DistContext, final: Path, token: str,
                 remove(lambda: remove_replaced(replaced, MANIFEST))
             try:
                 on_commit(final)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            except Exception as exc:
                 failure, after = _cause(exc), f"{final} was saved, but older checkpoints were not all removed"
     if ctx.num_processes > 1:  # the closing barrier, carrying whether a writer's commit failed
         flag = torch.tensor([0 if failure is None else ctx.rank + 1], device=ctx.device)

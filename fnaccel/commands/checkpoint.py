@@ -30,17 +30,26 @@ def register(subparsers: Any) -> None:
     )
     parser.set_defaults(command_name="checkpoint")
     commands = parser.add_subparsers(title="subcommands", metavar="<subcommand>", prog="fnaccel checkpoint")
-    inspect = commands.add_parser("inspect", help="One screen on a checkpoint; reads no tensor.",
-                                  description="Show what a checkpoint holds, from its manifest and headers.")
+    inspect = commands.add_parser(
+        "inspect",
+        help="One screen on a checkpoint; reads no tensor.",
+        description="Show what a checkpoint holds, from its manifest and headers.",
+    )
     inspect.add_argument("directory", help="The checkpoint directory.")
     inspect.add_argument("--json", action="store_true", help="Print JSON for scripts.")
     inspect.set_defaults(handler=run_inspect, command_name="checkpoint inspect")
-    verify = commands.add_parser("verify", help="Check every file's size and checksum; exit 2 naming a bad one.",
-                                 description="Check a checkpoint's schema and every file's size and checksum.")
+    verify = commands.add_parser(
+        "verify",
+        help="Check every file's size and checksum; exit 2 naming a bad one.",
+        description="Check a checkpoint's schema and every file's size and checksum.",
+    )
     verify.add_argument("directory", help="The checkpoint directory.")
     verify.set_defaults(handler=run_verify, command_name="checkpoint verify")
-    diff = commands.add_parser("diff", help="Every difference between two checkpoints (fa.diff).",
-                               description="Compare two checkpoints item by item; exit 1 when they differ.")
+    diff = commands.add_parser(
+        "diff",
+        help="Every difference between two checkpoints (fa.diff).",
+        description="Compare two checkpoints item by item; exit 1 when they differ.",
+    )
     diff.add_argument("a", help="The first checkpoint directory.")
     diff.add_argument("b", help="The second checkpoint directory.")
     diff.add_argument("--atol", type=float, default=0.0, help="Absolute tolerance (default 0: bit-exact).")
@@ -74,11 +83,26 @@ def run_diff(args: argparse.Namespace) -> int:
         raise CommandError(f"--atol and --rtol must be >= 0, got {args.atol} and {args.rtol}")
     found = diff(args.a, args.b, atol=args.atol, rtol=args.rtol)
     if args.json:
-        print(json.dumps({"equal": not found, "differences": [
-            {"item": d.item, "a": d.a, "b": d.b, "max_abs": d.max_abs, "max_rel": d.max_rel,
-             "index": None if d.index is None else list(d.index), "count": d.count}
-            for d in found.differences]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "equal": not found,
+                    "differences": [
+                        {
+                            "item": d.item,
+                            "a": d.a,
+                            "b": d.b,
+                            "max_abs": d.max_abs,
+                            "max_rel": d.max_rel,
+                            "index": None if d.index is None else list(d.index),
+                            "count": d.count,
+                        }
+                        for d in found.differences
+                    ],
+                },
+                indent=1,
+            )
+        )
     else:
         print(found)
     return 1 if found else 0
-

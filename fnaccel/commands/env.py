@@ -44,13 +44,13 @@ def register(subparsers: Any) -> None:
         "env",
         help="Print the environment and config to paste into a bug report.",
         description="Print fnaccel's environment (versions, hardware, CUDA, distributed backends) "
-                    "and the launch config file, to paste into a GitHub issue.",
+        "and the launch config file, to paste into a GitHub issue.",
     )
     parser.add_argument(
         "--config_file",
         default=None,
         help="The config file to show. Default: $FNACCEL_CONFIG_FILE, else "
-             f"{default_config_file()} when it exists.",
+        f"{default_config_file()} when it exists.",
     )
     parser.set_defaults(handler=run, command_name="env")
 

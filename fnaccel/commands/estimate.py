@@ -47,7 +47,8 @@ __all__ = ["create_empty_model", "register", "run"]
 DTYPES = ("float32", "float16", "int8", "int4")
 HEADERS = ("dtype", "Largest Layer or Residual Group", "Total Size", "Training using Adam (Peak vRAM)")
 _AS: Mapping[str, str | torch.dtype] = MappingProxyType(
-    {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8, "int4": "int4"})
+    {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8, "int4": "int4"}
+)
 # Peak of Adam training, in float32 model sizes (Accelerate's estimate_training_usage).
 _ADAM_PEAK = MappingProxyType({"float32": 4, "float16": 2})
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
@@ -59,18 +60,33 @@ def register(subparsers: Any) -> None:
         "estimate-memory",
         help="Estimate the memory a model needs to load and to train, without loading it.",
         description="Estimate the memory needed to load a model, and to train it with Adam, from its "
-                    "shapes alone. Works offline on local models: a factory 'package.module:function', "
-                    "safetensors files (headers only) or a transformers config.json.",
+        "shapes alone. Works offline on local models: a factory 'package.module:function', "
+        "safetensors files (headers only) or a transformers config.json.",
     )
-    parser.add_argument("model_name", help="A factory 'package.module:function', a .safetensors file, a shard "
-                                           "index, a directory of safetensors, or a config.json.")
-    parser.add_argument("--library_name", choices=["timm", "transformers"], default=None,
-                        help="The library that builds the model, when the path does not say it.")
-    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES),
-                        help="The dtypes to estimate for (default: all four).")
-    parser.add_argument("--trust_remote_code", action="store_true",
-                        help="Let a transformers config run the modelling code it points to. Only for code "
-                             "you have read and trust.")
+    parser.add_argument(
+        "model_name",
+        help="A factory 'package.module:function', a .safetensors file, a shard "
+        "index, a directory of safetensors, or a config.json.",
+    )
+    parser.add_argument(
+        "--library_name",
+        choices=["timm", "transformers"],
+        default=None,
+        help="The library that builds the model, when the path does not say it.",
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=DTYPES,
+        default=list(DTYPES),
+        help="The dtypes to estimate for (default: all four).",
+    )
+    parser.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="Let a transformers config run the modelling code it points to. Only for code "
+        "you have read and trust.",
+    )
     parser.set_defaults(handler=run, command_name="estimate-memory")
 
 
@@ -82,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def create_empty_model(model_name: str, library_name: str | None = None,
-                       trust_remote_code: bool = False) -> nn.Module:
+def create_empty_model(
+    model_name: str, library_name: str | None = None, trust_remote_code: bool = False
+) -> nn.Module:
     """The model named by ``model_name`` on the meta device (see the module's docstring for the forms).
 
     Raises:
@@ -157,8 +174,9 @@ def _header_model(files: Sequence[Path]) -> nn.Module:
                 module = child
             if leaf in module._modules or leaf in module._parameters:
                 raise CommandError(f"{file} names {name!r} twice, or as a tensor and a module")
-            module._parameters[leaf] = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
-                                                    requires_grad=False)
+            module._parameters[leaf] = nn.Parameter(
+                torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False
+            )
     setattr(root, "_no_split_modules", ["_Block"])  # the transformers attribute that names such classes
     return root
 
@@ -224,8 +242,11 @@ def _timm_model(name: str) -> nn.Module:
 
 def _sizes_as(model: nn.Module, dtype: str) -> tuple[int, int]:
     """``(largest layer, total)`` in bytes with every floating-point tensor stored as ``dtype``."""
-    floats = {name: _AS[dtype] for name, tensor in named_module_tensors(model, recurse=True)
-              if tensor.is_floating_point()}
+    floats = {
+        name: _AS[dtype]
+        for name, tensor in named_module_tensors(model, recurse=True)
+        if tensor.is_floating_point()
+    }
     sizes = compute_module_sizes(model, special_dtypes=floats)
     return largest_layer(model, sizes)[0], sizes[""]
 
@@ -254,7 +275,7 @@ def human_size(size: float) -> str:
 
 def box_table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: str) -> str:
     """A box-drawn table, centred cells, the title across the top (Accelerate's layout)."""
-    widths = [max(len(cell) for cell in column) + 2 for column in zip(headers, *rows)]
+    widths = [max(len(cell) for cell in column) + 2 for column in zip(headers, *rows, strict=False)]
     inner = sum(widths) + len(widths) - 1
     if len(title) + 2 > inner:
         widths[-1] += len(title) + 2 - inner
@@ -264,10 +285,16 @@ def box_table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: str)
         return left + middle.join("─" * width for width in widths) + right
 
     def cells(values: Sequence[str]) -> str:
-        return "│" + "│".join(value.center(width) for value, width in zip(values, widths)) + "│"
+        return "│" + "│".join(value.center(width) for value, width in zip(values, widths, strict=False)) + "│"
 
-    return "\n".join([
-        "┌" + "─" * inner + "┐", "│" + title.center(inner) + "│", line("├", "┬", "┤"),
-        cells(headers), line("├", "┼", "┤"), *(cells(row) for row in rows), line("└", "┴", "┘"),
-    ])
-
+    return "\n".join(
+        [
+            "┌" + "─" * inner + "┐",
+            "│" + title.center(inner) + "│",
+            line("├", "┬", "┤"),
+            cells(headers),
+            line("├", "┼", "┤"),
+            *(cells(row) for row in rows),
+            line("└", "┴", "┘"),
+        ]
+    )

@@ -63,24 +63,36 @@ from fnaccel.commands.launch_flags import (
     refused_flags,
 )
 from fnaccel.commands.main import CommandError, main
-from fnaccel.constants import FINISHED_MARK, LAUNCH_DIR_ENV, PREEMPTED_EXIT_CODE, PREEMPTED_MARK, RANK_MARK
-from fnaccel.resources import FAILED_AT_KEY
-from fnaccel.config.launch import default_config_file, launch_env, load_config
-from fnaccel.config.launch import LaunchConfig
 from fnaccel.config.environment import patch_environment as _patched_environment
+from fnaccel.config.launch import LaunchConfig, default_config_file, launch_env, load_config
 from fnaccel.config.parallelism import ParallelismConfig
+from fnaccel.constants import FINISHED_MARK, LAUNCH_DIR_ENV, PREEMPTED_EXIT_CODE, PREEMPTED_MARK, RANK_MARK
 from fnaccel.kwargs import FP8RecipeKwargs
+from fnaccel.resources import FAILED_AT_KEY
 from fnaccel.transforms.fp8 import check_fp8_recipe, recipe_from_config
 from fnaccel.transforms.plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from fnaccel.transforms.plugins.megatron import megatron_refusal
 
-__all__ = ["check_launchable", "first_failure", "launch_environment", "max_local_processes",
-           "refused_keys", "register", "rendezvous_timeout", "resolve", "run", "run_launch",
-           "torchrun_arguments", "worker_program"]
+__all__ = [
+    "check_launchable",
+    "first_failure",
+    "launch_environment",
+    "max_local_processes",
+    "refused_keys",
+    "register",
+    "rendezvous_timeout",
+    "resolve",
+    "run",
+    "run_launch",
+    "torchrun_arguments",
+    "worker_program",
+]
 
-_REFUSED_TYPES = MappingProxyType({
-    "XLA": "this build has no TPU (torch_xla) engine",
-})
+_REFUSED_TYPES = MappingProxyType(
+    {
+        "XLA": "this build has no TPU (torch_xla) engine",
+    }
+)
 
 # What each worker runs first: it dies with the launcher, then executes the worker's program.
 WORKER_ENTRY = "fnaccel.commands.launch_worker"
@@ -109,19 +121,26 @@ _FSDP_ALIASES = MappingProxyType({"fsdp_backward_prefetch_policy": "fsdp_backwar
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "launch", help="Launch a training script on every process of a run (torchrun's agent).",
+        "launch",
+        help="Launch a training script on every process of a run (torchrun's agent).",
         description="Launch a script on one or many processes and machines with torch.distributed.run. "
-                    "Values come from the config file; flags given here win.",
+        "Values come from the config file; flags given here win.",
     )
     add_launch_arguments(parser)
-    parser.add_argument("--dry_run", action="store_true",
-                        help="Check the launch on this machine instead: the script runs as the first and last "
-                             "rank of the configured world on torch's fake process group (CPU) up to its "
-                             "fa.prepare and one step; prints the mesh, each rank's bytes, the checkpoint "
-                             "layout (docs/cli.md).")
-    parser.add_argument("--dry_run_json", metavar="PATH",
-                        help="With --dry_run: also write its figures as JSON to PATH (every rank's bytes, the "
-                             "simulated ranks' own measurements, the mesh and the tensors), for scripts and CI.")
+    parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="Check the launch on this machine instead: the script runs as the first and last "
+        "rank of the configured world on torch's fake process group (CPU) up to its "
+        "fa.prepare and one step; prints the mesh, each rank's bytes, the checkpoint "
+        "layout (docs/cli.md).",
+    )
+    parser.add_argument(
+        "--dry_run_json",
+        metavar="PATH",
+        help="With --dry_run: also write its figures as JSON to PATH (every rank's bytes, the "
+        "simulated ranks' own measurements, the mesh and the tensors), for scripts and CI.",
+    )
     parser.set_defaults(handler=run, command_name="launch")
 
 
@@ -143,9 +162,19 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
     else:
         config = LaunchConfig()
     changes: dict[str, Any] = {}
-    for name in ("mixed_precision", "num_processes", "num_machines", "machine_rank", "main_process_ip",
-                 "main_process_port", "rdzv_backend", "gpu_ids", "same_network", "enable_cpu_affinity",
-                 "debug"):
+    for name in (
+        "mixed_precision",
+        "num_processes",
+        "num_machines",
+        "machine_rank",
+        "main_process_ip",
+        "main_process_port",
+        "rdzv_backend",
+        "gpu_ids",
+        "same_network",
+        "enable_cpu_affinity",
+        "debug",
+    ):
         if _given(args, name) is not None:
             changes[name] = _given(args, name)
     if args.cpu:
@@ -156,25 +185,39 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
         changes["distributed_type"] = "MULTI_GPU"
     if args.use_fsdp:
         changes["distributed_type"] = "FSDP"
-    fsdp = {_FSDP_ALIASES.get(flag[2:], flag[2:]): _given(args, flag[2:]) for flag, _, _ in FSDP_FLAGS
-            if _given(args, flag[2:]) is not None}
+    fsdp = {
+        _FSDP_ALIASES.get(flag[2:], flag[2:]): _given(args, flag[2:])
+        for flag, _, _ in FSDP_FLAGS
+        if _given(args, flag[2:]) is not None
+    }
     if fsdp:
         changes["fsdp_config"] = {**config.fsdp_config, **fsdp}
     if args.use_deepspeed:
         changes["distributed_type"] = "DEEPSPEED"
-    deepspeed = {flag[2:]: _given(args, flag[2:]) for flag, _, _ in DEEPSPEED_FLAGS
-                 if _given(args, flag[2:]) is not None}
+    deepspeed = {
+        flag[2:]: _given(args, flag[2:])
+        for flag, _, _ in DEEPSPEED_FLAGS
+        if _given(args, flag[2:]) is not None
+    }
     if deepspeed:
         changes["deepspeed_config"] = {**config.deepspeed_config, **deepspeed}
-    fp8 = {_fp8_key(flag): _given(args, flag[2:]) for flag, _, _ in FP8_FLAGS if _given(args, flag[2:]) is not None}
+    fp8 = {
+        _fp8_key(flag): _given(args, flag[2:])
+        for flag, _, _ in FP8_FLAGS
+        if _given(args, flag[2:]) is not None
+    }
     if fp8:
         changes["fp8_config"] = {**config.fp8_config, **fp8}
-    dynamo = {flag[2:]: _given(args, flag[2:]) for flag, _, _ in DYNAMO_FLAGS
-              if _given(args, flag[2:]) is not None}
+    dynamo = {
+        flag[2:]: _given(args, flag[2:]) for flag, _, _ in DYNAMO_FLAGS if _given(args, flag[2:]) is not None
+    }
     if dynamo:
         changes["dynamo_config"] = {**config.dynamo_config, **dynamo}
-    mesh = {flag[2:]: _given(args, flag[2:]) for flag, _, _ in PARALLELISM_FLAGS
-            if _given(args, flag[2:]) is not None}
+    mesh = {
+        flag[2:]: _given(args, flag[2:])
+        for flag, _, _ in PARALLELISM_FLAGS
+        if _given(args, flag[2:]) is not None
+    }
     if mesh:
         changes["parallelism_config"] = {**config.parallelism_config, **mesh}
     config = dataclasses.replace(config, **changes)
@@ -190,29 +233,52 @@ def _fp8_key(flag: str) -> str:
 
 
 # Keys Accelerate writes for TPU launches only (their defaults are what it writes otherwise).
-_TPU_KEYS = ("tpu_name", "tpu_zone", "tpu_vm", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
-             "command_file", "commands", "downcast_bf16", "main_training_function")
+_TPU_KEYS = (
+    "tpu_name",
+    "tpu_zone",
+    "tpu_vm",
+    "tpu_env",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "command_file",
+    "commands",
+    "downcast_bf16",
+    "main_training_function",
+)
 
 # Sections of engines this build does not ship: any value in them is refused, with the reason.
-_REFUSED_SECTIONS = MappingProxyType({
-    "megatron_lm_config": "this build has no Megatron-LM engine; remove the section",
-    "mpirun_config": "fnaccel launches with torchrun, not mpirun; for several machines give "
-                     "num_machines, machine_rank, main_process_ip and main_process_port",
-})
+_REFUSED_SECTIONS = MappingProxyType(
+    {
+        "megatron_lm_config": "this build has no Megatron-LM engine; remove the section",
+        "mpirun_config": "fnaccel launches with torchrun, not mpirun; for several machines give "
+        "num_machines, machine_rank, main_process_ip and main_process_port",
+    }
+)
 
 
 def refused_keys(config: LaunchConfig) -> list[tuple[str, str]]:
     """``(key, why)`` for each key of an Accelerate config that asks for what this
     build cannot do; an empty or default value asks for nothing."""
     defaults = LaunchConfig()
-    refused = [(key, "it configures TPU launches and this build has no TPU (torch_xla) engine")
-               for key in _TPU_KEYS if getattr(config, key) != getattr(defaults, key)]
-    refused += [(key, why) for key, why in _REFUSED_SECTIONS.items()
-                if any(value not in (None, {}, [], "") for value in getattr(config, key).values())]
+    refused = [
+        (key, "it configures TPU launches and this build has no TPU (torch_xla) engine")
+        for key in _TPU_KEYS
+        if getattr(config, key) != getattr(defaults, key)
+    ]
+    refused += [
+        (key, why)
+        for key, why in _REFUSED_SECTIONS.items()
+        if any(value not in (None, {}, [], "") for value in getattr(config, key).values())
+    ]
     ipex = {key: value for key, value in config.ipex_config.items() if value not in (None, False)}
     if ipex:
-        refused.append(("ipex_config", f"{sorted(ipex)[0]}: this build has no Intel Extension for "
-                                       "PyTorch (IPEX) or XPU support; remove the section"))
+        refused.append(
+            (
+                "ipex_config",
+                f"{sorted(ipex)[0]}: this build has no Intel Extension for "
+                "PyTorch (IPEX) or XPU support; remove the section",
+            )
+        )
     return refused
 
 
@@ -227,25 +293,31 @@ def check_launchable(config: LaunchConfig, *, force: bool = False) -> None:
     cannot launch: what `fnaccel launch` refuses, `fnaccel env` refuses too."""
     where = config.source or "the command line"
     if config.compute_environment != "LOCAL_MACHINE":
-        raise CommandError(f"{where}: compute_environment {config.compute_environment}: "
-                           "this build launches on local machines only (LOCAL_MACHINE)")
+        raise CommandError(
+            f"{where}: compute_environment {config.compute_environment}: "
+            "this build launches on local machines only (LOCAL_MACHINE)"
+        )
     if config.distributed_type == "MEGATRON_LM":
         raise CommandError(f"{where}: distributed_type MEGATRON_LM: {megatron_refusal()}")
     if config.distributed_type in _REFUSED_TYPES:
-        raise CommandError(f"{where}: distributed_type {config.distributed_type}: "
-                           f"{_REFUSED_TYPES[config.distributed_type]}")
+        raise CommandError(
+            f"{where}: distributed_type {config.distributed_type}: {_REFUSED_TYPES[config.distributed_type]}"
+        )
     _check_engines(config, where)
     for key, why in refused_keys(config):
         raise CommandError(f"{where}: key '{key}': {why}")
     if not 0 <= config.machine_rank < config.num_machines:
-        raise CommandError(f"{where}: machine_rank {config.machine_rank} is outside "
-                           f"0..{config.num_machines - 1} for num_machines {config.num_machines}")
+        raise CommandError(
+            f"{where}: machine_rank {config.machine_rank} is outside "
+            f"0..{config.num_machines - 1} for num_machines {config.num_machines}"
+        )
     local = -(-config.num_processes // config.num_machines)
     if local > max_local_processes() and not force:
         raise CommandError(
             f"{where}: num_processes {config.num_processes} is {local} processes on this machine, "
             f"more than the {max_local_processes()} it can run (4 per usable CPU); pass "
-            "--force_num_processes to start them anyway")
+            "--force_num_processes to start them anyway"
+        )
     if config.distributed_type == "FSDP":
         FullyShardedDataParallelPlugin.from_config(config.fsdp_config, f"{where}: fsdp_config")
     if config.parallelism_config:
@@ -262,12 +334,16 @@ def _check_engines(config: LaunchConfig, where: str) -> None:
     if config.distributed_type == "DEEPSPEED":
         DeepSpeedPlugin.from_config(config.deepspeed_config, f"{where}: deepspeed_config")
         if importlib.util.find_spec("deepspeed") is None:
-            raise CommandError(f"{where}: distributed_type DEEPSPEED needs DeepSpeed: pip install "
-                               "'fnaccel[deepspeed]' (docs/deepspeed.md)")
+            raise CommandError(
+                f"{where}: distributed_type DEEPSPEED needs DeepSpeed: pip install "
+                "'fnaccel[deepspeed]' (docs/deepspeed.md)"
+            )
     elif any(value not in (None, "", {}) for value in config.deepspeed_config.values()):
-        raise CommandError(f"{where}: key 'deepspeed_config' is set but distributed_type is "
-                           f"{config.distributed_type}; pass --use_deepspeed (distributed_type: DEEPSPEED) "
-                           "or remove the section")
+        raise CommandError(
+            f"{where}: key 'deepspeed_config' is set but distributed_type is "
+            f"{config.distributed_type}; pass --use_deepspeed (distributed_type: DEEPSPEED) "
+            "or remove the section"
+        )
     recipe = recipe_from_config(config.fp8_config, f"{where}: fp8_config")
     if config.mixed_precision == "fp8":
         try:
@@ -275,11 +351,15 @@ def _check_engines(config: LaunchConfig, where: str) -> None:
         except (ValueError, ImportError) as exc:
             raise CommandError(f"{where}: mixed_precision fp8: {exc}") from None
         if config.distributed_type == "DEEPSPEED":
-            raise CommandError(f"{where}: mixed_precision fp8 does not run through DeepSpeed here; use "
-                               "bf16 with DeepSpeed, or fp8 with distributed_type MULTI_CPU/MULTI_GPU or FSDP")
+            raise CommandError(
+                f"{where}: mixed_precision fp8 does not run through DeepSpeed here; use "
+                "bf16 with DeepSpeed, or fp8 with distributed_type MULTI_CPU/MULTI_GPU or FSDP"
+            )
     elif recipe is not None:
-        raise CommandError(f"{where}: key 'fp8_config' (or an --fp8_* flag) is set but mixed_precision is "
-                           f"{config.mixed_precision}; pass --mixed_precision fp8 or remove it")
+        raise CommandError(
+            f"{where}: key 'fp8_config' (or an --fp8_* flag) is set but mixed_precision is "
+            f"{config.mixed_precision}; pass --mixed_precision fp8 or remove it"
+        )
 
 
 def _num_processes(args: argparse.Namespace, config: LaunchConfig) -> int:
@@ -287,8 +367,10 @@ def _num_processes(args: argparse.Namespace, config: LaunchConfig) -> int:
 
     if args.num_processes is None and config.source is None and config.distributed_type == "MULTI_GPU":
         if not torch.cuda.is_available():
-            raise CommandError("--multi_gpu needs CUDA GPUs and this machine has none; "
-                               "use --cpu --num_processes N for processes on the CPU")
+            raise CommandError(
+                "--multi_gpu needs CUDA GPUs and this machine has none; "
+                "use --cpu --num_processes N for processes on the CPU"
+            )
         return torch.cuda.device_count()
     return config.num_processes
 
@@ -307,28 +389,51 @@ def torchrun_arguments(args: argparse.Namespace, config: LaunchConfig) -> list[s
     num_processes = _num_processes(args, config)
     num_machines = config.num_machines
     if num_processes % num_machines:
-        raise CommandError(f"--num_processes {num_processes} is the total over all machines and "
-                           f"must divide evenly over --num_machines {num_machines}")
+        raise CommandError(
+            f"--num_processes {num_processes} is the total over all machines and "
+            f"must divide evenly over --num_machines {num_machines}"
+        )
     argv = ["--nproc_per_node", str(num_processes // num_machines)]
     if num_machines > 1:
         if config.main_process_ip is None or config.main_process_port is None:
-            raise CommandError(f"--num_machines {num_machines} needs --main_process_ip and "
-                               "--main_process_port (the machine of rank 0)")
+            raise CommandError(
+                f"--num_machines {num_machines} needs --main_process_ip and "
+                "--main_process_port (the machine of rank 0)"
+            )
         argv += ["--nnodes", str(num_machines)]
         if config.rdzv_backend == "static":
-            argv += ["--node_rank", str(config.machine_rank), "--master_addr", config.main_process_ip,
-                     "--master_port", str(config.main_process_port)]
+            argv += [
+                "--node_rank",
+                str(config.machine_rank),
+                "--master_addr",
+                config.main_process_ip,
+                "--master_port",
+                str(config.main_process_port),
+            ]
         else:
-            argv += ["--rdzv_backend", config.rdzv_backend,
-                     "--rdzv_endpoint", f"{config.main_process_ip}:{config.main_process_port}"]
+            argv += [
+                "--rdzv_backend",
+                config.rdzv_backend,
+                "--rdzv_endpoint",
+                f"{config.main_process_ip}:{config.main_process_port}",
+            ]
     elif config.main_process_port is not None:
-        argv += ["--master_addr", config.main_process_ip or "127.0.0.1",
-                 "--master_port", str(config.main_process_port)]
+        argv += [
+            "--master_addr",
+            config.main_process_ip or "127.0.0.1",
+            "--master_port",
+            str(config.main_process_port),
+        ]
     else:
         argv += ["--standalone"]  # one machine, no port named: torchrun picks a free one
-    for flag, value in (("--rdzv_conf", args.rdzv_conf), ("--max_restarts", args.max_restarts),
-                        ("--monitor_interval", args.monitor_interval), ("--role", args.role),
-                        ("--tee", args.tee), ("--log_dir", args.log_dir)):
+    for flag, value in (
+        ("--rdzv_conf", args.rdzv_conf),
+        ("--max_restarts", args.max_restarts),
+        ("--monitor_interval", args.monitor_interval),
+        ("--role", args.role),
+        ("--tee", args.tee),
+        ("--log_dir", args.log_dir),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     if args.module and args.no_python:
@@ -360,8 +465,9 @@ def _check_script(args: argparse.Namespace) -> None:
     if args.module or args.no_python:
         return
     if not Path(args.training_script).is_file():
-        raise CommandError(f"no such script: {args.training_script} (pass a Python file, or a module "
-                           "with -m)")
+        raise CommandError(
+            f"no such script: {args.training_script} (pass a Python file, or a module with -m)"
+        )
 
 
 class _Ended(Exception):
@@ -380,7 +486,9 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from None
     _check_script(args)
     if args.dry_run_json is not None and not args.dry_run:
-        raise CommandError("--dry_run_json writes a dry run's figures; add --dry_run (or drop --dry_run_json)")
+        raise CommandError(
+            "--dry_run_json writes a dry run's figures; add --dry_run (or drop --dry_run_json)"
+        )
     if args.dry_run:
         from fnaccel.commands.dry_run import dry_run
 
@@ -388,11 +496,19 @@ def run(args: argparse.Namespace) -> int:
         program = [sys.executable, "-u", "-m", WORKER_ENTRY, str(os.getpid()), *worker_program(args)]
         try:
             with _signals_raise(SignalException):  # the workers are ended on the way out (dry_run's own)
-                return dry_run(config, _num_processes(args, config), args.training_script, program,
-                               launch_environment(args, config), json_path=args.dry_run_json)
+                return dry_run(
+                    config,
+                    _num_processes(args, config),
+                    args.training_script,
+                    program,
+                    launch_environment(args, config),
+                    json_path=args.dry_run_json,
+                )
         except SignalException as exc:
-            print(f"fnaccel launch --dry_run: stopped by {exc.sigval.name}; its simulated ranks were ended",
-                  file=sys.stderr)
+            print(
+                f"fnaccel launch --dry_run: stopped by {exc.sigval.name}; its simulated ranks were ended",
+                file=sys.stderr,
+            )
             return 128 + int(exc.sigval)
     torchrun_args = torchrun.get_args_parser().parse_args(torchrun_arguments(args, config))
     if args.quiet:  # each of torch's elastic modules sets its own logger's level: set them all
@@ -403,8 +519,10 @@ def run(args: argparse.Namespace) -> int:
     launch_dir = Path(tempfile.mkdtemp(prefix="fnaccel-launch-"))
     machines: _Machines | None = None
     try:
-        with _patched_environment(**launch_environment(args, config), **{LAUNCH_DIR_ENV: str(launch_dir)}), \
-                _signals_raise(SignalException):
+        with (
+            _patched_environment(**launch_environment(args, config), **{LAUNCH_DIR_ENV: str(launch_dir)}),
+            _signals_raise(SignalException),
+        ):
             try:
                 with _machines_met(args, config) as store:
                     if store is not None and config.num_machines > 1:
@@ -418,12 +536,18 @@ def run(args: argparse.Namespace) -> int:
                 if outcome.preempted is not None:
                     return _preempted(outcome.preempted)
                 if outcome.finished:
-                    print(f"fnaccel launch: got {exc.sigval.name} after the run had finished (every rank's "
-                          "fa.shutdown came first): exit 0", file=sys.stderr)
+                    print(
+                        f"fnaccel launch: got {exc.sigval.name} after the run had finished (every rank's "
+                        "fa.shutdown came first): exit 0",
+                        file=sys.stderr,
+                    )
                     return 0
                 grace = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
-                print(f"fnaccel launch: stopped by {exc.sigval.name}: the workers got it and had {grace} s "
-                      "to end (torchrun's shutdown timeout)", file=sys.stderr)
+                print(
+                    f"fnaccel launch: stopped by {exc.sigval.name}: the workers got it and had {grace} s "
+                    "to end (torchrun's shutdown timeout)",
+                    file=sys.stderr,
+                )
                 return 128 + int(exc.sigval)
             except ChildFailedError as exc:
                 if args.debug:
@@ -433,19 +557,28 @@ def run(args: argparse.Namespace) -> int:
                     print(machines.lost_line(lost), file=sys.stderr)  # type: ignore[union-attr]
                     return 1
                 outcome = _Outcome.read(launch_dir, local)
-                if outcome.preempted is not None and all(_by_signal(f.exitcode) for f in exc.failures.values()):
+                if outcome.preempted is not None and all(
+                    _by_signal(f.exitcode) for f in exc.failures.values()
+                ):
                     return _preempted(outcome.preempted)
                 rank, first = first_failure(exc)
-                elsewhere = machines.failed_first(_failed_at_ns(first), rank) if machines is not None else None
+                elsewhere = (
+                    machines.failed_first(_failed_at_ns(first), rank) if machines is not None else None
+                )
                 if elsewhere is not None:
                     machine, rank = elsewhere
-                    print(f"fnaccel launch: {args.training_script} failed: rank {rank} (machine {machine}) "
-                          f"failed first (its traceback is in that machine's output); the ranks of this "
-                          f"machine failed after it (their errors are above)", file=sys.stderr)
+                    print(
+                        f"fnaccel launch: {args.training_script} failed: rank {rank} (machine {machine}) "
+                        f"failed first (its traceback is in that machine's output); the ranks of this "
+                        f"machine failed after it (their errors are above)",
+                        file=sys.stderr,
+                    )
                     return first.exitcode if first.exitcode > 0 else 1
-                print(f"fnaccel launch: {args.training_script} failed: rank {rank} exited with code "
-                      f"{first.exitcode} (its traceback is above; --debug shows the launcher's)",
-                      file=sys.stderr)
+                print(
+                    f"fnaccel launch: {args.training_script} failed: rank {rank} exited with code "
+                    f"{first.exitcode} (its traceback is above; --debug shows the launcher's)",
+                    file=sys.stderr,
+                )
                 return first.exitcode if first.exitcode > 0 else 1
         outcome = _Outcome.read(launch_dir, local)
         return 0 if outcome.preempted is None else _preempted(outcome.preempted)
@@ -468,8 +601,11 @@ def _by_signal(exitcode: int) -> bool:
 
 
 def _preempted(reason: str) -> int:
-    print(f"fnaccel launch: preempted by {reason}: every rank stopped at the same step (fa.PreemptionKwargs); "
-          f"exit {PREEMPTED_EXIT_CODE}, requeue the job to resume from its checkpoint", file=sys.stderr)
+    print(
+        f"fnaccel launch: preempted by {reason}: every rank stopped at the same step (fa.PreemptionKwargs); "
+        f"exit {PREEMPTED_EXIT_CODE}, requeue the job to resume from its checkpoint",
+        file=sys.stderr,
+    )
     return PREEMPTED_EXIT_CODE
 
 
@@ -487,7 +623,9 @@ class _Outcome:
 
     @classmethod
     def read(cls, launch_dir: Path, local: int) -> _Outcome:
-        reasons = sorted(path.read_text(encoding="utf-8")[:40] for path in launch_dir.glob(f"{PREEMPTED_MARK}.*"))
+        reasons = sorted(
+            path.read_text(encoding="utf-8")[:40] for path in launch_dir.glob(f"{PREEMPTED_MARK}.*")
+        )
         finished = len(list(launch_dir.glob(f"{FINISHED_MARK}.*")))
         return cls(preempted=reasons[-1] if reasons else None, finished=finished >= local)
 
@@ -537,7 +675,9 @@ class _Machines:
             try:
                 self._store.add(self._key("alive", self._rank), 1)
                 if not self._published:
-                    ranks = sorted(int(path.name.split(".", 1)[1]) for path in self._launch_dir.glob(f"{RANK_MARK}.*"))
+                    ranks = sorted(
+                        int(path.name.split(".", 1)[1]) for path in self._launch_dir.glob(f"{RANK_MARK}.*")
+                    )
                     if len(ranks) >= self._local:
                         self._store.set(self._key("ranks", self._rank), ",".join(map(str, ranks)))
                         self._published = True
@@ -560,8 +700,11 @@ class _Machines:
                 start = {machine: self._counter(machine) for machine in others}
                 deadline = time.monotonic() + LOST_AFTER_S
                 while others and time.monotonic() < deadline and self._broken is None:
-                    others = [machine for machine in others
-                              if not self._ended(machine) and self._counter(machine) == start[machine]]
+                    others = [
+                        machine
+                        for machine in others
+                        if not self._ended(machine) and self._counter(machine) == start[machine]
+                    ]
                     if others:
                         time.sleep(HEARTBEAT_S / 2)
                 if self._broken is None:
@@ -573,7 +716,9 @@ class _Machines:
     def _ranks_of(self, machine: int) -> list[int]:
         try:
             if self._broken is None and self._store.check([self._key("ranks", machine)]):
-                return [int(rank) for rank in self._store.get(self._key("ranks", machine)).decode().split(",")]
+                return [
+                    int(rank) for rank in self._store.get(self._key("ranks", machine)).decode().split(",")
+                ]
         except Exception:
             pass
         # the machine vanished before publishing, or with the store: torchrun's static
@@ -584,13 +729,19 @@ class _Machines:
         """The launch's last line when ``lost`` machines vanished."""
         named = ", ".join(f"machine {machine} ({_ranks_text(self._ranks_of(machine))})" for machine in lost)
         if self._broken is not None:
-            why = f"connection closed: its launcher's store at {self._where} stopped answering ({self._broken})"
+            why = (
+                f"connection closed: its launcher's store at {self._where} stopped answering ({self._broken})"
+            )
         else:
-            why = (f"connection closed: its launcher stopped answering on the store at {self._where} "
-                   f"for {LOST_AFTER_S:g} s")
-        return (f"fnaccel launch: {named} was lost: {why}; the errors of this machine's ranks above follow from "
-                "it. Check that machine, then start the launch again on every machine (fa.load resumes from the "
-                "last checkpoint)")
+            why = (
+                f"connection closed: its launcher stopped answering on the store at {self._where} "
+                f"for {LOST_AFTER_S:g} s"
+            )
+        return (
+            f"fnaccel launch: {named} was lost: {why}; the errors of this machine's ranks above follow from "
+            "it. Check that machine, then start the launch again on every machine (fa.load resumes from the "
+            "last checkpoint)"
+        )
 
     def failed_first(self, failed_at_ns: int, rank: int) -> tuple[int, int] | None:
         """Publish this machine's first failure and wait (at most `LOST_AFTER_S`) for the other
@@ -643,6 +794,7 @@ def _signals_raise(exception: Any) -> Iterator[None]:
     """While the launch runs, each forwarded signal raises ``exception(message, signal)``
     (torch's `SignalException`) in the main thread, as torchrun's agent makes it do once
     the workers run: one path ends the launch whenever the signal comes."""
+
     def handler(signum: int, _frame: Any) -> None:
         raise exception(f"fnaccel launch got {signal.Signals(signum).name}", signal.Signals(signum))
 
@@ -690,13 +842,16 @@ def _machines_met(args: argparse.Namespace, config: LaunchConfig) -> Iterator[An
     store: Any = None
     if config.machine_rank == 0:
         try:
-            store = TCPStore(host, port, None, True, timedelta(seconds=timeout), wait_for_workers=False,
-                             multi_tenant=True)
+            store = TCPStore(
+                host, port, None, True, timedelta(seconds=timeout), wait_for_workers=False, multi_tenant=True
+            )
         except DistNetworkError as exc:
             if "EADDRINUSE" not in str(exc):
                 raise
-            raise CommandError(f"--main_process_port {port} is already in use on this machine; pass a free "
-                               "port (or end what holds it)") from None
+            raise CommandError(
+                f"--main_process_port {port} is already in use on this machine; pass a free "
+                "port (or end what holds it)"
+            ) from None
     if config.num_machines > 1:
         store = _join(store, host, port, config, timeout)
     try:
@@ -722,8 +877,11 @@ def _join(store: Any, host: str, port: int, config: LaunchConfig, timeout: float
         return ", ".join(str(other) for other in range(total) if other not in joined)
 
     def report(lead: str) -> str:
-        reached = (f"{len(joined)} of {total} machines joined, missing machine_rank {missing()}"
-                   if store is not None else "the machine of rank 0 does not answer")
+        reached = (
+            f"{len(joined)} of {total} machines joined, missing machine_rank {missing()}"
+            if store is not None
+            else "the machine of rank 0 does not answer"
+        )
         return f"fnaccel launch: machine {rank}: {lead} at {where}: {reached}"
 
     try:
@@ -738,17 +896,21 @@ def _join(store: Any, host: str, port: int, config: LaunchConfig, timeout: float
             now = time.monotonic()
             if now - start >= timeout:
                 absent = missing() if store is not None else "0"
-                raise _Ended(1, report(f"gave up after {timeout:g} s waiting for the machines") +
-                             f"; start fnaccel launch --machine_rank {absent} there, or wait longer with "
-                             "--rdzv_conf timeout=SECONDS")
+                raise _Ended(
+                    1,
+                    report(f"gave up after {timeout:g} s waiting for the machines")
+                    + f"; start fnaccel launch --machine_rank {absent} there, or wait longer with "
+                    "--rdzv_conf timeout=SECONDS",
+                )
             if now >= next_report:
                 print(report(lead), file=sys.stderr, flush=True)
                 next_report += interval
                 lead = f"still waiting ({next_report - start:.0f} s of {timeout:g} s)"
             time.sleep(0.2)
     except SignalException as exc:
-        raise _Ended(128 + int(exc.sigval),
-                     report(f"stopped by {exc.sigval.name} while waiting for the machines")) from None
+        raise _Ended(
+            128 + int(exc.sigval), report(f"stopped by {exc.sigval.name} while waiting for the machines")
+        ) from None
 
 
 def _answers(host: str, port: int) -> bool:

@@ -13,7 +13,14 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["add_launch_arguments", "refused_flags", "DEEPSPEED_FLAGS", "DYNAMO_FLAGS", "FP8_FLAGS", "FSDP_FLAGS"]
+__all__ = [
+    "add_launch_arguments",
+    "refused_flags",
+    "DEEPSPEED_FLAGS",
+    "DYNAMO_FLAGS",
+    "FP8_FLAGS",
+    "FSDP_FLAGS",
+]
 
 Flag = tuple[str, "Callable[[str], Any] | None", str]  # (flag, value type or None for a switch, help)
 
@@ -24,6 +31,7 @@ def at_least(minimum: int) -> Callable[[str], int]:
     >>> at_least(1)("4")
     4
     """
+
     def convert(text: str) -> int:
         if not re.fullmatch(r"[+-]?\d{1,18}", text.strip()):
             raise argparse.ArgumentTypeError(f"must be a whole number, got {text[:40]!r}")
@@ -58,15 +66,24 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text[:40]!r}")
     return value
 
+
 # (flag, type, help): the FSDP section, stored under its config key (the flag's name)
 FSDP_FLAGS: tuple[Flag, ...] = (
     ("--fsdp_version", at_least(1), "FSDP version (fnaccel runs FSDP2 for both 1 and 2)."),
     ("--fsdp_offload_params", str, "(true|false) offload parameters and gradients to the CPU."),
-    ("--fsdp_min_num_params", at_least(0), "Parameters a submodule needs to be sharded on its own (SIZE_BASED_WRAP)."),
+    (
+        "--fsdp_min_num_params",
+        at_least(0),
+        "Parameters a submodule needs to be sharded on its own (SIZE_BASED_WRAP).",
+    ),
     ("--fsdp_sharding_strategy", str, "FULL_SHARD (1) or SHARD_GRAD_OP (2)."),
     ("--fsdp_reshard_after_forward", str, "(true|false) free gathered parameters after forward."),
     ("--fsdp_auto_wrap_policy", str, "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP."),
-    ("--fsdp_transformer_layer_cls_to_wrap", str, "Layer class names to shard on their own, e.g. `Block,MLP`."),
+    (
+        "--fsdp_transformer_layer_cls_to_wrap",
+        str,
+        "Layer class names to shard on their own, e.g. `Block,MLP`.",
+    ),
     ("--fsdp_backward_prefetch", str, "BACKWARD_PRE (FSDP2's behaviour); others are refused."),
     ("--fsdp_backward_prefetch_policy", str, "Deprecated spelling of --fsdp_backward_prefetch."),
     ("--fsdp_state_dict_type", str, "SHARDED_STATE_DICT (FULL_STATE_DICT is refused: use fa.save_model)."),
@@ -74,19 +91,42 @@ FSDP_FLAGS: tuple[Flag, ...] = (
     ("--fsdp_use_orig_params", str, "(true|false) FSDP2 always keeps them (false is refused)."),
     ("--fsdp_cpu_ram_efficient_loading", str, "(true|false) real weights on rank 0 only (needs sync)."),
     ("--fsdp_sync_module_states", str, "(true|false) broadcast rank 0's weights before sharding."),
-    ("--fsdp_activation_checkpointing", str, "(true|false) checkpoint the layers to wrap (fa.checkpoint_activations)."),
-    ("--fsdp_activation_checkpointing_offload", str,
-     "(true|false) keep checkpointed blocks' inputs in host memory (needs --fsdp_activation_checkpointing)."),
+    (
+        "--fsdp_activation_checkpointing",
+        str,
+        "(true|false) checkpoint the layers to wrap (fa.checkpoint_activations).",
+    ),
+    (
+        "--fsdp_activation_checkpointing_offload",
+        str,
+        "(true|false) keep checkpointed blocks' inputs in host memory (needs --fsdp_activation_checkpointing).",
+    ),
 )
 
 # the parallelism_config section (fnaccel.config.parallelism), stored under its config key (the flag's name)
 PARALLELISM_FLAGS: tuple[Flag, ...] = (
-    ("--parallelism_config_dp_replicate_size", at_least(1), "Data-parallel replicas (HSDP's replicate dimension)."),
+    (
+        "--parallelism_config_dp_replicate_size",
+        at_least(1),
+        "Data-parallel replicas (HSDP's replicate dimension).",
+    ),
     ("--parallelism_config_dp_shard_size", at_least(1), "Ranks each replica is sharded over (FSDP)."),
     ("--parallelism_config_tp_size", at_least(1), "Tensor-parallel degree (fa.tp in the script's pipeline)."),
-    ("--parallelism_config_cp_size", at_least(1), "Context-parallel degree (refused: not built, see docs/parallelism.md)."),
-    ("--parallelism_config_sp_size", at_least(1), "Ulysses sequence-parallel degree (fa.sp in the script's pipeline)."),
-    ("--parallelism_config_pp_size", at_least(1), "Pipeline-parallel stages (fa.pp in the script's pipeline)."),
+    (
+        "--parallelism_config_cp_size",
+        at_least(1),
+        "Context-parallel degree (refused: not built, see docs/parallelism.md).",
+    ),
+    (
+        "--parallelism_config_sp_size",
+        at_least(1),
+        "Ulysses sequence-parallel degree (fa.sp in the script's pipeline).",
+    ),
+    (
+        "--parallelism_config_pp_size",
+        at_least(1),
+        "Pipeline-parallel stages (fa.pp in the script's pipeline).",
+    ),
     ("--parallelism_config_cp_comm_strategy", str, "Context-parallel rotation: allgather or alltoall."),
 )
 
@@ -101,7 +141,7 @@ DYNAMO_FLAGS: tuple[Flag, ...] = (
 # DeepSpeed (fa.deepspeed in the default pipeline): carried to the processes as the config's
 # deepspeed_config section, with Accelerate's key names (the flag without its dashes)
 DEEPSPEED_FLAGS: tuple[Flag, ...] = (
-    ("--deepspeed_config_file", str, "DeepSpeed JSON config file (its \"auto\" values filled from the run)."),
+    ("--deepspeed_config_file", str, 'DeepSpeed JSON config file (its "auto" values filled from the run).'),
     ("--zero_stage", int, "ZeRO stage: 0, 1, 2 (default) or 3."),
     ("--offload_optimizer_device", str, "Optimizer offload device (none|cpu|nvme)."),
     ("--offload_param_device", str, "Parameter offload device (none|cpu|nvme), ZeRO-3."),
@@ -128,39 +168,59 @@ FP8_FLAGS: tuple[Flag, ...] = (
     ("--fp8_format", str, "FP8 format (HYBRID, E4M3 or E5M2)."),
     ("--fp8_amax_history_len", int, "amax history length."),
     ("--fp8_amax_compute_algo", str, "amax algorithm (max or most_recent)."),
-    ("--fp8_override_linear_precision", str, "Higher precision for fprop, dgrad, wgrad (e.g. false,false,true)."),
+    (
+        "--fp8_override_linear_precision",
+        str,
+        "Higher precision for fprop, dgrad, wgrad (e.g. false,false,true).",
+    ),
     ("--fp8_opt_level", str, "MS-AMP optimisation level (O1 or O2)."),
 )
 
 _REFUSED: tuple[tuple[str, str, tuple[Flag, ...]], ...] = (
     # (group title, why, flags as (flag, type or None for a switch, help))
-    ("TPU arguments", "this build has no TPU (torch_xla) engine", (
-        ("--tpu", None, "Launch TPU training."),
-        ("--tpu_cluster", None, "Use a GCP TPU pod."),
-        ("--tpu_use_sudo", None, "Run the TPU script with sudo."),
-        ("--vm", str, "Compute VM instance names (TPU pods)."),
-        ("--env", str, "Environment variables for the TPU VMs."),
-        ("--main_training_function", str, "The function a TPU launch calls."),
-        ("--downcast_bf16", None, "Downcast float and double tensors to bf16 on TPU."),
-    )),
-    ("Megatron-LM arguments", "this build has no Megatron-LM engine", (
-        ("--use_megatron_lm", None, "Train with Megatron-LM."),
-        ("--megatron_lm_tp_degree", int, "Tensor parallel degree."),
-        ("--megatron_lm_pp_degree", int, "Pipeline parallel degree."),
-        ("--megatron_lm_num_micro_batches", int, "Micro-batches when the PP degree is above 1."),
-        ("--megatron_lm_sequence_parallelism", str, "(true|false) sequence parallelism."),
-        ("--megatron_lm_recompute_activations", str, "(true|false) selective recompute."),
-        ("--megatron_lm_use_distributed_optimizer", str, "(true|false) distributed optimizer."),
-        ("--megatron_lm_gradient_clipping", float, "Global L2-norm gradient clipping."),
-    )),
-    ("AWS SageMaker arguments", "this build has no SageMaker launcher", (
-        ("--aws_access_key_id", str, "AWS access key id."),
-        ("--aws_secret_access_key", str, "AWS secret access key."),
-    )),
-    ("Other hardware", "this build supports CPUs and CUDA GPUs only", (
-        ("--ipex", None, "Intel Extension for PyTorch (deprecated in Accelerate)."),
-        ("--use_xpu", None, "Intel XPU (deprecated in Accelerate)."),
-    )),
+    (
+        "TPU arguments",
+        "this build has no TPU (torch_xla) engine",
+        (
+            ("--tpu", None, "Launch TPU training."),
+            ("--tpu_cluster", None, "Use a GCP TPU pod."),
+            ("--tpu_use_sudo", None, "Run the TPU script with sudo."),
+            ("--vm", str, "Compute VM instance names (TPU pods)."),
+            ("--env", str, "Environment variables for the TPU VMs."),
+            ("--main_training_function", str, "The function a TPU launch calls."),
+            ("--downcast_bf16", None, "Downcast float and double tensors to bf16 on TPU."),
+        ),
+    ),
+    (
+        "Megatron-LM arguments",
+        "this build has no Megatron-LM engine",
+        (
+            ("--use_megatron_lm", None, "Train with Megatron-LM."),
+            ("--megatron_lm_tp_degree", int, "Tensor parallel degree."),
+            ("--megatron_lm_pp_degree", int, "Pipeline parallel degree."),
+            ("--megatron_lm_num_micro_batches", int, "Micro-batches when the PP degree is above 1."),
+            ("--megatron_lm_sequence_parallelism", str, "(true|false) sequence parallelism."),
+            ("--megatron_lm_recompute_activations", str, "(true|false) selective recompute."),
+            ("--megatron_lm_use_distributed_optimizer", str, "(true|false) distributed optimizer."),
+            ("--megatron_lm_gradient_clipping", float, "Global L2-norm gradient clipping."),
+        ),
+    ),
+    (
+        "AWS SageMaker arguments",
+        "this build has no SageMaker launcher",
+        (
+            ("--aws_access_key_id", str, "AWS access key id."),
+            ("--aws_secret_access_key", str, "AWS secret access key."),
+        ),
+    ),
+    (
+        "Other hardware",
+        "this build supports CPUs and CUDA GPUs only",
+        (
+            ("--ipex", None, "Intel Extension for PyTorch (deprecated in Accelerate)."),
+            ("--use_xpu", None, "Intel XPU (deprecated in Accelerate)."),
+        ),
+    ),
 )
 
 
@@ -173,32 +233,58 @@ def _add(group: Any, flag: str, kind: Callable[[str], Any] | None, text: str) ->
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``accelerate launch``'s flags to ``parser`` (script and its arguments last)."""
-    parser.add_argument("--config_file", default=None,
-                        help="The config file whose values are the defaults of the flags below.")
-    parser.add_argument("-m", "--module", action="store_true",
-                        help="Run the script as a Python module, as `python -m` does.")
-    parser.add_argument("--no_python", action="store_true",
-                        help="Run the script directly, without `python` (for non-Python scripts).")
-    parser.add_argument("--debug", action="store_true", default=None,
-                        help="Full torch.distributed stack traces on failure; FNACCEL_DEBUG_MODE=1 "
-                             "in the script (collectives check shapes across ranks).")
-    parser.add_argument("-q", "--quiet", action="store_true",
-                        help="Silence the launcher's own log lines; only the relevant traceback shows.")
+    parser.add_argument(
+        "--config_file",
+        default=None,
+        help="The config file whose values are the defaults of the flags below.",
+    )
+    parser.add_argument(
+        "-m", "--module", action="store_true", help="Run the script as a Python module, as `python -m` does."
+    )
+    parser.add_argument(
+        "--no_python",
+        action="store_true",
+        help="Run the script directly, without `python` (for non-Python scripts).",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=None,
+        help="Full torch.distributed stack traces on failure; FNACCEL_DEBUG_MODE=1 "
+        "in the script (collectives check shapes across ranks).",
+    )
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="Silence the launcher's own log lines; only the relevant traceback shows.",
+    )
 
     hardware = parser.add_argument_group("Hardware selection arguments")
     _add(hardware, "--cpu", None, "Train on the CPU even when GPUs are available.")
     _add(hardware, "--multi_gpu", None, "Distributed training over GPUs.")
 
     resources = parser.add_argument_group("Resource selection arguments")
-    resources.add_argument("--mixed_precision", choices=("no", "fp16", "bf16", "fp8"), default=None,
-                           help="Mixed precision: no, fp16, bf16 or fp8 (torchao float8 layers, bf16 elsewhere).")
+    resources.add_argument(
+        "--mixed_precision",
+        choices=("no", "fp16", "bf16", "fp8"),
+        default=None,
+        help="Mixed precision: no, fp16, bf16 or fp8 (torchao float8 layers, bf16 elsewhere).",
+    )
     _add(resources, "--num_processes", at_least(1), "Total number of processes, over all machines.")
-    resources.add_argument("--force_num_processes", action="store_true",
-                           help="Start more processes per machine than the bound docs/cli.md gives "
-                                "(4 per CPU this process may use, at least 8).")
+    resources.add_argument(
+        "--force_num_processes",
+        action="store_true",
+        help="Start more processes per machine than the bound docs/cli.md gives "
+        "(4 per CPU this process may use, at least 8).",
+    )
     _add(resources, "--num_machines", at_least(1), "Number of machines.")
-    _add(resources, "--num_cpu_threads_per_process", at_least(1),
-         "OMP_NUM_THREADS for each process (default: this machine's cores over its processes).")
+    _add(
+        resources,
+        "--num_cpu_threads_per_process",
+        at_least(1),
+        "OMP_NUM_THREADS for each process (default: this machine's cores over its processes).",
+    )
     _add(resources, "--enable_cpu_affinity", None, "Pin each local process to its own share of the CPUs.")
 
     paradigm = parser.add_argument_group("Training paradigm arguments")
@@ -207,18 +293,28 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
     cluster = parser.add_argument_group("Distributed GPU arguments")
     _add(cluster, "--gpu_ids", str, "Comma-separated GPU ids this machine uses (CUDA_VISIBLE_DEVICES).")
-    _add(cluster, "--same_network", None, "All machines are on one local network (torchrun needs no "
-                                          "setting for it; accepted for config compatibility).")
+    _add(
+        cluster,
+        "--same_network",
+        None,
+        "All machines are on one local network (torchrun needs no "
+        "setting for it; accepted for config compatibility).",
+    )
     _add(cluster, "--machine_rank", at_least(0), "The rank of this machine.")
     _add(cluster, "--main_process_ip", str, "The IP address of the machine of rank 0.")
     _add(cluster, "--main_process_port", port, "The port of the machine of rank 0.")
-    cluster.add_argument("-t", "--tee", default=None,
-                         help="Tee the processes' std streams into the log files as well as the "
-                              "console (torchrun's --tee: 0 none, 1 stdout, 2 stderr, 3 both).")
+    cluster.add_argument(
+        "-t",
+        "--tee",
+        default=None,
+        help="Tee the processes' std streams into the log files as well as the "
+        "console (torchrun's --tee: 0 none, 1 stdout, 2 stderr, 3 both).",
+    )
     _add(cluster, "--log_dir", str, "Base directory of torchrun's per-process log files.")
     _add(cluster, "--role", str, "User-defined role of the workers.")
-    cluster.add_argument("--rdzv_backend", default=None,
-                         help="Rendezvous: static (default) or c10d (or etcd).")
+    cluster.add_argument(
+        "--rdzv_backend", default=None, help="Rendezvous: static (default) or c10d (or etcd)."
+    )
     _add(cluster, "--rdzv_conf", str, "Extra rendezvous configuration (<key1>=<value1>,...).")
     _add(cluster, "--max_restarts", at_least(0), "Restarts of the worker group before the launch fails.")
     _add(cluster, "--monitor_interval", seconds, "Seconds between checks of the workers' state.")
@@ -227,14 +323,20 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, kind, text in FSDP_FLAGS:
         _add(fsdp, flag, kind, text)
     mesh = parser.add_argument_group("Parallelism arguments (the device mesh; docs/parallelism.md)")
-    _add(mesh, "--use_parallelism_config", None, "Accepted for Accelerate's command lines: the "
-                                                 "--parallelism_config_* flags apply without it.")
+    _add(
+        mesh,
+        "--use_parallelism_config",
+        None,
+        "Accepted for Accelerate's command lines: the --parallelism_config_* flags apply without it.",
+    )
     for flag, kind, text in PARALLELISM_FLAGS:
         _add(mesh, flag, kind, text)
     dynamo = parser.add_argument_group("TorchDynamo arguments")
     for flag, kind, text in DYNAMO_FLAGS:
         _add(dynamo, flag, kind, text)
-    deepspeed = parser.add_argument_group("DeepSpeed arguments (with --use_deepspeed or a config's deepspeed_config)")
+    deepspeed = parser.add_argument_group(
+        "DeepSpeed arguments (with --use_deepspeed or a config's deepspeed_config)"
+    )
     for flag, kind, text in DEEPSPEED_FLAGS:
         _add(deepspeed, flag, kind, text)
     fp8 = parser.add_argument_group("FP8 arguments (with --mixed_precision fp8)")
@@ -245,10 +347,10 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         for flag, kind, text in flags:
             _add(group, flag, kind, text)
 
-    parser.add_argument("training_script",
-                        help="The script (or module with -m) to launch in every process.")
-    parser.add_argument("training_script_args", nargs=argparse.REMAINDER,
-                        help="Arguments of the training script.")
+    parser.add_argument("training_script", help="The script (or module with -m) to launch in every process.")
+    parser.add_argument(
+        "training_script_args", nargs=argparse.REMAINDER, help="Arguments of the training script."
+    )
 
 
 def refused_flags(args: argparse.Namespace) -> Iterator[tuple[str, str]]:

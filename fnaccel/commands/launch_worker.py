@@ -50,8 +50,10 @@ def _die_with_parent(launcher: int) -> None:
 def main(argv: Sequence[str]) -> None:
     """Tie this process to the launcher ``argv[0]`` (a pid), then execute ``argv[1:]``."""
     if len(argv) < 2 or not argv[0].isdigit():
-        raise SystemExit("usage: python -m fnaccel.commands.launch_worker LAUNCHER_PID PROGRAM [ARGS...] "
-                         "(fnaccel launch runs this; run your script with fnaccel launch)")
+        raise SystemExit(
+            "usage: python -m fnaccel.commands.launch_worker LAUNCHER_PID PROGRAM [ARGS...] "
+            "(fnaccel launch runs this; run your script with fnaccel launch)"
+        )
     if sys.platform.startswith("linux"):
         _die_with_parent(int(argv[0]))
     launch_dir, rank = os.environ.get(LAUNCH_DIR_ENV), os.environ.get("RANK", "")

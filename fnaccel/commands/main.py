@@ -18,10 +18,18 @@ from fnaccel._errors import FnaccelError
 __all__ = ["CommandError", "build_parser", "main"]
 
 # Each command's name -> the module registering it, in the order `fnaccel --help` lists them.
-_COMMANDS = MappingProxyType({
-    "config": "config", "env": "env", "launch": "launch", "test": "test", "estimate-memory": "estimate",
-    "merge-weights": "merge", "checkpoint": "checkpoint", "tpu-config": "tpu",
-})
+_COMMANDS = MappingProxyType(
+    {
+        "config": "config",
+        "env": "env",
+        "launch": "launch",
+        "test": "test",
+        "estimate-memory": "estimate",
+        "merge-weights": "merge",
+        "checkpoint": "checkpoint",
+        "tpu-config": "tpu",
+    }
+)
 
 USAGE_ERROR = 2  # argparse's exit status for bad usage; a bad config file is bad usage too
 # The signals a scheduler or a terminal sends to stop a command; each ends it with one line and
@@ -97,10 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = getattr(args, "command_name", None)
         sub = getattr(args, "parser", parser)
         flag = unknown[0].split("=", 1)[0]
-        print(f"{sub.prog}: error: unrecognized argument {unknown[0]}"
-              f"{closest(flag, sub.option_strings()) if flag.startswith('-') else ''}"
-              + (f"; {command} takes no such argument" if command and not flag.startswith("-") else ""),
-              file=sys.stderr)
+        print(
+            f"{sub.prog}: error: unrecognized argument {unknown[0]}"
+            f"{closest(flag, sub.option_strings()) if flag.startswith('-') else ''}"
+            + (f"; {command} takes no such argument" if command and not flag.startswith("-") else ""),
+            file=sys.stderr,
+        )
         return USAGE_ERROR
     handler = getattr(args, "handler", None)
     if handler is None:
@@ -118,8 +128,11 @@ def _stopped(signum: int, _frame: Any) -> None:
     """End the command at once, with one line: while it is still importing (torch alone takes
     seconds), no state is worth a traceback, and a scheduler reads the status."""
     command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in _COMMANDS else ""
-    os.write(2, f"fnaccel{' ' + command if command else ''}: stopped by {signal.Signals(signum).name} "
-                f"(exit {128 + signum})\n".encode())
+    os.write(
+        2,
+        f"fnaccel{' ' + command if command else ''}: stopped by {signal.Signals(signum).name} "
+        f"(exit {128 + signum})\n".encode(),
+    )
     os._exit(128 + signum)
 
 

@@ -47,11 +47,11 @@ def register(subparsers: Any) -> None:
             "test",
             help="Check that fnaccel works on this system, end to end.",
             description="Launch fnaccel's installation check with `fnaccel launch`: the process "
-                        "group, every collective, training steps against plain PyTorch, "
-                        "three resumes within an epoch and one on one process, and mixed precision. "
-                        "Prints one line per check.",
+            "group, every collective, training steps against plain PyTorch, "
+            "three resumes within an epoch and one on one process, and mixed precision. "
+            "Prints one line per check.",
             epilog="Any other flag goes to `fnaccel launch`, e.g. `fnaccel test --cpu "
-                   "--num_processes 2` or `fnaccel test --mixed_precision bf16`.",
+            "--num_processes 2` or `fnaccel test --mixed_precision bf16`.",
             allow_abbrev=False,  # a prefix of a launch flag must not turn into --config_file
         )
     finally:
@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if status == 0:
         print("Test is a success! You are ready for your distributed training!")
     elif status != USAGE_ERROR:  # a usage error: launch has said why in its one line
-        print(f"fnaccel test: the installation check failed (exit status {status}); "
-              "see the report and messages above", file=sys.stderr)
+        print(
+            f"fnaccel test: the installation check failed (exit status {status}); "
+            "see the report and messages above",
+            file=sys.stderr,
+        )
     return status

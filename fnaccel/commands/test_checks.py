@@ -74,8 +74,10 @@ def _require(condition: bool, message: str) -> None:
 
 def _same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     actual = actual.cpu()
-    _require(actual.shape == expected.shape and torch.equal(actual, expected),
-             f"{what}: got {actual.tolist()}, expected {expected.tolist()}")
+    _require(
+        actual.shape == expected.shape and torch.equal(actual, expected),
+        f"{what}: got {actual.tolist()}, expected {expected.tolist()}",
+    )
 
 
 def kwargs_handlers(project: ProjectConfiguration | None = None) -> tuple[Any, ...]:
@@ -84,11 +86,16 @@ def kwargs_handlers(project: ProjectConfiguration | None = None) -> tuple[Any, .
     return (timeout,) if project is None else (timeout, project)
 
 
-def _fresh_run(state: fa.RunState, project: ProjectConfiguration | None = None,
-               mixed_precision: str | None = "no") -> fa.RunState:
+def _fresh_run(
+    state: fa.RunState, project: ProjectConfiguration | None = None, mixed_precision: str | None = "no"
+) -> fa.RunState:
     """A new run beside ``state`` on the same device, in fp32 unless told otherwise."""
-    return fa.init(seed=SEED, cpu=state.dist.device.type == "cpu", mixed_precision=mixed_precision,
-                   kwargs_handlers=kwargs_handlers(project))
+    return fa.init(
+        seed=SEED,
+        cpu=state.dist.device.type == "cpu",
+        mixed_precision=mixed_precision,
+        kwargs_handlers=kwargs_handlers(project),
+    )
 
 
 # ---- the process group and the collectives -------------------------------------------------
@@ -103,15 +110,19 @@ def check_process_group(state: fa.RunState) -> str:
     _require(total == ctx.num_processes, f"an all-reduce of ones gave {total}")
     if ctx.num_processes == 1:
         return f"1 process, no process group needed, device {ctx.device.type}"
-    return (f"{ctx.num_processes} processes on {ctx.num_nodes} machine(s), backend {ctx.backend}, "
-            f"device {ctx.device.type}")
+    return (
+        f"{ctx.num_processes} processes on {ctx.num_nodes} machine(s), backend {ctx.backend}, "
+        f"device {ctx.device.type}"
+    )
 
 
 def check_gather(state: fa.RunState) -> str:
     ctx = state.dist
     rank, n = ctx.rank, ctx.num_processes
-    tree = {"vector": torch.tensor([rank, rank + 0.5], device=ctx.device),
-            "scalar": torch.tensor(float(rank), device=ctx.device)}
+    tree = {
+        "vector": torch.tensor([rank, rank + 0.5], device=ctx.device),
+        "scalar": torch.tensor(float(rank), device=ctx.device),
+    }
     out = fa.ops.gather(state, tree)
     _same(out["vector"], torch.tensor([v for k in range(n) for v in (k, k + 0.5)]), "a vector per rank")
     _same(out["scalar"], torch.arange(n, dtype=torch.float32), "a 0-d tensor per rank")
@@ -147,8 +158,9 @@ def check_pad_across_processes(state: fa.RunState) -> str:
     expected[: rank + 1] = rank
     _same(padded, expected, "padded to the longest rank")
     everyone = fa.ops.gather(state, padded)
-    _require(tuple(everyone.shape) == (n * n, 2),
-             f"gathering the padded tensors gave {tuple(everyone.shape)}")
+    _require(
+        tuple(everyone.shape) == (n * n, 2), f"gathering the padded tensors gave {tuple(everyone.shape)}"
+    )
     return ""
 
 
@@ -174,15 +186,18 @@ def check_broadcast_object_list(state: fa.RunState) -> str:
 def _model(dropout: bool = True) -> nn.Sequential:
     with torch.random.fork_rng(devices=[]):  # the same weights on every rank, the process RNG untouched
         torch.manual_seed(SEED)
-        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1 if dropout else 0.0), nn.Linear(32, 4))
+        return nn.Sequential(
+            nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1 if dropout else 0.0), nn.Linear(32, 4)
+        )
 
 
 def _fp8_model() -> nn.Sequential:
     """`_model` with a middle layer whose dims (multiples of 16) float8 can train."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.1),
-                             nn.Linear(32, 4))
+        return nn.Sequential(
+            nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 4)
+        )
 
 
 def _loss(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -243,15 +258,19 @@ def check_training(state: fa.RunState) -> str:
     finally:
         fa.shutdown(run)
     expected = _hand_written_loop(reference, ctx)
-    pairs = list(zip(model.parameters(), reference.parameters()))
+    pairs = list(zip(model.parameters(), reference.parameters(), strict=False))
     if losses == expected and all(torch.equal(p, q) for p, q in pairs):
         return f"{NUM_STEPS} steps, parameters bit-identical to plain PyTorch"
     worst = max((p - q).abs().max().item() for p, q in pairs)
     # Summation order may differ between two all-reduce bucketings (3+ ranks): equal within float32.
     close = all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in pairs) and all(
-        math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(losses, expected))
-    _require(close, f"after {NUM_STEPS} steps the parameters differ from plain PyTorch by up to {worst:.3g} "
-                    f"(losses {losses} vs {expected})")
+        math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(losses, expected, strict=False)
+    )
+    _require(
+        close,
+        f"after {NUM_STEPS} steps the parameters differ from plain PyTorch by up to {worst:.3g} "
+        f"(losses {losses} vs {expected})",
+    )
     return f"{NUM_STEPS} steps, parameters equal to plain PyTorch within {worst:.1g}"
 
 
@@ -265,11 +284,15 @@ def check_data_loader(state: fa.RunState) -> str:
         seen = [b[0].tolist() for b in fa.batches(run, epochs=1)]
     finally:
         fa.shutdown(run)
-    _require([len(b) for b in seen] == [BATCH_SIZE] * 3,
-             f"rank {ctx.rank} got batches of sizes {[len(b) for b in seen]}, expected 3 of {BATCH_SIZE}")
+    _require(
+        [len(b) for b in seen] == [BATCH_SIZE] * 3,
+        f"rank {ctx.rank} got batches of sizes {[len(b) for b in seen]}, expected 3 of {BATCH_SIZE}",
+    )
     everyone = sorted(i for b in fa.ops.gather_object(state, seen) for i in b)
-    _require(everyone == list(range(num_samples)),
-             "one epoch did not give each sample to exactly one rank exactly once")
+    _require(
+        everyone == list(range(num_samples)),
+        "one epoch did not give each sample to exactly one rank exactly once",
+    )
     return f"{num_samples} samples shuffled and sharded over {ctx.num_processes} process(es)"
 
 
@@ -308,15 +331,19 @@ def check_repeated_resumes(state: fa.RunState) -> str:
         model = _model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-        loader = DataLoader(TensorDataset(*_data(8 * BATCH_SIZE * ctx.num_processes)),
-                            batch_size=BATCH_SIZE, shuffle=True)  # 8 batches an epoch on each rank
+        loader = DataLoader(
+            TensorDataset(*_data(8 * BATCH_SIZE * ctx.num_processes)), batch_size=BATCH_SIZE, shuffle=True
+        )  # 8 batches an epoch on each rank
         pipeline = fa.compose(_pipeline(ctx), fa.accumulate(3))
-        return fa.prepare(_fresh_run(state, project), model, optimizer, loader, scheduler, loss_fn=_loss,
-                          pipeline=pipeline)
+        return fa.prepare(
+            _fresh_run(state, project), model, optimizer, loader, scheduler, loss_fn=_loss, pipeline=pipeline
+        )
 
     _verify_resume(state, make_state, steps=2, resumes=3)
-    return ("saved at batches 2, 4 and 6 of an epoch of 8 under accumulate(3) (twice between micro-steps), "
-            "each loaded into a fresh run: every batch and the final state identical bit for bit")
+    return (
+        "saved at batches 2, 4 and 6 of an epoch of 8 under accumulate(3) (twice between micro-steps), "
+        "each loaded into a fresh run: every batch and the final state identical bit for bit"
+    )
 
 
 def check_resume_world_size(state: fa.RunState) -> str:
@@ -325,30 +352,43 @@ def check_resume_world_size(state: fa.RunState) -> str:
     ctx = state.dist
     n = ctx.num_processes
     if n == 1:
-        raise CheckSkipped("one process; launch with --num_processes 2 or more to check a resume on another "
-                           "number of processes")
+        raise CheckSkipped(
+            "one process; launch with --num_processes 2 or more to check a resume on another "
+            "number of processes"
+        )
     if ctx.num_nodes > 1:
-        raise CheckSkipped("several machines: the one-process part would save on the first machine only; "
-                           "run fnaccel test on one machine with several processes to check it")
+        raise CheckSkipped(
+            "several machines: the one-process part would save on the first machine only; "
+            "run fnaccel test on one machine with several processes to check it"
+        )
     global_batch = BATCH_SIZE * n
 
     def make_state() -> fa.RunState:
         # a schedule sized in updates: Accelerate's rule steps it once per process, so another number of
         # processes would step it another number of times (docs/training.md)
-        run = fa.init(seed=SEED, cpu=ctx.device.type == "cpu", mixed_precision="no",
-                      kwargs_handlers=(*kwargs_handlers(), fa.SchedulerConfiguration(step_per_process=False)))
+        run = fa.init(
+            seed=SEED,
+            cpu=ctx.device.type == "cpu",
+            mixed_precision="no",
+            kwargs_handlers=(*kwargs_handlers(), fa.SchedulerConfiguration(step_per_process=False)),
+        )
         model = _model(dropout=False)  # a rank's dropout stream has no counterpart on another world size
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-        loader = DataLoader(TensorDataset(*_data(6 * global_batch)),
-                            batch_size=global_batch // run.dist.num_processes, shuffle=True)
+        loader = DataLoader(
+            TensorDataset(*_data(6 * global_batch)),
+            batch_size=global_batch // run.dist.num_processes,
+            shuffle=True,
+        )
         pipeline = fa.compose(_pipeline(run.dist), fa.accumulate(2))
         return fa.prepare(run, model, optimizer, loader, scheduler, loss_fn=_loss, pipeline=pipeline)
 
     atol, rtol = 1e-5, 1e-4
     _verify_resume(state, make_state, steps=2, resumes=2, num_processes=(1, n), atol=atol, rtol=rtol)
-    return (f"{n} processes, resumed on 1, then on {n} under accumulate(2): the same global batches, the losses "
-            f"and final state equal within atol={atol:g}, rtol={rtol:g}")
+    return (
+        f"{n} processes, resumed on 1, then on {n} under accumulate(2): the same global batches, the losses "
+        f"and final state equal within atol={atol:g}, rtol={rtol:g}"
+    )
 
 
 # ---- mixed precision -------------------------------------------------------------------------
@@ -379,15 +419,20 @@ def check_mixed_precision(state: fa.RunState) -> str:
         fa.shutdown(run)
     low = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}[precision.value]
     if fp8:  # the first and last layers stay in bf16, as torchao recommends; the middle one is float8
-        _require(any(type(m).__name__ == "Float8Linear" for m in model.modules()),
-                 f"no layer trains in float8 (pipeline {pipeline})")
-    _require(bool(dtypes) and all(d == low for d in dtypes),
-             f"the first layer computed in {sorted(set(map(str, dtypes)))}, expected {low} "
-             f"(pipeline {pipeline})")
+        _require(
+            any(type(m).__name__ == "Float8Linear" for m in model.modules()),
+            f"no layer trains in float8 (pipeline {pipeline})",
+        )
+    _require(
+        bool(dtypes) and all(d == low for d in dtypes),
+        f"the first layer computed in {sorted(set(map(str, dtypes)))}, expected {low} (pipeline {pipeline})",
+    )
     _require(all(math.isfinite(v) for v in losses), f"non-finite losses {losses}")
     _require(all(torch.isfinite(p).all().item() for p in model.parameters()), "non-finite parameters")
-    _require(any(not torch.equal(p.cpu(), q) for p, q in zip(model.parameters(), before)),
-             "the parameters did not change")
+    _require(
+        any(not torch.equal(p.cpu(), q) for p, q in zip(model.parameters(), before, strict=False)),
+        "the parameters did not change",
+    )
     if precision == PrecisionType.FP16:
         _require(all(s is not None for s in scales), "fp16 steps report no loss scale (no grad scaler)")
     kind = "float8 and bf16" if fp8 else str(low)

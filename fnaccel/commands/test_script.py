@@ -78,8 +78,10 @@ def format_report(state: fa.RunState, results: Sequence[CheckResult]) -> str:
     ctx = state.dist
     failed = sum(r.status == "FAILED" for r in results)
     skipped = sum(r.status == "skipped" for r in results)
-    header = (f"fnaccel installation check: {ctx.num_processes} process(es), device {ctx.device.type}, "
-              f"backend {ctx.backend or 'none'}, mixed precision {state.mixed_precision.value}")
+    header = (
+        f"fnaccel installation check: {ctx.num_processes} process(es), device {ctx.device.type}, "
+        f"backend {ctx.backend or 'none'}, mixed precision {state.mixed_precision.value}"
+    )
     if failed:
         verdict = f"{failed} of {len(results)} checks FAILED."
     else:

@@ -22,26 +22,36 @@ def register(subparsers: Any) -> None:
         "tpu-config",
         help="Run commands on a TPU pod (not supported by this build).",
         description="Accelerate's `tpu-config` (runs commands on every worker of a TPU pod). "
-                    "Every flag is accepted, but this build has no TPU support (no torch_xla "
-                    "engine), so the command always fails.",
+        "Every flag is accepted, but this build has no TPU support (no torch_xla "
+        "engine), so the command always fails.",
     )
     config = parser.add_argument_group("Config Arguments", "Arguments that `fnaccel config` can set.")
     config.add_argument("--config_file", default=None, help="Path to the config file to use.")
-    config.add_argument("--tpu_name", default=None,
-                        help="The TPU to use; default: the one in the config file.")
-    config.add_argument("--tpu_zone", default=None,
-                        help="The zone of the TPU; default: the one in the config file.")
+    config.add_argument(
+        "--tpu_name", default=None, help="The TPU to use; default: the one in the config file."
+    )
+    config.add_argument(
+        "--tpu_zone", default=None, help="The zone of the TPU; default: the one in the config file."
+    )
     pod = parser.add_argument_group("TPU Arguments", "Arguments for options run inside the TPU.")
-    pod.add_argument("--command_file", default=None,
-                     help="A file of commands to run on the pod at startup.")
-    pod.add_argument("--command", action="append", nargs="+",
-                     help="A command to run on the pod; may be passed several times.")
-    pod.add_argument("--install_accelerate", action="store_true",
-                     help="Install the library on the pod first.")
-    pod.add_argument("--accelerate_version", default="latest",
-                     help="The version to install on the pod ('dev' for the development one).")
-    pod.add_argument("--debug", action="store_true",
-                     help="Print the command that would run instead of running it.")
+    pod.add_argument("--command_file", default=None, help="A file of commands to run on the pod at startup.")
+    pod.add_argument(
+        "--command",
+        action="append",
+        nargs="+",
+        help="A command to run on the pod; may be passed several times.",
+    )
+    pod.add_argument(
+        "--install_accelerate", action="store_true", help="Install the library on the pod first."
+    )
+    pod.add_argument(
+        "--accelerate_version",
+        default="latest",
+        help="The version to install on the pod ('dev' for the development one).",
+    )
+    pod.add_argument(
+        "--debug", action="store_true", help="Print the command that would run instead of running it."
+    )
     parser.set_defaults(handler=run, command_name="tpu-config")
 
 

@@ -23,5 +23,11 @@ from fnaccel.config.launch import (
     write_config,
 )
 
-__all__ = ["LaunchConfig", "default_config_file", "load_config", "read_config_bytes", "write_basic_config",
-           "write_config"]
+__all__ = [
+    "LaunchConfig",
+    "default_config_file",
+    "load_config",
+    "read_config_bytes",
+    "write_basic_config",
+    "write_config",
+]

@@ -56,10 +56,16 @@ __all__ = [
 
 _LOG = logging.getLogger("fnaccel.environment")  # the name docs/utils.md gives users to filter by
 
-_OPERATIONS: Mapping[str, Callable[[Any, Any], bool]] = MappingProxyType({
-    "<": operator.lt, "<=": operator.le, "==": operator.eq,
-    "!=": operator.ne, ">=": operator.ge, ">": operator.gt,
-})
+_OPERATIONS: Mapping[str, Callable[[Any, Any], bool]] = MappingProxyType(
+    {
+        "<": operator.lt,
+        "<=": operator.le,
+        "==": operator.eq,
+        "!=": operator.ne,
+        ">=": operator.ge,
+        ">": operator.gt,
+    }
+)
 # PEP 440 in brief: release, then optional pre-release, post-release, dev-release, local label.
 _VERSION = re.compile(
     r"v?(?P<release>\d+(?:\.\d+)*)"
@@ -211,7 +217,7 @@ def is_ipex_available() -> bool:
         return False
     ipex = _version_key(_installed_version("intel_extension_for_pytorch"))[0]
     here = _version_key(re.sub(r"\+.*", "", str(torch.__version__)))[0]
-    return (ipex + (0,))[:2] == (here + (0,))[:2]
+    return ((*ipex, 0))[:2] == ((*here, 0))[:2]
 
 
 def is_numpy_available() -> bool:
@@ -280,7 +286,9 @@ def patch_environment(**kwargs: Any) -> Iterator[None]:
     values: dict[str, str] = {}
     for key, value in kwargs.items():
         if key.upper() in values:
-            raise ValueError(f"patch_environment got {key.upper()} twice (keys are upper-cased): pass it once")
+            raise ValueError(
+                f"patch_environment got {key.upper()} twice (keys are upper-cased): pass it once"
+            )
         values[key.upper()] = str(value)
     previous = {key: os.environ.get(key) for key in values}
     try:
@@ -387,6 +395,9 @@ def convert_dict_to_env_variables(current_env: Mapping[str, str]) -> list[str]:
         if key and value and not any(char in key + value for char in _UNSAFE_IN_ENV_LINE):
             lines.append(f"{key}={value}\n")
         else:
-            _LOG.warning("Skipping %s=%s: an empty key or value, or one of ; < > a space or a newline in it",
-                         key, value)
+            _LOG.warning(
+                "Skipping %s=%s: an empty key or value, or one of ; < > a space or a newline in it",
+                key,
+                value,
+            )
     return lines

@@ -26,8 +26,18 @@ from fnaccel._errors import ConfigError
 from fnaccel.atomic import replace_atomically
 from fnaccel.checks import is_int
 
-__all__ = ["LaunchConfig", "KEY_TYPES", "PRECISIONS", "check_config_value", "config_from_mapping",
-           "default_config_file", "load_config", "read_config_bytes", "write_basic_config", "write_config"]
+__all__ = [
+    "LaunchConfig",
+    "KEY_TYPES",
+    "PRECISIONS",
+    "check_config_value",
+    "config_from_mapping",
+    "default_config_file",
+    "load_config",
+    "read_config_bytes",
+    "write_basic_config",
+    "write_config",
+]
 
 PRECISIONS = ("no", "fp16", "bf16", "fp8")  # the values of the mixed_precision key
 
@@ -81,29 +91,39 @@ class LaunchConfig:
 
 
 # What YAML may hold for each key: bool is not an int here, and an int is a float.
-KEY_TYPES: Mapping[str, tuple[type, ...]] = MappingProxyType({
-    f.name: (
-        (bool,) if f.type == "bool"
-        else (int,) if f.type == "int"
-        else (int, type(None)) if f.type == "int | None"
-        else (str, type(None)) if f.type == "str | None"
-        else (str,) if f.type == "str"
-        else (list,) if f.type.startswith("list")
-        else (dict,)
-    )
-    for f in fields(LaunchConfig)
-    if f.name != "source"
-})
+KEY_TYPES: Mapping[str, tuple[type, ...]] = MappingProxyType(
+    {
+        f.name: (
+            (bool,)
+            if f.type == "bool"
+            else (int,)
+            if f.type == "int"
+            else (int, type(None))
+            if f.type == "int | None"
+            else (str, type(None))
+            if f.type == "str | None"
+            else (str,)
+            if f.type == "str"
+            else (list,)
+            if f.type.startswith("list")
+            else (dict,)
+        )
+        for f in fields(LaunchConfig)
+        if f.name != "source"
+    }
+)
 
 
 def _choices() -> Mapping[str, tuple[str, ...]]:
     from fnaccel.constants import ComputeEnvironment, DistributedType
 
-    return MappingProxyType({
-        "compute_environment": tuple(e.value for e in ComputeEnvironment),
-        "distributed_type": tuple(d.value for d in DistributedType),
-        "rdzv_backend": ("static", "c10d", "etcd", "etcd-v2"),
-    })
+    return MappingProxyType(
+        {
+            "compute_environment": tuple(e.value for e in ComputeEnvironment),
+            "distributed_type": tuple(d.value for d in DistributedType),
+            "rdzv_backend": ("static", "c10d", "etcd", "etcd-v2"),
+        }
+    )
 
 
 _CHOICES = _choices()
@@ -137,23 +157,16 @@ def check_config_value(key: str, value: Any, source: str) -> Any:
         value = str(value)
     if key == "mixed_precision" and value is None:
         value = "no"
-    ok = isinstance(value, expected) and not (
-        isinstance(value, bool) and bool not in expected
-    )
+    ok = isinstance(value, expected) and not (isinstance(value, bool) and bool not in expected)
     if not ok:
         names = " or ".join("null" if t is type(None) else t.__name__ for t in expected)
-        raise ConfigError(
-            f"{source}: key '{key}' must be {names}, got {type(value).__name__} {value!r}"
-        )
+        raise ConfigError(f"{source}: key '{key}' must be {names}, got {type(value).__name__} {value!r}")
     if key == "mixed_precision" and value not in PRECISIONS:
         raise ConfigError(
-            f"{source}: key 'mixed_precision' must be one of {', '.join(PRECISIONS)}, "
-            f"got {value!r}"
+            f"{source}: key 'mixed_precision' must be one of {', '.join(PRECISIONS)}, got {value!r}"
         )
     if key in _CHOICES and value not in _CHOICES[key]:
-        raise ConfigError(
-            f"{source}: key '{key}' must be one of {', '.join(_CHOICES[key])}, got {value!r}"
-        )
+        raise ConfigError(f"{source}: key '{key}' must be one of {', '.join(_CHOICES[key])}, got {value!r}")
     if key in _INT_RANGES:
         low, high = _INT_RANGES[key]
         if not low <= value <= high:
@@ -168,12 +181,14 @@ def check_config_value(key: str, value: Any, source: str) -> Any:
 
 # Whole-number keys and their ranges (a process count's upper bound is the launcher's:
 # it depends on the machine, see fnaccel.commands.launch).
-_INT_RANGES: Mapping[str, tuple[int, int]] = MappingProxyType({
-    "num_processes": (1, 2**31 - 1),
-    "num_machines": (1, 2**31 - 1),
-    "machine_rank": (0, 2**31 - 1),
-    "main_process_port": (1, 65535),
-})
+_INT_RANGES: Mapping[str, tuple[int, int]] = MappingProxyType(
+    {
+        "num_processes": (1, 2**31 - 1),
+        "num_machines": (1, 2**31 - 1),
+        "machine_rank": (0, 2**31 - 1),
+        "main_process_port": (1, 65535),
+    }
+)
 
 # Keys the oldest Accelerate files hold in another spelling (Accelerate converts them the same way).
 _FP16_KEY = "fp16"
@@ -197,8 +212,7 @@ def config_from_mapping(data: Mapping[str, Any], source: str = "<config>") -> La
     unknown = sorted(set(data) - set(KEY_TYPES))
     if unknown:
         raise ConfigError(
-            f"{source}: unknown key '{unknown[0]}'; known keys are "
-            f"{', '.join(sorted(KEY_TYPES))}"
+            f"{source}: unknown key '{unknown[0]}'; known keys are {', '.join(sorted(KEY_TYPES))}"
         )
     values = {key: check_config_value(key, value, source) for key, value in data.items()}
     return LaunchConfig(**values, source=source)
@@ -291,22 +305,26 @@ def load_config(path: str | os.PathLike[str]) -> LaunchConfig:
 # The launch environment: each LaunchConfig field that `fnaccel launch` hands to its
 # processes, and the variable that carries it. `launch_env` encodes, `with_launch_env`
 # decodes; no other module names these variables.
-LAUNCH_VARIABLES: Mapping[str, str] = MappingProxyType({
-    "mixed_precision": "FNACCEL_MIXED_PRECISION",
-    "distributed_type": "FNACCEL_DISTRIBUTED_TYPE",
-    "use_cpu": "FNACCEL_USE_CPU",
-    "debug": "FNACCEL_DEBUG_MODE",
-    "enable_cpu_affinity": "FNACCEL_CPU_AFFINITY",
-})
+LAUNCH_VARIABLES: Mapping[str, str] = MappingProxyType(
+    {
+        "mixed_precision": "FNACCEL_MIXED_PRECISION",
+        "distributed_type": "FNACCEL_DISTRIBUTED_TYPE",
+        "use_cpu": "FNACCEL_USE_CPU",
+        "debug": "FNACCEL_DEBUG_MODE",
+        "enable_cpu_affinity": "FNACCEL_CPU_AFFINITY",
+    }
+)
 # Sections travel key by key: fsdp_offload_params as FNACCEL_FSDP_OFFLOAD_PARAMS, and so on. Keys of
 # the sections whose names carry no prefix of their own get one (zero_stage: FNACCEL_DEEPSPEED_ZERO_STAGE).
 # (section, the prefix its variables start with, what precedes the key's name in a variable, the
 # distributed type a launch must have for the section to travel; None: always)
-_SECTIONS = (("fsdp_config", "FNACCEL_FSDP_", "FNACCEL_", "FSDP"),
-             ("dynamo_config", "FNACCEL_DYNAMO_", "FNACCEL_", None),
-             ("parallelism_config", "FNACCEL_PARALLELISM_CONFIG_", "FNACCEL_", None),
-             ("deepspeed_config", "FNACCEL_DEEPSPEED_", "FNACCEL_DEEPSPEED_", "DEEPSPEED"),
-             ("fp8_config", "FNACCEL_FP8_", "FNACCEL_FP8_", None))
+_SECTIONS = (
+    ("fsdp_config", "FNACCEL_FSDP_", "FNACCEL_", "FSDP"),
+    ("dynamo_config", "FNACCEL_DYNAMO_", "FNACCEL_", None),
+    ("parallelism_config", "FNACCEL_PARALLELISM_CONFIG_", "FNACCEL_", None),
+    ("deepspeed_config", "FNACCEL_DEEPSPEED_", "FNACCEL_DEEPSPEED_", "DEEPSPEED"),
+    ("fp8_config", "FNACCEL_FP8_", "FNACCEL_FP8_", None),
+)
 _USE_FSDP = "FNACCEL_USE_FSDP"  # Accelerate's ACCELERATE_USE_FSDP; read when no distributed type is
 
 
@@ -365,8 +383,9 @@ def with_launch_env(config: LaunchConfig, environ: Mapping[str, str]) -> LaunchC
     if "distributed_type" not in changes and _flag(_USE_FSDP, environ.get(_USE_FSDP, "")):
         changes["distributed_type"] = "FSDP"
     for key, prefix, head, _ in _SECTIONS:
-        overlay = {name[len(head):].lower(): value for name, value in environ.items()
-                   if name.startswith(prefix)}
+        overlay = {
+            name[len(head) :].lower(): value for name, value in environ.items() if name.startswith(prefix)
+        }
         if overlay:
             changes[key] = {**getattr(config, key), **overlay}
     return replace(config, **changes) if changes else config
@@ -399,8 +418,9 @@ def write_config(config: LaunchConfig, path: str | os.PathLike[str]) -> Path:
     try:
         replace_atomically(target, lambda file: file.write(text.encode("utf-8")))
     except OSError as exc:
-        raise ConfigError(f"{target}: cannot write the config file ({exc.strerror or exc}); "
-                          "choose a writable --config_file") from None
+        raise ConfigError(
+            f"{target}: cannot write the config file ({exc.strerror or exc}); choose a writable --config_file"
+        ) from None
     return target
 
 
@@ -409,13 +429,12 @@ def basic_config(mixed_precision: str = "no") -> LaunchConfig:
     import torch
 
     if mixed_precision not in PRECISIONS:
-        raise ConfigError(
-            f"mixed_precision must be one of {', '.join(PRECISIONS)}, got {mixed_precision!r}"
-        )
+        raise ConfigError(f"mixed_precision must be one of {', '.join(PRECISIONS)}, got {mixed_precision!r}")
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if num_gpus > 0:
         return LaunchConfig(
-            mixed_precision=mixed_precision, num_processes=num_gpus,
+            mixed_precision=mixed_precision,
+            num_processes=num_gpus,
             distributed_type="MULTI_GPU" if num_gpus > 1 else "NO",
         )
     return LaunchConfig(mixed_precision=mixed_precision, use_cpu=True, num_processes=1)

@@ -93,7 +93,9 @@ def override_numa_affinity(local_process_index: int, verbose: bool | None = None
     >>> os.sched_setaffinity(0, before)  # this example gives the CPUs back
     """
     if not is_int(local_process_index) or local_process_index < 0:
-        raise ValueError(f"local_process_index must be an int >= 0 (state.dist.local_rank), got {local_process_index!r}")
+        raise ValueError(
+            f"local_process_index must be an int >= 0 (state.dist.local_rank), got {local_process_index!r}"
+        )
     if not hasattr(os, "sched_setaffinity"):
         return None
     node_cpus = numa_node_cpus(local_process_index)

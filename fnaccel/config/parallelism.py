@@ -37,12 +37,14 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
 DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
 # What fa.prepare tells a user to add for a model-splitting dimension larger than one that no
 # transform of the pipeline consumes; a dimension missing here gets a generic sentence.
-TRANSFORM_FOR_DIM = MappingProxyType({
-    "pp": "fa.pp(loss_fn=lambda output, target: ..., num_microbatches=...)",
-    "cp": "a context-parallel transform (none is built yet)",
-    "sp": "fa.sp() (Ulysses sequence parallel over the sp dimension)",
-    "tp": "fa.tp({'module.name': ColwiseParallel(), ...})",
-})
+TRANSFORM_FOR_DIM = MappingProxyType(
+    {
+        "pp": "fa.pp(loss_fn=lambda output, target: ..., num_microbatches=...)",
+        "cp": "a context-parallel transform (none is built yet)",
+        "sp": "fa.sp() (Ulysses sequence parallel over the sp dimension)",
+        "tp": "fa.tp({'module.name': ColwiseParallel(), ...})",
+    }
+)
 _KEY_PREFIX = "parallelism_config_"
 _CP_STRATEGIES = ("allgather", "alltoall")
 
@@ -64,8 +66,9 @@ class ParallelismConfig:
         cp_comm_strategy: Accelerate's context-parallel rotation, ``allgather``
             or ``alltoall`` (kept for a config's round trip).
 
-    >>> ParallelismConfig(dp_replicate_size=2, tp_size=2).resolved(8)
-    ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2, cp_size=1, sp_size=1, pp_size=1, cp_comm_strategy='allgather')
+    >>> ParallelismConfig(dp_replicate_size=2, tp_size=2).resolved(8)  # doctest: +NORMALIZE_WHITESPACE
+    ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2, cp_size=1, sp_size=1, pp_size=1,
+                      cp_comm_strategy='allgather')
     """
 
     dp_replicate_size: int = 1
@@ -84,8 +87,10 @@ class ParallelismConfig:
             if not is_int(value) or value < 1:
                 raise ValueError(f"ParallelismConfig: {name} must be a positive int, got {value!r}")
         if self.cp_comm_strategy not in _CP_STRATEGIES:
-            raise ValueError(f"ParallelismConfig: cp_comm_strategy must be one of "
-                             f"{', '.join(_CP_STRATEGIES)}, got {self.cp_comm_strategy!r}")
+            raise ValueError(
+                f"ParallelismConfig: cp_comm_strategy must be one of "
+                f"{', '.join(_CP_STRATEGIES)}, got {self.cp_comm_strategy!r}"
+            )
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any], source: str = "parallelism_config") -> ParallelismConfig:
@@ -97,16 +102,23 @@ class ParallelismConfig:
         2
         """
         values: dict[str, Any] = {}
-        known = [f"{_KEY_PREFIX}{name}" for name in (
-            "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "pp_size",
-            "cp_comm_strategy")]
+        known = [
+            f"{_KEY_PREFIX}{name}"
+            for name in (
+                "dp_replicate_size",
+                "dp_shard_size",
+                "tp_size",
+                "cp_size",
+                "sp_size",
+                "pp_size",
+                "cp_comm_strategy",
+            )
+        ]
         for key, raw in section.items():
             if key not in known:
                 raise ConfigError(f"{source}: unknown key '{key}'; known keys are {', '.join(known)}")
             name = key.removeprefix(_KEY_PREFIX)
-            if name == "cp_comm_strategy":
-                values[name] = raw
-            elif is_int(raw):
+            if name == "cp_comm_strategy" or is_int(raw):
                 values[name] = raw
             elif isinstance(raw, str) and raw.strip().isdigit():
                 values[name] = int(raw)
@@ -119,16 +131,31 @@ class ParallelismConfig:
 
     def to_config(self) -> dict[str, Any]:
         """The config file's ``parallelism_config`` section (`from_config`'s inverse)."""
-        return {f"{_KEY_PREFIX}{name}": getattr(self, name) for name in (
-            "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "pp_size",
-            "cp_comm_strategy")
-            if getattr(self, name) is not None}
+        return {
+            f"{_KEY_PREFIX}{name}": getattr(self, name)
+            for name in (
+                "dp_replicate_size",
+                "dp_shard_size",
+                "tp_size",
+                "cp_size",
+                "sp_size",
+                "pp_size",
+                "cp_comm_strategy",
+            )
+            if getattr(self, name) is not None
+        }
 
     @property
     def sizes(self) -> dict[str, int]:
         """Each of `MESH_DIMS` and its size (``dp_shard_size`` None counts as 1)."""
-        return {"pp": self.pp_size, "dp_replicate": self.dp_replicate_size,
-                "dp_shard": self.dp_shard_size or 1, "cp": self.cp_size, "sp": self.sp_size, "tp": self.tp_size}
+        return {
+            "pp": self.pp_size,
+            "dp_replicate": self.dp_replicate_size,
+            "dp_shard": self.dp_shard_size or 1,
+            "cp": self.cp_size,
+            "sp": self.sp_size,
+            "tp": self.tp_size,
+        }
 
     def resolved(self, num_processes: int) -> ParallelismConfig:
         """This config with ``dp_shard_size`` filled in, checked against the world size.
@@ -138,21 +165,25 @@ class ParallelismConfig:
                 message names them and the fix.
         """
         others = self.pp_size * self.dp_replicate_size * self.cp_size * self.sp_size * self.tp_size
-        shown = (f"pp_size={self.pp_size} x dp_replicate_size={self.dp_replicate_size} x "
-                 f"dp_shard_size={self.dp_shard_size} x cp_size={self.cp_size} x sp_size={self.sp_size} x "
-                 f"tp_size={self.tp_size}")
+        shown = (
+            f"pp_size={self.pp_size} x dp_replicate_size={self.dp_replicate_size} x "
+            f"dp_shard_size={self.dp_shard_size} x cp_size={self.cp_size} x sp_size={self.sp_size} x "
+            f"tp_size={self.tp_size}"
+        )
         if self.dp_shard_size is None:
             if num_processes % others:
                 raise ValueError(
                     f"ParallelismConfig: {shown.replace('dp_shard_size=None x ', '')} = {others} does not "
                     f"divide the {num_processes} processes; choose sizes whose product divides "
-                    f"{num_processes} (dp_shard_size takes the rest)")
+                    f"{num_processes} (dp_shard_size takes the rest)"
+                )
             return replace(self, dp_shard_size=num_processes // others)
         if others * self.dp_shard_size != num_processes:
             raise ValueError(
                 f"ParallelismConfig: {shown} = {others * self.dp_shard_size}, but the run has "
                 f"{num_processes} processes; make the sizes multiply to {num_processes} (or leave "
-                "dp_shard_size out to give it the rest), or launch with that many processes")
+                "dp_shard_size out to give it the rest), or launch with that many processes"
+            )
         return self
 
     @property

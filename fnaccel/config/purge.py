@@ -57,8 +57,10 @@ def purge_fnaccel_environment(function_or_class: _Decorated) -> _Decorated:
     """
     if not isinstance(function_or_class, type):
         if not callable(function_or_class):
-            raise TypeError(f"purge_fnaccel_environment decorates a test function or class, got "
-                            f"{type(function_or_class).__name__}")
+            raise TypeError(
+                f"purge_fnaccel_environment decorates a test function or class, got "
+                f"{type(function_or_class).__name__}"
+            )
         return _purging(function_or_class)  # type: ignore[return-value]
     cls = function_or_class
     if issubclass(cls, unittest.TestCase):
@@ -66,8 +68,10 @@ def purge_fnaccel_environment(function_or_class: _Decorated) -> _Decorated:
 
         @functools.wraps(set_up)
         def purged_set_up(self: unittest.TestCase) -> None:
-            self.addCleanup(_restore_fnaccel_variables,
-                            {k: v for k, v in os.environ.items() if k.startswith(_PURGED_PREFIX)})
+            self.addCleanup(
+                _restore_fnaccel_variables,
+                {k: v for k, v in os.environ.items() if k.startswith(_PURGED_PREFIX)},
+            )
             set_up(self)
 
         cls.setUp = purged_set_up  # type: ignore[method-assign]

@@ -62,5 +62,10 @@ class DataLoaderConfiguration(KwargsHandler):
             "dispatch_batches=True is not supported: fnaccel has no dispatching loader, every "
             "rank reads its own shard of the data. Leave dispatch_batches=None (or False).",
         )
-        check_value("data_seed", self.data_seed, self.data_seed is None or is_int(self.data_seed),
-               "an int or None", "e.g. data_seed=42, or None to use the run's seed")
+        check_value(
+            "data_seed",
+            self.data_seed,
+            self.data_seed is None or is_int(self.data_seed),
+            "an int or None",
+            "e.g. data_seed=42, or None to use the run's seed",
+        )

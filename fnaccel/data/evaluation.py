@@ -34,8 +34,11 @@ __all__ = ["eval_batches"]
 def _reader(loader: DataLoader[Any]) -> dict[str, Any]:
     """How the user's loader reads; its workers are seeded without drawing from the process."""
     kwargs: dict[str, Any] = {
-        "num_workers": loader.num_workers, "pin_memory": loader.pin_memory, "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn, "multiprocessing_context": loader.multiprocessing_context,
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
         "generator": torch.Generator().manual_seed(0),
     }
     if loader.num_workers > 0:
@@ -88,39 +91,63 @@ def eval_batches(state: Any, loader: DataLoader[Any]) -> Batches:
         if num_processes > 1:
             raise ValueError(
                 f"fa.eval_batches: the DataLoader's custom {type(plan.batch_sampler).__name__} cannot be "
-                "split exactly across processes; evaluate with a DataLoader(dataset, batch_size=...)")
-        return Batches(((send_to_device(b, ctx.device), _num_samples(b)) for b in loader), _length(loader),
-                       _UNKNOWN)
+                "split exactly across processes; evaluate with a DataLoader(dataset, batch_size=...)"
+            )
+        return Batches(
+            ((send_to_device(b, ctx.device), _num_samples(b)) for b in loader), _length(loader), _UNKNOWN
+        )
     if plan.batch_size is None:
-        raise ValueError("fa.eval_batches needs a DataLoader with a batch_size (samples per rank per step), "
-                         "got batch_size=None")
+        raise ValueError(
+            "fa.eval_batches needs a DataLoader with a batch_size (samples per rank per step), "
+            "got batch_size=None"
+        )
     collate = Collate(loader.collate_fn, unbatched=False)
     even_batches = num_processes > 1  # one process has nobody to wait for: no padding, as Accelerate
     if isinstance(loader.dataset, IterableDataset):
-        stream = shard_iterable(loader.dataset, batch_size=plan.batch_size, num_processes=num_processes,
-                                rank=rank, drop_last=False, even_batches=even_batches)
-        steps = DataLoader(stream, batch_size=None, collate_fn=CollateSteps(collate),  # type: ignore[arg-type]
-                           **_reader(loader))
+        stream = shard_iterable(
+            loader.dataset,
+            batch_size=plan.batch_size,
+            num_processes=num_processes,
+            rank=rank,
+            drop_last=False,
+            even_batches=even_batches,
+        )
+        steps = DataLoader(
+            stream,
+            batch_size=None,
+            collate_fn=CollateSteps(collate),  # type: ignore[arg-type]
+            **_reader(loader),
+        )
         num_samples = _length(loader.dataset)  # a stream may know its length
         length = None if num_samples is None else num_steps(num_samples, plan.batch_size, num_processes)
-        return Batches(((send_to_device(c.batch, ctx.device), c.num_valid) for c in steps if isinstance(c, Collated)),
-                       length, _UNKNOWN)
+        return Batches(
+            ((send_to_device(c.batch, ctx.device), c.num_valid) for c in steps if isinstance(c, Collated)),
+            length,
+            _UNKNOWN,
+        )
     num_samples = len(loader.dataset)  # type: ignore[arg-type]
     if num_samples == 0:
         raise ValueError("fa.eval_batches: the evaluation dataset is empty")
     shards = eval_shards(num_samples, plan.batch_size, num_processes, rank, even_batches)
     fetch = batch_fetch(loader, collate, ctx.device)
     if isinstance(fetch, IndexFetch):  # a TensorDataset: one indexing per tensor, as fa.batches reads it
-        return Batches(((fetch(torch.tensor(s.indices, dtype=torch.long)), s.num_valid) for s in shards),
-                       len(shards))
-    reader = DataLoader(loader.dataset, batch_sampler=[list(s.indices) for s in shards], collate_fn=collate,
-                        **_reader(loader))
-    return Batches(((send_to_device(b, ctx.device), s.num_valid) for b, s in zip(reader, shards)), len(shards))
+        return Batches(
+            ((fetch(torch.tensor(s.indices, dtype=torch.long)), s.num_valid) for s in shards), len(shards)
+        )
+    reader = DataLoader(
+        loader.dataset, batch_sampler=[list(s.indices) for s in shards], collate_fn=collate, **_reader(loader)
+    )
+    return Batches(
+        ((send_to_device(b, ctx.device), s.num_valid) for b, s in zip(reader, shards, strict=False)),
+        len(shards),
+    )
 
 
-_UNKNOWN = ("fa.eval_batches: the evaluation data has no length (an IterableDataset without __len__, or a "
-            "batch sampler without one), so what fa.eval_batches returns has no len(); count the batches as "
-            "they come, or give the dataset a __len__")
+_UNKNOWN = (
+    "fa.eval_batches: the evaluation data has no length (an IterableDataset without __len__, or a "
+    "batch sampler without one), so what fa.eval_batches returns has no len(); count the batches as "
+    "they come, or give the dataset a __len__"
+)
 
 
 def _length(sized: Any) -> int | None:

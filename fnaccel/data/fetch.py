@@ -72,8 +72,16 @@ class IndexFetch:
 
     placed = True
 
-    def __init__(self, tensors: tuple[torch.Tensor, ...], *, single: bool, device: torch.device,
-                 non_blocking: bool, pin: bool, fallback: ItemFetch) -> None:
+    def __init__(
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        *,
+        single: bool,
+        device: torch.device,
+        non_blocking: bool,
+        pin: bool,
+        fallback: ItemFetch,
+    ) -> None:
         self.tensors = tensors
         self.single = single
         self.fallback = fallback  # an empty batch: the collate_fn's own answer (or error)
@@ -112,8 +120,17 @@ def _indexable(dataset: Any) -> tuple[tuple[torch.Tensor, ...], bool] | None:
     else:
         return None
     for t in tensors:
-        if (type(t) is not torch.Tensor or t.layout != torch.strided or t.is_nested or t.is_quantized
-                or t.requires_grad or t.is_conj() or t.is_neg() or t.dim() == 0 or not t.is_contiguous()):
+        if (
+            type(t) is not torch.Tensor
+            or t.layout != torch.strided
+            or t.is_nested
+            or t.is_quantized
+            or t.requires_grad
+            or t.is_conj()
+            or t.is_neg()
+            or t.dim() == 0
+            or not t.is_contiguous()
+        ):
             return None
     return tensors, single
 
@@ -126,16 +143,28 @@ def _same(a: Any, b: Any) -> bool:
     """Bit for bit, so that NaN compares equal to itself and a dtype without ``torch.equal``
     (complex32) is compared at all. The probe's tensors are contiguous, so the views are free."""
     if isinstance(a, torch.Tensor):
-        return (type(b) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape
-                and a.stride() == b.stride() and a.device == b.device and a.is_contiguous()
-                and b.is_contiguous() and torch.equal(_bits(a), _bits(b)))
+        return (
+            type(b) is torch.Tensor
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+            and a.device == b.device
+            and a.is_contiguous()
+            and b.is_contiguous()
+            and torch.equal(_bits(a), _bits(b))
+        )
     if type(a) is not type(b) or not isinstance(a, list) or len(a) != len(b):
         return False
-    return all(_same(x, y) for x, y in zip(a, b))
+    return all(_same(x, y) for x, y in zip(a, b, strict=False))
 
 
-def batch_fetch(loader: DataLoader[Any], collate: Callable[[list[Any]], Any], device: torch.device | str, *,
-                non_blocking: bool = False) -> BatchFetch | None:
+def batch_fetch(
+    loader: DataLoader[Any],
+    collate: Callable[[list[Any]], Any],
+    device: torch.device | str,
+    *,
+    non_blocking: bool = False,
+) -> BatchFetch | None:
     """How a `PreparedLoader` reads a batch itself, or None to read through the DataLoader.
 
     Args:
@@ -167,8 +196,14 @@ def batch_fetch(loader: DataLoader[Any], collate: Callable[[list[Any]], Any], de
     source = _indexable(loader.dataset) if user_collate is default_collate and batched else None
     if source is not None:
         tensors, single = source
-        fast = IndexFetch(tensors, single=single, device=torch.device(device), non_blocking=non_blocking,
-                           pin=pins, fallback=generic)
+        fast = IndexFetch(
+            tensors,
+            single=single,
+            device=torch.device(device),
+            non_blocking=non_blocking,
+            pin=pins,
+            fallback=generic,
+        )
         probe = [len(tensors[0]) - 1, 0]
         indexed = fast.index(torch.tensor(probe))
         if _same(default_collate([loader.dataset[i] for i in probe]), indexed[0] if single else indexed):

@@ -51,8 +51,9 @@ class _ShardIterator(Iterator[Step]):
             self._done = True
             if not samples or shard.drop_last:
                 raise StopIteration
-        chunk = shard_batch(range(len(samples)), 0, shard.batch_size, shard.num_processes, shard.rank,
-                            shard.even_batches)
+        chunk = shard_batch(
+            range(len(samples)), 0, shard.batch_size, shard.num_processes, shard.rank, shard.even_batches
+        )
         return [samples[i] for i in chunk.indices], chunk.num_valid
 
 

@@ -35,8 +35,8 @@ from torchdata.stateful_dataloader import sampler as stateful_sampler
 
 from fnaccel.checks import is_int
 from fnaccel.data.config import DataLoaderConfiguration
-from fnaccel.data.iterable import shard_iterable
 from fnaccel.data.fetch import BatchFetch, batch_fetch
+from fnaccel.data.iterable import shard_iterable
 from fnaccel.data.prepared import Collated, LoaderLayout, PreparedLoader
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.data.sharding import per_rank_batch_size
@@ -142,7 +142,11 @@ def loader_plan(loader: DataLoader[Any]) -> LoaderPlan:
         sampler, batch_size, drop_last = loader.sampler, None, False
     elif type(batch_sampler) in _PLAIN_BATCH_SAMPLERS:
         assert isinstance(batch_sampler, BatchSampler)
-        sampler, batch_size, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
+        sampler, batch_size, drop_last = (
+            batch_sampler.sampler,
+            batch_sampler.batch_size,
+            batch_sampler.drop_last,
+        )
     else:
         return LoaderPlan("custom", None, batch_sampler, None, False)
     # torch's or torchdata's own RandomSampler; a subclass may order otherwise (its own __iter__): custom
@@ -274,7 +278,9 @@ def prepare_loader(
     if config is None:
         config = DataLoaderConfiguration()
     if not isinstance(config, DataLoaderConfiguration):
-        raise TypeError(f"prepare_loader: config must be a DataLoaderConfiguration, got {type(config).__name__}")
+        raise TypeError(
+            f"prepare_loader: config must be a DataLoaderConfiguration, got {type(config).__name__}"
+        )
     seed = seed if config.data_seed is None else config.data_seed
     # the data-parallel ranks share the data; ranks of one tp/pp group read the same batches
     dp_rank, world = data_parallel(ctx)
@@ -297,31 +303,61 @@ def prepare_loader(
     user_sampler = plan.batch_sampler if plan.batch_sampler is not None else plan.sampler
     hooks = tuple(h for h in (user_sampler, loader.dataset) if hasattr(h, "set_epoch"))
 
-    def prepared(built: StatefulDataLoader, sampler: ShardedBatchSampler | None, batch_size: int | None,
-                 even_batches: bool, fetch: BatchFetch | None = None) -> PreparedLoader:
+    def prepared(
+        built: StatefulDataLoader,
+        sampler: ShardedBatchSampler | None,
+        batch_size: int | None,
+        even_batches: bool,
+        fetch: BatchFetch | None = None,
+    ) -> PreparedLoader:
         sized = plan.kind != "iterable"
         layout = LoaderLayout(
             num_samples=num_samples,
-            batch_size=batch_size, num_processes=world, num_shards=num_processes,
+            batch_size=batch_size,
+            num_processes=world,
+            num_shards=num_processes,
             num_workers=loader.num_workers,
-            drop_last=plan.drop_last, even_batches=even_batches, split_batches=config.split_batches)
-        return PreparedLoader(built, sampler=sampler, epoch_hooks=hooks, seed=seed, device=ctx.device,
-                              non_blocking=config.non_blocking, layout=layout, rank=dp_rank, sized=sized,
-                              # fnaccel owns the order of a replaced sampler and of a sharded stream
-                              rewindable=ours or _rewinds(user_sampler),
-                              fetch=fetch)
+            drop_last=plan.drop_last,
+            even_batches=even_batches,
+            split_batches=config.split_batches,
+        )
+        return PreparedLoader(
+            built,
+            sampler=sampler,
+            epoch_hooks=hooks,
+            seed=seed,
+            device=ctx.device,
+            non_blocking=config.non_blocking,
+            layout=layout,
+            rank=dp_rank,
+            sized=sized,
+            # fnaccel owns the order of a replaced sampler and of a sharded stream
+            rewindable=ours or _rewinds(user_sampler),
+            fetch=fetch,
+        )
 
     # A loader whose position fnaccel does not own is located by torchdata's snapshot
     # of the batch stepped last: one at every batch, so resuming replays nothing.
     snapshots = {"snapshot_every_n_steps": 1}
     if not ours:
         if plan.batch_sampler is not None:
-            built = _stateful_loader(loader.dataset, batch_sampler=plan.batch_sampler,
-                                     collate_fn=loader.collate_fn, **reader, **snapshots)
+            built = _stateful_loader(
+                loader.dataset,
+                batch_sampler=plan.batch_sampler,
+                collate_fn=loader.collate_fn,
+                **reader,
+                **snapshots,
+            )
         else:
-            built = _stateful_loader(loader.dataset, batch_size=plan.batch_size, sampler=plan.sampler,
-                                     drop_last=plan.drop_last, collate_fn=loader.collate_fn, **reader,
-                                     **snapshots)
+            built = _stateful_loader(
+                loader.dataset,
+                batch_size=plan.batch_size,
+                sampler=plan.sampler,
+                drop_last=plan.drop_last,
+                collate_fn=loader.collate_fn,
+                **reader,
+                **snapshots,
+            )
         return prepared(built, None, plan.batch_size, False)
 
     per_rank = per_rank_batch_size(plan.batch_size, num_processes, config.split_batches)
@@ -329,22 +365,46 @@ def prepare_loader(
     collate = Collate(loader.collate_fn, unbatched=plan.batch_size is None)
     even_batches = config.even_batches and num_processes > 1  # one process has nobody to be even with
     if plan.kind == "iterable":
-        dataset = shard_iterable(loader.dataset, batch_size=per_rank, num_processes=num_processes,
-                                 rank=rank, drop_last=plan.drop_last, even_batches=even_batches)
-        built = _stateful_loader(dataset, batch_size=None, collate_fn=CollateSteps(collate), **reader,
-                                 **snapshots)
+        dataset = shard_iterable(
+            loader.dataset,
+            batch_size=per_rank,
+            num_processes=num_processes,
+            rank=rank,
+            drop_last=plan.drop_last,
+            even_batches=even_batches,
+        )
+        built = _stateful_loader(
+            dataset, batch_size=None, collate_fn=CollateSteps(collate), **reader, **snapshots
+        )
         return prepared(built, None, per_rank, even_batches)
     sampler = ShardedBatchSampler(
-        len(loader.dataset), per_rank, num_processes=num_processes, rank=rank,  # type: ignore[arg-type]
-        seed=seed, shuffle=plan.kind == "random", drop_last=plan.drop_last, even_batches=even_batches,
+        len(loader.dataset),  # type: ignore[arg-type]
+        per_rank,
+        num_processes=num_processes,
+        rank=rank,
+        seed=seed,
+        shuffle=plan.kind == "random",
+        drop_last=plan.drop_last,
+        even_batches=even_batches,
     )
     hooks = (sampler, *(h for h in hooks if h is loader.dataset))  # the user's sampler is replaced
     # Its position is (epoch, batches stepped): no snapshots needed, none taken.
     if plan.batch_size is None:  # read dataset[i] alone, as torch does without batching
-        built = _stateful_loader(loader.dataset, batch_size=None, sampler=EachItem(sampler),
-                                 collate_fn=loader.collate_fn, **reader, snapshot_every_n_steps=2**31 - 1)
+        built = _stateful_loader(
+            loader.dataset,
+            batch_size=None,
+            sampler=EachItem(sampler),
+            collate_fn=loader.collate_fn,
+            **reader,
+            snapshot_every_n_steps=2**31 - 1,
+        )
     else:
-        built = _stateful_loader(loader.dataset, batch_sampler=sampler, collate_fn=collate, **reader,
-                                 snapshot_every_n_steps=2**31 - 1)
+        built = _stateful_loader(
+            loader.dataset,
+            batch_sampler=sampler,
+            collate_fn=collate,
+            **reader,
+            snapshot_every_n_steps=2**31 - 1,
+        )
     fetch = batch_fetch(loader, collate, ctx.device, non_blocking=config.non_blocking)
     return prepared(built, sampler, per_rank, even_batches, fetch)

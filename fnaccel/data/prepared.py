@@ -99,7 +99,9 @@ class LoaderLayout:
         """Samples per step over all the ranks splitting the data."""
         return (self.batch_size or 1) * self.num_shards
 
-    def check_resume(self, saved: Any, where: str, *, allow_global_batch_change: bool = False) -> LoaderLayout:
+    def check_resume(
+        self, saved: Any, where: str, *, allow_global_batch_change: bool = False
+    ) -> LoaderLayout:
         """``saved`` (a `to_dict`, from a checkpoint) as a layout, checked against this one.
 
         On the same number of processes every field must be equal. On another
@@ -137,10 +139,12 @@ class LoaderLayout:
         if was == here:
             return
         split = f" (or split_batches=True with batch_size={was})" if self.num_shards > 1 else ""
-        per_rank = (f"a per-process batch_size of {was // self.num_shards}{split}"
-                    if was % self.num_shards == 0 else
-                    f"{saved.num_shards} process(es) (a global batch of {was} does not split over "
-                    f"{self.num_shards})")
+        per_rank = (
+            f"a per-process batch_size of {was // self.num_shards}{split}"
+            if was % self.num_shards == 0
+            else f"{saved.num_shards} process(es) (a global batch of {was} does not split over "
+            f"{self.num_shards})"
+        )
         raise CheckpointError(
             f"{where}: the checkpoint's data position was saved with a global batch of {was} samples per step "
             f"({saved.batch_size} per process x {saved.num_shards} process(es)) but this run reads {here} "
@@ -151,11 +155,18 @@ class LoaderLayout:
         )
 
 
-_LAYOUT_TYPES = MappingProxyType({
-    "num_samples": (int, None), "batch_size": (int, None), "num_processes": (int,), "num_shards": (int,),
-    "num_workers": (int,),
-    "drop_last": (bool,), "even_batches": (bool,), "split_batches": (bool,),
-})
+_LAYOUT_TYPES = MappingProxyType(
+    {
+        "num_samples": (int, None),
+        "batch_size": (int, None),
+        "num_processes": (int,),
+        "num_shards": (int,),
+        "num_workers": (int,),
+        "drop_last": (bool,),
+        "even_batches": (bool,),
+        "split_batches": (bool,),
+    }
+)
 
 
 def _parse_layout(saved: Any, where: str) -> LoaderLayout:
@@ -172,9 +183,11 @@ def _parse_layout(saved: Any, where: str) -> LoaderLayout:
             continue
         wanted, minimum = kinds[0], 0 if key == "num_workers" else 1
         if type(value) is not wanted or (wanted is int and value < minimum):
-            raise CheckpointError(f"{where}: the data layout's {key} must be "
-                                  f"{'True or False' if wanted is bool else f'an integer >= {minimum}'}"
-                                  f"{' or null' if None in kinds else ''}, got {value!r}"[:300])
+            raise CheckpointError(
+                f"{where}: the data layout's {key} must be "
+                f"{'True or False' if wanted is bool else f'an integer >= {minimum}'}"
+                f"{' or null' if None in kinds else ''}, got {value!r}"[:300]
+            )
         values[key] = value
     unknown = sorted(str(k) for k in saved if k not in _LAYOUT_TYPES)
     if unknown:
@@ -237,8 +250,9 @@ class PreparedLoader:
         dataset = dataloader.dataset
         # A dataset with a position of its own (a stream's reader) as a fresh process
         # builds it, for `start_epoch` (a sampler's order is pure in seed and epoch).
-        self._fresh_dataset_state = (copy.deepcopy(dataset.state_dict())
-                                     if sampler is None and isinstance(dataset, Stateful) else None)
+        self._fresh_dataset_state = (
+            copy.deepcopy(dataset.state_dict()) if sampler is None and isinstance(dataset, Stateful) else None
+        )
         self._iter_epoch = 0
         self._at = DataPosition()  # where the live iterator continues
         self._start: DataPosition | None = None  # where the current reading began
@@ -304,8 +318,14 @@ class PreparedLoader:
             return position
         return last[1]
 
-    def resume_position(self, saved_layout: Any, position: DataPosition, where: str, *,
-                        allow_global_batch_change: bool = False) -> DataPosition:
+    def resume_position(
+        self,
+        saved_layout: Any,
+        position: DataPosition,
+        where: str,
+        *,
+        allow_global_batch_change: bool = False,
+    ) -> DataPosition:
         """Where this loader continues from ``position``, saved under ``saved_layout``.
 
         Under the same global batch the position is the same (the sample order
@@ -321,11 +341,15 @@ class PreparedLoader:
                 the position lies past its epoch, or it is a snapshot of a loader
                 whose order fnaccel does not own and the number of processes changed.
         """
-        saved = self.layout.check_resume(saved_layout, where, allow_global_batch_change=allow_global_batch_change)
+        saved = self.layout.check_resume(
+            saved_layout, where, allow_global_batch_change=allow_global_batch_change
+        )
         sampler = self.sampler
         if sampler is None:
-            same = (saved.num_processes, saved.global_batch_size) == (self.layout.num_processes,
-                                                                      self.layout.global_batch_size)
+            same = (saved.num_processes, saved.global_batch_size) == (
+                self.layout.num_processes,
+                self.layout.global_batch_size,
+            )
             if not same and position.loader_state is not None:
                 raise CheckpointError(
                     f"{where}: the data position is a snapshot of each process's loader (an IterableDataset, "
@@ -336,14 +360,17 @@ class PreparedLoader:
                     "resumes it on any number of processes)"
                 )
             if position.num_batches > 0 and position.loader_state is None:
-                raise CheckpointError(f"{where}: the data position is {position.num_batches} batches into an "
-                                      "epoch but holds no loader_state to resume this loader from")
+                raise CheckpointError(
+                    f"{where}: the data position is {position.num_batches} batches into an "
+                    "epoch but holds no loader_state to resume this loader from"
+                )
             return position
         assert saved.num_samples is not None, "a sampler's layout has a length"
         saved_steps = num_steps(saved.num_samples, saved.batch_size or 1, saved.num_shards, saved.drop_last)
         if position.num_batches >= saved_steps:
-            raise CheckpointError(f"{where}: the data position is {position.num_batches} batches into an "
-                                  f"epoch of {saved_steps}")
+            raise CheckpointError(
+                f"{where}: the data position is {position.num_batches} batches into an epoch of {saved_steps}"
+            )
         if saved.global_batch_size == self.layout.global_batch_size:
             return position
         num_batches = position.num_batches * saved.global_batch_size // self.layout.global_batch_size
@@ -461,11 +488,18 @@ def batches(state: Any, *, epochs: int | None = None) -> Batches:
     if watch is not None:
         batches = watch.guard(batches, state.micro_step, state.plan.micro_steps if state.plan else 1)
     per_epoch = loader._num_batches
-    length = None if per_epoch is None else max(end - position.epoch, 0) * per_epoch - (
-        position.num_batches if end > position.epoch else 0)
-    return Batches(batches, length, "fa.batches: the loader reads a stream (an IterableDataset) whose "
-                   "length is unknown, so what fa.batches returns has no len(); count the batches as they "
-                   "come, or size a schedule from the dataset's known length")
+    length = (
+        None
+        if per_epoch is None
+        else max(end - position.epoch, 0) * per_epoch - (position.num_batches if end > position.epoch else 0)
+    )
+    return Batches(
+        batches,
+        length,
+        "fa.batches: the loader reads a stream (an IterableDataset) whose "
+        "length is unknown, so what fa.batches returns has no len(); count the batches as they "
+        "come, or size a schedule from the dataset's known length",
+    )
 
 
 def end_epoch(state: Any) -> Any:
@@ -518,8 +552,10 @@ def end_epoch(state: Any) -> Any:
 def _prepared_loader(state: Any, action: str) -> PreparedLoader:
     """The state's `PreparedLoader`, after checking that ``state`` is a fresh state holding one."""
     if not isinstance(state, RunState):
-        raise TypeError(f"{action}: state must be a fa.RunState (from fa.init and fa.prepare), got "
-                        f"{type(state).__name__}"[:300])
+        raise TypeError(
+            f"{action}: state must be a fa.RunState (from fa.init and fa.prepare), got "
+            f"{type(state).__name__}"[:300]
+        )
     state.check_fresh(action)
     loader = state.loader
     if loader is None:

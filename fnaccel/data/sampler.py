@@ -25,8 +25,8 @@ from typing import Any, cast
 import torch
 from torch.utils.data import Sampler
 
-from fnaccel.data.sharding import num_steps, per_rank_batch_size, shard_batch
 from fnaccel.checks import check_value, is_int
+from fnaccel.data.sharding import num_steps, per_rank_batch_size, shard_batch
 
 __all__ = ["ShardedBatchSampler", "epoch_order"]
 
@@ -47,7 +47,9 @@ def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool) -> to
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> int:
     ok = is_int(value) and (minimum is None or value >= minimum)
-    check_value(f"ShardedBatchSampler: {name}", value, ok, "an int" + ("" if minimum is None else f" >= {minimum}"))
+    check_value(
+        f"ShardedBatchSampler: {name}", value, ok, "an int" + ("" if minimum is None else f" >= {minimum}")
+    )
     return cast(int, value)
 
 
@@ -105,8 +107,12 @@ class ShardedBatchSampler(Sampler[list[int]]):
         _check_int("seed", seed)
         if not is_int(rank) or not 0 <= rank < num_processes:
             raise ValueError(f"ShardedBatchSampler: rank={rank!r} is not a rank of {num_processes} processes")
-        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("even_batches", even_batches),
-                           ("split_batches", split_batches)):
+        for name, flag in (
+            ("shuffle", shuffle),
+            ("drop_last", drop_last),
+            ("even_batches", even_batches),
+            ("split_batches", split_batches),
+        ):
             check_value(f"ShardedBatchSampler: {name}", flag, isinstance(flag, bool), "True or False")
         self.num_samples = num_samples
         self.batch_size = per_rank_batch_size(batch_size, num_processes, split_batches)
@@ -165,7 +171,9 @@ class ShardedBatchSampler(Sampler[list[int]]):
             if tensors:
                 yield self._index_tensor(order, step)
             else:
-                shard = shard_batch(order, step, self.batch_size, self.num_processes, self.rank, self.even_batches)
+                shard = shard_batch(
+                    order, step, self.batch_size, self.num_processes, self.rank, self.even_batches
+                )
                 yield list(shard.indices)
         self._position = 0
 

@@ -95,11 +95,14 @@ def shard_batch(
     start = step * batch_size * num_processes + rank * batch_size
     num_valid = max(0, min(batch_size, num_samples - start))
     if start + batch_size <= num_samples or not even_batches:
-        return EvalShard(indices=_as_ints(order[min(start, num_samples) : start + num_valid]), num_valid=num_valid)
+        return EvalShard(
+            indices=_as_ints(order[min(start, num_samples) : start + num_valid]), num_valid=num_valid
+        )
     # The global batch wraps around to the order's start (as often as a tiny dataset needs).
     ints = _as_ints(order)
-    return EvalShard(indices=tuple(ints[p % num_samples] for p in range(start, start + batch_size)),
-                     num_valid=num_valid)
+    return EvalShard(
+        indices=tuple(ints[p % num_samples] for p in range(start, start + batch_size)), num_valid=num_valid
+    )
 
 
 def _as_ints(part: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
@@ -144,7 +147,9 @@ def per_rank_batch_size(batch_size: int | None, num_processes: int, split_batche
     if not split_batches or num_processes == 1:
         return batch_size or 1
     if batch_size is None:
-        raise ValueError("split_batches=True needs a DataLoader with a batch_size to split, got batch_size=None")
+        raise ValueError(
+            "split_batches=True needs a DataLoader with a batch_size to split, got batch_size=None"
+        )
     if batch_size % num_processes:
         raise ValueError(
             f"split_batches=True splits each batch of {batch_size} samples across {num_processes} "

@@ -107,12 +107,13 @@ def skip_first_batches(loader: DataLoader, num_batches: int = 0) -> DataLoader:
         raise ValueError(f"skip_first_batches: num_batches must be >= 0, got {num_batches}")
     settings = _settings(loader)
     if isinstance(loader.dataset, IterableDataset):
-        skipping = _SkipFirstLoader(loader.dataset, batch_size=loader.batch_size,
-                                    drop_last=loader.drop_last, **settings)
+        skipping = _SkipFirstLoader(
+            loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **settings
+        )
         skipping.num_skipped = num_batches
         return skipping
     if loader.batch_sampler is None:  # automatic batching off: each sample is a batch
-        return DataLoader(loader.dataset, batch_size=None, sampler=_SkipFirst(loader.sampler, num_batches),
-                          **settings)
-    return DataLoader(loader.dataset, batch_sampler=_SkipFirst(loader.batch_sampler, num_batches),
-                      **settings)
+        return DataLoader(
+            loader.dataset, batch_size=None, sampler=_SkipFirst(loader.sampler, num_batches), **settings
+        )
+    return DataLoader(loader.dataset, batch_sampler=_SkipFirst(loader.batch_sampler, num_batches), **settings)

@@ -49,8 +49,10 @@ class Difference:
 
     def __str__(self) -> str:
         if self.count is not None:
-            return (f"{self.item}: {self.count} element(s) differ, first at {list(self.index or ())}, "
-                    f"max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}")
+            return (
+                f"{self.item}: {self.count} element(s) differ, first at {list(self.index or ())}, "
+                f"max abs {self.max_abs:.3g}, max rel {self.max_rel:.3g}"
+            )
         numbers = "" if self.max_abs is None else f" (abs {self.max_abs:.3g}, rel {self.max_rel:.3g})"
         return f"{self.item}: {self.a} != {self.b}{numbers}"
 
@@ -94,8 +96,9 @@ class Diff:
         return "\n".join([*lines, *(f"  {d}" for d in self.differences)])
 
 
-def compare_tensors(item: str, x: torch.Tensor, y: torch.Tensor, *, atol: float = 0.0,
-                    rtol: float = 0.0) -> Difference | None:
+def compare_tensors(
+    item: str, x: torch.Tensor, y: torch.Tensor, *, atol: float = 0.0, rtol: float = 0.0
+) -> Difference | None:
     """How ``x`` and ``y`` differ beyond the tolerance, or None.
 
     >>> str(compare_tensors("w", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])))
@@ -103,6 +106,7 @@ def compare_tensors(item: str, x: torch.Tensor, y: torch.Tensor, *, atol: float 
     >>> compare_tensors("w", torch.tensor([1.0]), torch.tensor([1.1]), atol=0.2) is None
     True
     """
+
     def short(t: torch.Tensor) -> str:
         return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
@@ -113,7 +117,7 @@ def compare_tensors(item: str, x: torch.Tensor, y: torch.Tensor, *, atol: float 
     a, b = x.detach().reshape(-1), y.detach().reshape(-1)
     count, first, max_abs, max_rel = 0, -1, 0.0, 0.0
     for start in range(0, a.numel(), _CHUNK):
-        p, q = a[start:start + _CHUNK].double(), b[start:start + _CHUNK].double()
+        p, q = a[start : start + _CHUNK].double(), b[start : start + _CHUNK].double()
         both_nan = p.isnan() & q.isnan()
         delta = (p - q).abs().nan_to_num(nan=math.inf).masked_fill(both_nan, 0.0)
         over = delta > atol + rtol * q.abs()
@@ -127,11 +131,14 @@ def compare_tensors(item: str, x: torch.Tensor, y: torch.Tensor, *, atol: float 
         max_rel = max(max_rel, float(rel.max()) if rel.numel() else 0.0)
     if count == 0 and x.dtype == y.dtype:
         return None
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(max(first, 0)), x.shape)) if x.dim() else ()
+    index = (
+        tuple(int(i) for i in torch.unravel_index(torch.tensor(max(first, 0)), x.shape)) if x.dim() else ()
+    )
     if count == 0:  # values within tolerance, stored in another dtype
         return Difference(item=item, a=short(x), b=short(y), max_abs=max_abs, max_rel=max_rel)
-    return Difference(item=item, a=short(x), b=short(y), max_abs=max_abs, max_rel=max_rel, index=index,
-                      count=count)
+    return Difference(
+        item=item, a=short(x), b=short(y), max_abs=max_abs, max_rel=max_rel, index=index, count=count
+    )
 
 
 def _short(value: Any) -> str:
@@ -161,8 +168,13 @@ def _describe(source: Any) -> str:
     return str(source)
 
 
-def diff(a: RunState | str | os.PathLike[str], b: RunState | str | os.PathLike[str], *,
-         atol: float = 0.0, rtol: float = 0.0) -> Diff:
+def diff(
+    a: RunState | str | os.PathLike[str],
+    b: RunState | str | os.PathLike[str],
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> Diff:
     """Every difference between two runs: two `RunState` s, two checkpoint directories, or one of each.
 
     Reads both; consumes neither. Items are named as in the checkpoint
@@ -217,7 +229,9 @@ def diff(a: RunState | str | os.PathLike[str], b: RunState | str | os.PathLike[s
         x, y = left.get(name, _ABSENT), right.get(name, _ABSENT)
         if isinstance(x, TensorItem) and isinstance(y, TensorItem):
             difference = compare_tensors(name, x.load(), y.load(), atol=atol, rtol=rtol)
-            if difference is not None and "/rng/" in name:  # a generator's bytes: only "differs" means anything
+            if (
+                difference is not None and "/rng/" in name
+            ):  # a generator's bytes: only "differs" means anything
                 difference = Difference(item=name, a="a generator state", b="another")
         elif isinstance(x, TensorItem) or isinstance(y, TensorItem):
             difference = Difference(item=name, a=_tensor_or(x), b=_tensor_or(y))

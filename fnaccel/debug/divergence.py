@@ -51,10 +51,17 @@ class StepDivergence:
     diverged: bool = False
 
     def __str__(self) -> str:
-        where = "" if self.parameter is None else (
-            f", first over tolerance: {self.parameter} (abs {self.parameter_abs:.3g}, rel {self.parameter_rel:.3g})")
-        return (f"step {self.step:>4}: loss {self.loss_a:.6g} vs {self.loss_b:.6g} (diff {self.loss_diff:.3g}), "
-                f"max param diff {self.max_abs:.3g}{where}")
+        where = (
+            ""
+            if self.parameter is None
+            else (
+                f", first over tolerance: {self.parameter} (abs {self.parameter_abs:.3g}, rel {self.parameter_rel:.3g})"
+            )
+        )
+        return (
+            f"step {self.step:>4}: loss {self.loss_a:.6g} vs {self.loss_b:.6g} (diff {self.loss_diff:.3g}), "
+            f"max param diff {self.max_abs:.3g}{where}"
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,10 +83,15 @@ class Divergence:
 
     def __str__(self) -> str:
         first = self.first
-        head = (f"no divergence in {len(self.steps)} step(s)" if first is None else
-                f"first divergence at step {first.step}" + (f" in {first.parameter}" if first.parameter else
-                                                               " (the loss)"))
-        return "\n".join([f"{head} (atol={self.atol:g}, rtol={self.rtol:g}):", *(f"  {s}" for s in self.steps)])
+        head = (
+            f"no divergence in {len(self.steps)} step(s)"
+            if first is None
+            else f"first divergence at step {first.step}"
+            + (f" in {first.parameter}" if first.parameter else " (the loss)")
+        )
+        return "\n".join(
+            [f"{head} (atol={self.atol:g}, rtol={self.rtol:g}):", *(f"  {s}" for s in self.steps)]
+        )
 
 
 def _parameters(state: RunState) -> dict[str, Any]:
@@ -93,8 +105,15 @@ def _full(tensor: Any) -> Any:
     return (full() if full is not None else tensor).detach().cpu()
 
 
-def find_divergence(a: RunState, b: RunState, batches: Iterable[Any], *, atol: float = 0.0, rtol: float = 0.0,
-                    stop_at_first: bool = False) -> Divergence:
+def find_divergence(
+    a: RunState,
+    b: RunState,
+    batches: Iterable[Any],
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    stop_at_first: bool = False,
+) -> Divergence:
     """Consumes ``a`` and ``b``: step both on each batch, and compare losses and parameters.
 
     The two runs should start equal (same seed, same initial weights) and
@@ -137,8 +156,10 @@ def find_divergence(a: RunState, b: RunState, batches: Iterable[Any], *, atol: f
     shapes_b = {n: tuple(p.shape) for n, p in names_b.items()}
     if shapes_a != shapes_b:
         odd = sorted(set(shapes_a.items()) ^ set(shapes_b.items()))[:5]
-        raise ValueError(f"find_divergence: the two models' parameters differ in name or shape ({odd}); "
-                         "compare two runs of the same model")
+        raise ValueError(
+            f"find_divergence: the two models' parameters differ in name or shape ({odd}); "
+            "compare two runs of the same model"
+        )
     reports: list[StepDivergence] = []
     for index, batch in enumerate(batches):
         a, metrics_a = train_step(a, batch)
@@ -155,14 +176,22 @@ def find_divergence(a: RunState, b: RunState, batches: Iterable[Any], *, atol: f
             if first is None:
                 found = compare_tensors(name, x, y, atol=atol, rtol=rtol)
                 first = found if found is not None and found.count else None
-        loss_over = not (loss_diff <= atol + rtol * abs(loss_b)) and not (loss_a != loss_a and loss_b != loss_b)
-        reports.append(StepDivergence(
-            step=index, loss_a=loss_a, loss_b=loss_b, loss_diff=loss_diff, max_abs=max_abs,
-            parameter=None if first is None else first.item,
-            parameter_abs=None if first is None else first.max_abs,
-            parameter_rel=None if first is None else first.max_rel,
-            diverged=first is not None or loss_over,
-        ))
+        loss_over = not (loss_diff <= atol + rtol * abs(loss_b)) and not (
+            loss_a != loss_a and loss_b != loss_b
+        )
+        reports.append(
+            StepDivergence(
+                step=index,
+                loss_a=loss_a,
+                loss_b=loss_b,
+                loss_diff=loss_diff,
+                max_abs=max_abs,
+                parameter=None if first is None else first.item,
+                parameter_abs=None if first is None else first.max_abs,
+                parameter_rel=None if first is None else first.max_rel,
+                diverged=first is not None or loss_over,
+            )
+        )
         if stop_at_first and reports[-1].diverged:
             break
     return Divergence(steps=tuple(reports), atol=atol, rtol=rtol, a=a, b=b)

@@ -34,12 +34,12 @@ import yaml
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.files import read_json
 from fnaccel.checkpoint.headers import TensorFile
+from fnaccel.checkpoint.layouts import layout_for
+from fnaccel.checkpoint.layouts.sharded import ShardedSnapshot
 from fnaccel.checkpoint.manifest import read_manifest
 from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
 from fnaccel.checkpoint.shardindex import METADATA, VALUES
 from fnaccel.checkpoint.tensorfile import torch_dtype
-from fnaccel.checkpoint.layouts import layout_for
-from fnaccel.checkpoint.layouts.sharded import ShardedSnapshot
 from fnaccel.checkpoint.writer import take_snapshot
 
 __all__ = ["TensorItem", "items_of_directory", "items_of_state"]
@@ -77,7 +77,10 @@ def _json_file(name: str, value: Any, out: dict[str, Any]) -> None:
             _flatten(f"pipeline/{transform.get('name')}", transform.get("options") or "(no options)", out)
         for key in ("precision", "mixed_precision", "micro_steps"):
             out[key] = value.get(key)
-        out["versions/fnaccel"], out["versions/torch"] = value.get("fnaccel_version"), value.get("torch_version")
+        out["versions/fnaccel"], out["versions/torch"] = (
+            value.get("fnaccel_version"),
+            value.get("torch_version"),
+        )
     elif name == "scheduler.json" and isinstance(value, dict):
         out["scheduler/kind"] = value.get("kind")
         _flatten("scheduler", value.get("state_dict"), out)
@@ -94,8 +97,11 @@ def _json_file(name: str, value: Any, out: dict[str, Any]) -> None:
 
 
 def _tensor_prefix(name: str) -> str:
-    return {"model.safetensors": "model", "optimizer.safetensors": "optimizer",
-            "extras.safetensors": "extras"}.get(name, name.removesuffix(".safetensors"))
+    return {
+        "model.safetensors": "model",
+        "optimizer.safetensors": "optimizer",
+        "extras.safetensors": "extras",
+    }.get(name, name.removesuffix(".safetensors"))
 
 
 def _keep(name: str, ranks: set[int] | None) -> bool:
@@ -138,13 +144,17 @@ def items_of_state(state: Any) -> dict[str, Any]:
 
         flat, _ = flatten_state_dict(dict(sharded.tensors))
         out.update({_sharded_name(key): _thunk(t) for key, t in flat.items()})
-        _json_file(VALUES, {"kind": sharded.kind, "param_groups": sharded.param_groups,
-                            "values": sharded.values}, out)
+        _json_file(
+            VALUES,
+            {"kind": sharded.kind, "param_groups": sharded.param_groups, "values": sharded.values},
+            out,
+        )
     return out
 
 
-def _chunked(directory: Path, manifest: dict[str, Any], fqn: str, item: Any,
-             storage: Mapping[Any, tuple[str, str]]) -> TensorItem:
+def _chunked(
+    directory: Path, manifest: dict[str, Any], fqn: str, item: Any, storage: Mapping[Any, tuple[str, str]]
+) -> TensorItem:
     """A sharded tensor, assembled from its chunks (each read alone) when compared."""
 
     def load() -> torch.Tensor:
@@ -156,11 +166,13 @@ def _chunked(directory: Path, manifest: dict[str, Any], fqn: str, item: Any,
             with TensorFile(directory, file, manifest) as f:
                 part = f.read(key)
             target = whole
-            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
+            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=False)):
                 target = target.narrow(dim, offset, size)
             if tuple(part.shape) != tuple(chunk.sizes) or part.dtype != whole.dtype:
-                raise CheckpointError(f"{directory / file}: key {key!r} does not hold the chunk of {fqn!r} "
-                                      f"that {METADATA} describes")
+                raise CheckpointError(
+                    f"{directory / file}: key {key!r} does not hold the chunk of {fqn!r} "
+                    f"that {METADATA} describes"
+                )
             target.copy_(part)
         return whole
 
@@ -175,11 +187,14 @@ def _file_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[
         def load() -> torch.Tensor:
             with TensorFile(directory, name, manifest, specs) as f:
                 return f.read(key)
+
         return load
 
     prefix = _tensor_prefix(name)
-    return {f"{prefix}/{key}": TensorItem(shape=spec.shape, dtype=torch_dtype(spec.dtype), load=loader(key))
-            for key, spec in specs.items()}
+    return {
+        f"{prefix}/{key}": TensorItem(shape=spec.shape, dtype=torch_dtype(spec.dtype), load=loader(key))
+        for key, spec in specs.items()
+    }
 
 
 def items_of_directory(directory: Path, ranks: set[int] | None = None) -> dict[str, Any]:
@@ -203,8 +218,9 @@ def items_of_directory(directory: Path, ranks: set[int] | None = None) -> dict[s
     if METADATA in files:
         from fnaccel.checkpoint import dcpstore  # imports DCP: only a sharded checkpoint's items need it
 
-        metadata, storage = dcpstore.metadata_from(read_json(directory, METADATA, manifest), files,
-                                          str(directory / METADATA))
+        metadata, storage = dcpstore.metadata_from(
+            read_json(directory, METADATA, manifest), files, str(directory / METADATA)
+        )
         for fqn, item in metadata.state_dict_metadata.items():
             out[_sharded_name(fqn)] = _chunked(directory, manifest, fqn, item, storage)
     return out

@@ -49,8 +49,9 @@ _WORLD_SIZE_ITEMS = ("num_processes", "pipeline/", "config/")
 # and the data layout's fields that `LoaderLayout.check_resume` lets differ on another number of
 # processes: each rank's share of the global batch, the ranks sharing it, and the padding of a
 # last global batch (one process never pads); the samples read are compared batch by batch
-_WORLD_SIZE_LAYOUT = tuple(f"data/layout/{key}" for key in ("batch_size", "num_processes", "num_shards",
-                                                            "even_batches"))
+_WORLD_SIZE_LAYOUT = tuple(
+    f"data/layout/{key}" for key in ("batch_size", "num_processes", "num_shards", "even_batches")
+)
 
 
 def train_steps(state: RunState, num_steps: int) -> tuple[RunState, list[torch.Tensor]]:
@@ -63,8 +64,10 @@ def train_steps(state: RunState, num_steps: int) -> tuple[RunState, list[torch.T
 def _train(state: RunState, num_steps: int) -> tuple[RunState, list[torch.Tensor], list[list[Any]]]:
     """`train_steps`, also returning each batch's leaves (on the CPU) to compare the data read."""
     if state.loader is None:
-        raise ValueError("verify_resume: make_state() must return a state prepared with a loader "
-                         "(fa.prepare(state, model, optimizer, loader, ...)); the check steps its batches")
+        raise ValueError(
+            "verify_resume: make_state() must return a state prepared with a loader "
+            "(fa.prepare(state, model, optimizer, loader, ...)); the check steps its batches"
+        )
     losses: list[torch.Tensor] = []
     read: list[list[Any]] = []
     while len(losses) < num_steps:
@@ -94,13 +97,17 @@ def _leaves(tree: Any) -> list[Any]:
 def _same_leaves(a: list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(
         torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
-        for x, y in zip(a, b))
+        for x, y in zip(a, b, strict=False)
+    )
 
 
 def _global_batch(per_rank: Sequence[list[Any]]) -> list[Any]:
     """The ranks' batches of one step concatenated in rank order: the global batch, which
     a run on another number of processes must read (DESIGN principle 5)."""
-    return [torch.cat(column) if isinstance(column[0], torch.Tensor) else column[0] for column in zip(*per_rank)]
+    return [
+        torch.cat(column) if isinstance(column[0], torch.Tensor) else column[0]
+        for column in zip(*per_rank, strict=False)
+    ]
 
 
 def _shared_temporary(state: RunState) -> Path:
@@ -114,8 +121,9 @@ def _alone() -> Iterator[None]:
     """The launch environment of a world of one, for ``make_state()``'s `fa.init` on rank 0."""
     names = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
     saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                      GROUP_WORLD_SIZE="1")
+    os.environ.update(
+        WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0", GROUP_WORLD_SIZE="1"
+    )
     try:
         yield
     finally:
@@ -127,13 +135,17 @@ def _alone() -> Iterator[None]:
 
 
 def _close(a: float, b: float, atol: float, rtol: float) -> bool:
-    return math.isfinite(a) and math.isfinite(b) and abs(a - b) <= atol + rtol * abs(b) or a == b
+    return (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= atol + rtol * abs(b)) or a == b
 
 
 def _world_size_differences(found: Diff) -> Diff:
-    kept = tuple(d for d in found.differences
-                 if "/rng/" not in d.item and not d.item.startswith(_WORLD_SIZE_ITEMS)
-                 and not d.item.endswith(_WORLD_SIZE_LAYOUT))
+    kept = tuple(
+        d
+        for d in found.differences
+        if "/rng/" not in d.item
+        and not d.item.startswith(_WORLD_SIZE_ITEMS)
+        and not d.item.endswith(_WORLD_SIZE_LAYOUT)
+    )
     return dataclasses.replace(found, differences=kept)
 
 
@@ -141,8 +153,10 @@ def _made(make_state: Callable[[], RunState]) -> RunState:
     """``make_state()``, checked to be a state."""
     state = make_state()
     if not isinstance(state, RunState):
-        raise TypeError(f"verify_resume: make_state() must return a fa.RunState prepared with a loader "
-                        f"(fa.prepare(fa.init(...), model, optimizer, loader, ...)), got {type(state).__name__}")
+        raise TypeError(
+            f"verify_resume: make_state() must return a fa.RunState prepared with a loader "
+            f"(fa.prepare(fa.init(...), model, optimizer, loader, ...)), got {type(state).__name__}"
+        )
     return state
 
 
@@ -151,23 +165,35 @@ def _check_sizes(num_processes: Sequence[int] | None, resumes: int, n: int) -> l
         return [n] * resumes
     sizes = list(num_processes)
     if len(sizes) != resumes:
-        raise ValueError(f"verify_resume: num_processes gives {len(sizes)} number(s) of processes for "
-                         f"{resumes} resume(s); give one per resume, e.g. {tuple([n] * resumes)}")
+        raise ValueError(
+            f"verify_resume: num_processes gives {len(sizes)} number(s) of processes for "
+            f"{resumes} resume(s); give one per resume, e.g. {tuple([n] * resumes)}"
+        )
     for i, size in enumerate(sizes):
         if size not in (1, n) or isinstance(size, bool):
             raise ValueError(
                 f"verify_resume: num_processes[{i}] is {size!r}, but inside a run of {n} process(es) a resume "
                 f"runs on all {n} or on 1 (rank 0 alone): fa.init cannot form a group over some of a running "
                 f"group's ranks. Check {size!r} by loading a checkpoint in a World({size!r}) or a launch of "
-                f"{size!r} processes")
+                f"{size!r} processes"
+            )
     return sizes
 
 
 class _Chain:
     """The uninterrupted run's record and the comparisons of each resumed part against it."""
 
-    def __init__(self, whole: RunState, losses: list[torch.Tensor], read: list[list[Any]], steps: int,
-                 resumes: int, atol: float, rtol: float, world_size_changes: bool) -> None:
+    def __init__(
+        self,
+        whole: RunState,
+        losses: list[torch.Tensor],
+        read: list[list[Any]],
+        steps: int,
+        resumes: int,
+        atol: float,
+        rtol: float,
+        world_size_changes: bool,
+    ) -> None:
         self.whole, self.steps, self.resumes, self.atol, self.rtol = whole, steps, resumes, atol, rtol
         self.losses = [loss.item() for loss in losses]
         self.read = read
@@ -175,17 +201,26 @@ class _Chain:
         self.everyone = ops.gather_object(whole, [(self.losses, read)]) if world_size_changes else None
 
     def where(self, resume: int, size: int) -> str:
-        return (f"verify_resume: resume {resume} of {self.resumes} (at batch {resume * self.steps}, "
-                f"on {size} process(es))")
+        return (
+            f"verify_resume: resume {resume} of {self.resumes} (at batch {resume * self.steps}, "
+            f"on {size} process(es))"
+        )
 
-    def compare_part(self, resume: int, size: int, losses: list[torch.Tensor], read: list[list[Any]],
-                     restored: Diff | None, exact: bool) -> str | None:
+    def compare_part(
+        self,
+        resume: int,
+        size: int,
+        losses: list[torch.Tensor],
+        read: list[list[Any]],
+        restored: Diff | None,
+        exact: bool,
+    ) -> str | None:
         """None, or what this rank's part did differently from the uninterrupted run, first difference first.
         ``exact``: no part so far ran on another number of processes, so the losses must be bit-equal
         (after one, the weights, and so the losses, are equal within the tolerance only)."""
         start = resume * self.steps
         same_world = size == self.whole.dist.num_processes
-        for k, (loss, leaves) in enumerate(zip(losses, read)):
+        for k, (loss, leaves) in enumerate(zip(losses, read, strict=False)):
             index = start + k
             if same_world:
                 expected_leaves, expected = self.read[index], self.losses[index]
@@ -194,21 +229,29 @@ class _Chain:
                 assert self.everyone is not None
                 expected_leaves = _global_batch([record[1][index] for record in self.everyone])
                 expected = sum(record[0][index] for record in self.everyone) / len(self.everyone)
-                data = (f"batch {index + 1} reads other samples, or another order, than the uninterrupted run's "
-                        f"global batch (its ranks' batches in rank order)")
+                data = (
+                    f"batch {index + 1} reads other samples, or another order, than the uninterrupted run's "
+                    f"global batch (its ranks' batches in rank order)"
+                )
             if not _same_leaves(leaves, expected_leaves):
                 return f"{self.where(resume, size)}: {data}: the data position was not restored{_lacks(restored)}"
             value = loss.item()
             if not (value == expected if exact else _close(value, expected, self.atol, self.rtol)):
                 tolerance = "" if exact else f" (compared within atol={self.atol:g}, rtol={self.rtol:g})"
-                against = ("the uninterrupted run" if same_world else
-                           "the uninterrupted run's mean over its ranks") + tolerance
+                against = (
+                    "the uninterrupted run" if same_world else "the uninterrupted run's mean over its ranks"
+                ) + tolerance
                 hint = _lacks(restored) or (
                     "; the batches are the same and the loaded state equals the saved one, so something the "
                     "checkpoint does not hold changed the step (a generator or counter of your own, outside the "
-                    "model, optimizer, scheduler and registered objects)" if restored is not None else "")
-                return (f"{self.where(resume, size)}: batch {index + 1} after resuming at batch {start} has loss "
-                        f"{value!r}, {against} {expected!r}{hint}")
+                    "model, optimizer, scheduler and registered objects)"
+                    if restored is not None
+                    else ""
+                )
+                return (
+                    f"{self.where(resume, size)}: batch {index + 1} after resuming at batch {start} has loss "
+                    f"{value!r}, {against} {expected!r}{hint}"
+                )
         return None
 
     def compare_end(self, resumed: RunState, changed: bool) -> str | None:
@@ -218,10 +261,16 @@ class _Chain:
             found = _world_size_differences(diff(self.whole, resumed, atol=self.atol, rtol=self.rtol))
         if not found:
             return None
-        ignored = (" (after a change of world size, compared within float tolerance and without each rank's "
-                   "generators, the world size, the pipeline and the data layout's per-rank share)" if changed else "")
-        return (f"verify_resume: every batch of the resumed runs matches, but the final state differs from "
-                f"the uninterrupted run's{ignored}:\n{found}")
+        ignored = (
+            " (after a change of world size, compared within float tolerance and without each rank's "
+            "generators, the world size, the pipeline and the data layout's per-rank share)"
+            if changed
+            else ""
+        )
+        return (
+            f"verify_resume: every batch of the resumed runs matches, but the final state differs from "
+            f"the uninterrupted run's{ignored}:\n{found}"
+        )
 
 
 def _lacks(restored: Diff | None) -> str:
@@ -241,9 +290,16 @@ def _agree(state: RunState, message: str | None) -> None:
     raise AssertionError("\n".join(f"rank {rank}: {text}" for rank, text in failed))
 
 
-def verify_resume(make_state: Callable[[], RunState], *, steps: int, resumes: int = 1,
-                  num_processes: Sequence[int] | None = None, directory: str | Path | None = None,
-                  atol: float = 1e-5, rtol: float = 1e-4) -> None:
+def verify_resume(
+    make_state: Callable[[], RunState],
+    *,
+    steps: int,
+    resumes: int = 1,
+    num_processes: Sequence[int] | None = None,
+    directory: str | Path | None = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+) -> None:
     """Check that a run of ``make_state()`` resumes after `fa.save` / `fa.load`, again and again.
 
     ``make_state()`` must return a fresh, prepared state (model, optimizer,
@@ -301,8 +357,10 @@ def verify_resume(make_state: Callable[[], RunState], *, steps: int, resumes: in
     >>> verify_resume(make_state, steps=2, resumes=3)  # saves at batches 2, 4 and 6 of an epoch of 8
     """
     if not callable(make_state):
-        raise TypeError(f"verify_resume: make_state must be a function returning a fresh, prepared state "
-                        f"(e.g. lambda: fa.prepare(fa.init(seed=0), ...)), got {type(make_state).__name__}")
+        raise TypeError(
+            f"verify_resume: make_state must be a function returning a fresh, prepared state "
+            f"(e.g. lambda: fa.prepare(fa.init(seed=0), ...)), got {type(make_state).__name__}"
+        )
     for name, value in (("steps", steps), ("resumes", resumes)):
         if not is_int(value) or value < 1:
             raise ValueError(f"verify_resume: {name} must be an integer >= 1, got {value!r}")

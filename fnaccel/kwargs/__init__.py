@@ -21,6 +21,11 @@ from fnaccel.kwargs.handlers import (
 )
 
 __all__ = [
-    "KwargsHandler", "AutocastKwargs", "DistributedDataParallelKwargs", "GradScalerKwargs",
-    "InitProcessGroupKwargs", "FP8RecipeKwargs", "ProfileKwargs",
+    "KwargsHandler",
+    "AutocastKwargs",
+    "DistributedDataParallelKwargs",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "FP8RecipeKwargs",
+    "ProfileKwargs",
 ]

@@ -42,8 +42,12 @@ class KwargsHandler:
             # Annotations are strings under `from __future__ import annotations`, types otherwise.
             if f.type in ("bool", "bool | None", bool, bool | None):
                 value, optional = getattr(self, f.name), f.type not in ("bool", bool)
-                check_value(f.name, value, isinstance(value, bool) or (optional and value is None),
-                       "True or False" + (" or None" if optional else ""))
+                check_value(
+                    f.name,
+                    value,
+                    isinstance(value, bool) or (optional and value is None),
+                    "True or False" + (" or None" if optional else ""),
+                )
         self._validate()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -57,8 +61,10 @@ class KwargsHandler:
     def to_kwargs(self) -> dict[str, Any]:
         """Returns the fields whose value differs from the field's default, as a new dict."""
         if not dataclasses.is_dataclass(self):
-            raise TypeError(f"{type(self).__name__} inherits KwargsHandler but is not a dataclass: decorate it "
-                            "with @dataclasses.dataclass")
+            raise TypeError(
+                f"{type(self).__name__} inherits KwargsHandler but is not a dataclass: decorate it "
+                "with @dataclasses.dataclass"
+            )
         changed: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

@@ -29,8 +29,12 @@ from fnaccel.constants import PROFILE_PATTERN_NAME, DDPCommunicationHookType
 from fnaccel.kwargs.base import KwargsHandler
 
 __all__ = [
-    "AutocastKwargs", "DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs",
-    "FP8RecipeKwargs", "ProfileKwargs",
+    "AutocastKwargs",
+    "DistributedDataParallelKwargs",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
+    "FP8RecipeKwargs",
+    "ProfileKwargs",
 ]
 
 _Hook = DDPCommunicationHookType
@@ -95,23 +99,46 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
     def _validate(self) -> None:
         check_value("dim", self.dim, is_int(self.dim), "an int")
-        check_value("bucket_cap_mb", self.bucket_cap_mb, is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
-               "a positive number of megabytes", "pass e.g. bucket_cap_mb=25 (the default)")
-        hook, wrapper = _to_hook_type("comm_hook", self.comm_hook), _to_hook_type("comm_wrapper", self.comm_wrapper)
-        check_value("comm_wrapper", wrapper.value, wrapper in (_Hook.NO, _Hook.FP16, _Hook.BF16),
-               "'no', 'fp16' or 'bf16'", "PowerSGD is a comm_hook, not a wrapper")
-        require(wrapper is _Hook.NO or hook in _POWER_SGD_HOOKS,
-                 f"comm_wrapper={wrapper.value!r} wraps a PowerSGD hook but comm_hook={hook.value!r}: "
-                 f"{_USE_POWER_SGD}, or leave comm_wrapper='no'")
-        check_value("comm_state_option", self.comm_state_option, isinstance(self.comm_state_option, Mapping), "a dict")
+        check_value(
+            "bucket_cap_mb",
+            self.bucket_cap_mb,
+            is_number(self.bucket_cap_mb) and self.bucket_cap_mb > 0,
+            "a positive number of megabytes",
+            "pass e.g. bucket_cap_mb=25 (the default)",
+        )
+        hook, wrapper = (
+            _to_hook_type("comm_hook", self.comm_hook),
+            _to_hook_type("comm_wrapper", self.comm_wrapper),
+        )
+        check_value(
+            "comm_wrapper",
+            wrapper.value,
+            wrapper in (_Hook.NO, _Hook.FP16, _Hook.BF16),
+            "'no', 'fp16' or 'bf16'",
+            "PowerSGD is a comm_hook, not a wrapper",
+        )
+        require(
+            wrapper is _Hook.NO or hook in _POWER_SGD_HOOKS,
+            f"comm_wrapper={wrapper.value!r} wraps a PowerSGD hook but comm_hook={hook.value!r}: "
+            f"{_USE_POWER_SGD}, or leave comm_wrapper='no'",
+        )
+        check_value(
+            "comm_state_option", self.comm_state_option, isinstance(self.comm_state_option, Mapping), "a dict"
+        )
         options = dict(self.comm_state_option)
         if options:
-            require(hook in _POWER_SGD_HOOKS, f"comm_state_option configures PowerSGD but comm_hook={hook.value!r}: "
-                     f"{_USE_POWER_SGD}, or drop comm_state_option")
+            require(
+                hook in _POWER_SGD_HOOKS,
+                f"comm_state_option configures PowerSGD but comm_hook={hook.value!r}: "
+                f"{_USE_POWER_SGD}, or drop comm_state_option",
+            )
             from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
-            valid = [p for p in inspect.signature(PowerSGDState.__init__).parameters
-                     if p not in ("self", "process_group")]
+            valid = [
+                p
+                for p in inspect.signature(PowerSGDState.__init__).parameters
+                if p not in ("self", "process_group")
+            ]
             unknown = sorted(set(options) - set(valid))
             require(not unknown, f"unknown comm_state_option keys {unknown}: use among {', '.join(valid)}")
         object.__setattr__(self, "comm_hook", hook)
@@ -131,8 +158,10 @@ class DistributedDataParallelKwargs(KwargsHandler):
             TypeError: `model` is not a `DistributedDataParallel`.
         """
         if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"register_comm_hook needs a DistributedDataParallel model, "
-                            f"got {type(model).__name__}: wrap the model in DDP first")
+            raise TypeError(
+                f"register_comm_hook needs a DistributedDataParallel model, "
+                f"got {type(model).__name__}: wrap the model in DDP first"
+            )
         if self.comm_hook is _Hook.NO:
             return
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -143,7 +172,10 @@ class DistributedDataParallelKwargs(KwargsHandler):
             _Hook.POWER_SGD: powerSGD_hook.powerSGD_hook,
             _Hook.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
         }
-        wrappers = {_Hook.FP16: default_hooks.fp16_compress_wrapper, _Hook.BF16: default_hooks.bf16_compress_wrapper}
+        wrappers = {
+            _Hook.FP16: default_hooks.fp16_compress_wrapper,
+            _Hook.BF16: default_hooks.bf16_compress_wrapper,
+        }
         hook = hooks[self.comm_hook]
         if self.comm_wrapper is not _Hook.NO:
             hook = wrappers[_Hook(self.comm_wrapper)](hook)
@@ -154,8 +186,10 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
 
 def _to_hook_type(name: str, value: object) -> DDPCommunicationHookType:
-    require(isinstance(value, str) and value.lower() in _Hook,
-             f"unknown {name} {value!r}: use one of {', '.join(_Hook.list())}")
+    require(
+        isinstance(value, str) and value.lower() in _Hook,
+        f"unknown {name} {value!r}: use one of {', '.join(_Hook.list())}",
+    )
     return _Hook(str(value).lower())
 
 
@@ -181,13 +215,32 @@ class GradScalerKwargs(KwargsHandler):
     enabled: bool = True
 
     def _validate(self) -> None:
-        scale, growth, backoff, interval = self.init_scale, self.growth_factor, self.backoff_factor, self.growth_interval
-        check_value("init_scale", scale, is_number(scale) and scale > 0, "a number > 0", "try 65536.0 (the default)")
-        check_value("growth_factor", growth, is_number(growth) and growth > 1, "a number > 1", "try 2.0 (the default)")
-        check_value("backoff_factor", backoff, is_number(backoff) and 0 < backoff < 1,
-               "a number strictly between 0 and 1", "try 0.5 (the default)")
-        check_value("growth_interval", interval, is_int(interval) and interval >= 1, "an int >= 1",
-               "try 2000 (the default)")
+        scale, growth, backoff, interval = (
+            self.init_scale,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+        )
+        check_value(
+            "init_scale", scale, is_number(scale) and scale > 0, "a number > 0", "try 65536.0 (the default)"
+        )
+        check_value(
+            "growth_factor", growth, is_number(growth) and growth > 1, "a number > 1", "try 2.0 (the default)"
+        )
+        check_value(
+            "backoff_factor",
+            backoff,
+            is_number(backoff) and 0 < backoff < 1,
+            "a number strictly between 0 and 1",
+            "try 0.5 (the default)",
+        )
+        check_value(
+            "growth_interval",
+            interval,
+            is_int(interval) and interval >= 1,
+            "an int >= 1",
+            "try 2000 (the default)",
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,16 +272,26 @@ class InitProcessGroupKwargs(KwargsHandler):
         if ":" in self.backend:
             for pair in self.backend.split(","):
                 device, _, name = pair.partition(":")
-                require(bool(device.strip()) and name.strip() in known,
-                         f"bad entry {pair!r} in backend {self.backend!r}: write 'device:backend' pairs, {hint}")
+                require(
+                    bool(device.strip()) and name.strip() in known,
+                    f"bad entry {pair!r} in backend {self.backend!r}: write 'device:backend' pairs, {hint}",
+                )
         else:
             check_choice("backend", self.backend, known)
         method, timeout = self.init_method, self.timeout
-        check_value("init_method", method, method is None or (isinstance(method, str) and "://" in method),
-               "a URL such as 'env://' or 'tcp://10.0.0.1:29500'")
-        check_value("timeout", timeout,
-               timeout is None or (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0),
-               "a positive datetime.timedelta", "pass e.g. timeout=timedelta(minutes=30)")
+        check_value(
+            "init_method",
+            method,
+            method is None or (isinstance(method, str) and "://" in method),
+            "a URL such as 'env://' or 'tcp://10.0.0.1:29500'",
+        )
+        check_value(
+            "timeout",
+            timeout,
+            timeout is None or (isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0),
+            "a positive datetime.timedelta",
+            "pass e.g. timeout=timedelta(minutes=30)",
+        )
 
 
 def _registered_backends() -> set[str]:
@@ -281,11 +344,17 @@ class FP8RecipeKwargs(KwargsHandler):
         return f"FP8RecipeKwargs({', '.join(f'{k}={v!r}' for k, v in self.to_kwargs().items())})"
 
     def _validate(self) -> None:
-        check_value("module_filter_func", self.module_filter_func,
-                    self.module_filter_func is None or callable(self.module_filter_func),
-                    "a function (module, fqn) -> bool or None")
-        for name, choices in (("backend", ("MSAMP", "TE", "AO")), ("fp8_format", ("HYBRID", "E4M3", "E5M2")),
-                              ("opt_level", ("O1", "O2"))):
+        check_value(
+            "module_filter_func",
+            self.module_filter_func,
+            self.module_filter_func is None or callable(self.module_filter_func),
+            "a function (module, fqn) -> bool or None",
+        )
+        for name, choices in (
+            ("backend", ("MSAMP", "TE", "AO")),
+            ("fp8_format", ("HYBRID", "E4M3", "E5M2")),
+            ("opt_level", ("O1", "O2")),
+        ):
             value = getattr(self, name)
             if value is not None:
                 check_value(name, value, isinstance(value, str), "a string")
@@ -295,11 +364,22 @@ class FP8RecipeKwargs(KwargsHandler):
             check_choice("fp8 amax_compute_algo", self.amax_compute_algo, ("max", "most_recent"))
         for name, minimum in (("margin", 0), ("interval", 1), ("amax_history_len", 1)):
             value = getattr(self, name)
-            check_value(name, value, value is None or (is_int(value) and value >= minimum), f"an int >= {minimum} or None")
+            check_value(
+                name,
+                value,
+                value is None or (is_int(value) and value >= minimum),
+                f"an int >= {minimum} or None",
+            )
         precision = self.override_linear_precision
         if precision is not None:
-            check_value("override_linear_precision", precision, isinstance(precision, Sequence) and len(precision) == 3
-                   and all(isinstance(p, bool) for p in precision), "three bools (fprop, dgrad, wgrad)")
+            check_value(
+                "override_linear_precision",
+                precision,
+                isinstance(precision, Sequence)
+                and len(precision) == 3
+                and all(isinstance(p, bool) for p in precision),
+                "three bools (fprop, dgrad, wgrad)",
+            )
             object.__setattr__(self, "override_linear_precision", tuple(precision))
 
 
@@ -346,29 +426,46 @@ class ProfileKwargs(KwargsHandler):
     def _validate(self) -> None:
         if self.activities is not None:
             known = list(_profiler_activities())
-            check_value("activities", self.activities, isinstance(self.activities, Sequence)
-                   and not isinstance(self.activities, str), "a list of names", "e.g. ['cpu', 'cuda']")
+            check_value(
+                "activities",
+                self.activities,
+                isinstance(self.activities, Sequence) and not isinstance(self.activities, str),
+                "a list of names",
+                "e.g. ['cpu', 'cuda']",
+            )
             names = tuple(str(a).lower() for a in self.activities)
             unknown = [a for a in names if a not in known]
             require(not unknown, f"unknown profiler activities {unknown}: use among {', '.join(known)}")
             object.__setattr__(self, "activities", names)
         if self.schedule_option is not None:
-            check_value("schedule_option", self.schedule_option, isinstance(self.schedule_option, Mapping), "a dict")
+            check_value(
+                "schedule_option", self.schedule_option, isinstance(self.schedule_option, Mapping), "a dict"
+            )
             options = dict(self.schedule_option)
             unknown = sorted(set(options) - set(_SCHEDULE_KEYS))
-            require(not unknown, f"unknown schedule_option keys {unknown}: use among {', '.join(_SCHEDULE_KEYS)}")
+            require(
+                not unknown, f"unknown schedule_option keys {unknown}: use among {', '.join(_SCHEDULE_KEYS)}"
+            )
             missing = [k for k in ("wait", "warmup", "active") if k not in options]
             require(not missing, f"schedule_option lacks {missing}: give wait, warmup and active")
             bad = {k: v for k, v in options.items() if not (is_int(v) and v >= 0)}
             require(not bad, f"schedule_option values must be ints >= 0, got {bad}")
             require(options["active"] >= 1, "schedule_option active must be >= 1: profile at least one step")
             object.__setattr__(self, "schedule_option", MappingProxyType(options))
-        check_value("on_trace_ready", self.on_trace_ready, self.on_trace_ready is None or callable(self.on_trace_ready),
-               "callable")
+        check_value(
+            "on_trace_ready",
+            self.on_trace_ready,
+            self.on_trace_ready is None or callable(self.on_trace_ready),
+            "callable",
+        )
         out = self.output_trace_dir
         if out is not None:
-            check_value("output_trace_dir", out, isinstance(out, (str, os.PathLike)) and os.fspath(out) != "",
-                   "a directory path")
+            check_value(
+                "output_trace_dir",
+                out,
+                isinstance(out, (str, os.PathLike)) and os.fspath(out) != "",
+                "a directory path",
+            )
             object.__setattr__(self, "output_trace_dir", os.fspath(out))
 
     def build(self, *, process_index: int = 0) -> torch.profiler.profile:

@@ -88,17 +88,40 @@ def attach_align_device_hook(
     >>> model[0].weight.device.type, model(torch.ones(1, 2)).shape
     ('meta', torch.Size([1, 1]))
     """
-    preload = offload and preload_module_classes is not None and type(module).__name__ in preload_module_classes
+    preload = (
+        offload and preload_module_classes is not None and type(module).__name__ in preload_module_classes
+    )
     if _owns_tensors(module) or preload:
-        prefixed = None if weights_map is None else PrefixedDataset(weights_map, f"{module_name}." if module_name else "")
-        add_hook_to_module(module, AlignDevicesHook(
-            execution_device=execution_device, offload=offload, weights_map=prefixed,
-            offload_buffers=offload_buffers, place_submodules=preload, skip_keys=skip_keys), append=True)
+        prefixed = (
+            None
+            if weights_map is None
+            else PrefixedDataset(weights_map, f"{module_name}." if module_name else "")
+        )
+        add_hook_to_module(
+            module,
+            AlignDevicesHook(
+                execution_device=execution_device,
+                offload=offload,
+                weights_map=prefixed,
+                offload_buffers=offload_buffers,
+                place_submodules=preload,
+                skip_keys=skip_keys,
+            ),
+            append=True,
+        )
     if preload:
         return
     for name, child in module.named_children():
-        attach_align_device_hook(child, execution_device, offload, weights_map, offload_buffers,
-                                 _child_name(module_name, name), skip_keys, preload_module_classes)
+        attach_align_device_hook(
+            child,
+            execution_device,
+            offload,
+            weights_map,
+            offload_buffers,
+            _child_name(module_name, name),
+            skip_keys,
+            preload_module_classes,
+        )
 
 
 def attach_align_device_hook_on_blocks(
@@ -135,11 +158,23 @@ def attach_align_device_hook_on_blocks(
     """
     if not isinstance(execution_device, Mapping) and not isinstance(offload, Mapping):
         if offload:
-            attach_align_device_hook(module, execution_device, True, weights_map, offload_buffers, module_name,
-                                     skip_keys, preload_module_classes)
+            attach_align_device_hook(
+                module,
+                execution_device,
+                True,
+                weights_map,
+                offload_buffers,
+                module_name,
+                skip_keys,
+                preload_module_classes,
+            )
         else:
-            add_hook_to_module(module, AlignDevicesHook(execution_device, io_same_device=True, skip_keys=skip_keys,
-                                                        place_submodules=True))
+            add_hook_to_module(
+                module,
+                AlignDevicesHook(
+                    execution_device, io_same_device=True, skip_keys=skip_keys, place_submodules=True
+                ),
+            )
         return
     devices: Mapping[str, DeviceLike | None]
     if isinstance(execution_device, Mapping):
@@ -149,9 +184,13 @@ def attach_align_device_hook_on_blocks(
         devices = dict.fromkeys(offload, execution_device)
     flags = offload if isinstance(offload, Mapping) else dict.fromkeys(devices, offload)
     if set(devices) != set(flags):
-        raise ValueError(f"attach_align_device_hook_on_blocks: execution_device names {sorted(devices)} but offload "
-                         f"names {sorted(flags)}: give both for the same blocks")
-    _on_blocks(module, devices, flags, weights_map, offload_buffers, module_name, skip_keys, preload_module_classes)
+        raise ValueError(
+            f"attach_align_device_hook_on_blocks: execution_device names {sorted(devices)} but offload "
+            f"names {sorted(flags)}: give both for the same blocks"
+        )
+    _on_blocks(
+        module, devices, flags, weights_map, offload_buffers, module_name, skip_keys, preload_module_classes
+    )
 
 
 def _on_blocks(
@@ -166,19 +205,47 @@ def _on_blocks(
 ) -> None:
     is_root = module_name == ""
     if module_name in devices and not flags[module_name]:
-        add_hook_to_module(module, AlignDevicesHook(devices[module_name], io_same_device=is_root,
-                                                    offload_buffers=offload_buffers, place_submodules=True,
-                                                    skip_keys=skip_keys))
+        add_hook_to_module(
+            module,
+            AlignDevicesHook(
+                devices[module_name],
+                io_same_device=is_root,
+                offload_buffers=offload_buffers,
+                place_submodules=True,
+                skip_keys=skip_keys,
+            ),
+        )
         return  # the hook moved the whole block; its submodules run where it put them
     if module_name in devices:
-        attach_align_device_hook(module, devices[module_name], True, weights_map, offload_buffers, module_name,
-                                 skip_keys, preload_module_classes)
+        attach_align_device_hook(
+            module,
+            devices[module_name],
+            True,
+            weights_map,
+            offload_buffers,
+            module_name,
+            skip_keys,
+            preload_module_classes,
+        )
         if not hasattr(module, "_hf_hook") or is_root:
-            add_hook_to_module(module, AlignDevicesHook(devices[module_name], io_same_device=is_root,
-                                                        skip_keys=skip_keys), append=True)
+            add_hook_to_module(
+                module,
+                AlignDevicesHook(devices[module_name], io_same_device=is_root, skip_keys=skip_keys),
+                append=True,
+            )
         return
     if is_root:
-        add_hook_to_module(module, AlignDevicesHook(devices.get(""), io_same_device=True, skip_keys=skip_keys))
+        add_hook_to_module(
+            module, AlignDevicesHook(devices.get(""), io_same_device=True, skip_keys=skip_keys)
+        )
     for name, child in module.named_children():
-        _on_blocks(child, devices, flags, weights_map, offload_buffers, _child_name(module_name, name), skip_keys,
-                   preload_module_classes)
+        _on_blocks(
+            child,
+            devices,
+            flags,
+            weights_map,
+            offload_buffers,
+            _child_name(module_name, name),
+            skip_keys,
+            preload_module_classes,
+        )

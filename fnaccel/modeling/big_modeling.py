@@ -57,7 +57,11 @@ def default_execution_device() -> torch.device:
     >>> default_execution_device().type in ("cpu", "cuda")
     True
     """
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 class CpuOffload(ModelHook):
@@ -73,12 +77,17 @@ class CpuOffload(ModelHook):
     torch.Size([1, 1])
     """
 
-    def __init__(self, execution_device: DeviceLike | None = None,
-                 prev_module_hook: UserCpuOffloadHook | None = None) -> None:
+    def __init__(
+        self, execution_device: DeviceLike | None = None, prev_module_hook: UserCpuOffloadHook | None = None
+    ) -> None:
         if prev_module_hook is not None and not isinstance(prev_module_hook, UserCpuOffloadHook):
-            raise TypeError(f"prev_module_hook must be the UserCpuOffloadHook that cpu_offload_with_hook returned, "
-                            f"got {type(prev_module_hook).__name__}")
-        self.execution_device = default_execution_device() if execution_device is None else as_device(execution_device)
+            raise TypeError(
+                f"prev_module_hook must be the UserCpuOffloadHook that cpu_offload_with_hook returned, "
+                f"got {type(prev_module_hook).__name__}"
+            )
+        self.execution_device = (
+            default_execution_device() if execution_device is None else as_device(execution_device)
+        )
         self.prev_module_hook = prev_module_hook
 
     def __repr__(self) -> str:
@@ -87,12 +96,16 @@ class CpuOffload(ModelHook):
     def init_hook(self, module: nn.Module) -> nn.Module:
         return module.to("cpu")
 
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def pre_forward(
+        self, module: nn.Module, *args: Any, **kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.prev_module_hook is not None:
             self.prev_module_hook.offload()
             clear_device_cache()
         module.to(self.execution_device)
-        return tuple(send_to_device(args, self.execution_device)), send_to_device(kwargs, self.execution_device)
+        return tuple(send_to_device(args, self.execution_device)), send_to_device(
+            kwargs, self.execution_device
+        )
 
 
 class UserCpuOffloadHook:
@@ -180,8 +193,14 @@ def cpu_offload(
     if state_dict is None:
         state_dict = {name: tensor.to("cpu") for name, tensor in model.state_dict().items()}
     _refuse_meta_weights(state_dict, "cpu_offload")
-    attach_align_device_hook(model, device, offload=True, weights_map=state_dict, offload_buffers=offload_buffers,
-                             preload_module_classes=preload_module_classes)
+    attach_align_device_hook(
+        model,
+        device,
+        offload=True,
+        weights_map=state_dict,
+        offload_buffers=offload_buffers,
+        preload_module_classes=preload_module_classes,
+    )
     _io_hook(model)
     return model
 
@@ -218,8 +237,14 @@ def disk_offload(
         _refuse_meta_weights(state_dict, "disk_offload")
         offload_state_dict(offload_dir, state_dict)
     weights = OffloadedWeightsLoader(save_folder=offload_dir)
-    attach_align_device_hook(model, device, offload=True, weights_map=weights, offload_buffers=offload_buffers,
-                             preload_module_classes=preload_module_classes)
+    attach_align_device_hook(
+        model,
+        device,
+        offload=True,
+        weights_map=weights,
+        offload_buffers=offload_buffers,
+        preload_module_classes=preload_module_classes,
+    )
     _io_hook(model)
     return model
 
@@ -227,8 +252,10 @@ def disk_offload(
 def _refuse_meta_weights(state_dict: Mapping[str, torch.Tensor], caller: str) -> None:
     on_meta = [name for name, tensor in state_dict.items() if tensor.is_meta]
     if on_meta:
-        raise ValueError(f"{caller}: {on_meta[:3]} are on the meta device, so there is nothing to offload: load the "
-                         "weights first (load_checkpoint_in_model) or pass them as state_dict=")
+        raise ValueError(
+            f"{caller}: {on_meta[:3]} are on the meta device, so there is nothing to offload: load the "
+            "weights first (load_checkpoint_in_model) or pass them as state_dict="
+        )
 
 
 def has_offloaded_params(module: nn.Module) -> bool:
@@ -238,7 +265,9 @@ def has_offloaded_params(module: nn.Module) -> bool:
     >>> has_offloaded_params(layer), has_offloaded_params(cpu_offload(layer, "cpu"))
     (False, True)
     """
-    return any(isinstance(h, AlignDevicesHook) and h.offload for h in _flat(getattr(module, "_hf_hook", None)))
+    return any(
+        isinstance(h, AlignDevicesHook) and h.offload for h in _flat(getattr(module, "_hf_hook", None))
+    )
 
 
 def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -266,8 +295,11 @@ def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:
                     state[key] = tensor
     on_meta = [key for key, tensor in state.items() if tensor.is_meta]
     if on_meta:
-        _LOG.warning("get_state_dict_offloaded_model: %s are still on the meta device (their weights were "
-                     "never loaded nor offloaded), so they are left out", on_meta)
+        _LOG.warning(
+            "get_state_dict_offloaded_model: %s are still on the meta device (their weights were "
+            "never loaded nor offloaded), so they are left out",
+            on_meta,
+        )
     return {key: tensor.detach().to("cpu") for key, tensor in state.items() if not tensor.is_meta}
 
 
@@ -293,7 +325,9 @@ def align_module_device(module: nn.Module, execution_device: DeviceLike | None =
     >>> layer.weight.device.type
     'meta'
     """
-    offloading = [h for h in _flat(getattr(module, "_hf_hook", None)) if isinstance(h, AlignDevicesHook) and h.offload]
+    offloading = [
+        h for h in _flat(getattr(module, "_hf_hook", None)) if isinstance(h, AlignDevicesHook) and h.offload
+    ]
     if offloading:
         align = offloading[0]
         original = align.execution_device

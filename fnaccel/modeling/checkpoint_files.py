@@ -42,6 +42,7 @@ __all__ = [
 
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
 
+
 def refuse_pickle(path: Path) -> CheckpointError:
     """The error for a pickle checkpoint, saying how to convert it."""
     return CheckpointError(
@@ -103,8 +104,10 @@ def read_index(index: Path) -> dict[str, Any]:
         data = {"weight_map": data}  # a flat {tensor name: file} index, as Accelerate also reads
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise CheckpointError(f"{index} maps no tensor names to file names: an index is "
-                              '{"weight_map": {name: file}} or a flat {name: file}')
+        raise CheckpointError(
+            f"{index} maps no tensor names to file names: an index is "
+            '{"weight_map": {name: file}} or a flat {name: file}'
+        )
     return data
 
 
@@ -129,7 +132,7 @@ def _read(file: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict[str,
     """Each stored tensor's safetensors dtype name and shape, and the file's metadata."""
     try:
         with safe_open(file, framework="pt", device="cpu") as handle:
-            slices = {name: handle.get_slice(name) for name in handle.keys()}
+            slices = {name: handle.get_slice(name) for name in handle.keys()}  # noqa: SIM118 (safe_open is not iterable)
             tensors = {name: (s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
             metadata = handle.metadata() or {}
     except (SafetensorError, OSError) as exc:
@@ -149,7 +152,9 @@ def read_header(file: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]
     """
     tensors, metadata = _read(file)
     if metadata.get("format") in ("tf", "flax"):
-        raise CheckpointError(f"{file} holds {metadata['format']} weights (other layouts); load PyTorch ('pt') ones")
+        raise CheckpointError(
+            f"{file} holds {metadata['format']} weights (other layouts); load PyTorch ('pt') ones"
+        )
     shapes = {name: shape for name, (_, shape) in tensors.items()}
     aliases = {alias: kept for alias, kept in metadata.items() if kept in shapes and alias not in shapes}
     return {**shapes, **{alias: shapes[kept] for alias, kept in aliases.items()}}, aliases

@@ -36,9 +36,9 @@ from fnaccel.modeling.memory_budget import (
 )
 from fnaccel.modeling.sizes import (
     DTypeLike,
-    top_level_entries,
     compute_module_sizes,
     get_max_layer_size,
+    top_level_entries,
 )
 from fnaccel.modeling.tied import find_tied_parameters
 
@@ -102,9 +102,12 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, int | str | torc
     ValueError: the device_map gives no device to 'bias': add it (or a module that holds it, or '' for the whole model)
     """
     tensors = [name for name, _ in model.named_parameters(remove_duplicate=False)]
-    tensors += [name for name, _ in model.named_buffers(remove_duplicate=False)
-                if name.rpartition(".")[2] not in
-                model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set]
+    tensors += [
+        name
+        for name, _ in model.named_buffers(remove_duplicate=False)
+        if name.rpartition(".")[2]
+        not in model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set
+    ]
     known = {name for name, _ in model.named_modules(remove_duplicate=False)} | set(tensors)
     for key, device in device_map.items():
         if key not in known:
@@ -119,8 +122,9 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, int | str | torc
                 ) from None
     missing = [name for name in tensors if not any(_within(name, key) for key in device_map)]
     if missing:
-        shown = ", ".join(repr(name) for name in missing[:10]) + (f" and {len(missing) - 10} more"
-                                                                 if len(missing) > 10 else "")
+        shown = ", ".join(repr(name) for name in missing[:10]) + (
+            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        )
         raise ValueError(
             f"the device_map gives no device to {shown}: add it (or a module that holds it, "
             "or '' for the whole model)"
@@ -128,8 +132,11 @@ def check_device_map(model: nn.Module, device_map: Mapping[str, int | str | torc
 
 
 def _splittable(module: nn.Module | torch.Tensor, no_split: Sequence[str]) -> bool:
-    return (isinstance(module, nn.Module) and type(module).__name__ not in no_split
-            and next(module.children(), None) is not None)
+    return (
+        isinstance(module, nn.Module)
+        and type(module).__name__ not in no_split
+        and next(module.children(), None) is not None
+    )
 
 
 def _parts(name: str, module: nn.Module | torch.Tensor) -> list[Entry]:
@@ -279,8 +286,10 @@ def infer_auto_device_map(
                     to_treat.insert(0, (name, module))
                 reserve_size, reserve_names = get_max_layer_size(to_treat, sizes, no_split)
             continue
-        say(f"Putting {name} (size={sizes[name]}) on {device}"
-            + ("." if space is None else f" (available={space})."))
+        say(
+            f"Putting {name} (size={sizes[name]}) on {device}"
+            + ("." if space is None else f" (available={space}).")
+        )
         dragged = {n for n, _ in tied}
         for placed in (name, *dragged):
             device_map[placed] = device
@@ -291,13 +300,17 @@ def infer_auto_device_map(
         used += needed
         peak[device] = used + reserve
 
-    if offloaded_buffers and not offload_buffers and gpus:
-        if not any(memory[gpu] >= offloaded_buffers + peak.get(gpu, 0) for gpu in gpus):
-            warnings.warn(
-                f"the buffers of the offloaded modules ({offloaded_buffers} bytes) stay on the main device "
-                "but do not fit in any GPU's remaining memory; pass offload_buffers=True to offload them too",
-                stacklevel=2,
-            )
+    if (
+        offloaded_buffers
+        and not offload_buffers
+        and gpus
+        and not any(memory[gpu] >= offloaded_buffers + peak.get(gpu, 0) for gpu in gpus)
+    ):
+        warnings.warn(
+            f"the buffers of the offloaded modules ({offloaded_buffers} bytes) stay on the main device "
+            "but do not fit in any GPU's remaining memory; pass offload_buffers=True to offload them too",
+            stacklevel=2,
+        )
     if unfilled:
         # Accelerate's channel and words, which callers match on: INFO, "insufficient memory"
         _LOG.info(
@@ -311,7 +324,10 @@ def infer_auto_device_map(
 
 
 def _fallback_entry(
-    entries: Sequence[Entry], sizes: Mapping[str, int], space: int, no_split: Sequence[str],
+    entries: Sequence[Entry],
+    sizes: Mapping[str, int],
+    space: int,
+    no_split: Sequence[str],
     tied_groups: Sequence[Sequence[str]],
 ) -> str | None:
     """The first module or tensor, breadth first through ``entries`` and their children, that fits in ``space``
@@ -333,7 +349,7 @@ def _bring_forward(target: str, entries: list[Entry]) -> list[Entry]:
         at = next(i for i, (name, _) in enumerate(entries) if _within(target, name))
         entries[at : at + 1] = _parts(*entries[at])
     at = next(i for i, (name, _) in enumerate(entries) if name == target)
-    return [entries[at], *entries[:at], *entries[at + 1:]]
+    return [entries[at], *entries[:at], *entries[at + 1 :]]
 
 
 def resolve_device_map(
@@ -371,7 +387,14 @@ def resolve_device_map(
             "(or pass a dict from module names to devices)"
         )
     if device_map != "sequential":
-        max_memory = get_balanced_memory(model, max_memory, no_split_module_classes, dtype, special_dtypes,
-                                         low_zero=device_map == "balanced_low_0")
-    return infer_auto_device_map(model, max_memory, no_split_module_classes, dtype, special_dtypes,
-                                 offload_buffers=offload_buffers)
+        max_memory = get_balanced_memory(
+            model,
+            max_memory,
+            no_split_module_classes,
+            dtype,
+            special_dtypes,
+            low_zero=device_map == "balanced_low_0",
+        )
+    return infer_auto_device_map(
+        model, max_memory, no_split_module_classes, dtype, special_dtypes, offload_buffers=offload_buffers
+    )

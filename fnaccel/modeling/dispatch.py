@@ -37,15 +37,23 @@ from fnaccel.modeling.offload import (
     read_offload_index,
 )
 from fnaccel.modeling.sizes import named_module_tensors
-from fnaccel.modeling.tensors import Placement, as_device, device_for, parse_device_map, set_module_tensor_to_device
+from fnaccel.modeling.tensors import (
+    Placement,
+    as_device,
+    device_for,
+    parse_device_map,
+    set_module_tensor_to_device,
+)
 from fnaccel.modeling.tied import find_tied_parameters, retie_parameters
 
 __all__ = ["dispatch_model", "load_checkpoint_and_dispatch"]
 
 
 def _main_device(places: Sequence[Placement]) -> torch.device:
-    return next((p for p in places if isinstance(p, torch.device) and p.type not in ("cpu", "meta")),
-                torch.device("cpu"))
+    return next(
+        (p for p in places if isinstance(p, torch.device) and p.type not in ("cpu", "meta")),
+        torch.device("cpu"),
+    )
 
 
 def dispatch_model(
@@ -102,8 +110,10 @@ def dispatch_model(
     if len(set(places.values())) == 1 and not force_hooks:
         (only,) = set(places.values())
         if only == "disk":
-            raise ValueError("device_map puts the whole model on 'disk': pass force_hooks=True and an offload_dir "
-                             "to run it from there one layer at a time")
+            raise ValueError(
+                "device_map puts the whole model on 'disk': pass force_hooks=True and an offload_dir "
+                "to run it from there one layer at a time"
+            )
         on_meta = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
         if on_meta is not None and torch.device(only).type != "meta":
             raise _still_on_meta(on_meta, only)
@@ -118,20 +128,28 @@ def dispatch_model(
 
     if main.type != "cpu" and state_dict is None:
         state_dict = extract_submodules_state_dict(
-            model.state_dict(), [name for name, place in places.items() if offloaded(place) and place != "disk"])
+            model.state_dict(),
+            [name for name, place in places.items() if offloaded(place) and place != "disk"],
+        )
     disk = [name for name, place in places.items() if place == "disk"]
     if disk and offload_dir is None and offload_index is None:
         raise ValueError(f"device_map puts {disk} on 'disk': pass offload_dir=, the folder for their weights")
     if disk and offload_index is None and not read_offload_index(str(offload_dir)):
-        offload_state_dict(str(offload_dir), _in_memory(extract_submodules_state_dict(model.state_dict(), disk)))
-    weights = OffloadedWeightsLoader(state_dict=state_dict or {}, save_folder=offload_dir if disk else None,
-                                     index=offload_index)
+        offload_state_dict(
+            str(offload_dir), _in_memory(extract_submodules_state_dict(model.state_dict(), disk))
+        )
+    weights = OffloadedWeightsLoader(
+        state_dict=state_dict or {}, save_folder=offload_dir if disk else None, index=offload_index
+    )
     resident_ties = [
-        kept for group in find_tied_parameters(model)
+        kept
+        for group in find_tied_parameters(model)
         if len(kept := [n for n in group if not offloaded(device_for(n, places) or main)]) > 1
     ]
     _place_resident(model, places, main, offloaded, offload_buffers)
-    _attach_hooks(model, places, main, offloaded, weights, offload_buffers, skip_keys, set(preload_module_classes or ()))
+    _attach_hooks(
+        model, places, main, offloaded, weights, offload_buffers, skip_keys, set(preload_module_classes or ())
+    )
     retie_parameters(model, resident_ties)  # moving them one name at a time untied them
     setattr(model, "hf_device_map", dict(device_map))
     return model
@@ -164,12 +182,21 @@ def _attach_hooks(
         execution = main if place is None or offloaded(place) else torch.device(place)
         prefix = f"{name}." if name else ""
         if offload:
-            _check_offloaded(module, prefix, weights, recurse=name in preloaded, offload_buffers=offload_buffers)
-        add_hook_to_module(module, AlignDevicesHook(
-            execution_device=execution, offload=offload, io_same_device=name == "",
-            weights_map=PrefixedDataset(weights, prefix) if offload else None, offload_buffers=offload_buffers,
-            place_submodules=name in preloaded, skip_keys=skip_keys,
-        ))
+            _check_offloaded(
+                module, prefix, weights, recurse=name in preloaded, offload_buffers=offload_buffers
+            )
+        add_hook_to_module(
+            module,
+            AlignDevicesHook(
+                execution_device=execution,
+                offload=offload,
+                io_same_device=name == "",
+                weights_map=PrefixedDataset(weights, prefix) if offload else None,
+                offload_buffers=offload_buffers,
+                place_submodules=name in preloaded,
+                skip_keys=skip_keys,
+            ),
+        )
 
 
 def _in_memory(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -218,8 +245,9 @@ def _check_offloaded(
     module: nn.Module, prefix: str, weights: OffloadedWeightsLoader, recurse: bool, offload_buffers: bool
 ) -> None:
     """Every tensor a hook will load has an entry of its shape."""
-    for name, tensor in named_module_tensors(module, include_buffers=offload_buffers, recurse=recurse,
-                                             remove_non_persistent=True):
+    for name, tensor in named_module_tensors(
+        module, include_buffers=offload_buffers, recurse=recurse, remove_non_persistent=True
+    ):
         full = prefix + name
         if full in weights.state_dict:
             shape = list(weights.state_dict[full].shape)
@@ -227,11 +255,15 @@ def _check_offloaded(
             shape = list(weights.index[full].get("shape", list(tensor.shape)))
         else:
             where = weights.save_folder or "the offload index"
-            raise ValueError(f"{full!r} is offloaded but {where} has no weights for it: offload them there "
-                             "(load_checkpoint_in_model with offload_folder=, or an empty folder)")
+            raise ValueError(
+                f"{full!r} is offloaded but {where} has no weights for it: offload them there "
+                "(load_checkpoint_in_model with offload_folder=, or an empty folder)"
+            )
         if shape != list(tensor.shape):
-            raise ValueError(f"{full!r} has shape {shape} in {weights.save_folder} but {list(tensor.shape)} in "
-                             "the model: the folder holds another model's weights; use an empty one")
+            raise ValueError(
+                f"{full!r} has shape {shape} in {weights.save_folder} but {list(tensor.shape)} in "
+                "the model: the folder holds another model's weights; use an empty one"
+            )
 
 
 def load_checkpoint_and_dispatch(
@@ -282,13 +314,29 @@ def load_checkpoint_and_dispatch(
     True
     """
     if isinstance(device_map, str):
-        device_map = resolve_device_map(model, device_map, max_memory, no_split_module_classes, dtype,
-                                        offload_buffers=offload_buffers)
+        device_map = resolve_device_map(
+            model, device_map, max_memory, no_split_module_classes, dtype, offload_buffers=offload_buffers
+        )
     if offload_state_dict is None:
         offload_state_dict = device_map is not None and "disk" in device_map.values()
-    load_checkpoint_in_model(model, checkpoint, device_map=device_map, offload_folder=offload_folder, dtype=dtype,
-                             offload_state_dict=offload_state_dict, offload_buffers=offload_buffers, strict=strict)
+    load_checkpoint_in_model(
+        model,
+        checkpoint,
+        device_map=device_map,
+        offload_folder=offload_folder,
+        dtype=dtype,
+        offload_state_dict=offload_state_dict,
+        offload_buffers=offload_buffers,
+        strict=strict,
+    )
     if device_map is None:
         return model
-    return dispatch_model(model, device_map, offload_dir=offload_folder, offload_buffers=offload_buffers,
-                          skip_keys=skip_keys, preload_module_classes=preload_module_classes, force_hooks=force_hooks)
+    return dispatch_model(
+        model,
+        device_map,
+        offload_dir=offload_folder,
+        offload_buffers=offload_buffers,
+        skip_keys=skip_keys,
+        preload_module_classes=preload_module_classes,
+        force_hooks=force_hooks,
+    )

@@ -61,7 +61,9 @@ class _ModulePatch:
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         return self if instance is None else types.MethodType(self, instance)
 
-    def __call__(self, module: nn.Module, name: str, tensor: torch.Tensor | None, *args: Any, **kwargs: Any) -> None:
+    def __call__(
+        self, module: nn.Module, name: str, tensor: torch.Tensor | None, *args: Any, **kwargs: Any
+    ) -> None:
         if not self.active:
             return self.replaced(module, name, tensor, *args, **kwargs)
         original = self.replaced

@@ -64,7 +64,9 @@ class ModelHook:
         """Called when the hook is attached; returns the module."""
         return module
 
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def pre_forward(
+        self, module: nn.Module, *args: Any, **kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Called before the forward with its arguments; returns the ``(args, kwargs)`` to run it with."""
         return args, kwargs
 
@@ -93,8 +95,10 @@ class SequentialHook(ModelHook):
     def __init__(self, *hooks: ModelHook) -> None:
         for hook in hooks:
             if not isinstance(hook, ModelHook):
-                raise TypeError(f"SequentialHook takes ModelHook instances, got {type(hook).__name__}: "
-                                "subclass fnaccel.utils.ModelHook")
+                raise TypeError(
+                    f"SequentialHook takes ModelHook instances, got {type(hook).__name__}: "
+                    "subclass fnaccel.utils.ModelHook"
+                )
         self.hooks = hooks
 
     def __repr__(self) -> str:
@@ -109,7 +113,9 @@ class SequentialHook(ModelHook):
             module = hook.init_hook(module)
         return module
 
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def pre_forward(
+        self, module: nn.Module, *args: Any, **kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         for hook in self.hooks:
             args, kwargs = hook.pre_forward(module, *args, **kwargs)
         return args, kwargs
@@ -125,8 +131,9 @@ class SequentialHook(ModelHook):
         return module
 
 
-def _run_pre(hook: ModelHook, grad_modes: list[bool], module: nn.Module, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _run_pre(
+    hook: ModelHook, grad_modes: list[bool], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     args, kwargs = hook.pre_forward(module, *args, **kwargs)
     if hook.no_grad:
         grad_modes.append(torch.is_grad_enabled())
@@ -134,7 +141,9 @@ def _run_pre(hook: ModelHook, grad_modes: list[bool], module: nn.Module, args: t
     return tuple(args), dict(kwargs)
 
 
-def _run_post(hook: ModelHook, grad_modes: list[bool], module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+def _run_post(
+    hook: ModelHook, grad_modes: list[bool], module: nn.Module, args: tuple[Any, ...], output: Any
+) -> Any:
     if hook.no_grad and grad_modes:
         torch.set_grad_enabled(grad_modes.pop())
     return hook.post_forward(module, output)
@@ -157,8 +166,10 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
         TypeError: ``hook`` is not a `ModelHook`.
     """
     if not isinstance(hook, ModelHook):
-        raise TypeError(f"add_hook_to_module takes a ModelHook, got {type(hook).__name__}: subclass "
-                        "fnaccel.utils.ModelHook and override pre_forward/post_forward")
+        raise TypeError(
+            f"add_hook_to_module takes a ModelHook, got {type(hook).__name__}: subclass "
+            "fnaccel.utils.ModelHook and override pre_forward/post_forward"
+        )
     old = getattr(module, "_hf_hook", None)
     if append and old is not None:
         module = hook.init_hook(module)
@@ -218,9 +229,14 @@ def remove_hook_from_submodules(module: nn.Module) -> None:
     module.__dict__.pop("hf_device_map", None)
 
 
-def _module_tensors(module: nn.Module, include_buffers: bool, recurse: bool) -> list[tuple[str, torch.Tensor]]:
-    return list(named_module_tensors(module, include_buffers=include_buffers, recurse=recurse,
-                                     remove_non_persistent=True))
+def _module_tensors(
+    module: nn.Module, include_buffers: bool, recurse: bool
+) -> list[tuple[str, torch.Tensor]]:
+    return list(
+        named_module_tensors(
+            module, include_buffers=include_buffers, recurse=recurse, remove_non_persistent=True
+        )
+    )
 
 
 class AlignDevicesHook(ModelHook):
@@ -284,11 +300,17 @@ class AlignDevicesHook(ModelHook):
                     set_module_tensor_to_device(module, name, self.execution_device)
             return module
         self.original_devices = {name: tensor.device for name, tensor in tensors}
-        offloaded = _module_tensors(module, include_buffers=self.offload_buffers, recurse=self.place_submodules)
+        offloaded = _module_tensors(
+            module, include_buffers=self.offload_buffers, recurse=self.place_submodules
+        )
         self.offloaded = tuple(name for name, _ in offloaded)
         if self.weights_map is None:
             self.weights_map = {name: tensor.detach().to("cpu", copy=True) for name, tensor in offloaded}
-        kept = [name for name, tensor in module.named_buffers(recurse=self.place_submodules) if name not in self.offloaded]
+        kept = [
+            name
+            for name, tensor in module.named_buffers(recurse=self.place_submodules)
+            if name not in self.offloaded
+        ]
         for name in self.offloaded:
             set_module_tensor_to_device(module, name, "meta")
         if self.execution_device is not None:
@@ -296,7 +318,9 @@ class AlignDevicesHook(ModelHook):
                 set_module_tensor_to_device(module, name, self.execution_device)
         return module
 
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def pre_forward(
+        self, module: nn.Module, *args: Any, **kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Load the offloaded weights and move the inputs to the execution device."""
         if self.io_same_device:
             leaves = tree_leaves([args, kwargs])
@@ -308,8 +332,10 @@ class AlignDevicesHook(ModelHook):
                 set_module_tensor_to_device(module, name, device, value=self.weights_map[name])
         if self.execution_device is None:
             return args, kwargs
-        return (tuple(send_to_device(args, self.execution_device)),
-                send_to_device(kwargs, self.execution_device, skip_keys=self.skip_keys))
+        return (
+            tuple(send_to_device(args, self.execution_device)),
+            send_to_device(kwargs, self.execution_device, skip_keys=self.skip_keys),
+        )
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         """Release the offloaded weights (back to ``meta``) and move the output back."""
@@ -327,6 +353,8 @@ class AlignDevicesHook(ModelHook):
         for name in self.offloaded:
             device = self.original_devices[name]
             if device.type != "meta" and self.weights_map is not None:
-                set_module_tensor_to_device(module, name, device, value=self.weights_map[name].to(device, copy=True))
+                set_module_tensor_to_device(
+                    module, name, device, value=self.weights_map[name].to(device, copy=True)
+                )
         self.offloaded = ()
         return module

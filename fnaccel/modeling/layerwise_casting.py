@@ -24,7 +24,13 @@ __all__ = ["LayerwiseCastingHook", "SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING", "at
 # The layers whose weights are cast: those that only read their weights in forward (Accelerate's
 # name and order).
 SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING: tuple[type[nn.Module], ...] = (
-    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.Linear,
 )
 
 
@@ -47,7 +53,9 @@ class LayerwiseCastingHook(ModelHook):
     (torch.float16, torch.float32, torch.float16)
     """
 
-    def __init__(self, storage_dtype: torch.dtype, compute_dtype: torch.dtype, non_blocking: bool = False) -> None:
+    def __init__(
+        self, storage_dtype: torch.dtype, compute_dtype: torch.dtype, non_blocking: bool = False
+    ) -> None:
         self.storage_dtype = _check_dtype(storage_dtype, "storage_dtype")
         self.compute_dtype = _check_dtype(compute_dtype, "compute_dtype")
         self.non_blocking = non_blocking
@@ -58,7 +66,9 @@ class LayerwiseCastingHook(ModelHook):
     def init_hook(self, module: nn.Module) -> nn.Module:
         return module.to(dtype=self.storage_dtype, non_blocking=self.non_blocking)
 
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def pre_forward(
+        self, module: nn.Module, *args: Any, **kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         module.to(dtype=self.compute_dtype, non_blocking=self.non_blocking)
         return args, kwargs
 
@@ -97,18 +107,36 @@ def attach_layerwise_casting_hooks(
     """
     _check_dtype(storage_dtype, "storage_dtype")
     _check_dtype(compute_dtype, "compute_dtype")
-    patterns = [skip_modules_pattern] if isinstance(skip_modules_pattern, str) else list(skip_modules_pattern or ())
+    patterns = (
+        [skip_modules_pattern] if isinstance(skip_modules_pattern, str) else list(skip_modules_pattern or ())
+    )
     classes = tuple(skip_modules_classes or ())
     _attach(module, "", storage_dtype, compute_dtype, patterns, classes, non_blocking)
 
 
-def _attach(module: nn.Module, name: str, storage_dtype: torch.dtype, compute_dtype: torch.dtype,
-            patterns: list[str], classes: tuple[type[nn.Module], ...], non_blocking: bool) -> None:
+def _attach(
+    module: nn.Module,
+    name: str,
+    storage_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    patterns: list[str],
+    classes: tuple[type[nn.Module], ...],
+    non_blocking: bool,
+) -> None:
     if isinstance(module, classes) or any(re.search(pattern, name) for pattern in patterns):
         return
     if isinstance(module, SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING):
-        add_hook_to_module(module, LayerwiseCastingHook(storage_dtype, compute_dtype, non_blocking), append=True)
+        add_hook_to_module(
+            module, LayerwiseCastingHook(storage_dtype, compute_dtype, non_blocking), append=True
+        )
         return
     for child_name, child in module.named_children():
-        _attach(child, f"{name}.{child_name}" if name else child_name, storage_dtype, compute_dtype, patterns,
-                classes, non_blocking)
+        _attach(
+            child,
+            f"{name}.{child_name}" if name else child_name,
+            storage_dtype,
+            compute_dtype,
+            patterns,
+            classes,
+            non_blocking,
+        )

@@ -40,7 +40,12 @@ from fnaccel.modeling.checkpoint_files import (
     unreadable,
 )
 from fnaccel.modeling.device_map import check_device_map
-from fnaccel.modeling.offload import index_tied_names, load_offloaded_weights, offload_weight, save_offload_index
+from fnaccel.modeling.offload import (
+    index_tied_names,
+    load_offloaded_weights,
+    offload_weight,
+    save_offload_index,
+)
 from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.modeling.tensors import DeviceMap, device_for, parse_device_map, set_module_tensor_to_device
 from fnaccel.modeling.tied import find_tied_parameters, retie_parameters
@@ -82,7 +87,8 @@ def load_state_dict(
 
     >>> import tempfile, safetensors.torch
     >>> with tempfile.TemporaryDirectory() as path:
-    ...     safetensors.torch.save_file({"a.weight": torch.ones(2), "b.weight": torch.zeros(1)}, f"{path}/m.safetensors")
+    ...     tensors = {"a.weight": torch.ones(2), "b.weight": torch.zeros(1)}
+    ...     safetensors.torch.save_file(tensors, f"{path}/m.safetensors")
     ...     {k: v.device.type for k, v in load_state_dict(f"{path}/m.safetensors", {"a": "cpu", "b": "disk"}).items()}
     {'a.weight': 'cpu', 'b.weight': 'cpu'}
     """
@@ -192,14 +198,20 @@ def load_checkpoint_in_model(
     if device_map is not None:
         check_device_map(module, device_map)
         parsed = parse_device_map(device_map)
-        places = {name: device_for(name, parsed) or "cpu" for name in targets}  # check_device_map: all covered
+        places = {
+            name: device_for(name, parsed) or "cpu" for name in targets
+        }  # check_device_map: all covered
     if places is not None and not offload_buffers:  # the buffers of modules on disk stay in memory
         buffers = {name for name, _ in module.named_buffers()}
-        places = {name: torch.device("cpu") if p == "disk" and name in buffers else p for name, p in places.items()}
+        places = {
+            name: torch.device("cpu") if p == "disk" and name in buffers else p for name, p in places.items()
+        }
     to_disk = {name for name, place in (places or {}).items() if place == "disk"}
     if to_disk and offload_folder is None:
-        raise ValueError(f"device_map sends {sorted(to_disk)[:3]} and others to 'disk': pass offload_folder=, "
-                         "the folder to write their weights to")
+        raise ValueError(
+            f"device_map sends {sorted(to_disk)[:3]} and others to 'disk': pass offload_folder=, "
+            "the folder to write their weights to"
+        )
     new_dtype = None if dtype is None else as_torch_dtype(dtype)
     if dtype is not None and new_dtype is None:
         raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float16' or torch.bfloat16")
@@ -211,7 +223,10 @@ def load_checkpoint_in_model(
         folders["disk"] = (Path(str(offload_folder)), {})
     with ExitStack() as stack:
         if offload_state_dict and places is not None:
-            folders["cpu"] = (Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fnaccel-state-"))), {})
+            folders["cpu"] = (
+                Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fnaccel-state-"))),
+                {},
+            )
         done: set[tuple[int, str]] = set()  # (id(tensor), place): tied names are read and written once
         for file, names, aliases in files:
             for name, value in _file_tensors(file, [n for n in names if n in targets], aliases):
@@ -219,7 +234,13 @@ def load_checkpoint_in_model(
                 want = target.dtype
                 if new_dtype is not None and value.is_floating_point() and target.is_floating_point():
                     want = torch.float32 if _in_modules(name, keep_fp32) else new_dtype
-                place = places[name] if places is not None else torch.device("cpu") if target.is_meta else target.device
+                place = (
+                    places[name]
+                    if places is not None
+                    else torch.device("cpu")
+                    if target.is_meta
+                    else target.device
+                )
                 parking = folders.get("disk" if place == "disk" else torch.device(place).type)
                 first = (id(target), str(place)) not in done
                 done.add((id(target), str(place)))
@@ -230,7 +251,9 @@ def load_checkpoint_in_model(
                 elif not first:
                     pass  # a tied name: retie_parameters shares what its partner loaded
                 elif target.is_meta:
-                    loaded = value.to(device=place, dtype=want, copy=True)  # the model's own copy, not file pages
+                    loaded = value.to(
+                        device=place, dtype=want, copy=True
+                    )  # the model's own copy, not file pages
                     set_module_tensor_to_device(module, name, place, value=loaded, dtype=want)
                 else:
                     _copy_into(target, value, torch.device(place), want)
@@ -265,7 +288,9 @@ def _check_fit(
         if name in targets and shape != tuple(targets[name].shape)
     ]
     if mismatched:
-        raise CheckpointError(f"load_checkpoint_in_model: {checkpoint} has other shapes: " + "; ".join(mismatched))
+        raise CheckpointError(
+            f"load_checkpoint_in_model: {checkpoint} has other shapes: " + "; ".join(mismatched)
+        )
     unexpected = [name for name in shapes if name not in targets]
     filled = {id(targets[name]) for name in shapes if name in targets}
     missing = [name for name, target in targets.items() if id(target) not in filled]
@@ -273,8 +298,14 @@ def _check_fit(
         cls_name = type(module).__name__
         # Accelerate's words for unexpected weights, which a ported test or log filter may look for
         parts = [f"missing from the checkpoint: {missing}"] if missing else []
-        parts += [f"unexpected in it, so some weights of the model checkpoint were not used when "
-                  f"initializing {cls_name}: {unexpected}"] if unexpected else []
+        parts += (
+            [
+                f"unexpected in it, so some weights of the model checkpoint were not used when "
+                f"initializing {cls_name}: {unexpected}"
+            ]
+            if unexpected
+            else []
+        )
         message = f"load_checkpoint_in_model: {checkpoint} does not fit {cls_name}: " + "; ".join(parts)
         if strict:
             raise CheckpointError(message)
@@ -282,7 +313,9 @@ def _check_fit(
     return files, IncompatibleKeys(missing, unexpected)
 
 
-def _file_tensors(file: Path, names: Sequence[str], aliases: Mapping[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _file_tensors(
+    file: Path, names: Sequence[str], aliases: Mapping[str, str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``names`` from ``file``, memory-mapped, a stored tensor read once for
     all its names; the mapping is renewed every `_MAPPED_BYTES`, so only the
     pages of the latest slice stay resident."""

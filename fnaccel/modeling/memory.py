@@ -138,7 +138,8 @@ def find_executable_batch_size(
     of memory (`should_reduce_batch_size`), its exception is dropped, memory
     is freed (`clear_device_cache` with garbage collection) and the function
     runs again with a smaller batch: ``int(0.9 * batch_size)`` (so 128,
-    115, 103, ... 2, 1), or what ``reduce_batch_size_fn`` returns. Any other exception propagates at once, unchanged. The batch size
+    115, 103, ... 2, 1), or what ``reduce_batch_size_fn`` returns. Any other exception
+    propagates at once, unchanged. The batch size
     that worked is kept: a later call of the decorated function starts there.
     Build what holds device memory (model, optimizer, loaders) *inside*
     ``function``, so that a failed try's allocations can be freed.
@@ -174,10 +175,7 @@ def find_executable_batch_size(
     >>> train(20)  # 64, 57, 51, 45, 40, 36, 32, 28, 25, 22 fail
     19
     """
-    if (
-        not is_int(starting_batch_size)
-        or starting_batch_size < 0
-    ):
+    if not is_int(starting_batch_size) or starting_batch_size < 0:
         raise ValueError(
             f"find_executable_batch_size: starting_batch_size must be a non-negative int, "
             f"got {starting_batch_size!r}"

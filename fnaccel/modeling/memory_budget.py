@@ -157,13 +157,19 @@ def get_balanced_memory(
     per_gpu = sizes[""] // (len(gpus) - 1 if low_zero else len(gpus))
 
     no_split = class_names(no_split_module_classes)
-    block_sizes = [sizes.get(name, 0) for name, module in model.named_modules()
-                   if name and type(module).__name__ in no_split]
+    block_sizes = [
+        sizes.get(name, 0)
+        for name, module in model.named_modules()
+        if name and type(module).__name__ in no_split
+    ]
     # The leaf modules are the modules that own tensors directly and have no submodule holding any.
     owners = {name.rpartition(".")[0] for name, _ in model.named_parameters()}
     owners |= {name.rpartition(".")[0] for name, _ in model.named_buffers()}
-    leaves = [name for name in owners if not any(other.startswith(f"{name}.") or (name == "" and other)
-                                                 for other in owners)]
+    leaves = [
+        name
+        for name in owners
+        if not any(other.startswith(f"{name}.") or (name == "" and other) for other in owners)
+    ]
     mean_leaf = int(sum(sizes.get(name, 0) for name in leaves) / max(len(leaves), 1))
     per_gpu += int(1.25 * max(max(block_sizes, default=0), mean_leaf))
 

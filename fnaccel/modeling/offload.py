@@ -78,7 +78,9 @@ def _parse_dtype(name: Any, where: str) -> torch.dtype:
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The memory of a contiguous CPU tensor, as it is (C order, the machine's byte
     order, bfloat16 as its raw words), without a copy; valid while ``tensor`` lives."""
-    return memoryview((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr()))
+    return memoryview(
+        (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
+    )
 
 
 def offload_weight(
@@ -109,8 +111,11 @@ def offload_weight(
     tensor = weight.detach()
     host = tensor.cpu().contiguous().resolve_conj().resolve_neg()  # no copy for a contiguous CPU tensor
     # scratch space: not fsynced; a failed write (a full disk) raises OSError
-    replace_atomically(Path(offload_folder) / f"{weight_name}.dat",
-                       lambda file: file.write(_bytes_of(host)) if host.numel() else None, durable=False)
+    replace_atomically(
+        Path(offload_folder) / f"{weight_name}.dat",
+        lambda file: file.write(_bytes_of(host)) if host.numel() else None,
+        durable=False,
+    )
     if index is not None:
         index[weight_name] = {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape)}
     return index
@@ -226,7 +231,9 @@ class OffloadedWeightsLoader(Mapping[str, torch.Tensor]):
         device: DeviceLike | None = None,
     ) -> None:
         if state_dict is None and save_folder is None and index is None:
-            raise ValueError("OffloadedWeightsLoader needs a state_dict, a save_folder or an index to serve weights from")
+            raise ValueError(
+                "OffloadedWeightsLoader needs a state_dict, a save_folder or an index to serve weights from"
+            )
         self.state_dict: Mapping[str, torch.Tensor] = {} if state_dict is None else state_dict
         self.save_folder = None if save_folder is None else Path(save_folder)
         if index is None and self.save_folder is not None:
@@ -241,7 +248,9 @@ class OffloadedWeightsLoader(Mapping[str, torch.Tensor]):
         info = self.index[key]
         stored = info.get("weight_name", key)
         if info.get("safetensors_file") is not None:
-            with safe_open(info["safetensors_file"], framework="pt", device=str(self.device or "cpu")) as handle:
+            with safe_open(
+                info["safetensors_file"], framework="pt", device=str(self.device or "cpu")
+            ) as handle:
                 tensor = handle.get_tensor(stored)
             if "dtype" in info:
                 tensor = tensor.to(_parse_dtype(info["dtype"], info["safetensors_file"]))
@@ -276,7 +285,7 @@ class PrefixedDataset(Mapping[str, torch.Tensor]):
         return self.dataset[self.prefix + key]
 
     def __iter__(self) -> Iterator[str]:
-        return (key[len(self.prefix):] for key in self.dataset if key.startswith(self.prefix))
+        return (key[len(self.prefix) :] for key in self.dataset if key.startswith(self.prefix))
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -297,7 +306,9 @@ def extract_submodules_state_dict(
     }
 
 
-def load_offloaded_weights(model: nn.Module, index: Mapping[str, Any] | None, offload_folder: PathLike) -> None:
+def load_offloaded_weights(
+    model: nn.Module, index: Mapping[str, Any] | None, offload_folder: PathLike
+) -> None:
     """Load the weights offloaded in ``offload_folder`` back into ``model``, on the CPU.
 
     Each tensor is read into memory (the model does not keep the files open)

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from fnaccel.checks import is_number
-from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.config.environment import is_bnb_available
+from fnaccel.modeling.sizes import as_torch_dtype
 
 __all__ = ["BnbQuantizationConfig", "load_and_quantize_model"]
 
@@ -181,8 +181,14 @@ def _target_device(
             for name, _ in model.named_parameters()
             if _matches(name.rpartition(".")[0], keep)
         }
-        device_map = resolve_device_map(model, device_map, max_memory, no_split_module_classes,
-                                        dtype=config.target_dtype, special_dtypes=special)
+        device_map = resolve_device_map(
+            model,
+            device_map,
+            max_memory,
+            no_split_module_classes,
+            dtype=config.target_dtype,
+            special_dtypes=special,
+        )
     if not isinstance(device_map, Mapping):
         raise TypeError(
             f"load_and_quantize_model: device_map must be a dict, a string or None, got {device_map!r}"

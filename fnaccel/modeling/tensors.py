@@ -57,7 +57,9 @@ def parse_device_map(device_map: DeviceMap) -> dict[str, Placement]:
     for name, value in device_map.items():
         device = "disk" if value == "disk" else as_device(value, what=f"device_map[{name!r}]")
         if isinstance(device, torch.device) and device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device_map puts {name!r} on {device}, but CUDA is not available: use 'cpu' or 'disk'")
+            raise ValueError(
+                f"device_map puts {name!r} on {device}, but CUDA is not available: use 'cpu' or 'disk'"
+            )
         parsed[name] = device
     return parsed
 
@@ -81,7 +83,9 @@ def owner_of(module: nn.Module, tensor_name: str) -> tuple[nn.Module, str]:
     try:
         owner = module.get_submodule(prefix)
     except AttributeError:
-        raise ValueError(f"{type(module).__name__} has no submodule {prefix!r} (for {tensor_name!r})") from None
+        raise ValueError(
+            f"{type(module).__name__} has no submodule {prefix!r} (for {tensor_name!r})"
+        ) from None
     if owner._parameters.get(leaf) is None and owner._buffers.get(leaf) is None:
         raise ValueError(
             f"{type(owner).__name__} {prefix or '(the model)'!s} has no parameter or buffer {leaf!r}; "
@@ -94,7 +98,9 @@ def _is_integer(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex)
 
 
-def _tied(tied_params_map: TiedParamsMap | None, tensor: torch.Tensor | None, device: torch.device) -> int | None:
+def _tied(
+    tied_params_map: TiedParamsMap | None, tensor: torch.Tensor | None, device: torch.device
+) -> int | None:
     """The key of ``tensor`` in ``tied_params_map`` (meta tensors have no data pointer to key on)."""
     if tied_params_map is None or tensor is None or tensor.is_meta:
         return None

@@ -31,7 +31,9 @@ def get_model_tp_size(model: nn.Module) -> int | None:
     if recorded is not None:
         return int(recorded)
     distributed: Any = getattr(getattr(inner, "config", None), "distributed_config", None)
-    recorded = distributed.get("tp_size") if isinstance(distributed, dict) else getattr(distributed, "tp_size", None)
+    recorded = (
+        distributed.get("tp_size") if isinstance(distributed, dict) else getattr(distributed, "tp_size", None)
+    )
     if recorded is not None:
         return int(recorded)
     for parameter in inner.parameters():

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fnaccel.dist import DistContext
-from fnaccel.ops._shapes import MARK, Signature, all_gather_single, all_gather_rows
+from fnaccel.ops._shapes import MARK, Signature, all_gather_rows, all_gather_single
 
 __all__ = [
     "Agreed",
@@ -64,7 +64,9 @@ class Marked:
     leaf: int
     mark: torch.Tensor
 
-    def run(self, ctx: DistContext, leaves: Sequence[torch.Tensor], differs: bool) -> list[torch.Tensor] | None:
+    def run(
+        self, ctx: DistContext, leaves: Sequence[torch.Tensor], differs: bool
+    ) -> list[torch.Tensor] | None:
         """Every leaf gathered as `all_gather_rows` does, or None if any rank's part
         of the carrying leaf begins with the mark (then no other leaf is sent)."""
         carrier = leaves[self.leaf]
@@ -94,7 +96,9 @@ class Staging:
     send: torch.Tensor
     received: torch.Tensor
 
-    def run(self, ctx: DistContext, leaves: Sequence[torch.Tensor], differs: bool) -> list[torch.Tensor] | None:
+    def run(
+        self, ctx: DistContext, leaves: Sequence[torch.Tensor], differs: bool
+    ) -> list[torch.Tensor] | None:
         """Every leaf gathered as `all_gather_rows` does, or None if any rank's flag
         says its call differs (then no other leaf is sent). The carrying leaf is
         copied into ``send`` with the flag after it, every rank's row is gathered at
@@ -139,7 +143,9 @@ class NonFinite:
     op: Any
     value: float
 
-    def run(self, ctx: DistContext, leaves: Sequence[torch.Tensor], differs: bool) -> list[torch.Tensor] | None:
+    def run(
+        self, ctx: DistContext, leaves: Sequence[torch.Tensor], differs: bool
+    ) -> list[torch.Tensor] | None:
         """Every leaf reduced (a clone of each), or None if the carrying leaf's first
         element came back not finite (then no other leaf is reduced)."""
         out = [t.clone() for t in leaves]
@@ -156,15 +162,17 @@ class NonFinite:
         return out
 
 
-def flag_carrier(call: tuple[Any, ...], ctx: DistContext, reduce_op: Any = None
-                 ) -> Marked | Staging | NonFinite | None:
+def flag_carrier(
+    call: tuple[Any, ...], ctx: DistContext, reduce_op: Any = None
+) -> Marked | Staging | NonFinite | None:
     """How the agreed call ``call`` carries its flag in its data: a gather with a leaf
     of at least 16 bytes by `Marked`, one with smaller leaves only by `Staging`, a
     reduce (by ``reduce_op``) with a non-empty floating-point leaf by `NonFinite`;
     None for anything else (the flag then needs its own collective)."""
     if call[0] == "reduce":
-        floating = [i for i, (dtype, shape) in enumerate(call[3])
-                    if dtype.is_floating_point and math.prod(shape)]
+        floating = [
+            i for i, (dtype, shape) in enumerate(call[3]) if dtype.is_floating_point and math.prod(shape)
+        ]
         if not floating:
             return None
         value = -math.inf if reduce_op == dist.ReduceOp.MIN else math.inf
@@ -179,8 +187,12 @@ def flag_carrier(call: tuple[Any, ...], ctx: DistContext, reduce_op: Any = None
         return Marked(leaf=sizes.index(min(big)), mark=mark)
     leaf = sizes.index(min(sizes))
     row = -(-sizes[leaf] // 8) * 8 + 8
-    return Staging(leaf=leaf, row=row, send=torch.empty(row, dtype=torch.uint8, device=device),
-                   received=torch.empty(ctx.num_processes * row, dtype=torch.uint8, device=device))
+    return Staging(
+        leaf=leaf,
+        row=row,
+        send=torch.empty(row, dtype=torch.uint8, device=device),
+        received=torch.empty(ctx.num_processes * row, dtype=torch.uint8, device=device),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ _FIXED = 5  # leaf count, total rank (ndim), fingerprint, shape hash, extras cou
 # meets another rank's header exchange (ranks out of step) sees a false alarm,
 # never a result.
 MARK = bytes.fromhex("5deb2d5c40f5936da873ce1aa552114b")
-_MARK_WORDS = tuple(int.from_bytes(MARK[i:i + 8], sys.byteorder, signed=True) for i in (0, 8))
+_MARK_WORDS = tuple(int.from_bytes(MARK[i : i + 8], sys.byteorder, signed=True) for i in (0, 8))
 
 
 @contextmanager
@@ -182,8 +182,10 @@ class Signature:
 
     def fingerprint(self) -> int:
         """A hash of everything but the sizes: operation, arguments, paths, dtypes, ranks."""
-        parts = [f"{p}:{t.dtype}/{'nested' if t.is_nested else t.ndim}"
-                 for p, t in zip(self.paths, self.leaves)]
+        parts = [
+            f"{p}:{t.dtype}/{'nested' if t.is_nested else t.ndim}"
+            for p, t in zip(self.paths, self.leaves, strict=False)
+        ]
         return zlib.crc32(f"{self.op}|{self.key}|{';'.join(parts)}".encode())
 
     def layout(self) -> tuple[tuple[torch.dtype, tuple[int, ...]], ...]:
@@ -192,8 +194,10 @@ class Signature:
 
     def describe(self) -> list[tuple[str, tuple[int, ...], str]]:
         """``(path, shape, dtype)`` of each leaf, for the error message."""
-        return [(p, self.shape(i), str(t.dtype).replace("torch.", "") + (" nested" if t.is_nested else ""))
-                for i, (p, t) in enumerate(zip(self.paths, self.leaves))]
+        return [
+            (p, self.shape(i), str(t.dtype).replace("torch.", "") + (" nested" if t.is_nested else ""))
+            for i, (p, t) in enumerate(zip(self.paths, self.leaves, strict=False))
+        ]
 
 
 def _describe(op_key: str, leaves: Sequence[tuple[str, tuple[int, ...], str]]) -> str:
@@ -210,8 +214,7 @@ def _differences(everyone: Sequence[tuple[str, list[tuple[str, tuple[int, ...], 
     sigs = [sig for _, sig in everyone]
     if len({tuple(p for p, _, _ in sig) for sig in sigs}) > 1:
         found.append("tree structure (keys, lengths or fields)")
-    for what, pick in (("dtype", lambda e: e[2]), ("ndim", lambda e: len(e[1])),
-                       ("shape", lambda e: e[1])):
+    for what, pick in (("dtype", lambda e: e[2]), ("ndim", lambda e: len(e[1])), ("shape", lambda e: e[1])):
         if len({tuple(pick(e) for e in sig) for sig in sigs}) > 1:
             found.append(what)
     return found or ["nothing visible (a hash collision?)"]
@@ -223,8 +226,10 @@ def _raise_mismatch(ctx: DistContext, signature: Signature, hint: str) -> None:
     everyone: list[Any] = [None] * ctx.num_processes
     dist.all_gather_object(everyone, mine, group=ctx.process_group)
     same_call = len({call for call, _ in everyone}) == 1
-    lines = [f"rank {rank}: {_describe('' if same_call else call, sig)}"
-             for rank, (call, sig) in enumerate(everyone)]
+    lines = [
+        f"rank {rank}: {_describe('' if same_call else call, sig)}"
+        for rank, (call, sig) in enumerate(everyone)
+    ]
     raise CollectiveMismatchError(
         f"{signature.op}: the ranks passed different tensors; they differ in "
         f"{', '.join(_differences(everyone))} ({'; '.join(lines)}). {hint}"
@@ -242,14 +247,22 @@ def _raise_problem(ctx: DistContext, op: str, problem: BaseException | None) -> 
     raise CollectiveMismatchError(f"{op}: rank {rank} rejected its input: {message}")
 
 
-def _header(signature: Signature, extras: Sequence[int], problem: BaseException | None
-            ) -> tuple[list[int], list[int]]:
+def _header(
+    signature: Signature, extras: Sequence[int], problem: BaseException | None
+) -> tuple[list[int], list[int]]:
     """This rank's header (slot 0: its input is bad; then the fixed part, the extras)
     and the flat list of its dims."""
     dims = [d for i in range(len(signature.leaves)) for d in signature.shape(i)]
     shape_hash = zlib.crc32(array("q", dims).tobytes()) if dims else 0
-    header = [int(problem is not None), len(signature.leaves), len(dims),
-              signature.fingerprint(), shape_hash, len(extras), *extras]
+    header = [
+        int(problem is not None),
+        len(signature.leaves),
+        len(dims),
+        signature.fingerprint(),
+        shape_hash,
+        len(extras),
+        *extras,
+    ]
     if len(header) > _SLOTS:
         raise ValueError(f"{signature.op}: at most {_SLOTS - _FIXED - 1} extra integers fit the header")
     return header, dims
@@ -297,11 +310,10 @@ def exchange_shapes(
     shapes = []
     for flat in per_rank_dims:
         it = iter(flat)
-        shapes.append(tuple(tuple(next(it) for _ in signature.shape(i))
-                            for i in range(len(signature.leaves))))
-    return ShapeTable(
-        shapes=tuple(shapes), extras=tuple(tuple(r[1 + _FIXED : start]) for r in rows)
-    )
+        shapes.append(
+            tuple(tuple(next(it) for _ in signature.shape(i)) for i in range(len(signature.leaves)))
+        )
+    return ShapeTable(shapes=tuple(shapes), extras=tuple(tuple(r[1 + _FIXED : start]) for r in rows))
 
 
 def require_same_shapes(

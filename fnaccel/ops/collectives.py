@@ -8,8 +8,8 @@ return for N = 1. Inputs are never modified in place.
 from __future__ import annotations
 
 import warnings
-from types import MappingProxyType
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any, Literal, get_args
 
 import torch
@@ -26,6 +26,7 @@ from fnaccel.ops._shapes import (
     naming_timeouts,
     require_same_shapes,
 )
+
 # re-exported: seeding, checkpoint.weights and the transforms import them from here
 from fnaccel.ops.objects import broadcast_object_list, gather_object
 from fnaccel.ops.tree import is_other_leaf, tree_leaves, tree_paths, tree_unflatten
@@ -95,8 +96,9 @@ def _collect(ctx: DistContext, op: str, param: Any, leaves: Sequence[torch.Tenso
     return out
 
 
-def _checked_collect(ctx: DistContext, signature: Signature, param: Any, hint: str,
-                     problem: BaseException | None) -> list[torch.Tensor]:
+def _checked_collect(
+    ctx: DistContext, signature: Signature, param: Any, hint: str, problem: BaseException | None
+) -> list[torch.Tensor]:
     """Check that every rank makes this call with the same tree, and run its data
     collectives; otherwise raise on every rank (``ctx.num_processes > 1``).
 
@@ -112,8 +114,9 @@ def _checked_collect(ctx: DistContext, signature: Signature, param: Any, hint: s
         return _checked_collect_now(ctx, signature, param, hint, problem)
 
 
-def _checked_collect_now(ctx: DistContext, signature: Signature, param: Any, hint: str,
-                         problem: BaseException | None) -> list[torch.Tensor]:
+def _checked_collect_now(
+    ctx: DistContext, signature: Signature, param: Any, hint: str, problem: BaseException | None
+) -> list[torch.Tensor]:
     owner = ctx.group_owner
     agreed: Agreed | None = owner.agreed
     call = call_of(signature)
@@ -168,8 +171,9 @@ def gather(ctx: DistContext | Any, tree: Any) -> Any:
         if problem is not None:
             raise problem
         return gather_leaves(ctx, tree, leaves)
-    out = _checked_collect(ctx, Signature.of("gather", tree, leaves), None,
-                           f"gather needs equal trees: {_PAD_HINT}", problem)
+    out = _checked_collect(
+        ctx, Signature.of("gather", tree, leaves), None, f"gather needs equal trees: {_PAD_HINT}", problem
+    )
     # Python run right after a collective competes with gloo's threads finishing it:
     # a bare tensor comes back as it is (see gather_leaves)
     return out[0] if isinstance(tree, torch.Tensor) else tree_unflatten(tree, out)
@@ -188,8 +192,9 @@ def gather_leaves(ctx: DistContext, tree: Any, leaves: Sequence[torch.Tensor]) -
 
 Reduction = Literal["mean", "sum", "none", "max", "min"]
 REDUCTIONS: tuple[str, ...] = get_args(Reduction)
-_REDUCE_OPS = MappingProxyType({"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
-                                "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN})
+_REDUCE_OPS = MappingProxyType(
+    {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+)
 
 
 def check_reduction(reduction: str) -> None:
@@ -202,8 +207,10 @@ def check_reduction(reduction: str) -> None:
 
 def _reduce_problem(t: torch.Tensor, reduction: str, scale: float) -> TypeError | None:
     exact = not t.is_floating_point() and not t.is_complex()
-    if t.dtype == torch.bool or (reduction == "mean" and exact) or (
-        reduction in ("max", "min") and t.is_complex()
+    if (
+        t.dtype == torch.bool
+        or (reduction == "mean" and exact)
+        or (reduction in ("max", "min") and t.is_complex())
     ):
         fix = "(or use reduction='sum' for integers)" if reduction == "mean" and exact else ""
         return TypeError(
@@ -218,9 +225,7 @@ def _reduce_problem(t: torch.Tensor, reduction: str, scale: float) -> TypeError 
     return None
 
 
-def reduce(
-    ctx: DistContext | Any, tree: Any, reduction: Reduction = "mean", scale: float = 1.0
-) -> Any:
+def reduce(ctx: DistContext | Any, tree: Any, reduction: Reduction = "mean", scale: float = 1.0) -> Any:
     """Reduce every tensor of ``tree`` across processes; the inputs are left untouched.
 
     Every rank's tree (keys, dtypes, shapes) is checked on every call:
@@ -254,7 +259,9 @@ def reduce(
     )
     if ctx.num_processes > 1 and reduction != "none":
         signature = Signature.of("reduce", tree, leaves, key=f"reduction={reduction!r}")
-        out = _checked_collect(ctx, signature, reduction, "reduce needs the same tree on every rank.", problem)
+        out = _checked_collect(
+            ctx, signature, reduction, "reduce needs the same tree on every rank.", problem
+        )
     elif problem is not None:
         raise problem
     else:
@@ -280,8 +287,7 @@ def broadcast(ctx: DistContext | Any, tree: Any, from_process: int = 0) -> Any:
     ctx = as_dist(ctx)
     if not 0 <= from_process < ctx.num_processes:
         raise ValueError(
-            f"broadcast: from_process={from_process} is not a rank of this "
-            f"{ctx.num_processes}-process run"
+            f"broadcast: from_process={from_process} is not a rank of this {ctx.num_processes}-process run"
         )
     leaves, problem = _tensor_leaves("broadcast", tree)
     if ctx.num_processes == 1:
@@ -289,7 +295,9 @@ def broadcast(ctx: DistContext | Any, tree: Any, from_process: int = 0) -> Any:
             raise problem
         return tree
     signature = Signature.of("broadcast", tree, leaves, key=f"from_process={from_process}")
-    out = _checked_collect(ctx, signature, from_process, "broadcast needs the same tree on every rank.", problem)
+    out = _checked_collect(
+        ctx, signature, from_process, "broadcast needs the same tree on every rank.", problem
+    )
     return tree_unflatten(tree, out)
 
 
@@ -328,8 +336,7 @@ def pad_with_table(
     leaves, problem = _tensor_leaves(op, tree, nested_ok=True)
     if any(t.is_nested for t in leaves):
         warnings.warn(
-            f"{op}: a nested tensor has no single size along dim {dim} to pad; "
-            "it is returned unchanged",
+            f"{op}: a nested tensor has no single size along dim {dim} to pad; it is returned unchanged",
             CannotPadNestedTensorWarning,
             stacklevel=3,
         )

@@ -53,8 +53,7 @@ def _check_input(leaves: list[torch.Tensor], num_valid: int | None) -> tuple[int
     valid = count if num_valid is None else num_valid
     if not 0 <= valid <= count:
         return 0, ValueError(
-            f"gather_for_metrics: num_valid={num_valid} but this rank's batch holds "
-            f"{count} samples"
+            f"gather_for_metrics: num_valid={num_valid} but this rank's batch holds {count} samples"
         )
     return valid, None
 
@@ -118,12 +117,10 @@ def gather_for_metrics(
     table = exchange_shapes(ctx, signature, extras=[valid], problem=problem)
     rows = [shapes[0][0] for shapes in table.shapes]
     valids = [extras[0] for extras in table.extras]
-    for i, t in enumerate(leaves):
+    for i in range(len(leaves)):
         trailing = {shapes[i][1:] for shapes in table.shapes}
         if len(trailing) > 1:
-            per_rank = "; ".join(
-                f"rank {r}: {shapes[i]}" for r, shapes in enumerate(table.shapes)
-            )
+            per_rank = "; ".join(f"rank {r}: {shapes[i]}" for r, shapes in enumerate(table.shapes))
             raise CollectiveMismatchError(
                 f"gather_for_metrics: tensor {i} differs beyond dim 0 across ranks ({per_rank}); "
                 "pad it first: fa.compose(fa.pad_across_processes(dim=1), fa.gather_for_metrics())"

@@ -46,7 +46,7 @@ def _pickle(op: str, objects: Any) -> tuple[bytes, TypeError | None]:
         return b"", problem
     try:
         return pickle.dumps(list(objects)), None
-    except Exception as exc:  # noqa: BLE001 - any pickling failure is this rank's input problem
+    except Exception as exc:
         return b"", TypeError(f"{op}: cannot pickle the objects: {exc}")
 
 

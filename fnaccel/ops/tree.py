@@ -129,7 +129,7 @@ def tree_paths(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) ->
         if test_type(node):
             paths.append(path)
         elif is_namedtuple(node):
-            for name, value in zip(node._fields, node):
+            for name, value in zip(node._fields, node, strict=False):
                 walk(value, f"{path}.{name}")
         elif isinstance(node, (list, tuple)):
             for i, value in enumerate(node):
@@ -206,8 +206,9 @@ def send_to_device(
             out = copy.copy(node)
             for f in dataclasses.fields(node):
                 if hasattr(node, f.name):
-                    object.__setattr__(out, f.name, recursively_apply(move, getattr(node, f.name),
-                                                                      test_type=is_target))
+                    object.__setattr__(
+                        out, f.name, recursively_apply(move, getattr(node, f.name), test_type=is_target)
+                    )
             return out
         if isinstance(node, Mapping) and skip:
             return _rebuild_mapping(
@@ -370,7 +371,7 @@ def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
     others = [tree_leaves(tree, test_type=is_other_leaf) for tree in data]
     paths = tree_paths(data[0], test_type=is_other_leaf)
     for i, leaves in enumerate(others[1:], start=1):
-        for path, mine, theirs in zip(paths, others[0], leaves):
+        for path, mine, theirs in zip(paths, others[0], leaves, strict=False):
             if not _same_value(mine, theirs):
                 raise TypeError(
                     f"concatenate: Can only concatenate tensors, but the leaf {path or 'itself'} "
@@ -378,7 +379,7 @@ def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
                     f"tree {i} ({theirs!r}); make it a tensor or equal in every tree"
                 )
     columns = [tree_leaves(tree) for tree in data]
-    return tree_unflatten(data[0], [torch.cat(list(parts), dim=dim) for parts in zip(*columns)])
+    return tree_unflatten(data[0], [torch.cat(list(parts), dim=dim) for parts in zip(*columns, strict=False)])
 
 
 def is_other_leaf(node: Any) -> bool:
@@ -392,5 +393,5 @@ def is_other_leaf(node: Any) -> bool:
 def _same_value(a: Any, b: Any) -> bool:
     try:
         return type(a) is type(b) and bool(a == b)
-    except Exception:  # noqa: BLE001 - a value without a plain == (an array) is not "equal"
+    except Exception:
         return False

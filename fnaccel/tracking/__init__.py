@@ -21,7 +21,13 @@ call is a sync you asked for.
 - `throughput.py`: tokens per second and MFU (`count_flops`, `throughput_meter`, `throughput`).
 """
 
-from fnaccel.tracking.hosted import ClearMLTracker, CometMLTracker, SwanLabTracker, TrackioTracker, WandBTracker
+from fnaccel.tracking.hosted import (
+    ClearMLTracker,
+    CometMLTracker,
+    SwanLabTracker,
+    TrackioTracker,
+    WandBTracker,
+)
 from fnaccel.tracking.registry import register_tracker
 from fnaccel.tracking.run import end_training, get_tracker, init_trackers, log
 from fnaccel.tracking.stores import AimTracker, DVCLiveTracker, MLflowTracker

@@ -13,16 +13,18 @@ from typing import Any
 __all__ = ["PACKAGES", "flatten", "is_installed", "numbers_and_text", "require"]
 
 # tracker name -> (the module to import, the pip package); the extra is the name without "_"
-PACKAGES: Mapping[str, tuple[str, str]] = MappingProxyType({
-    "wandb": ("wandb", "wandb"),
-    "mlflow": ("mlflow", "mlflow-skinny"),
-    "comet_ml": ("comet_ml", "comet_ml"),
-    "aim": ("aim", "aim"),
-    "clearml": ("clearml", "clearml"),
-    "dvclive": ("dvclive", "dvclive"),
-    "swanlab": ("swanlab", "swanlab"),
-    "trackio": ("trackio", "trackio"),
-})
+PACKAGES: Mapping[str, tuple[str, str]] = MappingProxyType(
+    {
+        "wandb": ("wandb", "wandb"),
+        "mlflow": ("mlflow", "mlflow-skinny"),
+        "comet_ml": ("comet_ml", "comet_ml"),
+        "aim": ("aim", "aim"),
+        "clearml": ("clearml", "clearml"),
+        "dvclive": ("dvclive", "dvclive"),
+        "swanlab": ("swanlab", "swanlab"),
+        "trackio": ("trackio", "trackio"),
+    }
+)
 
 
 def require(name: str) -> Any:

@@ -52,12 +52,18 @@ class WandBTracker:
 
     def log_images(self, values: Mapping[str, Any], step: int, **kwargs: Any) -> None:
         """Images (arrays, PIL images) or lists of them, as ``wandb.Image``."""
-        self.run.log({k: _each(v, lambda i: self._wandb.Image(i, **kwargs)) for k, v in values.items()},
-                     step=step)
+        self.run.log(
+            {k: _each(v, lambda i: self._wandb.Image(i, **kwargs)) for k, v in values.items()}, step=step
+        )
 
-    def log_table(self, table_name: str, columns: Sequence[str] | None = None,
-                  data: Sequence[Sequence[Any]] | None = None, dataframe: Any = None, step: int | None = None
-                  ) -> None:
+    def log_table(
+        self,
+        table_name: str,
+        columns: Sequence[str] | None = None,
+        data: Sequence[Sequence[Any]] | None = None,
+        dataframe: Any = None,
+        step: int | None = None,
+    ) -> None:
         """A ``wandb.Table`` from ``columns`` and ``data``, or from a pandas ``dataframe``."""
         table = self._wandb.Table(columns=columns, data=data, dataframe=dataframe)
         self.run.log({table_name: table}, step=step)
@@ -97,9 +103,14 @@ class CometMLTracker:
         for key, value in values.items():
             self.experiment.log_image(value, name=key, step=step, **kwargs)
 
-    def log_table(self, table_name: str, columns: Sequence[str] | None = None,
-                  data: Sequence[Sequence[Any]] | None = None, dataframe: Any = None, step: int | None = None
-                  ) -> None:
+    def log_table(
+        self,
+        table_name: str,
+        columns: Sequence[str] | None = None,
+        data: Sequence[Sequence[Any]] | None = None,
+        dataframe: Any = None,
+        step: int | None = None,
+    ) -> None:
         """A CSV table named ``table_name`` (with ``.csv`` added when it has no suffix)."""
         filename = table_name if "." in table_name else f"{table_name}.csv"
         if dataframe is not None:
@@ -113,7 +124,8 @@ class CometMLTracker:
 
 class ClearMLTracker:
     """ClearML: ``Task.init(project_name=project_name, **kwargs)`` (one task per process, as
-    ClearML has it); ``CLEARML_OFFLINE_MODE=1`` keeps the session on disk for ``clearml-task --import-offline-session``."""
+    ClearML has it); ``CLEARML_OFFLINE_MODE=1`` keeps the session on disk for
+    ``clearml-task --import-offline-session``."""
 
     name = "clearml"
 
@@ -144,12 +156,18 @@ class ClearMLTracker:
         for key, value in values.items():
             logger.report_image(title=key, series=key, iteration=step, image=value, **kwargs)
 
-    def log_table(self, table_name: str, columns: Sequence[str] | None = None,
-                  data: Sequence[Sequence[Any]] | None = None, dataframe: Any = None, step: int | None = None
-                  ) -> None:
+    def log_table(
+        self,
+        table_name: str,
+        columns: Sequence[str] | None = None,
+        data: Sequence[Sequence[Any]] | None = None,
+        dataframe: Any = None,
+        step: int | None = None,
+    ) -> None:
         table = dataframe if dataframe is not None else [list(columns or []), *map(list, data or [])]
-        self.task.get_logger().report_table(title=table_name, series=table_name, iteration=step or 0,
-                                            table_plot=table)
+        self.task.get_logger().report_table(
+            title=table_name, series=table_name, iteration=step or 0, table_plot=table
+        )
 
     def finish(self) -> None:
         self.task.close()
@@ -178,8 +196,9 @@ class SwanLabTracker:
         self.run.log({**numbers, **{k: self._swanlab.Text(v) for k, v in text.items()}}, step=step)
 
     def log_images(self, values: Mapping[str, Any], step: int, **kwargs: Any) -> None:
-        self.run.log({k: _each(v, lambda i: self._swanlab.Image(i, **kwargs)) for k, v in values.items()},
-                     step=step)
+        self.run.log(
+            {k: _each(v, lambda i: self._swanlab.Image(i, **kwargs)) for k, v in values.items()}, step=step
+        )
 
     def finish(self) -> None:
         self.run.finish()
@@ -207,12 +226,18 @@ class TrackioTracker:
         self.run.log(flatten(values), step=step)
 
     def log_images(self, values: Mapping[str, Any], step: int, **kwargs: Any) -> None:
-        self.run.log({k: _each(v, lambda i: self._trackio.Image(i, **kwargs)) for k, v in values.items()},
-                     step=step)
+        self.run.log(
+            {k: _each(v, lambda i: self._trackio.Image(i, **kwargs)) for k, v in values.items()}, step=step
+        )
 
-    def log_table(self, table_name: str, columns: Sequence[str] | None = None,
-                  data: Sequence[Sequence[Any]] | None = None, dataframe: Any = None, step: int | None = None
-                  ) -> None:
+    def log_table(
+        self,
+        table_name: str,
+        columns: Sequence[str] | None = None,
+        data: Sequence[Sequence[Any]] | None = None,
+        dataframe: Any = None,
+        step: int | None = None,
+    ) -> None:
         table = self._trackio.Table(columns=columns, data=data, dataframe=dataframe)
         self.run.log({table_name: table}, step=step)
 

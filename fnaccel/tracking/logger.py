@@ -28,8 +28,10 @@ def _launch_rank(name: str, default: int) -> int:
     if value is None:
         return default
     if not value.isdigit():
-        raise ValueError(f"get_logger: {name}={value!r} is not a rank; launch with fnaccel launch or torchrun, "
-                         f"or unset {name}")
+        raise ValueError(
+            f"get_logger: {name}={value!r} is not a rank; launch with fnaccel launch or torchrun, "
+            f"or unset {name}"
+        )
     return int(value)
 
 
@@ -61,8 +63,10 @@ class MultiProcessAdapter(logging.LoggerAdapter[logging.Logger]):
             return
         num_processes = _launch_rank("WORLD_SIZE", 1)
         if num_processes > 1 and not dist.is_initialized():
-            raise RuntimeError("get_logger: in_order=True waits for each rank in turn, which needs the process "
-                               "group: call fa.init() before logging in order")
+            raise RuntimeError(
+                "get_logger: in_order=True waits for each rank in turn, which needs the process "
+                "group: call fa.init() before logging in order"
+            )
         for turn in range(num_processes):
             if turn == rank:
                 self.logger.log(level, msg, *args, **kwargs)
@@ -112,7 +116,9 @@ def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
     if level is not None:
         source = "log_level" if log_level is not None else _LOG_LEVEL_VARIABLE
         if not isinstance(level, str) or not isinstance(logging.getLevelName(level.upper()), int):
-            raise ValueError(f"get_logger: {source}={level!r} is not a logging level; use DEBUG, INFO, WARNING, "
-                             "ERROR or CRITICAL")
+            raise ValueError(
+                f"get_logger: {source}={level!r} is not a logging level; use DEBUG, INFO, WARNING, "
+                "ERROR or CRITICAL"
+            )
         logger.setLevel(level.upper())
     return MultiProcessAdapter(logger)

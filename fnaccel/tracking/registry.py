@@ -77,7 +77,9 @@ def register_tracker(state: Any, name: str, tracker_class: type) -> Any:
             f"{type(tracker_class).__name__}; pass an object in log_with instead"
         )
     classes = {**registered_trackers(state), name: tracker_class}
-    return state.replace(kwargs_handlers={**state.kwargs_handlers, "TrackerClasses": TrackerClasses(classes=classes)})
+    return state.replace(
+        kwargs_handlers={**state.kwargs_handlers, "TrackerClasses": TrackerClasses(classes=classes)}
+    )
 
 
 def register_tracker_class(state: Any, tracker_class: type) -> Any:
@@ -100,6 +102,8 @@ def register_tracker_class(state: Any, tracker_class: type) -> Any:
     """
     name = getattr(tracker_class, "name", None)
     if isinstance(tracker_class, type) and not isinstance(name, str):
-        raise TypeError(f"register_tracker_class: {tracker_class.__name__} has no string class attribute 'name' "
-                        "(the name log_with uses); add one, or call register_tracker(state, name, cls)")
+        raise TypeError(
+            f"register_tracker_class: {tracker_class.__name__} has no string class attribute 'name' "
+            "(the name log_with uses); add one, or call register_tracker(state, name, cls)"
+        )
     return register_tracker(state, name, tracker_class)

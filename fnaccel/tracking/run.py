@@ -176,7 +176,9 @@ def log(state: RunState, values: Mapping[str, Any], *, step: int | None = None) 
         raise TypeError(f"fa.log: step must be an int, got {type(step).__name__}")
     read = read_values(values)
     for tracker in state.trackers:
-        tracker.log(dict(read), int(step))  # each its own dict, as Accelerate's get: one's edits never reach the next
+        tracker.log(
+            dict(read), int(step)
+        )  # each its own dict, as Accelerate's get: one's edits never reach the next
 
 
 def get_tracker(state: RunState, name: str, *, unwrap: bool = False) -> Any:

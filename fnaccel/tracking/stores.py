@@ -35,9 +35,17 @@ class MLflowTracker:
 
     name = "mlflow"
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], *, tracking_uri: str | None = None,
-                 run_id: str | None = None, tags: Mapping[str, str] | None = None,
-                 description: str | None = None, **run_kwargs: Any) -> None:
+    def __init__(
+        self,
+        run_name: str,
+        logging_dir: str | os.PathLike[str],
+        *,
+        tracking_uri: str | None = None,
+        run_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        description: str | None = None,
+        **run_kwargs: Any,
+    ) -> None:
         mlflow = require(self.name)
         if tracking_uri is None:
             tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
@@ -50,8 +58,11 @@ class MLflowTracker:
         self._entities = mlflow.entities
         if run_id is None:
             found = self.client.get_experiment_by_name(run_name)
-            experiment_id = (found.experiment_id if found
-                             else self.client.create_experiment(run_name, artifact_location=artifacts))
+            experiment_id = (
+                found.experiment_id
+                if found
+                else self.client.create_experiment(run_name, artifact_location=artifacts)
+            )
             all_tags = dict(tags or {})
             if description is not None:
                 all_tags["mlflow.note.content"] = description
@@ -67,7 +78,7 @@ class MLflowTracker:
         """Parameters, as strings (MLflow's limit: 6000 characters each)."""
         params = [self._entities.Param(k, str(v)[:6000]) for k, v in flatten(values).items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=params[start:start + 100])
+            self.client.log_batch(self.run_id, params=params[start : start + 100])
 
     def log(self, values: Mapping[str, Any], step: int) -> None:
         """Numbers as metrics; strings as tags (MLflow metrics are numbers only)."""

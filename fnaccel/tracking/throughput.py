@@ -36,7 +36,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fnaccel.state import RunState
 
-__all__ = ["PEAK_FLOPS", "ThroughputMeter", "count_flops", "device_peak_flops", "throughput", "throughput_meter"]
+__all__ = [
+    "PEAK_FLOPS",
+    "ThroughputMeter",
+    "count_flops",
+    "device_peak_flops",
+    "throughput",
+    "throughput_meter",
+]
 
 
 def _dense(**figures: float) -> Mapping[str, float]:
@@ -50,19 +57,30 @@ def _dense(**figures: float) -> Mapping[str, float]:
 # 51. H100 NVL and H200 NVL: 1,671 / 3,341 / 835 / 60. A100 (SXM4 and PCIe):
 # 624 bf16/fp16 and 312 tf32 with sparsity, 19.5 fp32, no fp8. Matched in this
 # order against torch.cuda.get_device_name, the first that the name contains.
-PEAK_FLOPS: Mapping[str, Mapping[str, float]] = MappingProxyType({
-    "H100 NVL": _dense(fp8=1670.5e12, bf16=835.5e12, fp16=835.5e12, tf32=417.5e12, fp32=60e12),
-    "H100 PCIe": _dense(fp8=1513e12, bf16=756.5e12, fp16=756.5e12, tf32=378e12, fp32=51e12),
-    "H100": _dense(fp8=1979e12, bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12),
-    "H200 NVL": _dense(fp8=1670.5e12, bf16=835.5e12, fp16=835.5e12, tf32=417.5e12, fp32=60e12),
-    "H200": _dense(fp8=1979e12, bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12),
-    "A100": _dense(bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12),
-})
+PEAK_FLOPS: Mapping[str, Mapping[str, float]] = MappingProxyType(
+    {
+        "H100 NVL": _dense(fp8=1670.5e12, bf16=835.5e12, fp16=835.5e12, tf32=417.5e12, fp32=60e12),
+        "H100 PCIe": _dense(fp8=1513e12, bf16=756.5e12, fp16=756.5e12, tf32=378e12, fp32=51e12),
+        "H100": _dense(fp8=1979e12, bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12),
+        "H200 NVL": _dense(fp8=1670.5e12, bf16=835.5e12, fp16=835.5e12, tf32=417.5e12, fp32=60e12),
+        "H200": _dense(fp8=1979e12, bf16=989e12, fp16=989e12, tf32=494.5e12, fp32=67e12),
+        "A100": _dense(bf16=312e12, fp16=312e12, tf32=156e12, fp32=19.5e12),
+    }
+)
 
-_PRECISIONS = MappingProxyType({
-    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", "no": "fp32",
-    "bf16": "bf16", "fp16": "fp16", "fp32": "fp32", "tf32": "tf32", "fp8": "fp8",
-})
+_PRECISIONS = MappingProxyType(
+    {
+        torch.bfloat16: "bf16",
+        torch.float16: "fp16",
+        torch.float32: "fp32",
+        "no": "fp32",
+        "bf16": "bf16",
+        "fp16": "fp16",
+        "fp32": "fp32",
+        "tf32": "tf32",
+        "fp8": "fp8",
+    }
+)
 
 
 def device_peak_flops(device: torch.device | str, precision: str | torch.dtype = "bf16") -> float | None:
@@ -107,8 +125,7 @@ def _precision(precision: str | torch.dtype) -> str:
     return name
 
 
-def count_flops(model: nn.Module, batch: Any,
-                loss_fn: Callable[[nn.Module, Any], Any] | None = None) -> int:
+def count_flops(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] | None = None) -> int:
     """The FLOPs of one batch through ``model``, counted by `torch.utils.flop_counter`:
     forward and backward when ``loss_fn`` is given, else forward only.
 
@@ -172,7 +189,9 @@ def _meta_copy(model: nn.Module) -> nn.Module:
     ``meta`` tensor (tied parameters stay tied: the copy's memo maps each once)."""
     memo: dict[int, Any] = {}
     for param in model.parameters():
-        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        memo[id(param)] = nn.Parameter(
+            torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
+        )
     for buffer in model.buffers():
         memo[id(buffer)] = torch.empty_like(buffer, device="meta")
     return copy.deepcopy(model, memo)
@@ -244,11 +263,16 @@ def throughput_meter(
     >>> meter.micro_step, meter.peak_flops
     (0, 1000000000000.0)
     """
-    counts = {"samples_per_batch": samples_per_batch, "tokens_per_batch": tokens_per_batch,
-              "flops_per_batch": flops_per_batch}
+    counts = {
+        "samples_per_batch": samples_per_batch,
+        "tokens_per_batch": tokens_per_batch,
+        "flops_per_batch": flops_per_batch,
+    }
     if all(value is None for value in counts.values()):
-        raise ValueError("throughput_meter: give samples_per_batch, tokens_per_batch or flops_per_batch "
-                         "(what one batch holds); without one there is no rate to report")
+        raise ValueError(
+            "throughput_meter: give samples_per_batch, tokens_per_batch or flops_per_batch "
+            "(what one batch holds); without one there is no rate to report"
+        )
     for name, value in {**counts, "peak_flops": peak_flops}.items():
         if value is not None and not value > 0:
             raise ValueError(f"throughput_meter: {name} must be positive, got {value!r}")
@@ -258,9 +282,16 @@ def throughput_meter(
     else:
         _precision(precision)
     _wait_for(device)
-    return ThroughputMeter(samples_per_batch=samples_per_batch, tokens_per_batch=tokens_per_batch,
-                           flops_per_batch=flops_per_batch, peak_flops=peak_flops, device=device,
-                           clock=clock, time=clock(), micro_step=state.micro_step)
+    return ThroughputMeter(
+        samples_per_batch=samples_per_batch,
+        tokens_per_batch=tokens_per_batch,
+        flops_per_batch=flops_per_batch,
+        peak_flops=peak_flops,
+        device=device,
+        clock=clock,
+        time=clock(),
+        micro_step=state.micro_step,
+    )
 
 
 def throughput(meter: ThroughputMeter, state: RunState) -> tuple[ThroughputMeter, dict[str, float]]:
@@ -304,8 +335,10 @@ def throughput(meter: ThroughputMeter, state: RunState) -> tuple[ThroughputMeter
     now = meter.clock()
     seconds = now - meter.time
     if not seconds > 0:
-        raise ValueError(f"fa.throughput: the clock went from {meter.time} to {now}; give an increasing "
-                         "clock (time.perf_counter)")
+        raise ValueError(
+            f"fa.throughput: the clock went from {meter.time} to {now}; give an increasing "
+            "clock (time.perf_counter)"
+        )
     rates: dict[str, float] = {}
     if meter.samples_per_batch is not None:
         rates["samples_per_second"] = batches * meter.samples_per_batch / seconds

@@ -14,10 +14,16 @@ from typing import IO, Any, Protocol, runtime_checkable
 
 import torch
 
-from fnaccel.tracking.common import is_installed, require
-from fnaccel.tracking.hosted import ClearMLTracker, CometMLTracker, SwanLabTracker, TrackioTracker, WandBTracker
-from fnaccel.tracking.stores import AimTracker, DVCLiveTracker, MLflowTracker
 from fnaccel.constants import LoggerType
+from fnaccel.tracking.common import is_installed, require
+from fnaccel.tracking.hosted import (
+    ClearMLTracker,
+    CometMLTracker,
+    SwanLabTracker,
+    TrackioTracker,
+    WandBTracker,
+)
+from fnaccel.tracking.stores import AimTracker, DVCLiveTracker, MLflowTracker
 
 __all__ = ["GeneralTracker", "JSONLTracker", "TensorBoardTracker", "resolve_trackers"]
 
@@ -69,7 +75,7 @@ class JSONLTracker:
         filename: the metrics file's name.
     """
 
-    __slots__ = ("directory", "path", "_file")
+    __slots__ = ("_file", "directory", "path")
     name = LoggerType.JSONL.value
 
     def __init__(
@@ -78,7 +84,8 @@ class JSONLTracker:
         self.directory = Path(logging_dir) / run_name
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / filename
-        self._file: IO[str] = open(self.path, "a", encoding="utf-8")
+        # held open for the run, closed by `finish`
+        self._file: IO[str] = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     @property
     def tracker(self) -> IO[str]:
@@ -186,18 +193,20 @@ def _summary_writer_class() -> Any:
 
 
 # The trackers fnaccel builds itself, each made as cls(project_name, logging_dir, **init_kwargs).
-BUILT_IN: Mapping[str, type] = MappingProxyType({
-    LoggerType.JSONL.value: JSONLTracker,
-    LoggerType.TENSORBOARD.value: TensorBoardTracker,
-    LoggerType.WANDB.value: WandBTracker,
-    LoggerType.MLFLOW.value: MLflowTracker,
-    LoggerType.COMETML.value: CometMLTracker,
-    LoggerType.AIM.value: AimTracker,
-    LoggerType.CLEARML.value: ClearMLTracker,
-    LoggerType.DVCLIVE.value: DVCLiveTracker,
-    LoggerType.SWANLAB.value: SwanLabTracker,
-    LoggerType.TRACKIO.value: TrackioTracker,
-})
+BUILT_IN: Mapping[str, type] = MappingProxyType(
+    {
+        LoggerType.JSONL.value: JSONLTracker,
+        LoggerType.TENSORBOARD.value: TensorBoardTracker,
+        LoggerType.WANDB.value: WandBTracker,
+        LoggerType.MLFLOW.value: MLflowTracker,
+        LoggerType.COMETML.value: CometMLTracker,
+        LoggerType.AIM.value: AimTracker,
+        LoggerType.CLEARML.value: ClearMLTracker,
+        LoggerType.DVCLIVE.value: DVCLiveTracker,
+        LoggerType.SWANLAB.value: SwanLabTracker,
+        LoggerType.TRACKIO.value: TrackioTracker,
+    }
+)
 
 
 def _installed(name: str) -> bool:
@@ -216,8 +225,9 @@ def _tensorboard_installed() -> bool:
     return True
 
 
-def resolve_trackers(log_with: Any, registered: Mapping[str, type] = MappingProxyType({})
-                     ) -> list[str | GeneralTracker]:
+def resolve_trackers(
+    log_with: Any, registered: Mapping[str, type] = MappingProxyType({})
+) -> list[str | GeneralTracker]:
     """Tracker names (built in, or ``registered`` with `register_tracker`) and tracker
     objects, checked on every rank alike."""
     single = isinstance(log_with, (str, GeneralTracker)) or not isinstance(log_with, Iterable)

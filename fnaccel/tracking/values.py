@@ -45,7 +45,7 @@ def _collect(value: Any, key: str, tensors: list[torch.Tensor]) -> Any:
             )
         tensors.append(value)
         return _Pending(len(tensors) - 1)
-    if isinstance(value, bool) or isinstance(value, str):
+    if isinstance(value, (bool, str)):
         return value
     if isinstance(value, Integral):
         return int(value)
@@ -69,12 +69,10 @@ def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
             values = _to_cpu_at_once(values)
         # float64 holds every float dtype exactly (and integers up to 2**53)
         stacked = torch.stack([value.to(torch.float64) for value in values])
-        for index, number in zip(indices, stacked.tolist()):
+        for index, number in zip(indices, stacked.tolist(), strict=False):
             dtype = tensors[index].dtype
             numbers[index] = (
-                bool(number) if dtype == torch.bool
-                else number if dtype.is_floating_point
-                else int(number)
+                bool(number) if dtype == torch.bool else number if dtype.is_floating_point else int(number)
             )
     return numbers
 

@@ -1,11 +1,17 @@
 """Transforms and collectives: small named records of hooks, combined by `compose`."""
 
 from fnaccel.transforms.accumulate import accumulate
+from fnaccel.transforms.base import (
+    CallInfo,
+    Capability,
+    Collective,
+    EngineTransform,
+    Pipeline,
+    Transform,
+    compose,
+)
 from fnaccel.transforms.checkpointing import checkpoint_activations
-from fnaccel.transforms.base import (CallInfo, Capability, Collective, EngineTransform, Pipeline, Transform,
-                                     compose)
 from fnaccel.transforms.clip import clip_grad_norm, clip_grad_value
-from fnaccel.transforms.compile import compile
 from fnaccel.transforms.collectives import (
     broadcast,
     broadcast_object_list,
@@ -15,11 +21,12 @@ from fnaccel.transforms.collectives import (
     pad_across_processes,
     reduce,
 )
-from fnaccel.transforms.parallel import ddp, fsdp
-from fnaccel.transforms.phases import Phase
+from fnaccel.transforms.compile import compile
 from fnaccel.transforms.deepspeed import deepspeed
 from fnaccel.transforms.local_sgd import local_sgd
 from fnaccel.transforms.nonfinite import skip_nonfinite
+from fnaccel.transforms.parallel import ddp, fsdp
+from fnaccel.transforms.phases import Phase
 from fnaccel.transforms.pipelining import pp
 from fnaccel.transforms.precision import autocast, bf16, fp8, fp16, fp32, grad_scaler
 from fnaccel.transforms.profile import profile

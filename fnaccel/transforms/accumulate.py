@@ -33,10 +33,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from fnaccel.checks import is_int, is_number
 from fnaccel.dist import DistContext, data_parallel_context
 from fnaccel.transforms.base import Accumulation, Transform, options
 from fnaccel.transforms.phases import Phase
-from fnaccel.checks import is_int, is_number
 
 __all__ = ["ItemCount", "accumulate"]
 
@@ -45,7 +45,7 @@ class ItemCount:
     """``normalize="items"``'s state: the items counted, and the summed loss, since the
     last update (this rank's; float64 on the device)."""
 
-    __slots__ = ("ctx", "total", "loss_sum")
+    __slots__ = ("ctx", "loss_sum", "total")
 
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = data_parallel_context(ctx)  # a tp/pp group's ranks count the same items once
@@ -65,23 +65,33 @@ class ItemCount:
         self.total = count if self.total is None else self.total + count
         self.loss_sum = summed if self.loss_sum is None else self.loss_sum + summed
         # new tensors: the boundary all-reduces self.total in place
-        return {"loss": (self.loss_sum / self.total).to(loss.dtype), "loss_sum": self.loss_sum.to(loss.dtype),
-                "num_items": self.total.clone()}
+        return {
+            "loss": (self.loss_sum / self.total).to(loss.dtype),
+            "loss_sum": self.loss_sum.to(loss.dtype),
+            "num_items": self.total.clone(),
+        }
 
     def state_dict(self) -> dict[str, float | None]:
         """For checkpoints saved between micro-steps (reads the counts on the host)."""
-        return {"total": None if self.total is None else float(self.total),
-                "loss_sum": None if self.loss_sum is None else float(self.loss_sum)}
+        return {
+            "total": None if self.total is None else float(self.total),
+            "loss_sum": None if self.loss_sum is None else float(self.loss_sum),
+        }
 
     def load_state_dict(self, saved: dict[str, float | None]) -> None:
         for key in ("total", "loss_sum"):  # a checkpoint's JSON: checked before use
             value = saved[key]
             if value is not None and (not is_number(value) or not math.isfinite(value)):
-                raise ValueError(f"accumulate(normalize='items'): the saved {key} must be a finite number "
-                                 f"or null, got {value!r}"[:300])
+                raise ValueError(
+                    f"accumulate(normalize='items'): the saved {key} must be a finite number "
+                    f"or null, got {value!r}"[:300]
+                )
         self.total, self.loss_sum = (
-            None if saved[key] is None else torch.tensor(saved[key], dtype=torch.float64, device=self.ctx.device)
-            for key in ("total", "loss_sum"))
+            None
+            if saved[key] is None
+            else torch.tensor(saved[key], dtype=torch.float64, device=self.ctx.device)
+            for key in ("total", "loss_sum")
+        )
 
     def scale_gradients(self, optimizer: Any) -> None:
         assert self.total is not None, "an update boundary without a counted micro-step"
@@ -123,7 +133,9 @@ def accumulate(
     )
     if normalize == "mean":
         return Transform(
-            name="accumulate", options=opts, phase=Phase.ACCUMULATE,
+            name="accumulate",
+            options=opts,
+            phase=Phase.ACCUMULATE,
             settings=Accumulation(micro_steps=num_steps, sync_each_batch=sync_each_batch),
         )
 
@@ -135,7 +147,11 @@ def accumulate(
         return {}
 
     return Transform(
-        name="accumulate", options=opts, phase=Phase.ACCUMULATE,
+        name="accumulate",
+        options=opts,
+        phase=Phase.ACCUMULATE,
         settings=Accumulation(micro_steps=num_steps, sync_each_batch=sync_each_batch, sums_items=True),
-        init=ItemCount, after_backward=count, before_update=before_update,
+        init=ItemCount,
+        after_backward=count,
+        before_update=before_update,
     )

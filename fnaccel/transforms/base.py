@@ -37,6 +37,7 @@ the transforms and the fix.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -55,12 +56,33 @@ if TYPE_CHECKING:
     from fnaccel.state import DataPosition, RunState
 
 __all__ = [
-    "Accumulation", "CallInfo", "Capability", "Collective", "EngineRequest", "EngineTransform",
-    "GradientClipping", "Pipeline", "PipelineCheckFn", "Precision", "Transform", "compose",
+    "Accumulation",
+    "CallInfo",
+    "Capability",
+    "Collective",
+    "EngineRequest",
+    "EngineTransform",
+    "GradientClipping",
+    "Pipeline",
+    "PipelineCheckFn",
+    "Precision",
+    "Transform",
+    "compose",
     # the hooks' signatures, one Protocol each
-    "AfterBackwardFn", "AfterStepFn", "BackwardFn", "BeforeUpdateFn", "ForwardBackwardFn", "OptimizerStepFn",
-    "PrepareEngineFn", "PrepareModelFn", "ScaleLossFn", "SetSyncFn", "SplitBatchFn", "TransformApplyFn",
-    "TransformInitFn", "UpdateCheckFn",
+    "AfterBackwardFn",
+    "AfterStepFn",
+    "BackwardFn",
+    "BeforeUpdateFn",
+    "ForwardBackwardFn",
+    "OptimizerStepFn",
+    "PrepareEngineFn",
+    "PrepareModelFn",
+    "ScaleLossFn",
+    "SetSyncFn",
+    "SplitBatchFn",
+    "TransformApplyFn",
+    "TransformInitFn",
+    "UpdateCheckFn",
 ]
 
 S = TypeVar("S")
@@ -147,8 +169,9 @@ class BeforeUpdateFn(Protocol):
     transform declares (`EngineTransform.takes_over`) skips it.
     """
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any,
-                 /) -> dict[str, torch.Tensor]: ...
+    def __call__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, /
+    ) -> dict[str, torch.Tensor]: ...
 
 
 class OptimizerStepFn(Protocol):
@@ -174,8 +197,16 @@ class UpdateCheckFn(Protocol):
     batches are consumed (for error messages).
     """
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, metrics: dict[str, torch.Tensor],
-                 state: Any, step: int, position: DataPosition, /) -> bool: ...
+    def __call__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        metrics: dict[str, torch.Tensor],
+        state: Any,
+        step: int,
+        position: DataPosition,
+        /,
+    ) -> bool: ...
 
 
 class AfterBackwardFn(Protocol):
@@ -206,8 +237,9 @@ class ForwardBackwardFn(Protocol):
     loss (`fa.step`'s ``loss`` metric) and an aux (None when there is none).
     """
 
-    def __call__(self, model: nn.Module, batch: Any, divisor: int | None, state: Any,
-                 /) -> tuple[torch.Tensor, Any]: ...
+    def __call__(
+        self, model: nn.Module, batch: Any, divisor: int | None, state: Any, /
+    ) -> tuple[torch.Tensor, Any]: ...
 
 
 class PrepareEngineFn(Protocol):
@@ -512,18 +544,31 @@ class Pipeline:
         >>> fa.compose(fa.autocast(fa.bf16)).settings(Precision).dtype
         torch.bfloat16
         """
-        return next((t.settings for t in self.transforms
-                     if isinstance(t, Transform) and isinstance(t.settings, kind)), None)
+        return next(
+            (
+                t.settings
+                for t in self.transforms
+                if isinstance(t, Transform) and isinstance(t.settings, kind)
+            ),
+            None,
+        )
 
-    def init(self, ctx: RunState | DistContext,
-             existing: Mapping[str, Any] = MappingProxyType({})) -> Mapping[str, Any]:
+    def init(
+        self, ctx: RunState | DistContext, existing: Mapping[str, Any] = MappingProxyType({})
+    ) -> Mapping[str, Any]:
         """Each stateful transform's state, keyed by its name: ``existing``'s where it
         has one (a state prepared in parts keeps its scaler), a new one otherwise."""
         dist_ctx = as_dist(ctx)
-        return MappingProxyType({**existing, **{
-            t.name: t.init(dist_ctx) for t in self.transforms
-            if isinstance(t, Transform) and t.init is not None and t.name not in existing
-        }})
+        return MappingProxyType(
+            {
+                **existing,
+                **{
+                    t.name: t.init(dist_ctx)
+                    for t in self.transforms
+                    if isinstance(t, Transform) and t.init is not None and t.name not in existing
+                },
+            }
+        )
 
     def __call__(self, ctx: RunState | DistContext, tree: Any, *, num_valid: int | None = None) -> Any:
         """Run the collective steps on ``tree``; ``ctx`` is a `RunState` or a `DistContext`.
@@ -545,7 +590,9 @@ class Pipeline:
         return tree
 
 
-def _flatten(items: tuple[Transform | Collective | Pipeline, ...]) -> list[tuple[Transform | Collective, bool]]:
+def _flatten(
+    items: tuple[Transform | Collective | Pipeline, ...],
+) -> list[tuple[Transform | Collective, bool]]:
     """Each transform, and whether it came from a nested pipeline."""
     flat: list[tuple[Transform | Collective, bool]] = []
     for item in items:
@@ -595,13 +642,12 @@ def compose(*transforms: Transform | Collective | Pipeline) -> Pipeline:
     seen: dict[str, Transform | Collective] = {}
     for t in flat:
         if t.name in seen:
-            raise ValueError(
-                f"compose: {seen[t.name]!r} and {t!r} both appear; keep one {t.name}"
-            )
+            raise ValueError(f"compose: {seen[t.name]!r} and {t!r} both appear; keep one {t.name}")
         for other in seen.values():
             if other.name in t.conflicts or t.name in other.conflicts:
-                fix = next((x.conflict_fix for x in (t, other)
-                            if isinstance(x, Transform) and x.conflict_fix), "")
+                fix = next(
+                    (x.conflict_fix for x in (t, other) if isinstance(x, Transform) and x.conflict_fix), ""
+                )
                 raise ValueError(
                     f"compose: {other!r} and {t!r} cannot be combined; "
                     + (fix or "keep one of them (compose a second pipeline for the other)")
@@ -609,10 +655,12 @@ def compose(*transforms: Transform | Collective | Pipeline) -> Pipeline:
         seen[t.name] = t
     engines = [t for t in flat if isinstance(t, EngineTransform)]
     if len(engines) > 1:  # fa.prepare hands the model to one engine; a second would be left out silently
-        raise ValueError(f"compose: {engines[0]!r} and {engines[1]!r} each hand the model and optimizer to "
-                         "an engine of their own; keep one")
+        raise ValueError(
+            f"compose: {engines[0]!r} and {engines[1]!r} each hand the model and optimizer to "
+            "an engine of their own; keep one"
+        )
     written = [t for t, nested in marked if not nested]
-    for before, after in zip(written, written[1:]):
+    for before, after in itertools.pairwise(written):
         if after.phase < before.phase:
             fixed = sorted(flat, key=lambda t: t.phase)
             raise ValueError(

@@ -53,14 +53,18 @@ def _blocks(model: nn.Module, classes: tuple[str | type, ...]) -> list[nn.Module
         types = tuple(c for c in classes if isinstance(c, type))
         chosen = [m for m in model.modules() if type(m).__name__ in names or isinstance(m, types)]
         if not chosen:
-            raise ValueError(f"fa.prepare: checkpoint_activations: the model has no module of class "
-                             f"{', '.join(sorted(map(_name, classes)))}; name the class of its blocks")
+            raise ValueError(
+                f"fa.prepare: checkpoint_activations: the model has no module of class "
+                f"{', '.join(sorted(map(_name, classes)))}; name the class of its blocks"
+            )
     else:
         chosen = [block for m in model.modules() if isinstance(m, nn.ModuleList) for block in m]
         if not chosen:
-            raise ValueError("fa.prepare: checkpoint_activations() checkpoints every block of the model's "
-                             "nn.ModuleLists, and it has none; name the blocks' class: "
-                             "checkpoint_activations('Block')")
+            raise ValueError(
+                "fa.prepare: checkpoint_activations() checkpoints every block of the model's "
+                "nn.ModuleLists, and it has none; name the blocks' class: "
+                "checkpoint_activations('Block')"
+            )
     # a block inside a chosen block is recomputed with it already
     inside = {id(sub) for block in chosen for sub in block.modules() if sub is not block}
     return [block for block in chosen if id(block) not in inside]
@@ -109,5 +113,9 @@ def checkpoint_activations(*classes: str | type, offload: bool = False) -> Trans
 
     given = {"classes": tuple(map(_name, classes)) if classes else None, "offload": offload or None}
     opts = options(**{key: value for key, value in given.items() if value is not None})
-    return Transform(name="checkpoint_activations", options=opts, phase=Phase.CHECKPOINT_ACTIVATIONS,
-                     prepare_model=prepare_model)
+    return Transform(
+        name="checkpoint_activations",
+        options=opts,
+        phase=Phase.CHECKPOINT_ACTIVATIONS,
+        prepare_model=prepare_model,
+    )

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from fnaccel.transforms.base import Capability, GradientClipping, Transform, options
-from fnaccel.transforms.pipelining import reduce_norm
 from fnaccel.transforms.phases import Phase
+from fnaccel.transforms.pipelining import reduce_norm
 
 __all__ = ["clip_grad_norm", "clip_grad_value", "global_grad_norm"]
 
@@ -50,8 +50,10 @@ def global_grad_norm(grads: list[Any], norm_type: float = 2.0) -> torch.Tensor:
             groups.setdefault((g.device_mesh, g.placements), []).append(g)
     if not groups:
         return torch.nn.utils.get_total_norm(plain, norm_type)
-    norms: list[torch.Tensor] = [torch.nn.utils.get_total_norm(group, norm_type).full_tensor()  # type: ignore[attr-defined]
-                                 for group in groups.values()]
+    norms: list[torch.Tensor] = [
+        torch.nn.utils.get_total_norm(group, norm_type).full_tensor()  # type: ignore[attr-defined]
+        for group in groups.values()
+    ]
     if plain:
         norms.append(torch.nn.utils.get_total_norm(plain, norm_type))
     return torch.nn.utils.get_total_norm(norms, norm_type)
@@ -102,8 +104,11 @@ def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> Transform:
 
     opts = options(max_norm=max_norm) + (options(norm_type=norm_type) if norm_type != 2.0 else ())
     return Transform(
-        name="clip_grad_norm", options=opts, phase=Phase.CLIP,
-        conflicts=frozenset({"clip_grad_value"}), before_update=before_update,
+        name="clip_grad_norm",
+        options=opts,
+        phase=Phase.CLIP,
+        conflicts=frozenset({"clip_grad_value"}),
+        before_update=before_update,
         capabilities=frozenset({Capability.CLIPS_GRADIENTS}),
         settings=GradientClipping(max_norm=max_norm, norm_type=norm_type),
     )
@@ -125,7 +130,10 @@ def clip_grad_value(value: float) -> Transform:
         return {}
 
     return Transform(
-        name="clip_grad_value", options=options(value=value), phase=Phase.CLIP,
-        conflicts=frozenset({"clip_grad_norm"}), before_update=before_update,
+        name="clip_grad_value",
+        options=options(value=value),
+        phase=Phase.CLIP,
+        conflicts=frozenset({"clip_grad_norm"}),
+        before_update=before_update,
         capabilities=frozenset({Capability.CLIPS_GRADIENTS}),
     )

@@ -7,17 +7,17 @@ from typing import Any
 
 import torch
 
+from fnaccel.constants import DynamoBackend
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
 from fnaccel.transforms.phases import Phase
-from fnaccel.constants import DynamoBackend
 
 __all__ = ["compile"]
 
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def compile(  # noqa: A001 - Accelerate's and torch's name for it
+def compile(
     backend: str | DynamoBackend = "inductor",
     mode: str | None = None,
     fullgraph: bool = False,

@@ -30,16 +30,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fnaccel.dist import DistContext
-from fnaccel.constants import PrecisionType
-from fnaccel.transforms.base import (Accumulation, Capability, EngineRequest, EngineTransform, GradientClipping,
-                                     Precision, options)
-from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin, EngineSettings, resolve_ds_config
-from fnaccel.transforms.phases import Phase
 from fnaccel.checks import is_int
+from fnaccel.constants import PrecisionType
+from fnaccel.dist import DistContext
+from fnaccel.transforms.base import (
+    Accumulation,
+    Capability,
+    EngineRequest,
+    EngineTransform,
+    GradientClipping,
+    Precision,
+    options,
+)
+from fnaccel.transforms.phases import Phase
+from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin, EngineSettings, resolve_ds_config
 
-__all__ = ["DeepSpeedState", "deepspeed", "deepspeed_engine", "gathered_parameters", "master_partitions",
-           "optimizer_over_partitions", "refresh_parameters", "zero_init"]
+__all__ = [
+    "DeepSpeedState",
+    "deepspeed",
+    "deepspeed_engine",
+    "gathered_parameters",
+    "master_partitions",
+    "optimizer_over_partitions",
+    "refresh_parameters",
+    "zero_init",
+]
 
 
 def deepspeed_engine(model: Any) -> Any:
@@ -52,7 +67,7 @@ class DeepSpeedState:
     """``deepspeed()``'s state: the engine `fa.prepare` built (None before), and the
     settings it was built from. `fa.shutdown` closes it (the engine's hooks and buffers)."""
 
-    __slots__ = ("engine", "config", "clipping")
+    __slots__ = ("clipping", "config", "engine")
 
     def __init__(self, ctx: DistContext) -> None:
         self.engine: Any = None
@@ -74,28 +89,38 @@ def _settings(request: EngineRequest) -> EngineSettings:
     cast = pipeline.settings(Precision)
     if accumulate is not None:
         if accumulate.sums_items:
-            raise ValueError("fa.deepspeed: accumulate(normalize='items') scales the gradients by the item "
-                             "count, which DeepSpeed's partitioned gradients do not expose; use "
-                             "normalize='mean'")
+            raise ValueError(
+                "fa.deepspeed: accumulate(normalize='items') scales the gradients by the item "
+                "count, which DeepSpeed's partitioned gradients do not expose; use "
+                "normalize='mean'"
+            )
         if accumulate.sync_each_batch:
-            raise ValueError("fa.deepspeed: accumulate(sync_each_batch=True) has no meaning here: ZeRO-2/3 "
-                             "reduce every backward, ZeRO-0/1 at the boundary; drop sync_each_batch")
+            raise ValueError(
+                "fa.deepspeed: accumulate(sync_each_batch=True) has no meaning here: ZeRO-2/3 "
+                "reduce every backward, ZeRO-0/1 at the boundary; drop sync_each_batch"
+            )
     max_norm = None
     if clip is not None:
         if clip.norm_type != 2.0:
-            raise ValueError(f"fa.deepspeed: DeepSpeed clips the 2-norm only, not the {clip.norm_type}-norm; "
-                             "use fa.clip_grad_norm(max_norm)")
+            raise ValueError(
+                f"fa.deepspeed: DeepSpeed clips the 2-norm only, not the {clip.norm_type}-norm; "
+                "use fa.clip_grad_norm(max_norm)"
+            )
         max_norm = float(clip.max_norm)
     precision = None
     if cast is not None:
         if cast.precision is PrecisionType.FP8:
-            raise ValueError("fa.deepspeed: fa.autocast(fa.fp8) is not a DeepSpeed precision; use "
-                             "fa.autocast(fa.bf16) or fa.autocast(fa.fp16), or fp8 with fa.ddp() or fa.fsdp()")
+            raise ValueError(
+                "fa.deepspeed: fa.autocast(fa.fp8) is not a DeepSpeed precision; use "
+                "fa.autocast(fa.bf16) or fa.autocast(fa.fp16), or fp8 with fa.ddp() or fa.fsdp()"
+            )
         if cast.precision is not PrecisionType.NO:
             precision = cast.precision.value  # "bf16" or "fp16"
     if precision == "fp16" and request.ctx.device.type == "cpu":
-        raise ValueError("fa.deepspeed: DeepSpeed's CPU accelerator has no fp16 training; use "
-                         "fa.autocast(fa.bf16) (or train on CUDA)")
+        raise ValueError(
+            "fa.deepspeed: DeepSpeed's CPU accelerator has no fp16 training; use "
+            "fa.autocast(fa.bf16) (or train on CUDA)"
+        )
     config = getattr(request.model, "config", None)
     hidden = getattr(config, "hidden_size", None)
     return EngineSettings(
@@ -113,12 +138,16 @@ def _start_comm(ctx: DistContext) -> None:
     import deepspeed  # loads deepspeed.comm and deepspeed.ops with it
 
     if not dist.is_initialized():
-        raise ValueError("fa.deepspeed: DeepSpeed runs over torch.distributed's default process group, "
-                         "and this process has none; launch with `fnaccel launch` or torchrun "
-                         "(2 or more processes), or leave fa.deepspeed out in a world of one")
+        raise ValueError(
+            "fa.deepspeed: DeepSpeed runs over torch.distributed's default process group, "
+            "and this process has none; launch with `fnaccel launch` or torchrun "
+            "(2 or more processes), or leave fa.deepspeed out in a world of one"
+        )
     if ctx.process_group is not None and dist.get_world_size(ctx.process_group) != dist.get_world_size():
-        raise ValueError("fa.deepspeed: DeepSpeed communicates over the default process group, which "
-                         "is not this run's; start the run with fa.init in a fresh process")
+        raise ValueError(
+            "fa.deepspeed: DeepSpeed communicates over the default process group, which "
+            "is not this run's; start the run with fa.init in a fresh process"
+        )
     if deepspeed.comm.comm.cdb is None and ctx.device.type == "cpu":
         # DeepSpeed's own table of usable ops (kept for the process, by design): the shm op
         # serves inference all-reduce only, and building it needs a compiler and half a minute
@@ -130,25 +159,35 @@ def _prepare_engine(plugin: DeepSpeedPlugin, request: EngineRequest) -> tuple[An
     import deepspeed as ds  # loads deepspeed.utils with it
 
     if request.optimizer is None:
-        raise ValueError("fa.prepare: fa.deepspeed() builds its engine from the model and the optimizer "
-                         "together; pass both in the same fa.prepare call")
+        raise ValueError(
+            "fa.prepare: fa.deepspeed() builds its engine from the model and the optimizer "
+            "together; pass both in the same fa.prepare call"
+        )
     state: DeepSpeedState = request.state
     if state.engine is not None:
-        raise ValueError("fa.prepare: this fa.deepspeed() already holds an engine; each model gets its own "
-                         "pipeline (fa.compose(fa.deepspeed(...)) per model and state)")
-    config = resolve_ds_config(plugin.ds_config(), _settings(request),
-                               str(plugin.hf_ds_config) if plugin.hf_ds_config is not None else "fa.deepspeed")
+        raise ValueError(
+            "fa.prepare: this fa.deepspeed() already holds an engine; each model gets its own "
+            "pipeline (fa.compose(fa.deepspeed(...)) per model and state)"
+        )
+    config = resolve_ds_config(
+        plugin.ds_config(),
+        _settings(request),
+        str(plugin.hf_ds_config) if plugin.hf_ds_config is not None else "fa.deepspeed",
+    )
     _start_comm(request.ctx)
     model = request.model
     if plugin.transformer_moe_cls_names:
         names = {name.strip() for name in plugin.transformer_moe_cls_names.split(",")}
         classes = list({type(m) for m in model.modules() if type(m).__name__ in names})
         if not classes:
-            raise ValueError(f"fa.deepspeed: transformer_moe_cls_names {sorted(names)} names no class of "
-                             "the model's modules")
+            raise ValueError(
+                f"fa.deepspeed: transformer_moe_cls_names {sorted(names)} names no class of "
+                "the model's modules"
+            )
         ds.utils.set_z3_leaf_modules(model, classes)
-    engine, _, _, _ = ds.initialize(model=model, optimizer=request.optimizer, config=config,
-                                    dist_init_required=False)
+    engine, _, _, _ = ds.initialize(
+        model=model, optimizer=request.optimizer, config=config, dist_init_required=False
+    )
     state.engine = engine
     state.config = config
     state.clipping = float(config.get("gradient_clipping", 0) or 0) > 0
@@ -161,8 +200,9 @@ def zero_init(plugin: DeepSpeedPlugin, state: Any) -> Any:
     import deepspeed as ds
 
     precision = state.mixed_precision.value
-    settings = EngineSettings(precision=precision if precision in ("bf16", "fp16") else None,
-                              num_processes=state.dist.num_processes)
+    settings = EngineSettings(
+        precision=precision if precision in ("bf16", "fp16") else None, num_processes=state.dist.num_processes
+    )
     config = resolve_ds_config(plugin.ds_config(), settings, "zero3_init_context_manager")
     if config["zero_optimization"]["stage"] != 3:
         raise ValueError("zero3_init_context_manager: zero3_init_flag needs zero_stage 3")
@@ -221,8 +261,11 @@ def deepspeed(**settings: Any) -> EngineTransform:
     raw = plugin.ds_config()
     steps = raw.get("gradient_accumulation_steps")
     defaults = DeepSpeedPlugin()
-    shown = {f.name: getattr(plugin, f.name) for f in fields(plugin)
-             if getattr(plugin, f.name) != getattr(defaults, f.name)}
+    shown = {
+        f.name: getattr(plugin, f.name)
+        for f in fields(plugin)
+        if getattr(plugin, f.name) != getattr(defaults, f.name)
+    }
     if isinstance(shown.get("hf_ds_config"), dict):
         shown["hf_ds_config"] = "{...}"
     return EngineTransform(
@@ -230,8 +273,9 @@ def deepspeed(**settings: Any) -> EngineTransform:
         options=options(**shown),
         phase=Phase.DATA_PARALLEL,
         conflicts=frozenset({"ddp", "fsdp", "grad_scaler", "clip_grad_value", "local_sgd", "compile"}),
-        capabilities=frozenset({Capability.AVERAGES_GRADIENTS, Capability.SCALES_LOSS,
-                                Capability.OWNS_OPTIMIZER_STEP}),
+        capabilities=frozenset(
+            {Capability.AVERAGES_GRADIENTS, Capability.SCALES_LOSS, Capability.OWNS_OPTIMIZER_STEP}
+        ),
         init=DeepSpeedState,
         optimizer_step=_optimizer_step,
         prepare_engine=lambda request: _prepare_engine(plugin, request),
@@ -245,8 +289,11 @@ def master_partitions(engine: Any) -> list[torch.Tensor] | None:
     """This rank's fp32 master partitions (the tensors its base optimizer steps), or None
     when the engine steps the model's own parameters (stage 0 in fp32)."""
     opt = engine.optimizer
-    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups",
-                 "fp32_groups_flat_partition"):
+    for name in (
+        "fp32_partitioned_groups_flat",
+        "single_partition_of_fp32_groups",
+        "fp32_groups_flat_partition",
+    ):
         found = getattr(opt, name, None)
         if found is not None:
             return list(found)

@@ -41,12 +41,19 @@ from torch import nn
 from fnaccel.config.environment import is_torchao_available
 from fnaccel.kwargs import FP8RecipeKwargs
 
-__all__ = ["check_fp8_recipe", "convert_to_fp8", "float8_linear_config", "keep_first_and_last_linear",
-           "recipe_from_config"]
+__all__ = [
+    "check_fp8_recipe",
+    "convert_to_fp8",
+    "float8_linear_config",
+    "keep_first_and_last_linear",
+    "recipe_from_config",
+]
 
 _MULTIPLE = 16  # float8 matmul kernels need both feature dims divisible by 16
 _DELAYED_SCALING = ("margin", "interval", "amax_history_len", "amax_compute_algo")
-_CUDA_ONLY = MappingProxyType({"TE": ("TransformerEngine", "transformer_engine"), "MSAMP": ("MS-AMP", "msamp")})
+_CUDA_ONLY = MappingProxyType(
+    {"TE": ("TransformerEngine", "transformer_engine"), "MSAMP": ("MS-AMP", "msamp")}
+)
 _INSTALL = "pip install 'fnaccel[fp8]' (torchao)"
 
 
@@ -59,10 +66,11 @@ def check_fp8_recipe(recipe: FP8RecipeKwargs) -> None:
         ImportError: torchao is not installed.
 
     >>> check_fp8_recipe(FP8RecipeKwargs(backend="AO", fp8_format="HYBRID"))
-    >>> check_fp8_recipe(FP8RecipeKwargs(margin=1))
+    >>> check_fp8_recipe(FP8RecipeKwargs(margin=1))  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: fp8: FP8RecipeKwargs(margin=1) configures delayed scaling, which torchao does not have (it scales each tensor from its current amax); drop the option
+    ValueError: fp8: FP8RecipeKwargs(margin=1) configures delayed scaling, which torchao does not have
+    (it scales each tensor from its current amax); drop the option
     """
     if recipe.backend is not None and recipe.backend in _CUDA_ONLY:
         package, module = _CUDA_ONLY[recipe.backend]
@@ -81,14 +89,19 @@ def check_fp8_recipe(recipe: FP8RecipeKwargs) -> None:
                 "which torchao does not have (it scales each tensor from its current amax); drop the option"
             )
     if recipe.opt_level is not None:
-        raise ValueError(f"fp8: opt_level={recipe.opt_level!r} is MS-AMP's, which needs CUDA; "
-                         "drop it (torchao has no optimisation levels)")
+        raise ValueError(
+            f"fp8: opt_level={recipe.opt_level!r} is MS-AMP's, which needs CUDA; "
+            "drop it (torchao has no optimisation levels)"
+        )
     if recipe.use_autocast_during_eval:
-        raise ValueError("fp8: use_autocast_during_eval is TransformerEngine's switch; torchao's float8 "
-                         "layers compute in float8 in eval mode too; drop the option")
+        raise ValueError(
+            "fp8: use_autocast_during_eval is TransformerEngine's switch; torchao's float8 "
+            "layers compute in float8 in eval mode too; drop the option"
+        )
     if not is_torchao_available():
-        raise ImportError(f"fa.autocast(fa.fp8) trains with torchao's float8 layers, which are not "
-                          f"installed: {_INSTALL}")
+        raise ImportError(
+            f"fa.autocast(fa.fp8) trains with torchao's float8 layers, which are not installed: {_INSTALL}"
+        )
 
 
 def recipe_from_config(section: Mapping[str, Any], source: str = "fp8_config") -> FP8RecipeKwargs | None:
@@ -101,8 +114,17 @@ def recipe_from_config(section: Mapping[str, Any], source: str = "fp8_config") -
     """
     from fnaccel._errors import ConfigError
 
-    known = {"backend", "use_autocast_during_eval", "margin", "interval", "fp8_format", "amax_history_len",
-             "amax_compute_algo", "override_linear_precision", "opt_level"}
+    known = {
+        "backend",
+        "use_autocast_during_eval",
+        "margin",
+        "interval",
+        "fp8_format",
+        "amax_history_len",
+        "amax_compute_algo",
+        "override_linear_precision",
+        "opt_level",
+    }
     values = {key: value for key, value in section.items() if value not in (None, "")}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -123,11 +145,14 @@ def recipe_from_config(section: Mapping[str, Any], source: str = "fp8_config") -
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: {key} must be an integer, got {values[key]!r}") from None
     if "use_autocast_during_eval" in values:
-        values["use_autocast_during_eval"] = flag("use_autocast_during_eval", values["use_autocast_during_eval"])
+        values["use_autocast_during_eval"] = flag(
+            "use_autocast_during_eval", values["use_autocast_during_eval"]
+        )
     precision = values.get("override_linear_precision")
     if isinstance(precision, str):
         values["override_linear_precision"] = tuple(
-            flag("override_linear_precision", part) for part in precision.strip("()[] ").split(","))
+            flag("override_linear_precision", part) for part in precision.strip("()[] ").split(",")
+        )
     if values.get("backend") is not None and str(values["backend"]).upper() == "TORCHAO":
         values["backend"] = "AO"
     if not values:
@@ -207,8 +232,11 @@ def convert_to_fp8(model: nn.Module, recipe: FP8RecipeKwargs) -> nn.Module:
 
     config = float8_linear_config(recipe)
     chosen = recipe.module_filter_func or keep_first_and_last_linear(model)
-    picked = {fqn: module for fqn, module in model.named_modules()
-              if isinstance(module, nn.Linear) and chosen(module, fqn)}
+    picked = {
+        fqn: module
+        for fqn, module in model.named_modules()
+        if isinstance(module, nn.Linear) and chosen(module, fqn)
+    }
     for fqn, module in picked.items():
         if not _fits_float8(module):
             raise ValueError(
@@ -225,7 +253,8 @@ def convert_to_fp8(model: nn.Module, recipe: FP8RecipeKwargs) -> nn.Module:
         )
     # a model that is itself one nn.Linear comes back as a new module
     converted: nn.Module = convert_to_float8_training(
-        model, config=config, module_filter_fn=lambda module, fqn: fqn in picked)
+        model, config=config, module_filter_fn=lambda module, fqn: fqn in picked
+    )
     if config.enable_fsdp_float8_all_gather:
         for fqn in picked:
             converted.get_submodule(fqn).register_state_dict_post_hook(_plain_weight)
@@ -248,6 +277,12 @@ def _plain_weight(module: nn.Module, state_dict: dict[str, Any], prefix: str, lo
     names, _ = local.__tensor_flatten__()
     plain = getattr(local, names[0]).detach()
     if isinstance(weight, DTensor):
-        plain = DTensor.from_local(plain, weight.device_mesh, weight.placements, run_check=False,
-                                   shape=weight.shape, stride=weight.stride())
+        plain = DTensor.from_local(
+            plain,
+            weight.device_mesh,
+            weight.placements,
+            run_check=False,
+            shape=weight.shape,
+            stride=weight.stride(),
+        )
     state_dict[key] = plain

@@ -18,11 +18,11 @@ import torch
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.nn.parallel import DistributedDataParallel
 
+from fnaccel.checks import is_int
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
 from fnaccel.transforms.parallel import unwrap_compiled
 from fnaccel.transforms.phases import Phase
-from fnaccel.checks import is_int
 
 __all__ = ["LocalSGDState", "local_sgd"]
 

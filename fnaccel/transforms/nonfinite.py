@@ -42,11 +42,11 @@ from typing import Any
 import torch
 
 from fnaccel._errors import FnaccelError
+from fnaccel.checks import is_int
 from fnaccel.dist import DistContext
 from fnaccel.transforms.base import Transform, options
 from fnaccel.transforms.clip import dtensor_class, global_grad_norm
 from fnaccel.transforms.phases import Phase
-from fnaccel.checks import is_int
 
 __all__ = ["NonFiniteUpdateError", "SkipNonfiniteState", "skip_nonfinite"]
 
@@ -69,7 +69,7 @@ class SkipNonfiniteState:
     {'num_skipped': 0, 'num_consecutive': 0}
     """
 
-    __slots__ = ("num_skipped", "num_consecutive")
+    __slots__ = ("num_consecutive", "num_skipped")
 
     def __init__(self) -> None:
         self.num_skipped = 0
@@ -80,10 +80,11 @@ class SkipNonfiniteState:
 
     def load_state_dict(self, saved: dict[str, int]) -> None:
         skipped, consecutive = saved["num_skipped"], saved["num_consecutive"]
-        if not all(is_int(n) and n >= 0 for n in (skipped, consecutive)) \
-                or consecutive > skipped:
-            raise ValueError(f"skip_nonfinite: saved counts must be integers with 0 <= num_consecutive <= "
-                             f"num_skipped, got num_skipped={skipped!r}, num_consecutive={consecutive!r}")
+        if not all(is_int(n) and n >= 0 for n in (skipped, consecutive)) or consecutive > skipped:
+            raise ValueError(
+                f"skip_nonfinite: saved counts must be integers with 0 <= num_consecutive <= "
+                f"num_skipped, got num_skipped={skipped!r}, num_consecutive={consecutive!r}"
+            )
         self.num_skipped, self.num_consecutive = skipped, consecutive
 
 
@@ -154,14 +155,22 @@ def skip_nonfinite(max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> Transform:
     True
     """
     if not is_int(max_consecutive) or max_consecutive < 1:
-        raise ValueError(f"skip_nonfinite: max_consecutive must be a positive int (the skips in a row "
-                         f"that end the run), got {max_consecutive!r}")
+        raise ValueError(
+            f"skip_nonfinite: max_consecutive must be a positive int (the skips in a row "
+            f"that end the run), got {max_consecutive!r}"
+        )
 
     def init(ctx: DistContext) -> SkipNonfiniteState:
         return SkipNonfiniteState()
 
-    def check_update(model: Any, optimizer: Any, metrics: dict[str, Any], state: SkipNonfiniteState,
-                     step: int, position: Any) -> bool:
+    def check_update(
+        model: Any,
+        optimizer: Any,
+        metrics: dict[str, Any],
+        state: SkipNonfiniteState,
+        step: int,
+        position: Any,
+    ) -> bool:
         flag = metrics.get("skipped")  # an optimizer_step hook (the fp16 scaler) already decided
         if flag is None:
             flag = metrics["skipped"] = _nonfinite(optimizer, metrics)
@@ -184,7 +193,9 @@ def skip_nonfinite(max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> Transform:
 
     return Transform(
         name="skip_nonfinite",
-        options=options(max_consecutive=max_consecutive) if max_consecutive != DEFAULT_MAX_CONSECUTIVE else (),
+        options=options(max_consecutive=max_consecutive)
+        if max_consecutive != DEFAULT_MAX_CONSECUTIVE
+        else (),
         phase=Phase.SKIP_NONFINITE,
         conflicts=frozenset({"deepspeed", "pp", "local_sgd"}),
         conflict_fix=(

@@ -23,10 +23,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fnaccel.dist import DistContext, data_parallel, data_parallel_context
-from fnaccel.transforms.base import Capability, Transform, options
-from fnaccel.transforms.phases import Phase
 from fnaccel.kwargs import DistributedDataParallelKwargs
 from fnaccel.resources import GroupOwner
+from fnaccel.transforms.base import Capability, Transform, options
+from fnaccel.transforms.phases import Phase
 
 __all__ = ["broadcast_from_first_rank", "ddp", "fsdp", "unwrap_compiled", "unwrap_model"]
 
@@ -120,11 +120,12 @@ def _wrap_targets(
     for name, module in reversed(list(model.named_modules())):
         if not name:
             continue
-        if type(module).__name__ in class_names:
+        if type(module).__name__ in class_names or (
+            min_num_params is not None
+            and not any(m in targets for m in module.modules())
+            and sum(p.numel() for p in module.parameters()) >= min_num_params
+        ):
             targets.append(module)
-        elif min_num_params is not None and not any(m in targets for m in module.modules()):
-            if sum(p.numel() for p in module.parameters()) >= min_num_params:
-                targets.append(module)
     return targets
 
 
@@ -150,7 +151,8 @@ def _shard_mesh(ctx: DistContext) -> Any:
         raise ValueError(
             f"fa.prepare: fsdp() shards over dp_shard, and this run's mesh {mesh.mesh_dim_names} has "
             "dp_shard_size 1; use fa.ddp() for pure replication, or give ParallelismConfig a "
-            "dp_shard_size > 1")
+            "dp_shard_size > 1"
+        )
     return mesh if names == mesh.mesh_dim_names else mesh[names]
 
 

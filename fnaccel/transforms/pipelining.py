@@ -28,6 +28,7 @@ the other instead, which is what every schedule computes.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,12 +37,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fnaccel.checks import is_int
 from fnaccel.dist import DistContext, data_parallel, mesh_dim
 from fnaccel.transforms.base import Capability, Pipeline, Transform, options
 from fnaccel.transforms.parallel import unwrap_compiled
-from fnaccel.transforms.precision import AutocastForward
 from fnaccel.transforms.phases import Phase
-from fnaccel.checks import is_int
+from fnaccel.transforms.precision import AutocastForward
 
 __all__ = ["InOrder", "PipelinedModel", "SCHEDULES", "pp", "reduce_norm", "split_stages", "stage_group"]
 
@@ -89,34 +90,46 @@ def split_stages(model: nn.Module, num_stages: int | None, split_points: Sequenc
     if split_points:
         unknown = [p for p in split_points if p not in names]
         if unknown:
-            raise ValueError(f"fa.pp: split point {unknown[0]!r} is not a child of the model; its children "
-                             f"are {names}")
+            raise ValueError(
+                f"fa.pp: split point {unknown[0]!r} is not a child of the model; its children are {names}"
+            )
         starts = [names.index(p) for p in split_points]
-        if starts[0] == 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+        if starts[0] == 0 or any(b <= a for a, b in itertools.pairwise(starts)):
             raise ValueError(
                 f"fa.pp: split_points {tuple(split_points)} must name children after the first, in "
-                f"increasing order (each begins a new stage); the children are {names}")
+                f"increasing order (each begins a new stage); the children are {names}"
+            )
         bounds = [0, *starts, len(names)]
     else:
         assert num_stages is not None
         if num_stages > len(names):
             raise ValueError(
                 f"fa.pp: {num_stages} stages cannot be made from a model of {len(names)} children "
-                f"({names}); use at most {len(names)} stages, or fewer processes per pipeline")
+                f"({names}); use at most {len(names)} stages, or fewer processes per pipeline"
+            )
         size, extra = divmod(len(names), num_stages)
         bounds = [0]
         for i in range(num_stages):
             bounds.append(bounds[-1] + size + int(i < extra))
-    return [names[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [names[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 class PipelinedModel(nn.Module):
     """This rank's stages of a model split by `pp`: the children it holds under their
     original names, and the schedule that runs them. Called through `fa.step` only."""
 
-    def __init__(self, children: OrderedDict[str, nn.Module], *, group: Any, last_rank: int,
-                 is_first: bool, is_last: bool, device: torch.device, num_microbatches: int,
-                 loss_fn: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        children: OrderedDict[str, nn.Module],
+        *,
+        group: Any,
+        last_rank: int,
+        is_first: bool,
+        is_last: bool,
+        device: torch.device,
+        num_microbatches: int,
+        loss_fn: Callable[..., Any],
+    ) -> None:
         super().__init__()
         for name, child in children.items():
             self.add_module(name, child)
@@ -146,22 +159,27 @@ class PipelinedModel(nn.Module):
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError(
                 f"fa.step under fa.pp takes a batch (inputs, target), got a {type(batch).__name__}; "
-                "the first stage gets inputs, the last computes loss_fn(output, target)")
+                "the first stage gets inputs, the last computes loss_fn(output, target)"
+            )
         inputs, target = batch
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         for what, value in (("inputs", args[0] if args else None), ("target", target)):
-            if not isinstance(value, torch.Tensor) or value.ndim == 0 \
-                    or value.shape[0] % self.num_microbatches:
+            if (
+                not isinstance(value, torch.Tensor)
+                or value.ndim == 0
+                or value.shape[0] % self.num_microbatches
+            ):
                 size = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(
                     f"fa.pp: the batch's {what} ({size}) must be a tensor whose dim 0 divides into "
                     f"num_microbatches={self.num_microbatches} equal micro-batches; use a batch size "
-                    f"that is a multiple of {self.num_microbatches} (drop_last=True in the DataLoader)")
+                    f"that is a multiple of {self.num_microbatches} (drop_last=True in the DataLoader)"
+                )
         self.loss_factor = 1.0 / (self.num_microbatches * divisor)
         self.losses = []
         self.schedule.step(*args if self.is_first else (), target=target if self.is_last else None)
         if self.is_last:  # the first step's shape inference calls the loss function first
-            loss = torch.stack(self.losses[-self.num_microbatches:]).mean().float()
+            loss = torch.stack(self.losses[-self.num_microbatches :]).mean().float()
         else:
             loss = torch.empty((), dtype=torch.float32, device=self.device)
         self.losses = []
@@ -198,9 +216,15 @@ def reduce_norm(model: Any, norm: torch.Tensor, norm_type: float) -> torch.Tenso
     return total.pow(1.0 / norm_type)
 
 
-def _build_schedule(ctx: DistContext, model: nn.Module, schedule: str, num_microbatches: int,
-                    num_stages: int | None, split_points: tuple[str, ...],
-                    loss_fn: Callable[..., Any]) -> PipelinedModel:
+def _build_schedule(
+    ctx: DistContext,
+    model: nn.Module,
+    schedule: str,
+    num_microbatches: int,
+    num_stages: int | None,
+    split_points: tuple[str, ...],
+    loss_fn: Callable[..., Any],
+) -> PipelinedModel:
     group, ranks = stage_group(ctx)
     size = len(ranks)
     per_rank = 2 if schedule == "Interleaved1F1B" else 1
@@ -211,16 +235,21 @@ def _build_schedule(ctx: DistContext, model: nn.Module, schedule: str, num_micro
         need = f"a multiple of {size}, at least {2 * size}" if multi else f"exactly {size}"
         raise ValueError(
             f"fa.pp: schedule {schedule!r} over {size} processes needs {need} stages, got {len(names)} "
-            f"({names}); change num_stages/split_points" + ("" if multi else
-                                                             ", or use schedule='Interleaved1F1B'"))
+            f"({names}); change num_stages/split_points"
+            + ("" if multi else ", or use schedule='Interleaved1F1B'")
+        )
     if schedule == "1F1B" and num_microbatches < size:
-        raise ValueError(f"fa.pp: schedule '1F1B' over {size} stages needs num_microbatches >= {size}, "
-                         f"got {num_microbatches}")
+        raise ValueError(
+            f"fa.pp: schedule '1F1B' over {size} stages needs num_microbatches >= {size}, "
+            f"got {num_microbatches}"
+        )
     rounds = max(1, num_microbatches // size)
     if multi and num_microbatches % rounds:
-        raise ValueError(f"fa.pp: schedule 'Interleaved1F1B' over {size} processes runs micro-batches in "
-                         f"rounds of {size}; use a num_microbatches below {size} or a multiple of it, "
-                         f"got {num_microbatches}")
+        raise ValueError(
+            f"fa.pp: schedule 'Interleaved1F1B' over {size} processes runs micro-batches in "
+            f"rounds of {size}; use a num_microbatches below {size} or a multiple of it, "
+            f"got {num_microbatches}"
+        )
     children: dict[str, nn.Module] = dict(model._modules)  # type: ignore[arg-type]
     owners: dict[int, int] = {}
     for index, stage_names in enumerate(names):
@@ -229,7 +258,8 @@ def _build_schedule(ctx: DistContext, model: nn.Module, schedule: str, num_micro
                 if owners.setdefault(id(p), index) != index:
                     raise ValueError(
                         f"fa.pp: a parameter of child {name!r} is shared with stage {owners[id(p)]} "
-                        "(tied weights across stages); keep tied modules in one stage (split_points)")
+                        "(tied weights across stages); keep tied modules in one stage (split_points)"
+                    )
     cast = model.__dict__.get("forward")
     mine = list(range(ranks.index(ctx.rank), len(names), size))
     bodies = []
@@ -237,24 +267,40 @@ def _build_schedule(ctx: DistContext, model: nn.Module, schedule: str, num_micro
     for index in mine:
         body = nn.Sequential(OrderedDict((name, children[name]) for name in names[index]))
         if isinstance(cast, AutocastForward):  # autocast wrapped the whole model: wrap each stage
-            body.forward = AutocastForward(body.forward, cast.device_type, cast.dtype,  # type: ignore[method-assign]
-                                           cast.cache_enabled)
+            wrapped = AutocastForward(body.forward, cast.device_type, cast.dtype, cast.cache_enabled)
+            body.forward = wrapped  # type: ignore[method-assign]
         held.update((name, children[name]) for name in names[index])
         bodies.append(body)
-    pipelined = PipelinedModel(held, group=group, last_rank=ranks[(len(names) - 1) % size],
-                               is_first=mine[0] == 0, is_last=mine[-1] == len(names) - 1, device=ctx.device,
-                               num_microbatches=num_microbatches, loss_fn=loss_fn)
+    pipelined = PipelinedModel(
+        held,
+        group=group,
+        last_rank=ranks[(len(names) - 1) % size],
+        is_first=mine[0] == 0,
+        is_last=mine[-1] == len(names) - 1,
+        device=ctx.device,
+        num_microbatches=num_microbatches,
+        loss_fn=loss_fn,
+    )
     if group is None:
         pipelined.schedule = InOrder(nn.Sequential(*bodies), num_microbatches, pipelined.scaled_loss)
         return pipelined
     from torch.distributed import pipelining
 
-    stages = [pipelining.PipelineStage(body, index, len(names), ctx.device, group=group)
-              for body, index in zip(bodies, mine)]
-    kind = {"GPipe": pipelining.ScheduleGPipe, "1F1B": pipelining.Schedule1F1B,
-            "Interleaved1F1B": pipelining.ScheduleInterleaved1F1B}[schedule]
-    pipelined.schedule = kind(stages if multi else stages[0], n_microbatches=num_microbatches,
-                              loss_fn=pipelined.scaled_loss, scale_grads=False)
+    stages = [
+        pipelining.PipelineStage(body, index, len(names), ctx.device, group=group)
+        for body, index in zip(bodies, mine, strict=False)
+    ]
+    kind = {
+        "GPipe": pipelining.ScheduleGPipe,
+        "1F1B": pipelining.Schedule1F1B,
+        "Interleaved1F1B": pipelining.ScheduleInterleaved1F1B,
+    }[schedule]
+    pipelined.schedule = kind(
+        stages if multi else stages[0],
+        n_microbatches=num_microbatches,
+        loss_fn=pipelined.scaled_loss,
+        scale_grads=False,
+    )
     return pipelined
 
 
@@ -306,8 +352,7 @@ def pp(
         raise ValueError(f"fa.pp: num_microbatches must be a positive int, got {num_microbatches!r}")
     if num_stages is not None and split_points:
         raise ValueError("fa.pp: give num_stages or split_points, not both")
-    if num_stages is not None and (not is_int(num_stages)
-                                   or num_stages < 1):
+    if num_stages is not None and (not is_int(num_stages) or num_stages < 1):
         raise ValueError(f"fa.pp: num_stages must be a positive int, got {num_stages!r}")
     if isinstance(split_points, str):
         raise TypeError(f"fa.pp: split_points is a sequence of child names, got the string {split_points!r}")
@@ -320,8 +365,10 @@ def pp(
 
     def forward_backward(model: Any, batch: Any, divisor: int | None, state: Any) -> tuple[Any, Any]:
         if divisor is None:
-            raise ValueError("fa.pp: accumulate(normalize='items') is not supported under fa.pp (the "
-                             "schedule averages micro-batch losses); use accumulate(k) with a mean loss")
+            raise ValueError(
+                "fa.pp: accumulate(normalize='items') is not supported under fa.pp (the "
+                "schedule averages micro-batch losses); use accumulate(k) with a mean loss"
+            )
         inner = unwrap_compiled(model)
         assert isinstance(inner, PipelinedModel), "fa.pp's prepare_model built it"
         return inner.run(batch, divisor), None
@@ -332,12 +379,15 @@ def pp(
             raise ValueError(
                 f"fa.prepare: fa.pp next to {num_replicas} data-parallel replicas is not built (each stage's "
                 "gradients would need averaging over its replicas); use pp_size equal to the number of "
-                "processes (dp_replicate_size=dp_shard_size=1)")
+                "processes (dp_replicate_size=dp_shard_size=1)"
+            )
         return pipeline
 
-    opts = (options(schedule=schedule, num_microbatches=num_microbatches)
-            + (options(num_stages=num_stages) if num_stages is not None else ())
-            + (options(split_points=points) if points else ()))
+    opts = (
+        options(schedule=schedule, num_microbatches=num_microbatches)
+        + (options(num_stages=num_stages) if num_stages is not None else ())
+        + (options(split_points=points) if points else ())
+    )
     return Transform(
         name="pp",
         options=opts,
@@ -346,9 +396,11 @@ def pp(
         conflict_fix=(
             "fa.pp spans every process (each holds other layers), so there is no data-parallel "
             "dimension for ddp/fsdp/local_sgd to average over, and its schedule runs the stages "
-            "itself (no compile of the whole model, no fp16 loss scaling); drop the other transform"),
-        capabilities=frozenset({Capability.SPLITS_MODEL, Capability.RUNS_FORWARD_BACKWARD,
-                                Capability.SAME_BATCH_ACROSS_RANKS}),
+            "itself (no compile of the whole model, no fp16 loss scaling); drop the other transform"
+        ),
+        capabilities=frozenset(
+            {Capability.SPLITS_MODEL, Capability.RUNS_FORWARD_BACKWARD, Capability.SAME_BATCH_ACROSS_RANKS}
+        ),
         mesh_dims=frozenset({"pp"}),
         check_pipeline=check_pipeline,
         prepare_model=prepare_model,

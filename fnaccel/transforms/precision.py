@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
+from fnaccel.constants import PrecisionType
 from fnaccel.dist import DistContext
+from fnaccel.kwargs import FP8RecipeKwargs, GradScalerKwargs
 from fnaccel.ops.tree import convert_to_fp32
 from fnaccel.transforms.base import Capability, Pipeline, Precision, Transform, compose, options
 from fnaccel.transforms.fp8 import check_fp8_recipe, convert_to_fp8
 from fnaccel.transforms.phases import Phase
-from fnaccel.constants import PrecisionType
-from fnaccel.kwargs import FP8RecipeKwargs, GradScalerKwargs
 
 __all__ = ["autocast", "bf16", "fp8", "fp16", "fp32", "grad_scaler", "precision_dtype"]
 
@@ -38,10 +38,17 @@ fp32 = torch.float32
 # Not a dtype: fp8 training is a recipe (float8 linear layers, bf16 elsewhere).
 fp8 = PrecisionType.FP8
 
-_BY_NAME = MappingProxyType({
-    "fp16": fp16, "float16": fp16, "bf16": bf16, "bfloat16": bf16,
-    "fp32": fp32, "float32": fp32, "no": fp32,
-})
+_BY_NAME = MappingProxyType(
+    {
+        "fp16": fp16,
+        "float16": fp16,
+        "bf16": bf16,
+        "bfloat16": bf16,
+        "fp32": fp32,
+        "float32": fp32,
+        "no": fp32,
+    }
+)
 _PRECISION_OF = MappingProxyType({fp16: PrecisionType.FP16, bf16: PrecisionType.BF16, fp32: PrecisionType.NO})
 
 
@@ -67,8 +74,9 @@ def precision_dtype(precision: torch.dtype | str | PrecisionType) -> torch.dtype
 class AutocastForward:
     """``forward`` run under ``torch.autocast``, outputs cast to fp32 (picklable)."""
 
-    def __init__(self, forward: Any, device_type: str, dtype: torch.dtype,
-                 cache_enabled: bool | None) -> None:
+    def __init__(
+        self, forward: Any, device_type: str, dtype: torch.dtype, cache_enabled: bool | None
+    ) -> None:
         self.forward, self.device_type = forward, device_type
         self.dtype, self.cache_enabled = dtype, cache_enabled
         functools.update_wrapper(self, forward)
@@ -79,8 +87,9 @@ class AutocastForward:
         return convert_to_fp32(out)
 
 
-def autocast(dtype: torch.dtype | str, cache_enabled: bool | None = None, *,
-             recipe: FP8RecipeKwargs | None = None) -> Transform:
+def autocast(
+    dtype: torch.dtype | str, cache_enabled: bool | None = None, *, recipe: FP8RecipeKwargs | None = None
+) -> Transform:
     """Run the model's forward under ``torch.autocast(dtype)`` (AutocastKwargs' options).
 
     With ``fa.fp8``, the model's linear layers train in float8 (torchao's
@@ -108,8 +117,10 @@ def autocast(dtype: torch.dtype | str, cache_enabled: bool | None = None, *,
     resolved = precision_dtype(dtype)
     is_fp8 = not isinstance(dtype, torch.dtype) and str(dtype).lower() == fp8
     if recipe is not None and not is_fp8:
-        raise ValueError(f"autocast: recipe= configures fp8 training, but the precision is {dtype!r}; "
-                         "use fa.autocast(fa.fp8, recipe=...) or drop the recipe")
+        raise ValueError(
+            f"autocast: recipe= configures fp8 training, but the precision is {dtype!r}; "
+            "use fa.autocast(fa.fp8, recipe=...) or drop the recipe"
+        )
     if recipe is not None and not isinstance(recipe, FP8RecipeKwargs):
         raise TypeError(f"autocast: recipe must be an fa.FP8RecipeKwargs, got {type(recipe).__name__}")
     fp8_recipe = recipe or FP8RecipeKwargs()
@@ -124,9 +135,12 @@ def autocast(dtype: torch.dtype | str, cache_enabled: bool | None = None, *,
         model.forward = AutocastForward(model.forward, ctx.device.type, resolved, cache_enabled)
         return model
 
-    opts = options(dtype=str(fp8) if is_fp8 else resolved) + (
-        options(cache_enabled=cache_enabled) if cache_enabled is not None else ()
-    ) + (options(recipe=recipe) if recipe is not None else ())
+    opts = (
+        options(dtype=str(fp8) if is_fp8 else resolved)
+        + (options(cache_enabled=cache_enabled) if cache_enabled is not None else ())
+        + (options(recipe=recipe) if recipe is not None else ())
+    )
+
     def check_pipeline(pipeline: Pipeline, ctx: DistContext) -> Pipeline:
         if resolved is not fp16 or Capability.SCALES_LOSS in pipeline.capabilities:
             return pipeline  # only fp16 needs scaling; DeepSpeed scales fp16 losses itself
@@ -134,9 +148,14 @@ def autocast(dtype: torch.dtype | str, cache_enabled: bool | None = None, *,
         return compose(*sorted([*pipeline.transforms, grad_scaler()], key=lambda t: t.phase))
 
     precision = fp8 if is_fp8 else _PRECISION_OF[resolved]
-    return Transform(name="autocast", options=opts, phase=Phase.AUTOCAST, prepare_model=prepare_model,
-                     settings=Precision(precision=precision, dtype=resolved, cache_enabled=cache_enabled),
-                     check_pipeline=check_pipeline)
+    return Transform(
+        name="autocast",
+        options=opts,
+        phase=Phase.AUTOCAST,
+        prepare_model=prepare_model,
+        settings=Precision(precision=precision, dtype=resolved, cache_enabled=cache_enabled),
+        check_pipeline=check_pipeline,
+    )
 
 
 def _check_scaled_precision(pipeline: Pipeline, ctx: DistContext) -> Pipeline:

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from fnaccel.dist import DistContext
+from fnaccel.kwargs import ProfileKwargs
 from fnaccel.transforms.base import Transform, options
 from fnaccel.transforms.phases import Phase
-from fnaccel.kwargs import ProfileKwargs
 
 __all__ = ["profile"]
 

@@ -76,7 +76,7 @@ def ulysses_attention(fn: AttentionFn) -> AttentionFn:
 class SequenceShard:
     """`sp`'s state: the group, and this step's share of the batch's real tokens."""
 
-    __slots__ = ("ctx", "size", "rank", "armed", "num_local", "weight", "num_total")
+    __slots__ = ("armed", "ctx", "num_local", "num_total", "rank", "size", "weight")
 
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = ctx  # the group is read through the run's owner each time, never held
@@ -114,34 +114,48 @@ def _with_positions(batch: Any, seq_dim: int, position_ids: str | None) -> Any:
     if shaped is None:
         return batch
     length = shaped.shape[seq_dim]
-    return {**batch, position_ids: torch.arange(length, device=shaped.device).expand(*shaped.shape[:seq_dim], length)}
+    return {
+        **batch,
+        position_ids: torch.arange(length, device=shaped.device).expand(*shaped.shape[:seq_dim], length),
+    }
 
 
-def _split(batch: Any, shard: SequenceShard, seq_dim: int, labels: str | int, ignore_index: int,
-           position_ids: str | None) -> Any:
+def _split(
+    batch: Any,
+    shard: SequenceShard,
+    seq_dim: int,
+    labels: str | int,
+    ignore_index: int,
+    position_ids: str | None,
+) -> Any:
     lengths: set[int] = set()
     _leaves(batch, lambda t: lengths.add(t.shape[seq_dim]) if t.dim() > seq_dim else None)
     if len(lengths) != 1:
         raise ValueError(
             f"fa.sp: the batch's tensors must share one sequence length along dim {seq_dim}, found "
             f"{sorted(lengths) or 'no tensor with that many dims'}; give fa.sp(seq_dim=...) the sequence "
-            "dimension, or pad the batch's tensors to one length")
+            "dimension, or pad the batch's tensors to one length"
+        )
     (length,) = lengths
     if length % shard.size:
         raise ValueError(
             f"fa.sp: the sequence length {length} is not divisible by sp_size={shard.size}; pad the batch "
             f"to a multiple of {shard.size} (labels {ignore_index} on the padding: it does not count in the "
-            "loss), e.g. in the DataLoader's collate_fn")
+            "loss), e.g. in the DataLoader's collate_fn"
+        )
     try:
         target = batch[labels]
     except (KeyError, IndexError, TypeError):
         raise ValueError(
             f"fa.sp: the batch has no labels under {labels!r}; fa.sp weights each rank's loss by its share "
             "of the real tokens, so it needs them: give fa.sp(labels=...) the key (or the index in a tuple "
-            "batch) of the per-token labels") from None
+            "batch) of the per-token labels"
+        ) from None
     if not isinstance(target, torch.Tensor) or target.dim() <= seq_dim:
-        raise ValueError(f"fa.sp: the labels under {labels!r} must be a tensor with the sequence along dim "
-                         f"{seq_dim}, got {type(target).__name__}")
+        raise ValueError(
+            f"fa.sp: the labels under {labels!r} must be a tensor with the sequence along dim "
+            f"{seq_dim}, got {type(target).__name__}"
+        )
     part = length // shard.size
     start = part * shard.rank
     batch = _with_positions(batch, seq_dim, position_ids)
@@ -215,14 +229,16 @@ class _UlyssesMode(TorchFunctionMode):
                     "fa.sp: the model calls scaled_dot_product_attention with an attn_mask; a mask over "
                     "one rank's part of the sequence (sliding window, document or padding masks) cannot be "
                     "split across the sp ranks. Use is_causal=True (right-pad and label the padding -100), "
-                    "or set sp_size=1")
+                    "or set sp_size=1"
+                )
             rest = []
         for name, tensor in (("query", query), ("key", key), ("value", value)):
             if tensor.dim() != 4 or tensor.shape[1] % self.shard.size:
                 raise ValueError(
                     f"fa.sp: attention's {name} has shape {tuple(tensor.shape)}; fa.sp needs (batch, heads, "
                     f"sequence, head_dim) with heads divisible by sp_size={self.shard.size}; choose an "
-                    "sp_size that divides the number of heads (and of key/value heads)")
+                    "sp_size that divides the number of heads (and of key/value heads)"
+                )
         self.calls += 1
         heads = [_to_heads(t, self.shard) for t in (query, key, value)]
         out = attend(heads[0], heads[1], heads[2], *rest, **kwargs)
@@ -250,7 +266,8 @@ class SequenceParallelForward:
                 "each rank attended only over its own part of the sequence. Use torch's "
                 "scaled_dot_product_attention, or decorate your attention function with "
                 "fnaccel.transforms.sequence.ulysses_attention (linear or sliding-window attention cannot "
-                "be split this way: set sp_size=1)")
+                "be split this way: set sp_size=1)"
+            )
         return out
 
 
@@ -261,12 +278,19 @@ def _sum_gradients(optimizer: torch.optim.Optimizer, shard: SequenceShard) -> No
         same = [t for t in local if t.dtype == dtype]
         flat = torch.cat([t.reshape(-1) for t in same])
         dist.all_reduce(flat, group=shard.group)
-        torch._foreach_copy_(same, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in same]), same,
-                                                                        strict=True)])
+        torch._foreach_copy_(
+            same,
+            [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in same]), same, strict=True)],
+        )
 
 
-def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -100,
-       position_ids: str | None = "position_ids") -> Transform:
+def sp(
+    *,
+    seq_dim: int = 1,
+    labels: str | int = "labels",
+    ignore_index: int = -100,
+    position_ids: str | None = "position_ids",
+) -> Transform:
     """Split each batch's sequence over the mesh's ``sp`` dimension (Ulysses; see the module docstring).
 
     Args:
@@ -290,7 +314,9 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
     if not is_int(seq_dim) or seq_dim < 0:
         raise ValueError(f"sp: seq_dim must be a non-negative int, got {seq_dim!r}")
     if not isinstance(labels, str) and not is_int(labels):
-        raise TypeError(f"sp: labels must be the batch's key (a str) or a tuple batch's index, got {labels!r}")
+        raise TypeError(
+            f"sp: labels must be the batch's key (a str) or a tuple batch's index, got {labels!r}"
+        )
     if not is_int(ignore_index):
         raise TypeError(f"sp: ignore_index must be an int, got {ignore_index!r}")
     if position_ids is not None and not isinstance(position_ids, str):
@@ -304,7 +330,8 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
                     "fa.prepare: the model has activation checkpointing of its own (transformers' "
                     "gradient_checkpointing_enable()); its recomputation in backward would attend over one "
                     "rank's part of the sequence only. Call model.gradient_checkpointing_disable() with fa.sp(), "
-                    "or set sp_size=1")
+                    "or set sp_size=1"
+                )
             from fnaccel.transforms.parallel import broadcast_from_first_rank
 
             broadcast_from_first_rank(model, shard.group)  # the group's ranks must start alike
@@ -323,7 +350,8 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
             raise ValueError(
                 "fa.sp: this loss was computed on a batch fa.sp did not split (fa.backward after a forward of "
                 "your own): every rank of the sp group computed the whole sequence, and their summed gradients "
-                "would count it sp_size times. Use fa.step(state, batch), which splits the batch")
+                "would count it sp_size times. Use fa.step(state, batch), which splits the batch"
+            )
         # a part with no real token has a NaN mean (0 / 0): it counts zero, its gradient too
         kept = torch.where(shard.num_local > 0, loss, torch.zeros_like(loss))
         return kept * shard.weight.to(loss.dtype)
@@ -338,7 +366,9 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
         shard.num_local = shard.weight = shard.num_total = None  # used: the next loss needs its own split
         return {"loss": mean}
 
-    def before_update(model: nn.Module, optimizer: torch.optim.Optimizer, shard: SequenceShard) -> dict[str, Any]:
+    def before_update(
+        model: nn.Module, optimizer: torch.optim.Optimizer, shard: SequenceShard
+    ) -> dict[str, Any]:
         if shard.size > 1:
             _sum_gradients(optimizer, shard)
         return {}
@@ -349,22 +379,35 @@ def sp(*, seq_dim: int = 1, labels: str | int = "labels", ignore_index: int = -1
             raise ValueError(
                 "fa.prepare: fa.sp() weights each rank's mean loss by its share of the real tokens, and "
                 "accumulate(normalize='items') expects summed losses; use accumulate(k) (normalize='mean') "
-                "with fa.sp()")
+                "with fa.sp()"
+            )
         if Capability.RUNS_FORWARD_BACKWARD in pipeline.capabilities:
-            raise ValueError("fa.prepare: fa.sp() splits the batch before the loss function, which a transform "
-                             "running its own forward and backward (fa.pp) does not call; set sp_size=1 or "
-                             "pp_size=1")
+            raise ValueError(
+                "fa.prepare: fa.sp() splits the batch before the loss function, which a transform "
+                "running its own forward and backward (fa.pp) does not call; set sp_size=1 or "
+                "pp_size=1"
+            )
         return pipeline
 
-    opts = (options(seq_dim=seq_dim) if seq_dim != 1 else ()) + (
-        options(labels=labels) if labels != "labels" else ()) + (
-        options(ignore_index=ignore_index) if ignore_index != -100 else ()) + (
-        options(position_ids=position_ids) if position_ids != "position_ids" else ())
+    opts = (
+        (options(seq_dim=seq_dim) if seq_dim != 1 else ())
+        + (options(labels=labels) if labels != "labels" else ())
+        + (options(ignore_index=ignore_index) if ignore_index != -100 else ())
+        + (options(position_ids=position_ids) if position_ids != "position_ids" else ())
+    )
     return Transform(
-        name="sp", options=opts, phase=Phase.SEQUENCE_PARALLEL, mesh_dims=frozenset({"sp"}),
+        name="sp",
+        options=opts,
+        phase=Phase.SEQUENCE_PARALLEL,
+        mesh_dims=frozenset({"sp"}),
         conflicts=frozenset({"checkpoint_activations"}),
         conflict_fix="a recomputed block would attend over one rank's part of the sequence only; "
-                     "drop fa.checkpoint_activations() or set sp_size=1",
-        check_pipeline=check_pipeline, init=SequenceShard, prepare_model=prepare_model,
-        split_batch=split_batch, scale_loss=scale_loss, after_backward=after_backward,
-        before_update=before_update)
+        "drop fa.checkpoint_activations() or set sp_size=1",
+        check_pipeline=check_pipeline,
+        init=SequenceShard,
+        prepare_model=prepare_model,
+        split_batch=split_batch,
+        scale_loss=scale_loss,
+        after_backward=after_backward,
+        before_update=before_update,
+    )

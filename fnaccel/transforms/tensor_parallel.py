@@ -36,12 +36,14 @@ def _check_plan(plan: Any) -> None:
         raise TypeError(
             f"tp: plan must be a non-empty dict of module name -> ParallelStyle (e.g. "
             f"{{'mlp.up': ColwiseParallel(), 'mlp.down': RowwiseParallel()}}) or a callable "
-            f"(model, tp_mesh) -> model, got {plan!r}")
+            f"(model, tp_mesh) -> model, got {plan!r}"
+        )
     for name, style in plan.items():
         if not isinstance(name, str) or not isinstance(style, ParallelStyle):
             raise TypeError(
                 f"tp: plan entry {name!r}: {style!r} is not a torch ParallelStyle; use ColwiseParallel(), "
-                "RowwiseParallel(), SequenceParallel() ... from torch.distributed.tensor.parallel")
+                "RowwiseParallel(), SequenceParallel() ... from torch.distributed.tensor.parallel"
+            )
 
 
 def _check_names(model: nn.Module, plan: Mapping[str, Any]) -> None:
@@ -49,8 +51,10 @@ def _check_names(model: nn.Module, plan: Mapping[str, Any]) -> None:
     missing = [key for key in plan if not fnmatch.filter(names, key)]
     if missing:
         shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-        raise ValueError(f"fa.prepare: tp plan names {missing[0]!r}, which is no submodule of the model; "
-                         f"its submodules are {shown}")
+        raise ValueError(
+            f"fa.prepare: tp plan names {missing[0]!r}, which is no submodule of the model; "
+            f"its submodules are {shown}"
+        )
 
 
 def tp(plan: Plan) -> Transform:
@@ -84,12 +88,20 @@ def tp(plan: Plan) -> Transform:
             return parallelize_module(model, tp_mesh, dict(plan))
         out = plan(model, tp_mesh)
         if not isinstance(out, nn.Module):
-            raise TypeError(f"fa.prepare: the tp plan {plan!r} returned {type(out).__name__}; "
-                            "return the (parallelized) model")
+            raise TypeError(
+                f"fa.prepare: the tp plan {plan!r} returned {type(out).__name__}; "
+                "return the (parallelized) model"
+            )
         return out
 
     shown = list(plan) if isinstance(plan, Mapping) else getattr(plan, "__name__", repr(plan))
-    return Transform(name="tp", options=options(plan=shown), phase=Phase.TENSOR_PARALLEL,
-                     conflicts=frozenset({"ddp"}), prepare_model=prepare_model,
-                     capabilities=frozenset({Capability.TENSOR_PARALLEL}), mesh_dims=frozenset({"tp"}),
-                     conflict_fix="ddp() replicates whole parameters; use fa.fsdp() with fa.tp() (FSDP + TP)")
+    return Transform(
+        name="tp",
+        options=options(plan=shown),
+        phase=Phase.TENSOR_PARALLEL,
+        conflicts=frozenset({"ddp"}),
+        prepare_model=prepare_model,
+        capabilities=frozenset({Capability.TENSOR_PARALLEL}),
+        mesh_dims=frozenset({"tp"}),
+        conflict_fix="ddp() replicates whole parameters; use fa.fsdp() with fa.tp() (FSDP + TP)",
+    )

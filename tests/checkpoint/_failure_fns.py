@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-
 import fnaccel as fa
 from tests.checkpoint.test_resume import fresh_run, train
 
@@ -61,5 +60,3 @@ def one_rank_fails(state: fa.RunState, directory: str, failing: int) -> dict[str
         out["shutdown_s"] = time.monotonic() - start
     out["left"] = sorted(p.name for p in Path(directory).iterdir())
     return out
-
-

@@ -71,7 +71,13 @@ def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
 CASES: dict[str, tuple[Any, dict[str, Any], Any, int, int | None]] = {
     "fp32": (lambda: fa.compose(fa.ddp()), {"shuffle": True}, Samples, 2, 11),
     "fp16": (lambda: fa.compose(fa.autocast(fa.fp16), fa.ddp()), {"shuffle": True}, Samples, 2, 11),
-    "accumulate3_mid_window": (lambda: fa.compose(fa.ddp(), fa.accumulate(3)), {"shuffle": True}, Samples, 2, 13),
+    "accumulate3_mid_window": (
+        lambda: fa.compose(fa.ddp(), fa.accumulate(3)),
+        {"shuffle": True},
+        Samples,
+        2,
+        13,
+    ),
     "first_fetch_of_epoch": (lambda: fa.compose(fa.ddp()), {"shuffle": True}, Samples, 3, 9),
     "after_last_step_of_epoch": (lambda: fa.compose(fa.ddp()), {"shuffle": True}, Samples, 3, None),
     "workers2": (lambda: fa.compose(fa.ddp()), {"shuffle": True, "num_workers": 2}, Samples, 2, 11),
@@ -79,8 +85,13 @@ CASES: dict[str, tuple[Any, dict[str, Any], Any, int, int | None]] = {
     "iterable_workers2": (lambda: fa.compose(fa.ddp()), {"num_workers": 2}, ResumableStream, 2, 5),
 }
 DIST_CASES: dict[str, tuple[Any, dict[str, Any], Any, int, int | None]] = {
-    "bf16_accumulate2": (lambda: fa.compose(fa.autocast(fa.bf16), fa.ddp(), fa.accumulate(2)),
-                         {"shuffle": True}, Samples, 2, 7),
+    "bf16_accumulate2": (
+        lambda: fa.compose(fa.autocast(fa.bf16), fa.ddp(), fa.accumulate(2)),
+        {"shuffle": True},
+        Samples,
+        2,
+        7,
+    ),
     "first_fetch_of_epoch": (lambda: fa.compose(fa.ddp()), {"shuffle": True}, Samples, 3, 5),
 }
 
@@ -91,8 +102,9 @@ def fresh(case: tuple[Any, ...]) -> tuple[fa.RunState, nn.Module]:
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(dataset(), batch_size=4, **loader_kwargs)
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, optimizer, loader, pipeline=pipeline(),
-                       loss_fn=loss_fn)
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True), model, optimizer, loader, pipeline=pipeline(), loss_fn=loss_fn
+    )
     return state, model
 
 
@@ -134,8 +146,17 @@ def second(directory: Path, cases: dict[str, Any]) -> None:
         before = json.loads((directory / f"{name}.{rank}.first.json").read_text())
         results[name] = {
             "losses_equal": before + rest == whole_losses,
-            "weights_equal": all(torch.equal(p, q) for p, q in zip(model.parameters(), whole_model.parameters())),
-            "counters": [resumed.step, resumed.micro_step, resumed.epoch, whole.step, whole.micro_step, whole.epoch],
+            "weights_equal": all(
+                torch.equal(p, q) for p, q in zip(model.parameters(), whole_model.parameters(), strict=False)
+            ),
+            "counters": [
+                resumed.step,
+                resumed.micro_step,
+                resumed.epoch,
+                whole.step,
+                whole.micro_step,
+                whole.epoch,
+            ],
         }
     (directory / f"results.{rank}.json").write_text(json.dumps(results))
 

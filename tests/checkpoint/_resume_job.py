@@ -24,7 +24,9 @@ def main(part: str, checkpoint: str, out: Path) -> None:
         state = fa.load(state, checkpoint)
         state, losses = train(state, epochs=2)
     out.with_suffix(".json").write_text(json.dumps(losses))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out.with_suffix(".safetensors")))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, str(out.with_suffix(".safetensors"))
+    )
 
 
 if __name__ == "__main__":  # a script: importing it (doctest collection) must not run it

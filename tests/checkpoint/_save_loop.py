@@ -39,8 +39,12 @@ def main(path: str, rotate: bool, step: bool, fork: bool, wait: bool) -> None:
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4 if step else 20)])  # ~4 or ~21 MB of weights
     optimizer = torch.optim.AdamW(model.parameters())
     project = fa.ProjectConfiguration(project_dir=path, automatic_checkpoint_naming=True, total_limit=1)
-    state = fa.prepare(fa.init(seed=0, cpu=True, kwargs_handlers=[project] if rotate else ()), model, optimizer,
-                       loss_fn=lambda m, b: m(b).pow(2).mean())
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True, kwargs_handlers=[project] if rotate else ()),
+        model,
+        optimizer,
+        loss_fn=lambda m, b: m(b).pow(2).mean(),
+    )
     state, _ = fa.step(state, torch.ones(2, 512))  # optimizer state exists
     if not fork:
         if not wait or sys.stdin.readline():

@@ -22,8 +22,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).pa
 
 def _start_saver(path: Path, *modes: str) -> subprocess.Popen[str]:
     """_save_loop.py stepping and saving to ``path`` again and again (each line on its stdin: one more)."""
-    return subprocess.Popen([sys.executable, str(SAVE_LOOP), str(path), "step", *modes], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return subprocess.Popen(
+        [sys.executable, str(SAVE_LOOP), str(path), "step", *modes],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
 
 
 def _saver(path: Path) -> subprocess.Popen[str]:
@@ -37,8 +43,12 @@ def _loop_state() -> fa.RunState:
     """A fresh state shaped like _save_loop.py's."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
-    return fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.AdamW(model.parameters()),
-                      loss_fn=lambda m, b: m(b).pow(2).mean())
+    return fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.AdamW(model.parameters()),
+        loss_fn=lambda m, b: m(b).pow(2).mean(),
+    )
 
 
 def _stop(process: subprocess.Popen[str], *, kill: bool = False) -> tuple[str, str]:
@@ -86,8 +96,11 @@ def test_a_second_save_to_a_path_being_saved_is_refused_naming_the_first(tmp_pat
     assert isinstance(held, SaveLock)
     try:
         for blocking in (True, False):
-            with pytest.raises(fa.CheckpointError, match=r"another save to this path is in progress \(\{\"pid\": "
-                               rf"{os.getpid()}, \"host\": .*\); two runs saving to one path"):
+            with pytest.raises(
+                fa.CheckpointError,
+                match=r"another save to this path is in progress \(\{\"pid\": "
+                rf"{os.getpid()}, \"host\": .*\); two runs saving to one path",
+            ):
                 fa.save(state, path, blocking=blocking)
         assert not path.exists()
     finally:
@@ -97,7 +110,9 @@ def test_a_second_save_to_a_path_being_saved_is_refused_naming_the_first(tmp_pat
 
 
 def test_the_lock_of_a_save_that_died_is_taken_over(tmp_path: Path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     lock = tmp_path / ".ckpt.lock"
     lock.write_bytes(LOCK_MARKER + f'{{"pid": {dead.stdout.strip()}, "host": "here"}}\n'.encode())
     state = train(fresh_run(fa.init(seed=0, cpu=True), fa.compose())[0], epochs=1, stop_after=2)[0]
@@ -120,7 +135,9 @@ def test_two_processes_saving_to_one_path_never_remove_each_others_directories(t
         assert starting.stdin is not None and starting.stdout is not None
         starting.stdin.write("\n")
         starting.stdin.flush()
-        if starting.stdout.readline() != "first save done\n":  # its first save may already be refused: it ended
+        if (
+            starting.stdout.readline() != "first save done\n"
+        ):  # its first save may already be refused: it ended
             _stop(starting)
             second = None
     except BaseException:

@@ -25,8 +25,12 @@ SCRIPT = Path(__file__).with_name("_save_loop.py")
 def _fresh() -> fa.RunState:
     torch.manual_seed(1)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(20)])
-    return fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.AdamW(model.parameters()),
-                      loss_fn=lambda m, b: m(b).pow(2).mean())
+    return fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.AdamW(model.parameters()),
+        loss_fn=lambda m, b: m(b).pow(2).mean(),
+    )
 
 
 def manifest_epoch(path: Path) -> int:
@@ -40,8 +44,13 @@ def _save_loops(args: list[str]) -> Iterator[Callable[[int, float], None]]:
     save, ``saves`` more one at a time, then starts one more and is SIGKILLed ``delay`` seconds
     in (which lands inside that save or, where it was quicker, while the loop waits for the
     next go-ahead: never in a later save); it returns once the child is dead and reaped."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args, "fork"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args, "fork"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.stdin is not None and proc.stdout is not None
     stdin, stdout, child = proc.stdin, proc.stdout, 0
 
@@ -89,7 +98,10 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path: Path) -> No
 
             # the next run's first save removed what this one's killed save left: one at most (and the
             # killed save's lock file, which the kernel unlocked at its death: the next save takes it over)
-            assert len([p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.") and p.name != ".ckpt.lock"]) <= 1
+            assert (
+                len([p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.") and p.name != ".ckpt.lock"])
+                <= 1
+            )
             manifest = json.loads((path / "fnaccel.json").read_text())
             epochs_seen.add(manifest["epoch"])
             state = fa.load(_fresh(), path)  # verifies every checksum
@@ -118,12 +130,19 @@ def test_sigkill_during_rotation_never_shows_a_checkpoint_without_its_manifest(t
 
 
 @pytest.mark.slow
-def test_sigkill_between_a_commit_and_the_replaced_checkpoints_removal_leaves_the_new_one(tmp_path: Path) -> None:
+def test_sigkill_between_a_commit_and_the_replaced_checkpoints_removal_leaves_the_new_one(
+    tmp_path: Path,
+) -> None:
     # The replaced checkpoint is removed beside the run, after the save returned; killed in between (its manifest
     # gone, its other files not), the new checkpoint is in place and found, and the next save removes the rest
     path = tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(path), "hold", "fork"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(path), "hold", "fork"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.stdin is not None and proc.stdout is not None
     stdin, stdout, child = proc.stdin, proc.stdout, 0
 
@@ -166,7 +185,9 @@ def test_sigkill_between_a_commit_and_the_replaced_checkpoints_removal_leaves_th
         assert leftovers() == [first] and not (tmp_path / first / "fnaccel.json").exists()
         assert (tmp_path / first / ".fnaccel-leftover").is_file()  # marked: the next save's to remove
 
-        stdin.write("run\n")  # the next run's first save replaces epoch 1, and removes the killed run's leftover
+        stdin.write(
+            "run\n"
+        )  # the next run's first save replaces epoch 1, and removes the killed run's leftover
         stdin.flush()
         child = int(stdout.readline().removeprefix("pid "))
         second = lines("removing", "first save done")["removing"].removeprefix("removing ")
@@ -181,7 +202,8 @@ def test_sigkill_between_a_commit_and_the_replaced_checkpoints_removal_leaves_th
 
 
 def test_the_replaced_checkpoint_is_removed_beside_the_run_and_wait_or_shutdown_waits_for_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from fnaccel.checkpoint import files, writer
 
     go, started = threading.Event(), threading.Event()

@@ -18,9 +18,24 @@ from fnaccel.checkpoint.files import read_tensors, read_verified, verify_file, w
 from fnaccel.checkpoint.tensorfile import Checksum, python_block_sums
 
 DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.complex64,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
 ]
 
 
@@ -63,7 +78,9 @@ def _blocksum(data: bytes) -> str:
     """blocksum as docs/checkpoints.md defines it, in plain Python: zero-pad to whole
     4096-byte blocks, sum each block's little-endian 64-bit words modulo 2**64, and
     take the sha256 of those sums (little-endian) followed by the size."""
-    return hashlib.sha256(_sums(data + bytes(-len(data) % 4096)) + len(data).to_bytes(8, "little")).hexdigest()
+    return hashlib.sha256(
+        _sums(data + bytes(-len(data) % 4096)) + len(data).to_bytes(8, "little")
+    ).hexdigest()
 
 
 def _sums(padded: bytes) -> bytes:
@@ -107,7 +124,7 @@ def test_the_data_section_matches_safetensors_own_writer(tmp_path: Path) -> None
 
     def split(data: bytes) -> tuple[dict, bytes]:
         n = int.from_bytes(data[:8], "little")
-        return json.loads(data[8:8 + n]), data[8 + n:]
+        return json.loads(data[8 : 8 + n]), data[8 + n :]
 
     (our_header, our_data), (their_header, their_data) = split(ours), split(theirs)
     assert len(ours) == len(theirs) and set(our_header) == set(their_header) == set(tensors)
@@ -121,11 +138,17 @@ def test_the_data_section_matches_safetensors_own_writer(tmp_path: Path) -> None
 
 def test_a_file_of_unaligned_tensors_from_another_writer_reads_correctly(tmp_path: Path) -> None:
     one, two = torch.tensor([7], dtype=torch.uint8), torch.tensor([1.5, -2.25], dtype=torch.float64)
-    header = json.dumps({"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
-                         "b": {"dtype": "F64", "shape": [2], "data_offsets": [1, 17]}}).encode()
+    header = json.dumps(
+        {
+            "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+            "b": {"dtype": "F64", "shape": [2], "data_offsets": [1, 17]},
+        }
+    ).encode()
     header += b" " * (-len(header) % 8)
     path = tmp_path / "u.safetensors"
-    path.write_bytes(len(header).to_bytes(8, "little") + header + one.numpy().tobytes() + two.numpy().tobytes())
+    path.write_bytes(
+        len(header).to_bytes(8, "little") + header + one.numpy().tobytes() + two.numpy().tobytes()
+    )
     loaded = read_tensors(tmp_path, path.name, _manifest(path))
     assert torch.equal(loaded["a"], one) and torch.equal(loaded["b"], two)
     assert torch.equal(load_file(path)["b"], two)
@@ -141,7 +164,7 @@ MALFORMED = {
     "offsets disagree with shape": b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}',
     "gap": b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}',
     "overlap": b'{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[1],'
-               b'"data_offsets":[1,2]}}',
+    b'"data_offsets":[1,2]}}',
     "bytes left over": b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}',
     "bool shape": b'{"a":{"dtype":"U8","shape":[true],"data_offsets":[0,1]}}',
 }
@@ -183,7 +206,7 @@ def test_blocksum_is_the_documented_sum_whatever_the_chunks(size: int) -> None:
     for chunk in (size or 1, 1, 7, 4096, 5000) if size < 2**20 else (size, 2**20 + 7, 4096 * 300 + 1):
         digest = Checksum()
         for start in range(0, size, chunk):
-            digest.update(data[start:start + chunk])  # read-only bytes, as the header piece of a write
+            digest.update(data[start : start + chunk])  # read-only bytes, as the header piece of a write
         assert digest.hexdigest() == _blocksum(data), chunk
     writable = Checksum()
     writable.update(memoryview(bytearray(data)))
@@ -239,7 +262,9 @@ def test_verify_file_checks_the_size_before_reading_and_refuses_what_is_not_a_re
     manifest = _manifest(path)
     verify_file(tmp_path, "v.bin", manifest)
     manifest["files"]["v.bin"]["size"] = 99
-    with pytest.raises(CheckpointError, match=r"v\.bin: truncated or extended \(100 bytes, the manifest says 99\)"):
+    with pytest.raises(
+        CheckpointError, match=r"v\.bin: truncated or extended \(100 bytes, the manifest says 99\)"
+    ):
         verify_file(tmp_path, "v.bin", manifest)
     (tmp_path / "zero.bin").symlink_to("/dev/zero")
     with pytest.raises(CheckpointError, match=r"zero\.bin: a symbolic link"):
@@ -247,7 +272,9 @@ def test_verify_file_checks_the_size_before_reading_and_refuses_what_is_not_a_re
 
 
 def test_an_unsupported_dtype_or_layout_is_refused_with_the_fix(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"'q' has dtype torch.complex128, which safetensors cannot store"):
+    with pytest.raises(
+        CheckpointError, match=r"'q' has dtype torch.complex128, which safetensors cannot store"
+    ):
         write_tensors(tmp_path / "x.safetensors", {"q": torch.zeros(2, dtype=torch.complex128)})
     with pytest.raises(CheckpointError, match=r"'s' is torch.sparse_coo; save its dense form"):
         write_tensors(tmp_path / "y.safetensors", {"s": torch.eye(2).to_sparse()})

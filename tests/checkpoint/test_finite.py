@@ -24,8 +24,13 @@ def _run(state: fa.RunState | None = None, pipeline: fa.Pipeline | None = None) 
     """A small model after one AdamW update (its moments exist)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    state = fa.prepare(state or fa.init(seed=0, cpu=True), model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                       pipeline=pipeline or fa.compose(), loss_fn=lambda m, b: m(b).pow(2).mean())
+    state = fa.prepare(
+        state or fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        pipeline=pipeline or fa.compose(),
+        loss_fn=lambda m, b: m(b).pow(2).mean(),
+    )
     state, _ = fa.step(state, torch.randn(4, 4, generator=torch.Generator().manual_seed(state.dist.rank)))
     return state
 
@@ -52,8 +57,11 @@ def test_a_nan_parameter_or_an_inf_moment_is_refused_naming_it_and_the_escape(tm
     assert optimizer is not None
     with torch.no_grad():
         _linear(state, 2).bias[1] = NAN
-    with pytest.raises(fa.CheckpointError, match=r"fa\.save: parameter '2\.bias' holds NaN or inf values; "
-                                                 r"nothing was written.*allow_nonfinite=True"):
+    with pytest.raises(
+        fa.CheckpointError,
+        match=r"fa\.save: parameter '2\.bias' holds NaN or inf values; "
+        r"nothing was written.*allow_nonfinite=True",
+    ):
         fa.save(state, tmp_path / "good")
     assert _finite(tmp_path / "good")  # the finite checkpoint is still there, untouched
     with pytest.raises(fa.CheckpointError, match="parameter '2.bias'"):
@@ -62,7 +70,9 @@ def test_a_nan_parameter_or_an_inf_moment_is_refused_naming_it_and_the_escape(tm
     with torch.no_grad():
         _linear(state, 2).bias[1] = 0.0
         optimizer.state[_linear(state, 0).weight]["exp_avg_sq"][3, 1] = INF
-    with pytest.raises(fa.CheckpointError, match=r"optimizer state 'exp_avg_sq' of '0\.weight' holds NaN or inf"):
+    with pytest.raises(
+        fa.CheckpointError, match=r"optimizer state 'exp_avg_sq' of '0\.weight' holds NaN or inf"
+    ):
         fa.save(state, tmp_path / "new", blocking=False)
     assert not (tmp_path / "new").exists()
     with pytest.raises(TypeError, match="allow_nonfinite must be True or False, got 1"):
@@ -88,8 +98,11 @@ def test_allow_nonfinite_writes_a_marked_checkpoint_that_latest_passes_over(tmp_
         _linear(state, 0).weight[0, 0] = NAN
     fa.save(state, tmp_path / "ckpt" / "step_2", allow_nonfinite=True)
     assert not _finite(tmp_path / "ckpt" / "step_2")
-    with pytest.warns(fa.SkippedCheckpointWarning, match=r"step_2 \(step 2\): it was saved with NaN or inf values "
-                                                         r".*the newest finite checkpoint, .*step_1, comes first"):
+    with pytest.warns(
+        fa.SkippedCheckpointWarning,
+        match=r"step_2 \(step 2\): it was saved with NaN or inf values "
+        r".*the newest finite checkpoint, .*step_1, comes first",
+    ):
         assert fa.latest_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / "step_1"
     # a finite one that does not verify: the non-finite one is all there is, and it says so
     (tmp_path / "ckpt" / "step_1" / "model.safetensors").write_bytes(b"broken")
@@ -97,8 +110,10 @@ def test_allow_nonfinite_writes_a_marked_checkpoint_that_latest_passes_over(tmp_
         assert fa.latest_checkpoint(tmp_path / "ckpt") == tmp_path / "ckpt" / "step_2"
     messages = [str(w.message) for w in caught]
     assert any("step_1" in m and "model.safetensors" in m for m in messages), messages
-    assert any(m.startswith("fa.latest_checkpoint: no finite checkpoint holds; ") and "step_2 is saved with NaN"
-               in m for m in messages), messages
+    assert any(
+        m.startswith("fa.latest_checkpoint: no finite checkpoint holds; ") and "step_2 is saved with NaN" in m
+        for m in messages
+    ), messages
     # the non-finite checkpoint loads (to inspect the run), NaN included
     loaded = fa.load(_run(), tmp_path / "ckpt" / "step_2")
     assert torch.isnan(_linear(loaded, 0).weight[0, 0])
@@ -130,5 +145,7 @@ def plant_nan_on_rank_1(state: fa.RunState, root: str, sharded: bool) -> str:
 def test_every_rank_refuses_a_nan_only_one_rank_holds(world2: Any, tmp_path: Path, sharded: bool) -> None:
     outcomes = world2.run(plant_nan_on_rank_1, str(tmp_path), sharded)
     assert outcomes[0] == outcomes[1], outcomes  # agreed in the save's one exchange: nobody wrote
-    assert outcomes[0].startswith("fa.save: parameter '2.weight' holds NaN or inf values on rank 1; "), outcomes[0]
+    assert outcomes[0].startswith("fa.save: parameter '2.weight' holds NaN or inf values on rank 1; "), (
+        outcomes[0]
+    )
     assert not list(tmp_path.iterdir())

@@ -22,8 +22,13 @@ JOB = Path(__file__).with_name("_resume_job.py")
 
 def _start(part: str, checkpoint: Path, out: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, str(JOB), part, str(checkpoint), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, str(JOB), part, str(checkpoint), str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -40,7 +45,9 @@ def test_a_new_interpreter_resumes_bit_for_bit(tmp_path: Path) -> None:
         second.kill()
         second.wait()
     assert second.returncode == 0, stderr
-    halves = json.loads((tmp_path / "first.json").read_text()) + json.loads((tmp_path / "second.json").read_text())
+    halves = json.loads((tmp_path / "first.json").read_text()) + json.loads(
+        (tmp_path / "second.json").read_text()
+    )
     assert halves == losses  # accumulate(3), saved between micro-steps, dropout, shuffling
     final = load_file(str(tmp_path / "second.safetensors"))
     assert all(torch.equal(final[k], v) for k, v in model.state_dict().items())

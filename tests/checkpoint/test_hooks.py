@@ -9,7 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 import fnaccel as fa
-from fnaccel.checkpoint.hooks import CheckpointHooks, register_load_state_pre_hook, register_save_state_pre_hook
+from fnaccel.checkpoint.hooks import (
+    CheckpointHooks,
+    register_load_state_pre_hook,
+    register_save_state_pre_hook,
+)
 
 
 def _prepared(seed: int) -> fa.RunState:
@@ -81,4 +85,5 @@ def test_hooks_can_be_given_to_init() -> None:
     hooks = CheckpointHooks(save_state_pre=(to_other_layout,))
     state = fa.init(cpu=True, kwargs_handlers=[hooks])
     assert register_load_state_pre_hook(state, from_other_layout).kwargs_handlers["CheckpointHooks"] == (
-        CheckpointHooks(save_state_pre=(to_other_layout,), load_state_pre=(from_other_layout,)))
+        CheckpointHooks(save_state_pre=(to_other_layout,), load_state_pre=(from_other_layout,))
+    )

@@ -125,74 +125,133 @@ def _set_scalar(tensors: dict[str, torch.Tensor], key: str, value: torch.Tensor)
 
 
 FILE_EDITS: dict[str, tuple[str, Callable[[Path], None]]] = {
-    "scheduler step": (r"scheduler.json: state_dict: key 'last_epoch' must be an integer",
-                       lambda c: _edit_json(c, "scheduler.json", lambda v: v["state_dict"].update(last_epoch="abc"))),
-    "scheduler kind": (r"scheduler.json: key 'kind'.*ExponentialLR",
-                       lambda c: _edit_json(c, "scheduler.json", lambda v: v.update(
-                           kind="torch.optim.lr_scheduler.ExponentialLR"))),
-    "group lr": (r"optimizer.json: param_groups/0: key 'lr' must be a number",
-                 lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(lr="fast"))),
+    "scheduler step": (
+        r"scheduler.json: state_dict: key 'last_epoch' must be an integer",
+        lambda c: _edit_json(c, "scheduler.json", lambda v: v["state_dict"].update(last_epoch="abc")),
+    ),
+    "scheduler kind": (
+        r"scheduler.json: key 'kind'.*ExponentialLR",
+        lambda c: _edit_json(
+            c, "scheduler.json", lambda v: v.update(kind="torch.optim.lr_scheduler.ExponentialLR")
+        ),
+    ),
+    "group lr": (
+        r"optimizer.json: param_groups/0: key 'lr' must be a number",
+        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(lr="fast")),
+    ),
     # torch replaces a live group by the saved one: these failed at the first step, after the load
-    "group lr missing": (r"optimizer.json: param_groups/0: key 'lr' is missing",
-                         lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].pop("lr"))),
-    "group betas length": (r"optimizer.json: param_groups/0: key 'betas' holds 1 items",
-                           lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0]["betas"].pop())),
-    "group beta range": (r"optimizer.json: param_groups/0: AdamW refuses these settings \(Invalid beta",
-                         lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(
-                             betas=[-1.0, 0.999]))),
-    "group huge eps": (r"optimizer.json: param_groups/0: key 'eps' is 1180591620717411303424, out of any range",
-                       lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(eps=2**70))),
+    "group lr missing": (
+        r"optimizer.json: param_groups/0: key 'lr' is missing",
+        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].pop("lr")),
+    ),
+    "group betas length": (
+        r"optimizer.json: param_groups/0: key 'betas' holds 1 items",
+        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0]["betas"].pop()),
+    ),
+    "group beta range": (
+        r"optimizer.json: param_groups/0: AdamW refuses these settings \(Invalid beta",
+        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(betas=[-1.0, 0.999])),
+    ),
+    "group huge eps": (
+        r"optimizer.json: param_groups/0: key 'eps' is 1180591620717411303424, out of any range",
+        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(eps=2**70)),
+    ),
     # settings whose state is missing or whose device lacks them: the first step failed, after the load
     "group amsgrad without its state": (
         r"optimizer.json: the state saved for \['exp_avg', 'exp_avg_sq', 'step'\] does not fit the group's "
         r"settings: AdamW's step fails with them \(KeyError: 'max_exp_avg_sq'\)",
-        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(amsgrad=True))),
+        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(amsgrad=True)),
+    ),
     "group capturable on cpu": (
         r"optimizer.json: the state saved for .* AdamW's step fails with them",
-        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(capturable=True))),
-    "python rng size": (r"rank0.json: rng: key 'python/1' holds 3 items",
-                        lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(1, [1, 2, 3]))),
+        lambda c: _edit_json(c, "optimizer.json", lambda v: v["param_groups"][0].update(capturable=True)),
+    ),
+    "python rng size": (
+        r"rank0.json: rng: key 'python/1' holds 3 items",
+        lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(1, [1, 2, 3])),
+    ),
     # random.setstate refuses these only when fa.evaluate installs the state, after the load
-    "python rng version": (r"rank0.json: key 'rng/python' is not a Python generator state of version 3",
-                           lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(0, -1))),
-    "python rng gauss": (r"rank0.json: key 'rng/python' is not a Python generator state",
-                         lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(2, 1e400))),
-    "numpy rng gauss": (r"rank0.json: key 'rng/numpy' is not a NumPy generator state",
-                        lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["numpy"].__setitem__(4, float("nan")))),
-    "transforms": (r"rank0.json: key 'transforms' must be an object",
-                   lambda c: _edit_json(c, "rank0.json", lambda v: v.update(transforms=[]))),
-    "rank keys": (r"rank0.json: must hold exactly the keys",
-                  lambda c: _edit_json(c, "rank0.json", lambda v: v.pop("rng"))),
-    "unknown transform": (r"rank0.json: state for transform 'ema'",
-                          lambda c: _edit_json(c, "rank0.json", lambda v: v["transforms"].update(ema={}))),
-    "torch rng size": (r"rank0.safetensors: rng/torch: has shape \(10,\)",
-                       lambda c: _edit_tensors(c, "rank0.safetensors", lambda t: _set_scalar(
-                           t, "rng/torch", torch.zeros(10, dtype=torch.uint8)))),
-    "gradient shape": (r"rank0.safetensors: '0.weight' has shape \(8, 32\)",
-                       lambda c: _edit_tensors(c, "rank0.safetensors", lambda t: _set_scalar(
-                           t, "grad/0.weight", t["grad/0.weight"].T.contiguous()))),
-    "stray tensor": (r"rank0.safetensors: key 'payload' is not a generator state or a gradient",
-                     lambda c: _edit_tensors(c, "rank0.safetensors", lambda t: _set_scalar(
-                         t, "payload", torch.zeros(1)))),
-    "exp_avg shape": (r"optimizer.safetensors: key '0.weight/exp_avg' has shape \(8, 32\)",
-                      lambda c: _edit_tensors(c, "optimizer.safetensors", lambda t: _set_scalar(
-                          t, "0.weight/exp_avg", t["0.weight/exp_avg"].T.contiguous()))),
-    "exp_avg dtype": (r"optimizer.safetensors: key '0.weight/exp_avg' has shape \(32, 8\) and dtype torch.float64",
-                      lambda c: _edit_tensors(c, "optimizer.safetensors", lambda t: _set_scalar(
-                          t, "0.weight/exp_avg", t["0.weight/exp_avg"].double()))),
-    "model dtype": (r"model.safetensors: '0.bias' has dtype torch.float16 in the checkpoint but torch.float32",
-                    lambda c: _edit_tensors(c, "model.safetensors", lambda t: _set_scalar(
-                        t, "0.bias", t["0.bias"].half()))),
-    "optimizer state name": (r"optimizer.safetensors: key 'nope/exp_avg': optimizer state for unknown parameter",
-                             lambda c: _edit_tensors(c, "optimizer.safetensors", lambda t: _set_scalar(
-                                 t, "nope/exp_avg", torch.zeros(2)))),
-    "deep json": (r"scheduler.json: not valid JSON \(or nested too deeply\)",
-                  lambda c: ((c / "scheduler.json").write_text("[" * 100_000 + "]" * 100_000), _rehash(c))),
+    "python rng version": (
+        r"rank0.json: key 'rng/python' is not a Python generator state of version 3",
+        lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(0, -1)),
+    ),
+    "python rng gauss": (
+        r"rank0.json: key 'rng/python' is not a Python generator state",
+        lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["python"].__setitem__(2, 1e400)),
+    ),
+    "numpy rng gauss": (
+        r"rank0.json: key 'rng/numpy' is not a NumPy generator state",
+        lambda c: _edit_json(c, "rank0.json", lambda v: v["rng"]["numpy"].__setitem__(4, float("nan"))),
+    ),
+    "transforms": (
+        r"rank0.json: key 'transforms' must be an object",
+        lambda c: _edit_json(c, "rank0.json", lambda v: v.update(transforms=[])),
+    ),
+    "rank keys": (
+        r"rank0.json: must hold exactly the keys",
+        lambda c: _edit_json(c, "rank0.json", lambda v: v.pop("rng")),
+    ),
+    "unknown transform": (
+        r"rank0.json: state for transform 'ema'",
+        lambda c: _edit_json(c, "rank0.json", lambda v: v["transforms"].update(ema={})),
+    ),
+    "torch rng size": (
+        r"rank0.safetensors: rng/torch: has shape \(10,\)",
+        lambda c: _edit_tensors(
+            c, "rank0.safetensors", lambda t: _set_scalar(t, "rng/torch", torch.zeros(10, dtype=torch.uint8))
+        ),
+    ),
+    "gradient shape": (
+        r"rank0.safetensors: '0.weight' has shape \(8, 32\)",
+        lambda c: _edit_tensors(
+            c,
+            "rank0.safetensors",
+            lambda t: _set_scalar(t, "grad/0.weight", t["grad/0.weight"].T.contiguous()),
+        ),
+    ),
+    "stray tensor": (
+        r"rank0.safetensors: key 'payload' is not a generator state or a gradient",
+        lambda c: _edit_tensors(c, "rank0.safetensors", lambda t: _set_scalar(t, "payload", torch.zeros(1))),
+    ),
+    "exp_avg shape": (
+        r"optimizer.safetensors: key '0.weight/exp_avg' has shape \(8, 32\)",
+        lambda c: _edit_tensors(
+            c,
+            "optimizer.safetensors",
+            lambda t: _set_scalar(t, "0.weight/exp_avg", t["0.weight/exp_avg"].T.contiguous()),
+        ),
+    ),
+    "exp_avg dtype": (
+        r"optimizer.safetensors: key '0.weight/exp_avg' has shape \(32, 8\) and dtype torch.float64",
+        lambda c: _edit_tensors(
+            c,
+            "optimizer.safetensors",
+            lambda t: _set_scalar(t, "0.weight/exp_avg", t["0.weight/exp_avg"].double()),
+        ),
+    ),
+    "model dtype": (
+        r"model.safetensors: '0.bias' has dtype torch.float16 in the checkpoint but torch.float32",
+        lambda c: _edit_tensors(
+            c, "model.safetensors", lambda t: _set_scalar(t, "0.bias", t["0.bias"].half())
+        ),
+    ),
+    "optimizer state name": (
+        r"optimizer.safetensors: key 'nope/exp_avg': optimizer state for unknown parameter",
+        lambda c: _edit_tensors(
+            c, "optimizer.safetensors", lambda t: _set_scalar(t, "nope/exp_avg", torch.zeros(2))
+        ),
+    ),
+    "deep json": (
+        r"scheduler.json: not valid JSON \(or nested too deeply\)",
+        lambda c: ((c / "scheduler.json").write_text("[" * 100_000 + "]" * 100_000), _rehash(c)),
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(FILE_EDITS))
-def test_every_file_edited_and_rehashed_is_refused_before_anything_is_restored(checkpoint: Path, case: str) -> None:
+def test_every_file_edited_and_rehashed_is_refused_before_anything_is_restored(
+    checkpoint: Path, case: str
+) -> None:
     match, edit = FILE_EDITS[case]
     edit(checkpoint)
     _refused(checkpoint, match)
@@ -200,11 +259,16 @@ def test_every_file_edited_and_rehashed_is_refused_before_anything_is_restored(c
 
 def test_another_optimizer_or_scheduler_kind_is_refused(checkpoint: Path) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 4)
+    )
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = fa.prepare(fa.init(seed=0, cpu=True), model, sgd, pipeline=fa.compose(fa.accumulate(2)))
-    with pytest.raises(fa.CheckpointError, match=r"optimizer.json: key 'kind': saved from 'torch.optim.adamw.AdamW', "
-                                                 r"but this run's is 'torch.optim.sgd.SGD'"):
+    with pytest.raises(
+        fa.CheckpointError,
+        match=r"optimizer.json: key 'kind': saved from 'torch.optim.adamw.AdamW', "
+        r"but this run's is 'torch.optim.sgd.SGD'",
+    ):
         fa.load(state, checkpoint)
     state.check_fresh("the test")
     assert not sgd.state
@@ -213,24 +277,36 @@ def test_another_optimizer_or_scheduler_kind_is_refused(checkpoint: Path) -> Non
 def test_group_settings_the_optimizer_class_fills_in_may_be_missing(checkpoint: Path) -> None:
     """A checkpoint from a torch without a newer option (AdamW's ``decoupled_weight_decay``,
     ``foreach``) loads: the class fills them in itself, as torch's own load does."""
-    _edit_json(checkpoint, "optimizer.json",
-               lambda v: [v["param_groups"][0].pop(k) for k in ("decoupled_weight_decay", "foreach")])
+    _edit_json(
+        checkpoint,
+        "optimizer.json",
+        lambda v: [v["param_groups"][0].pop(k) for k in ("decoupled_weight_decay", "foreach")],
+    )
     state = fa.load(_fresh(), checkpoint)
     assert state.optimizer.param_groups[0]["foreach"] is None
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True),
-    lambda ps: torch.optim.Adafactor(ps, lr=0.01),  # factored state: no one-element stand-in
-    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-], ids=["amsgrad", "adafactor", "sgd"])
-def test_states_that_fit_their_settings_load_and_resume_alike(tmp_path: Path,
-                                                              make: Callable[[Any], torch.optim.Optimizer]) -> None:
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True),
+        lambda ps: torch.optim.Adafactor(ps, lr=0.01),  # factored state: no one-element stand-in
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    ],
+    ids=["amsgrad", "adafactor", "sgd"],
+)
+def test_states_that_fit_their_settings_load_and_resume_alike(
+    tmp_path: Path, make: Callable[[Any], torch.optim.Optimizer]
+) -> None:
     def run() -> fa.RunState:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
-        return fa.prepare(fa.init(seed=0, cpu=True), model, make(model.parameters()),
-                          loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"]))
+        return fa.prepare(
+            fa.init(seed=0, cpu=True),
+            model,
+            make(model.parameters()),
+            loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"]),
+        )
 
     batch = {"x": torch.randn(5, 4), "y": torch.randn(5, 2)}
     state = run()
@@ -240,7 +316,7 @@ def test_states_that_fit_their_settings_load_and_resume_alike(tmp_path: Path,
     resumed = fa.load(run(), tmp_path / "ckpt")
     state, _ = fa.step(state, batch)
     resumed, _ = fa.step(resumed, batch)
-    for a, b in zip(state.model.parameters(), resumed.model.parameters()):
+    for a, b in zip(state.model.parameters(), resumed.model.parameters(), strict=False):
         assert torch.equal(a, b)
 
 
@@ -255,9 +331,14 @@ def hostile_load() -> Iterator[Callable[[Path, str, str], dict[str, Any]]]:
     (memory-limited, so a regression that reads a device whole fails there rather than eating
     the machine) with ``name`` made hostile. Each child is forked by one `_hostile_load.py serve`
     (torch imported once), in a session of its own so that a child stuck on a FIFO goes too."""
-    server = subprocess.Popen([sys.executable, str(HOSTILE_JOB), "serve"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, start_new_session=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])})
+    server = subprocess.Popen(
+        [sys.executable, str(HOSTILE_JOB), "serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
     assert server.stdin is not None and server.stdout is not None
     stdin, stdout = server.stdin, server.stdout
 
@@ -280,15 +361,22 @@ def hostile_load() -> Iterator[Callable[[Path, str, str], dict[str, Any]]]:
         stdout.close()
 
 
-@pytest.mark.parametrize(("name", "kind", "match"), [
-    ("model.safetensors", "zero", "model.safetensors: a symbolic link"),
-    ("rank0.json", "fifo", "rank0.json: a FIFO"),
-    ("optimizer.safetensors", "outside", "optimizer.safetensors: a symbolic link"),
-    ("model.safetensors", "sparse", r"model.safetensors: truncated or extended \(8589934592 bytes"),
-    ("fnaccel.json", "zero", "fnaccel.json: a symbolic link"),
-])
+@pytest.mark.parametrize(
+    ("name", "kind", "match"),
+    [
+        ("model.safetensors", "zero", "model.safetensors: a symbolic link"),
+        ("rank0.json", "fifo", "rank0.json: a FIFO"),
+        ("optimizer.safetensors", "outside", "optimizer.safetensors: a symbolic link"),
+        ("model.safetensors", "sparse", r"model.safetensors: truncated or extended \(8589934592 bytes"),
+        ("fnaccel.json", "zero", "fnaccel.json: a symbolic link"),
+    ],
+)
 def test_hostile_files_are_named_at_once_without_reading_them(
-    checkpoint: Path, name: str, kind: str, match: str, hostile_load: Callable[[Path, str, str], dict[str, Any]]
+    checkpoint: Path,
+    name: str,
+    kind: str,
+    match: str,
+    hostile_load: Callable[[Path, str, str], dict[str, Any]],
 ) -> None:
     result = hostile_load(checkpoint, name, kind)
     assert result["error"] == "CheckpointError", result
@@ -306,14 +394,20 @@ def test_a_registered_object_gets_tensors_of_its_own_shape_or_an_error(tmp_path:
         return fa.utils.register_for_checkpointing(_fresh(), ema=Ema(value))
 
     fa.save(run(1.0), tmp_path / "ckpt")
-    _edit_tensors(tmp_path / "ckpt", "extras.safetensors",
-                  lambda t: _set_scalar(t, "ema/shadow/w", torch.zeros(5)))
+    _edit_tensors(
+        tmp_path / "ckpt", "extras.safetensors", lambda t: _set_scalar(t, "ema/shadow/w", torch.zeros(5))
+    )
     state = run(2.0)
     with pytest.raises(fa.CheckpointError, match=r"extras.json: ema: key 'shadow/w' has shape \(5,\)"):
         fa.load(state, tmp_path / "ckpt")
     state.check_fresh("the test")
     assert torch.equal(state.extras["ema"].shadow["w"], torch.full((3,), 2.0))  # untouched
-    _edit_json(tmp_path / "ckpt", "extras.json",
-               lambda v: v["ema"]["dict"][0].__setitem__(1, {"dict": [["w", {"tensor": "gone"}]]}))
-    with pytest.raises(fa.CheckpointError, match=r"extras.json: ema: key 'shadow/w': tensor 'gone' is not in "):
+    _edit_json(
+        tmp_path / "ckpt",
+        "extras.json",
+        lambda v: v["ema"]["dict"][0].__setitem__(1, {"dict": [["w", {"tensor": "gone"}]]}),
+    )
+    with pytest.raises(
+        fa.CheckpointError, match=r"extras.json: ema: key 'shadow/w': tensor 'gone' is not in "
+    ):
         fa.load(run(2.0), tmp_path / "ckpt")

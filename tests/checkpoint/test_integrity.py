@@ -32,9 +32,19 @@ def _fresh() -> fa.RunState:
     return fresh_run(fa.init(seed=0, cpu=True), fa.compose(fa.accumulate(2)))[0]
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "optimizer.json",
-                                  "scheduler.json", "rank0.safetensors", "rank0.json",
-                                  "config.yaml", "fnaccel.json"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "optimizer.json",
+        "scheduler.json",
+        "rank0.safetensors",
+        "rank0.json",
+        "config.yaml",
+        "fnaccel.json",
+    ],
+)
 def test_a_flipped_byte_names_the_file(checkpoint: Path, name: str) -> None:
     path = checkpoint / name
     data = bytearray(path.read_bytes())
@@ -75,15 +85,21 @@ def _reseal(checkpoint: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     path.write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("version, age", [(5, "older than"), (2, "older than"), (7, "newer than"),
-                                          (99, "newer than"), ("6", "not")])
+@pytest.mark.parametrize(
+    "version, age",
+    [(5, "older than"), (2, "older than"), (7, "newer than"), (99, "newer than"), ("6", "not")],
+)
 def test_a_checkpoint_of_another_schema_is_refused_naming_its_version_and_this_one(
-    checkpoint: Path, version: object, age: str,
+    checkpoint: Path,
+    version: object,
+    age: str,
 ) -> None:
     assert json.loads((checkpoint / "fnaccel.json").read_text())["schema_version"] == SCHEMA_VERSION == 6
     _reseal(checkpoint, lambda manifest: manifest.update(schema_version=version))
-    expected = (f"fnaccel.json: checkpoint schema version {version!r} is {age} the one this fnaccel reads "
-                "(schema version 6); load it with the fnaccel that wrote it")
+    expected = (
+        f"fnaccel.json: checkpoint schema version {version!r} is {age} the one this fnaccel reads "
+        "(schema version 6); load it with the fnaccel that wrote it"
+    )
     for read in (lambda: fa.load(_fresh(), checkpoint), lambda: read_manifest(checkpoint)):
         with pytest.raises(fa.CheckpointError, match=re.escape(expected)):
             read()
@@ -92,26 +108,37 @@ def test_a_checkpoint_of_another_schema_is_refused_naming_its_version_and_this_o
 @pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
 def test_a_file_checksum_other_than_blocksum_is_refused(checkpoint: Path, algorithm: str) -> None:
     """One checksum algorithm: entries naming another (as schemas 2 and 3 did) are malformed."""
+
     def edit(manifest: dict[str, Any]) -> None:
         entry = manifest["files"]["model.safetensors"]
         data = (checkpoint / "model.safetensors").read_bytes()
         entry.pop("blocksum")
-        entry[algorithm] = hashlib.sha256(data).hexdigest() if algorithm == "sha256" else f"{zlib.crc32(data):08x}"
+        entry[algorithm] = (
+            hashlib.sha256(data).hexdigest() if algorithm == "sha256" else f"{zlib.crc32(data):08x}"
+        )
 
     _reseal(checkpoint, edit)
-    with pytest.raises(fa.CheckpointError, match=r"fnaccel\.json: key 'files' must be an object of relative "
-                                                 r'file names to \{"blocksum": 64 hex digits, "size": bytes\}'):
+    with pytest.raises(
+        fa.CheckpointError,
+        match=r"fnaccel\.json: key 'files' must be an object of relative "
+        r'file names to \{"blocksum": 64 hex digits, "size": bytes\}',
+    ):
         fa.load(_fresh(), checkpoint)
 
 
 def test_another_model_gives_key_and_shape_errors(checkpoint: Path) -> None:
     wider = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 4))
     state = fa.prepare(fa.init(seed=0, cpu=True), wider, torch.optim.AdamW(wider.parameters()))
-    with pytest.raises(fa.CheckpointError, match=r"'0.weight' has shape \(32, 8\) in the checkpoint but \(64, 8\)"):
+    with pytest.raises(
+        fa.CheckpointError, match=r"'0.weight' has shape \(32, 8\) in the checkpoint but \(64, 8\)"
+    ):
         fa.load(state, checkpoint)
     other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
     state = fa.prepare(fa.init(seed=0, cpu=True), other, torch.optim.AdamW(other.parameters()))
-    with pytest.raises(fa.CheckpointError, match=r"missing keys \['2.bias', '2.weight'\], unexpected keys \['3.bias', '3.weight'\]"):
+    with pytest.raises(
+        fa.CheckpointError,
+        match=r"missing keys \['2.bias', '2.weight'\], unexpected keys \['3.bias', '3.weight'\]",
+    ):
         fa.load(state, checkpoint)
 
 
@@ -152,8 +179,10 @@ def test_tied_weights_round_trip_and_stay_tied(tmp_path: Path) -> None:
     assert manifest["tied"] == {"head.weight": "embed.weight"}  # stored once
     torch.manual_seed(5)
     other = Tied()
-    loaded = fa.load(fa.prepare(fa.init(seed=0, cpu=True), other, torch.optim.SGD(other.parameters(), lr=0.1)),
-                     tmp_path / "tied")
+    loaded = fa.load(
+        fa.prepare(fa.init(seed=0, cpu=True), other, torch.optim.SGD(other.parameters(), lr=0.1)),
+        tmp_path / "tied",
+    )
     assert torch.equal(other.embed.weight, model.embed.weight)
     assert other.head.weight is other.embed.weight  # still one parameter
     assert loaded.step == 1

@@ -79,8 +79,10 @@ def tiers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def _copy(tiers: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
     import shutil
 
-    return (Path(shutil.copytree(tiers[0], tmp_path / "ram", symlinks=True)),
-            Path(shutil.copytree(tiers[1], tmp_path / "disk", symlinks=True)))
+    return (
+        Path(shutil.copytree(tiers[0], tmp_path / "ram", symlinks=True)),
+        Path(shutil.copytree(tiers[1], tmp_path / "disk", symlinks=True)),
+    )
 
 
 def test_newest_valid_across_tiers_and_argument_forms(tiers: tuple[Path, Path], tmp_path: Path) -> None:
@@ -104,8 +106,9 @@ def test_a_truncated_newest_is_skipped_with_a_warning(tiers: tuple[Path, Path], 
     ram, disk = _copy(tiers, tmp_path)
     model = ram / "latest" / "model.safetensors"
     model.write_bytes(model.read_bytes()[:-10])
-    with pytest.warns(fa.SkippedCheckpointWarning,
-                      match=r"skipped .*latest \(step 6\).*model.safetensors: truncated") as caught:
+    with pytest.warns(
+        fa.SkippedCheckpointWarning, match=r"skipped .*latest \(step 6\).*model.safetensors: truncated"
+    ) as caught:
         assert fa.latest_checkpoint(ram, disk) == disk / "checkpoint_5"
     assert len(caught) == 1  # the step-3 checkpoint was never read: the newest valid one stops the search
 
@@ -126,8 +129,9 @@ def test_a_flipped_byte_and_a_damaged_manifest_are_skipped(tiers: tuple[Path, Pa
     assert "latest" in messages[1] and "fnaccel.json: corrupt" in messages[1]
 
 
-def test_hidden_leftovers_and_a_live_save_are_skipped_with_a_warning(tiers: tuple[Path, Path],
-                                                                      tmp_path: Path) -> None:
+def test_hidden_leftovers_and_a_live_save_are_skipped_with_a_warning(
+    tiers: tuple[Path, Path], tmp_path: Path
+) -> None:
     ram, disk = _copy(tiers, tmp_path)
     # what a save killed mid-write leaves: a hidden, marked directory (here even with a manifest)
     import shutil
@@ -172,8 +176,9 @@ def test_doctest_shape_of_the_answer(tmp_path: Path) -> None:
     assert isinstance(found, Path) and found == Path(os.path.relpath(tmp_path / "a")) / "ckpt"
 
 
-def test_the_two_tier_block_of_the_docs_runs_and_resumes_from_ram(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_two_tier_block_of_the_docs_runs_and_resumes_from_ram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """docs/checkpoints.md's two-tier loop, run twice as written: the second run starts
     from the RAM tier's checkpoint of the first."""
     import shutil
@@ -193,9 +198,12 @@ def test_the_two_tier_block_of_the_docs_runs_and_resumes_from_ram(tmp_path: Path
         steps = []
         for _ in range(2):
             model = nn.Linear(8, 2)
-            names = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
-                     "loader": DataLoader(data, batch_size=4),
-                     "loss_fn": lambda m, b: nn.functional.mse_loss(m(b[0]), b[1])}
+            names = {
+                "model": model,
+                "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+                "loader": DataLoader(data, batch_size=4),
+                "loss_fn": lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]),
+            }
             exec(code, names)
             steps.append((names["found"], names["state"].step))
             fa.shutdown(names["state"])
@@ -206,8 +214,13 @@ def test_the_two_tier_block_of_the_docs_runs_and_resumes_from_ram(tmp_path: Path
 
 def test_an_empty_path_or_a_value_that_is_no_path_is_refused_naming_the_argument(tmp_path: Path) -> None:
     """Before: "" scanned the current directory (and returned a checkpoint found there)."""
-    with pytest.raises(ValueError, match=r"directories\[1\] is an empty path, which would scan the current "
-                                         r"directory; .*\('\.' for the current one\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"directories\[1\] is an empty path, which would scan the current "
+        r"directory; .*\('\.' for the current one\)",
+    ):
         fa.latest_checkpoint(tmp_path, "")
-    with pytest.raises(TypeError, match=r"directories\[0\] must be a path \(str or os\.PathLike\), got NoneType"):
+    with pytest.raises(
+        TypeError, match=r"directories\[0\] must be a path \(str or os\.PathLike\), got NoneType"
+    ):
         fa.latest_checkpoint(None)  # type: ignore[arg-type]

@@ -27,8 +27,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(part: str, directory: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, job.__file__, part, str(directory)],
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [sys.executable, job.__file__, part, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -70,12 +75,19 @@ def _save_mid_epoch(directory: Path) -> None:
     fa.save(state, directory)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"batch_size": 6}, r"global batch of 4 samples per step \(4 per process x 1 process\(es\)\) but this run reads 6"),
-    ({"num_samples": 30}, "num_samples=36 but this run's loader has num_samples=30"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"batch_size": 6},
+            r"global batch of 4 samples per step \(4 per process x 1 process\(es\)\) but this run reads 6",
+        ),
+        ({"num_samples": 30}, "num_samples=36 but this run's loader has num_samples=30"),
+    ],
+)
 def test_a_resume_that_cannot_be_exact_is_refused_naming_both_values(
-        tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
+    tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
     _save_mid_epoch(tmp_path / "ckpt")
     other = _prepared(**kwargs)
     with pytest.raises(fa.CheckpointError, match=message):
@@ -88,7 +100,7 @@ def test_fetching_without_stepping_moves_nothing_and_the_next_reading_starts_the
     first = next(iter(fa.batches(state)))
     assert state.data_position == fa.DataPosition()  # fetched, not consumed
     again = next(iter(fa.batches(state)))
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=False))
     state, _ = fa.step(state, again)
     assert state.data_position == fa.DataPosition(epoch=0, num_batches=1)
     state, _ = fa.step(state, again)  # stepping a batch again consumes nothing more

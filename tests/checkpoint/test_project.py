@@ -27,7 +27,7 @@ def test_an_async_save_holds_the_moment_it_was_called_and_resumes_exactly(tmp_pa
     resumed = fa.load(resumed, tmp_path / "async")
     resumed, rest = train(resumed, epochs=2)
     assert first + rest == whole_losses == first + more
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), whole_model.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), whole_model.parameters(), strict=False))
 
 
 def test_consecutive_async_saves_each_hold_their_own_moment(tmp_path: Path) -> None:
@@ -62,7 +62,9 @@ def test_the_queue_reuses_a_staging_buffer_of_the_same_shape_and_dtype() -> None
 
 
 @pytest.mark.parametrize("blocking", [True, False])
-def test_a_long_name_saves_and_one_past_the_limit_is_refused_at_the_call(tmp_path: Path, blocking: bool) -> None:
+def test_a_long_name_saves_and_one_past_the_limit_is_refused_at_the_call(
+    tmp_path: Path, blocking: bool
+) -> None:
     run, _, _ = fresh_run(fa.init(seed=0, cpu=True), fa.compose())
     # 218-255 bytes: the hidden sibling ".<name>.tmp-<32 hex>" would pass the file-name limit
     for name in ("x" * 250, "é" * 127):
@@ -70,7 +72,9 @@ def test_a_long_name_saves_and_one_past_the_limit_is_refused_at_the_call(tmp_pat
         assert fa.load(fresh_run(fa.init(seed=0, cpu=True), fa.compose())[0], tmp_path / name).step == 0
         fa.save(run, tmp_path / name, blocking=blocking).wait()  # replaced: its sibling names fit too
     assert sorted(os.listdir(tmp_path)) == sorted(["x" * 250, "é" * 127])
-    with pytest.raises(fa.CheckpointError, match=r"its name is 256 bytes, more than the 255 a file name may have"):
+    with pytest.raises(
+        fa.CheckpointError, match=r"its name is 256 bytes, more than the 255 a file name may have"
+    ):
         fa.save(run, tmp_path / ("x" * 256), blocking=blocking)
     fa.shutdown(run)
 
@@ -84,8 +88,12 @@ def test_automatic_naming_and_total_limit_rotation(tmp_path: Path) -> None:
         fa.save(run)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["checkpoint_2", "checkpoint_3"]  # numbered on, the newest two kept
-    assert fa.load(fresh_run(fa.init(seed=0, cpu=True), fa.compose())[0],
-                   tmp_path / "checkpoints" / "checkpoint_3").micro_step == 4
+    assert (
+        fa.load(
+            fresh_run(fa.init(seed=0, cpu=True), fa.compose())[0], tmp_path / "checkpoints" / "checkpoint_3"
+        ).micro_step
+        == 4
+    )
     with pytest.raises(ValueError, match="give a path"):
         fa.save(fresh_run(fa.init(seed=0, cpu=True), fa.compose())[0])
     with pytest.raises(ValueError, match="total_limit must be None or >= 1"):
@@ -112,7 +120,9 @@ def test_registered_objects_round_trip_without_pickle(tmp_path: Path) -> None:
     run = fa.utils.register_for_checkpointing(run, ema=Ema(2.0))
     fa.save(run, tmp_path / "with_ema")
     other = Ema(0.0)
-    fresh = fa.utils.register_for_checkpointing(fresh_run(fa.init(seed=0, cpu=True), fa.compose())[0], ema=other)
+    fresh = fa.utils.register_for_checkpointing(
+        fresh_run(fa.init(seed=0, cpu=True), fa.compose())[0], ema=other
+    )
     fa.load(fresh, tmp_path / "with_ema")
     assert torch.equal(other.shadow["w"], torch.full((3,), 2.0))
     assert (other.decay, other.updates, other.history) == (0.99, 7, [1.5, (2, "x")])  # tuples as tuples
@@ -121,7 +131,9 @@ def test_registered_objects_round_trip_without_pickle(tmp_path: Path) -> None:
         def state_dict(self) -> dict[str, Any]:
             return {"when": object()}
 
-    with pytest.raises(fa.CheckpointError, match=r"registered object 'bad': key 'when': a object cannot be stored"):
+    with pytest.raises(
+        fa.CheckpointError, match=r"registered object 'bad': key 'when': a object cannot be stored"
+    ):
         fa.save(fa.utils.register_for_checkpointing(run, bad=Bad(1.0)), tmp_path / "bad")
     with pytest.raises(TypeError, match="has no state_dict"):
         fa.utils.register_for_checkpointing(run, x=3)
@@ -139,7 +151,7 @@ def async_save_under_ddp(state: fa.RunState, directory: str) -> list[torch.Tenso
     loaded, model2, _ = fresh_run(fa.init(seed=0, cpu=True), fa.compose(fa.ddp()))
     fa.load(loaded, directory)
     fa.shutdown(loaded)
-    return [torch.equal(p, q) for p, q in zip(model2.parameters(), saved)]  # type: ignore[misc]
+    return [torch.equal(p, q) for p, q in zip(model2.parameters(), saved, strict=False)]  # type: ignore[misc]
 
 
 def test_async_save_across_two_processes(world2: Any, tmp_path: Path) -> None:

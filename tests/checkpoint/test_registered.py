@@ -37,8 +37,9 @@ def _gan(seed_state: fa.RunState) -> tuple[fa.RunState, nn.Module, nn.Module, to
     return fa.utils.register_for_checkpointing(state, disc=disc, disc_opt=disc_opt), gen, disc, disc_opt
 
 
-def _train(state: fa.RunState, disc: nn.Module, disc_opt: torch.optim.Optimizer, stop_after: int | None = None
-           ) -> fa.RunState:
+def _train(
+    state: fa.RunState, disc: nn.Module, disc_opt: torch.optim.Optimizer, stop_after: int | None = None
+) -> fa.RunState:
     gen = state.model
     for (real,) in fa.batches(state, epochs=2):
         # the discriminator's noise from its own generator: the process's is not the run's (fa.load
@@ -74,7 +75,9 @@ def test_a_resumed_gan_steps_like_the_uninterrupted_run(tmp_path: Path) -> None:
     loaded = disc_opt2.state_dict()
     assert list(loaded["state"]) == list(saved_state["state"]) == [0, 1, 2, 3]  # int keys, as saved
     assert loaded["param_groups"][0]["betas"] == (0.5, 0.99)  # a tuple, as saved
-    assert all(torch.equal(loaded["state"][i][k], v) for i, s in saved_state["state"].items() for k, v in s.items())
+    assert all(
+        torch.equal(loaded["state"][i][k], v) for i, s in saved_state["state"].items() for k, v in s.items()
+    )
     _train(second, disc2, disc_opt2)
     assert all(torch.equal(a, b) for a, b in zip(_weights(gen2, disc2), expected, strict=True))
 
@@ -107,10 +110,14 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
-        return list(map(type, a)) == list(map(type, b)) and list(a) == list(b) and all(
-            _same(a[k], b[k]) for k in a) and getattr(a, "_metadata", None) == getattr(b, "_metadata", None)
+        return (
+            list(map(type, a)) == list(map(type, b))
+            and list(a) == list(b)
+            and all(_same(a[k], b[k]) for k in a)
+            and getattr(a, "_metadata", None) == getattr(b, "_metadata", None)
+        )
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, float) and a != a:
         return b != b
     return bool(a == b)
@@ -142,16 +149,24 @@ class Meters(float):
     pass
 
 
-@pytest.mark.parametrize("value, key, what", [
-    ({"when": object()}, "when", "a object"),
-    ({"a": {"b": Color.RED}}, "a/b", "Color"),
-    ({"f": Meters(1.0)}, "f", "Meters"),  # a float subclass (as NumPy's float64 is) would come back a float
-    ({"d": defaultdict(list)}, "d", "collections.defaultdict"),
-    ({frozenset({1}): 1}, "frozenset({1})", "its key is a frozenset"),
-    ({"size": torch.Size([2])}, "size", "torch.Size"),
-])
+@pytest.mark.parametrize(
+    "value, key, what",
+    [
+        ({"when": object()}, "when", "a object"),
+        ({"a": {"b": Color.RED}}, "a/b", "Color"),
+        (
+            {"f": Meters(1.0)},
+            "f",
+            "Meters",
+        ),  # a float subclass (as NumPy's float64 is) would come back a float
+        ({"d": defaultdict(list)}, "d", "collections.defaultdict"),
+        ({frozenset({1}): 1}, "frozenset({1})", "its key is a frozenset"),
+        ({"size": torch.Size([2])}, "size", "torch.Size"),
+    ],
+)
 def test_what_cannot_come_back_as_it_went_in_is_refused_naming_the_object_and_key(
-        tmp_path: Path, value: Any, key: str, what: str) -> None:
+    tmp_path: Path, value: Any, key: str, what: str
+) -> None:
     state = fa.utils.register_for_checkpointing(fa.init(seed=0, cpu=True), obj=Holder(value))
     with pytest.raises(fa.CheckpointError) as raised:
         fa.save(state, tmp_path / "ckpt")
@@ -174,15 +189,18 @@ def _rewrite(checkpoint: Path, name: str, value: Any) -> None:
     (checkpoint / "fnaccel.json").write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("tree, match", [
-    ({"set": [1]}, r"key '': \{'set': \[1\]\} is not one of the stored forms"),
-    ({"dict": [[1, 2, 3]]}, r"an entry \[1, 2, 3\] is not a \[key, value\] pair"),
-    ({"dict": [[[1], 2]]}, r"a key \[1\] is not hashable"),
-    ({"dict": [["a", 1], ["a", 2]]}, r"the key 'a' is given twice"),
-    ({"dict": [["w", {"tensor": "nope"}]]}, r"key 'w': tensor 'nope' is not in extras.safetensors"),
-    ({"tuple": "abc"}, r"is not one of the stored forms"),
-    ({"dict": [["a", {"tuple": [1]}], ["b", {"odict": [], "extra": 1}]]}, r"key 'b': .* is not one of"),
-])
+@pytest.mark.parametrize(
+    "tree, match",
+    [
+        ({"set": [1]}, r"key '': \{'set': \[1\]\} is not one of the stored forms"),
+        ({"dict": [[1, 2, 3]]}, r"an entry \[1, 2, 3\] is not a \[key, value\] pair"),
+        ({"dict": [[[1], 2]]}, r"a key \[1\] is not hashable"),
+        ({"dict": [["a", 1], ["a", 2]]}, r"the key 'a' is given twice"),
+        ({"dict": [["w", {"tensor": "nope"}]]}, r"key 'w': tensor 'nope' is not in extras.safetensors"),
+        ({"tuple": "abc"}, r"is not one of the stored forms"),
+        ({"dict": [["a", {"tuple": [1]}], ["b", {"odict": [], "extra": 1}]]}, r"key 'b': .* is not one of"),
+    ],
+)
 def test_a_hostile_registered_tree_is_refused_naming_the_key(tmp_path: Path, tree: Any, match: str) -> None:
     state = fa.utils.register_for_checkpointing(fa.init(seed=0, cpu=True), obj=Holder({"w": torch.ones(1)}))
     fa.save(state, tmp_path / "ckpt")
@@ -197,9 +215,13 @@ def test_a_registered_tree_nested_too_deeply_is_refused(tmp_path: Path) -> None:
     state = fa.utils.register_for_checkpointing(fa.init(seed=0, cpu=True), obj=Holder({}))
     fa.save(state, tmp_path / "ckpt")
     levels = 490  # JSON reads it (980 levels, its limit is about 1000); the decoder must not crash
-    _rewrite(tmp_path / "ckpt", "extras.json", b'{"obj": ' + b'{"tuple": [' * levels + b"1" + b"]}" * levels + b"}")
+    _rewrite(
+        tmp_path / "ckpt", "extras.json", b'{"obj": ' + b'{"tuple": [' * levels + b"1" + b"]}" * levels + b"}"
+    )
     try:
-        fa.load(fa.utils.register_for_checkpointing(fa.init(seed=0, cpu=True), obj=Holder({})), tmp_path / "ckpt")
+        fa.load(
+            fa.utils.register_for_checkpointing(fa.init(seed=0, cpu=True), obj=Holder({})), tmp_path / "ckpt"
+        )
     except fa.CheckpointError as exc:
         assert "nested too deeply" in str(exc)
 

@@ -18,7 +18,9 @@ import torch
 
 import fnaccel as fa
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (the test extra has it)"
+)
 
 VOCAB, SEQ = 100, 16
 
@@ -27,12 +29,19 @@ def make_model(kind: str) -> Any:
     """A tiny model of ``kind``, its initial weights from the process generator seeded here."""
     torch.manual_seed(0)
     if kind == "bert":
-        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, intermediate_size=64,
-                                         max_position_embeddings=SEQ, num_labels=3)
+        config = transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=SEQ,
+            num_labels=3,
+        )
         return transformers.BertForSequenceClassification(config)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=SEQ,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=SEQ, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -109,8 +118,12 @@ def test_one_process_save_model_writes_the_config_and_keeps_other_files(tmp_path
     model.config.n_layer_note = "second save"  # an extra key, as a user may set on a config
     fa.save_model(state, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["n_layer_note"] == "second save"
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "generation_config.json", "model.safetensors",
-                                            "tokenizer.json"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
     ids = batch("gpt2", seed=1)["input_ids"]
     with torch.no_grad():

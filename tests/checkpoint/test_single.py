@@ -19,7 +19,9 @@ def test_the_main_process_writes_and_the_others_do_not(tmp_path: Path) -> None:
     loaded = load_file(tmp_path / "w.safetensors")
     assert torch.equal(loaded["a"], shared) and torch.equal(loaded["c"], torch.arange(2))
     assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"]  # no temporary left
-    second = DistContext(num_processes=2, rank=1, local_rank=0, num_local_processes=1, node_rank=1, num_nodes=2)
+    second = DistContext(
+        num_processes=2, rank=1, local_rank=0, num_local_processes=1, node_rank=1, num_nodes=2
+    )
     save(second, {"a": shared}, tmp_path / "rank1.safetensors")
     assert not (tmp_path / "rank1.safetensors").exists()
     save(second, {"a": shared}, tmp_path / "node1.safetensors", save_on_each_node=True)

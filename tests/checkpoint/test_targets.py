@@ -30,12 +30,16 @@ def _epoch(checkpoint: Path) -> int:
     return int(json.loads((checkpoint / "fnaccel.json").read_text())["epoch"])
 
 
-def test_a_directory_holding_user_files_is_refused_and_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_directory_holding_user_files_is_refused_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state = _run()
     (tmp_path / "train_log.txt").write_text("epoch 1: loss 0.3")
     monkeypatch.chdir(tmp_path)
     for target in (".", tmp_path):
-        with pytest.raises(fa.CheckpointError, match=r"is a directory that is not an fnaccel checkpoint.*train_log"):
+        with pytest.raises(
+            fa.CheckpointError, match=r"is a directory that is not an fnaccel checkpoint.*train_log"
+        ):
             fa.save(state, target)
         with pytest.raises(fa.CheckpointError, match="not an fnaccel checkpoint"):
             fa.save(state, target, blocking=False)  # refused at the call, before any thread starts
@@ -82,7 +86,9 @@ def test_a_symlink_target_replaces_the_checkpoint_it_names_and_stays_a_link(tmp_
     assert sorted(os.listdir(tmp_path)) == ["checkpoint_3", "latest"]
 
 
-def _leftover(parent: Path, name: str, kind: str = "tmp", marked: bool = True, token: str | None = None) -> Path:
+def _leftover(
+    parent: Path, name: str, kind: str = "tmp", marked: bool = True, token: str | None = None
+) -> Path:
     path = parent / f".{name}.{kind}-{token or uuid.uuid4().hex}"
     path.mkdir()
     (path / "model.safetensors").write_bytes(b"partial")
@@ -120,6 +126,7 @@ def _crash_after(monkeypatch: pytest.MonkeyPatch, steps: int) -> list[str]:
             if len(taken) == steps:
                 raise _Crash(name)
             return result
+
         return run
 
     monkeypatch.setattr(files.os, "rename", step("rename", os.rename))
@@ -173,8 +180,13 @@ def test_a_failed_save_removes_its_partial_directory_and_names_the_path(tmp_path
     # as on a full disk) saves over a good checkpoint that it wrote before the limit
     checkpoint = tmp_path / "ckpt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    done = subprocess.run([sys.executable, str(DISK_FULL_JOB), str(checkpoint)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, str(DISK_FULL_JOB), str(checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     message = done.stdout.strip().splitlines()[-1]
     assert message.startswith("CheckpointError: ") and f"{checkpoint}: the save failed" in message, message
@@ -192,7 +204,9 @@ def _read_only(directory: Path) -> None:
         return
     done = subprocess.run(["chattr", "+i", str(directory)], capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.skip(f"root, and no immutable attribute here to make a read-only directory: {done.stderr.strip()}")
+        pytest.skip(
+            f"root, and no immutable attribute here to make a read-only directory: {done.stderr.strip()}"
+        )
 
 
 def _writable(directory: Path) -> None:
@@ -201,7 +215,9 @@ def _writable(directory: Path) -> None:
     directory.chmod(0o755)
 
 
-def test_a_save_into_a_directory_it_may_not_write_says_so_and_keeps_the_old_checkpoint(tmp_path: Path) -> None:
+def test_a_save_into_a_directory_it_may_not_write_says_so_and_keeps_the_old_checkpoint(
+    tmp_path: Path,
+) -> None:
     state = _run()
     parent = tmp_path / "runs"
     parent.mkdir()
@@ -212,8 +228,12 @@ def test_a_save_into_a_directory_it_may_not_write_says_so_and_keeps_the_old_chec
             with pytest.raises(fa.CheckpointError) as raised:
                 fa.save(state.replace(epoch=4), target)
             message = str(raised.value)
-            assert message.startswith(f"fa.save: {target}: cannot be written: {parent} is not writable "), message
-            assert message.endswith("nothing was written; save to a directory this process may write in"), message
+            assert message.startswith(f"fa.save: {target}: cannot be written: {parent} is not writable "), (
+                message
+            )
+            assert message.endswith("nothing was written; save to a directory this process may write in"), (
+                message
+            )
         assert sorted(os.listdir(parent)) == ["ckpt"]
         assert _epoch(parent / "ckpt") == 3
         fa.load(fresh_run(fa.init(seed=0, cpu=True), fa.compose())[0], parent / "ckpt")
@@ -228,7 +248,9 @@ def test_rotation_numbers_past_any_directory_and_cleans_deletion_leftovers(tmp_p
     (root / "checkpoint_4").mkdir()  # not a checkpoint (a user's, or an older crash's): never replaced
     (root / "checkpoint_4" / "mine.txt").write_text("x")
     crashed_deletion = _leftover(root, "checkpoint_1", kind="old")
-    run = fresh_run(fa.init(seed=0, cpu=True, project_dir=tmp_path, kwargs_handlers=[project]), fa.compose())[0]
+    run = fresh_run(fa.init(seed=0, cpu=True, project_dir=tmp_path, kwargs_handlers=[project]), fa.compose())[
+        0
+    ]
     for _ in range(3):
         run, _ = train(run, epochs=1, stop_after=run.micro_step + 1)
         fa.save(run)

@@ -42,9 +42,14 @@ def main(where: str, ending: str) -> None:
         fa.ops.reduce(state, torch.tensor(1.0), "sum")
         model = nn.Linear(8, 2)
         data = TensorDataset(torch.randn(64, 8), torch.randn(64, 2))
-        state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                           DataLoader(data, batch_size=4), pipeline=fa.compose(fa.ddp()),
-                           loss_fn=loss_fn)
+        state = fa.prepare(
+            state,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            DataLoader(data, batch_size=4),
+            pipeline=fa.compose(fa.ddp()),
+            loss_fn=loss_fn,
+        )
         for batch in fa.batches(state, epochs=1):
             steps[0] = state.step
             state, _ = fa.step(state, batch)

@@ -54,23 +54,34 @@ class Transformer(nn.Module):
 
 
 def loss_fn(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
-    tokens, = batch
+    (tokens,) = batch
     logits = model(tokens[:, :-1])
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
 def prepared(state: fa.RunState, *, wrong_plan: bool = False) -> fa.RunState:
     """The script's fa.prepare (a dry run's worker ends inside it, with its report)."""
-    plan = {"blocks.*.q": ColwiseParallel(), "blocks.*.k": ColwiseParallel(), "blocks.*.v": ColwiseParallel(),
-            "blocks.*.o": RowwiseParallel(), "blocks.*.up": ColwiseParallel(), "blocks.*.down": RowwiseParallel()}
+    plan = {
+        "blocks.*.q": ColwiseParallel(),
+        "blocks.*.k": ColwiseParallel(),
+        "blocks.*.v": ColwiseParallel(),
+        "blocks.*.o": RowwiseParallel(),
+        "blocks.*.up": ColwiseParallel(),
+        "blocks.*.down": RowwiseParallel(),
+    }
     if wrong_plan:
         plan["blocks.*.mlp.up"] = ColwiseParallel()  # the MLP is not a submodule of its own here
     torch.manual_seed(0)
     model = Transformer()
     loader = DataLoader(TensorDataset(torch.randint(0, VOCAB, (64, SEQ + 1))), batch_size=4)
-    return fa.prepare(state, model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader,
-                      pipeline=fa.compose(fa.tp(plan), fa.fsdp(transformer_cls_names_to_wrap=["Block"])),
-                      loss_fn=loss_fn)
+    return fa.prepare(
+        state,
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        loader,
+        pipeline=fa.compose(fa.tp(plan), fa.fsdp(transformer_cls_names_to_wrap=["Block"])),
+        loss_fn=loss_fn,
+    )
 
 
 def real_figures(base: fa.RunState, layout: dict[str, int], wrong_plan: bool) -> dict[str, int] | str:

@@ -23,6 +23,11 @@ print(json.dumps({"code": code, "out": out.getvalue(), "modules": sorted(m for m
 
 def inspect_in_a_new_process(directory: Path, *flags: str) -> dict[str, Any]:
     """``fnaccel checkpoint inspect [flags] directory`` in a new interpreter: ``{"code", "out", "modules"}``."""
-    done = subprocess.run([sys.executable, "-c", _INSPECT_THEN_MODULES, "checkpoint", "inspect", *flags,
-                           str(directory)], capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _INSPECT_THEN_MODULES, "checkpoint", "inspect", *flags, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return json.loads(done.stdout)

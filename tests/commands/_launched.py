@@ -54,11 +54,20 @@ def main(out: Path, kill: bool) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
     ctx = state.dist
     seen = {
-        "rank": ctx.rank, "local_rank": ctx.local_rank, "node_rank": ctx.node_rank,
-        "num_processes": ctx.num_processes, "num_nodes": ctx.num_nodes, "backend": ctx.backend,
-        "device": str(ctx.device), "debug": ctx.debug, "mixed_precision": str(state.mixed_precision),
-        "pipeline": repr(state.pipeline), "omp_threads": os.environ.get("OMP_NUM_THREADS"),
-        "affinity": sorted(os.sched_getaffinity(0)), "restarts": restarts, "resumed": resumed,
+        "rank": ctx.rank,
+        "local_rank": ctx.local_rank,
+        "node_rank": ctx.node_rank,
+        "num_processes": ctx.num_processes,
+        "num_nodes": ctx.num_nodes,
+        "backend": ctx.backend,
+        "device": str(ctx.device),
+        "debug": ctx.debug,
+        "mixed_precision": str(state.mixed_precision),
+        "pipeline": repr(state.pipeline),
+        "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "restarts": restarts,
+        "resumed": resumed,
         "steps": state.step,
         "mesh": None if ctx.mesh is None else list(ctx.mesh.mesh_dim_names or ()),
     }

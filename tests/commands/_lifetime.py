@@ -29,8 +29,13 @@ def main(out: Path, mode: str) -> None:
         state = fa.init(cpu=True, seed=0)
         model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 512))  # 4 MB with AdamW's moments x3
         data = TensorDataset(torch.randn(16, 512), torch.randn(16, 512))
-        state = fa.prepare(state, model, torch.optim.AdamW(model.parameters()), DataLoader(data, batch_size=4),
-                           loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+        state = fa.prepare(
+            state,
+            model,
+            torch.optim.AdamW(model.parameters()),
+            DataLoader(data, batch_size=4),
+            loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]),
+        )
         fa.save(state, out / "ckpt")
         state, _ = fa.step(state, next(iter(fa.batches(state))))
         handle = fa.save(state, out / "ckpt", blocking=False)

@@ -79,14 +79,28 @@ use_cpu: true
 """
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    (ACCELERATE_0_12, {"commands": [], "gpu_ids": "all", "command_file": None, "use_cpu": True,
-                       "mixed_precision": "no", "dynamo_config": {}}),
-    (ACCELERATE_0_5, {"mixed_precision": "no", "num_processes": 2, "distributed_type": "MULTI_CPU"}),
-    (ACCELERATE_0_5.replace("fp16: false", "fp16: true"), {"mixed_precision": "fp16"}),
-    (ACCELERATE_MULTI_CPU, {"mixed_precision": "bf16", "ipex_config": {"ipex": False},
-                            "main_process_port": 29500}),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            ACCELERATE_0_12,
+            {
+                "commands": [],
+                "gpu_ids": "all",
+                "command_file": None,
+                "use_cpu": True,
+                "mixed_precision": "no",
+                "dynamo_config": {},
+            },
+        ),
+        (ACCELERATE_0_5, {"mixed_precision": "no", "num_processes": 2, "distributed_type": "MULTI_CPU"}),
+        (ACCELERATE_0_5.replace("fp16: false", "fp16: true"), {"mixed_precision": "fp16"}),
+        (
+            ACCELERATE_MULTI_CPU,
+            {"mixed_precision": "bf16", "ipex_config": {"ipex": False}, "main_process_port": 29500},
+        ),
+    ],
+)
 def test_older_files_load_with_null_as_not_set(tmp_path: Path, text: str, expected: dict) -> None:
     path = tmp_path / "default_config.yaml"
     path.write_text(text)
@@ -114,17 +128,22 @@ def test_an_older_file_runs(tmp_path: Path) -> None:
     path = tmp_path / "default_config.yaml"
     path.write_text(ACCELERATE_0_12)
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""\
+    script.write_text(
+        textwrap.dedent("""\
         import torch, fnaccel as fa
         state = fa.init()
         total = fa.ops.reduce(state, torch.tensor(1.0), "sum").item()
         print(f"rank {state.dist.rank} of {state.dist.num_processes}: {total} "
               f"{state.config.gpu_ids} {state.config.commands}", flush=True)
         fa.shutdown(state)
-    """))
+    """)
+    )
     result = subprocess.run(
         [sys.executable, "-m", "fnaccel", "launch", "-q", "--config_file", str(path), str(script)],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr
     for rank in (0, 1):

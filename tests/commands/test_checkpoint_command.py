@@ -88,8 +88,12 @@ def test_inspect_imports_no_torch(ckpt: Path, capsys: Any) -> None:
         fresh = inspect_in_a_new_process(ckpt, *flags)
         assert fresh == {"code": 0, "out": in_process, "modules": []}, fresh
     (ckpt / "model.safetensors").write_bytes(b"\0" * 3)  # a bad file: the one error line, still no torch
-    done = subprocess.run([sys.executable, "-m", "fnaccel", "checkpoint", "inspect", str(ckpt)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "fnaccel", "checkpoint", "inspect", str(ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "model.safetensors: truncated or extended" in done.stderr
 

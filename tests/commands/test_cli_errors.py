@@ -36,24 +36,40 @@ BAD_FILES = {
     "a 30-digit number": (b"num_processes: " + b"9" * 30 + b"\n", "a 30-digit number"),
     "a port out of range": (b"main_process_port: 70000\n", "key 'main_process_port' must be from 1 to 65535"),
     "no processes": (b"num_processes: 0\n", "key 'num_processes' must be from 1"),
-    "a machine rank outside": (b"num_machines: 2\nmachine_rank: 2\nnum_processes: 2\n",
-                               "machine_rank 2 is outside 0..1"),
-    "far too many processes": (b"num_processes: 1000000\nuse_cpu: true\n",
-                               "num_processes 1000000 is 1000000 processes on this machine"),
+    "a machine rank outside": (
+        b"num_machines: 2\nmachine_rank: 2\nnum_processes: 2\n",
+        "machine_rank 2 is outside 0..1",
+    ),
+    "far too many processes": (
+        b"num_processes: 1000000\nuse_cpu: true\n",
+        "num_processes 1000000 is 1000000 processes on this machine",
+    ),
     "ipex": (b"ipex_config:\n  ipex: true\n", "key 'ipex_config': ipex: this build has no Intel"),
-    "mpirun": (b"mpirun_config:\n  mpirun_ccl: '1'\n  mpirun_hostfile: /home/me/hosts\n",
-               "key 'mpirun_config': fnaccel launches with torchrun, not mpirun"),
-    "deepspeed section": (b"distributed_type: MULTI_CPU\ndeepspeed_config:\n  zero_stage: 2\n",
-                          "key 'deepspeed_config' is set but distributed_type is MULTI_CPU; pass --use_deepspeed"),
-    "zero stage 4": (b"distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 4\n",
-                     "zero_stage must be 0, 1, 2 or 3, got 4"),
-    "deepspeed's launcher": (b"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_hostfile: /h\n",
-                             "deepspeed_hostfile: fnaccel launches with torchrun"),
+    "mpirun": (
+        b"mpirun_config:\n  mpirun_ccl: '1'\n  mpirun_hostfile: /home/me/hosts\n",
+        "key 'mpirun_config': fnaccel launches with torchrun, not mpirun",
+    ),
+    "deepspeed section": (
+        b"distributed_type: MULTI_CPU\ndeepspeed_config:\n  zero_stage: 2\n",
+        "key 'deepspeed_config' is set but distributed_type is MULTI_CPU; pass --use_deepspeed",
+    ),
+    "zero stage 4": (
+        b"distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 4\n",
+        "zero_stage must be 0, 1, 2 or 3, got 4",
+    ),
+    "deepspeed's launcher": (
+        b"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_hostfile: /h\n",
+        "deepspeed_hostfile: fnaccel launches with torchrun",
+    ),
     "a TPU key": (b"tpu_name: my-pod\n", "key 'tpu_name': it configures TPU launches"),
-    "fp8 on TransformerEngine": (b"mixed_precision: fp8\nfp8_config:\n  backend: TE\n",
-                                 "'TE' (TransformerEngine) runs fp8 on CUDA GPUs only"),
-    "an fp8 recipe without fp8": (b"fp8_config:\n  fp8_format: E4M3\n",
-                                  "key 'fp8_config' (or an --fp8_* flag) is set but mixed_precision is no"),
+    "fp8 on TransformerEngine": (
+        b"mixed_precision: fp8\nfp8_config:\n  backend: TE\n",
+        "'TE' (TransformerEngine) runs fp8 on CUDA GPUs only",
+    ),
+    "an fp8 recipe without fp8": (
+        b"fp8_config:\n  fp8_format: E4M3\n",
+        "key 'fp8_config' (or an --fp8_* flag) is set but mixed_precision is no",
+    ),
     "an engine": (b"distributed_type: MEGATRON_LM\n", "distributed_type MEGATRON_LM"),
     "a cloud": (b"compute_environment: AMAZON_SAGEMAKER\n", "compute_environment AMAZON_SAGEMAKER"),
     "too large": (b"# " + b"x" * (1 << 20) + b"\n", "a config file is at most 1048576 bytes"),
@@ -73,19 +89,25 @@ def test_bad_config_files_exit_2_in_one_line_and_env_agrees_with_launch(
     assert message in line and str(config) in line, line
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--main_process_port", "70000"], "argument --main_process_port: must be a port from 1 to 65535"),
-    (["--main_process_port", "9" * 5000], "argument --main_process_port: must be a whole number"),
-    (["--num_processes", "0"], "argument --num_processes: must be at least 1, got 0"),
-    (["--num_machines", "0"], "argument --num_machines: must be at least 1"),
-    (["--max_restarts", "-1"], "argument --max_restarts: must be at least 0, got -1"),
-    (["--monitor_interval", "0"], "argument --monitor_interval: must be a positive number"),
-    (["--num_cpu_threads_per_process", "0"], "argument --num_cpu_threads_per_process: must be at least 1"),
-    (["--machine_rank", "-1"], "argument --machine_rank: must be at least 0"),
-    (["--cpu", "--num_processes", "1000000"], "num_processes 1000000 is 1000000 processes"),
-    (["--num_procesess", "2"], "unrecognized argument --num_procesess (did you mean --num_processes?)"),
-    (["--mixed_precison", "bf16"], "did you mean --mixed_precision?"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--main_process_port", "70000"], "argument --main_process_port: must be a port from 1 to 65535"),
+        (["--main_process_port", "9" * 5000], "argument --main_process_port: must be a whole number"),
+        (["--num_processes", "0"], "argument --num_processes: must be at least 1, got 0"),
+        (["--num_machines", "0"], "argument --num_machines: must be at least 1"),
+        (["--max_restarts", "-1"], "argument --max_restarts: must be at least 0, got -1"),
+        (["--monitor_interval", "0"], "argument --monitor_interval: must be a positive number"),
+        (
+            ["--num_cpu_threads_per_process", "0"],
+            "argument --num_cpu_threads_per_process: must be at least 1",
+        ),
+        (["--machine_rank", "-1"], "argument --machine_rank: must be at least 0"),
+        (["--cpu", "--num_processes", "1000000"], "num_processes 1000000 is 1000000 processes"),
+        (["--num_procesess", "2"], "unrecognized argument --num_procesess (did you mean --num_processes?)"),
+        (["--mixed_precison", "bf16"], "did you mean --mixed_precision?"),
+    ],
+)
 def test_bad_flags_exit_2_in_one_line_naming_the_flag(
     capsys: pytest.CaptureFixture[str], flags: list[str], message: str
 ) -> None:
@@ -98,15 +120,18 @@ def test_the_process_bound_can_be_forced(tmp_path: Path) -> None:
     from fnaccel.commands.main import build_parser
 
     many = str(max_local_processes() + 1)
-    args = build_parser().parse_args(["launch", "--cpu", "--num_processes", many,
-                                      "--force_num_processes", str(SCRIPT)])
+    args = build_parser().parse_args(
+        ["launch", "--cpu", "--num_processes", many, "--force_num_processes", str(SCRIPT)]
+    )
     assert resolve(args).num_processes == int(many)
 
 
 def test_a_launch_without_a_script_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     line = one_line(capsys, ["launch", "--cpu"])
-    assert line == "fnaccel launch: error: no training script given: fnaccel launch [flags] " \
-                   "SCRIPT.py [script arguments]"
+    assert (
+        line == "fnaccel launch: error: no training script given: fnaccel launch [flags] "
+        "SCRIPT.py [script arguments]"
+    )
 
 
 def test_a_mistyped_command_is_named(capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,11 +150,16 @@ def test_an_unwritable_config_path_exits_2(tmp_path: Path, capsys: pytest.Captur
 def test_the_console_script_prints_no_traceback(tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_bytes(b"\xff")
-    result = subprocess.run([sys.executable, "-m", "fnaccel", "env", "--config_file", str(config)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "fnaccel", "env", "--config_file", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"fnaccel env: error: {config}: not UTF-8 text (byte 0); save it as UTF-8"]
+        f"fnaccel env: error: {config}: not UTF-8 text (byte 0); save it as UTF-8"
+    ]
 
 
 @pytest.mark.slow
@@ -141,8 +171,13 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly() -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)  # every write to stdout fails with EPIPE
     try:
-        result = subprocess.run([sys.executable, "-m", "fnaccel", "env"], stdout=write_end,
-                                stderr=subprocess.PIPE, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-m", "fnaccel", "env"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(write_end)
     assert result.stderr == ""

@@ -32,8 +32,12 @@ WORLD = ("--cpu", "--num_machines", "8", "--num_processes", "64", "--parallelism
 
 
 def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fnaccel", "launch", "-q", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fnaccel", "launch", "-q", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes() -> None:
@@ -57,27 +61,54 @@ def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes() ->
     # rank 63: 2 x 3182 + 2 x 26 x 128 + 26 = 13046. AdamW: two moments per element and a
     # 4-byte step per parameter (35). Each simulated rank measured what rank 0 computed.
     for rank, floats in ((0, 14588), (63, 13046)):
-        assert (f"rank {rank} measured {4 * floats} B, {4 * floats} B, {8 * floats + 4 * 35} B "
-                "(parameters, gradients, optimizer) as computed") in out, out
+        assert (
+            f"rank {rank} measured {4 * floats} B, {4 * floats} B, {8 * floats + 4 * 35} B "
+            "(parameters, gradients, optimizer) as computed"
+        ) in out, out
     assert "sharded/rank<r>.safetensors for r in 0-63" in out
-    assert re.search(r"blocks\.0\.q\.weight\s+│\s+128x128\s+│\s+float32\s+│\s+dp_shard:_S\(0, 8\) tp:S\(0\)", out)
+    assert re.search(
+        r"blocks\.0\.q\.weight\s+│\s+128x128\s+│\s+float32\s+│\s+dp_shard:_S\(0, 8\) tp:S\(0\)", out
+    )
 
 
 def test_the_dry_runs_bytes_and_refusals_equal_a_real_gloo_runs(worlds: Any, tmp_path: Path) -> None:
     """At 2 and 4 processes: every rank's bytes (FSDP; FSDP x TP) and the refusals (pp_size 2 without
     fa.pp; a tp plan naming no submodule) of the dry run, against the same script on real gloo ranks."""
-    cases = {"fsdp": (2, {}, False), "fsdp_tp": (4, {"tp_size": 2}, False),
-             "pp_without_pp": (2, {"pp_size": 2}, False), "wrong_plan": (4, {"tp_size": 2}, True)}
+    cases = {
+        "fsdp": (2, {}, False),
+        "fsdp_tp": (4, {"tp_size": 2}, False),
+        "pp_without_pp": (2, {"pp_size": 2}, False),
+        "wrong_plan": (4, {"tp_size": 2}, True),
+    }
     dry = {}
     try:  # the dry runs beside the real runs: each is a launcher and two small processes
         for name, (num, layout, wrong) in cases.items():
             flags = [f for dim, size in layout.items() for f in (f"--parallelism_config_{dim}", str(size))]
             dry[name] = subprocess.Popen(
-                [sys.executable, "-m", "fnaccel", "launch", "-q", "--dry_run", "--dry_run_json",
-                 str(tmp_path / f"{name}.json"), "--cpu", "--num_processes", str(num), *flags, str(SCRIPT),
-                 *(["--wrong_plan"] if wrong else [])], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        real = {name: worlds.get(num).run(script.real_figures, layout, wrong)
-                for name, (num, layout, wrong) in cases.items()}
+                [
+                    sys.executable,
+                    "-m",
+                    "fnaccel",
+                    "launch",
+                    "-q",
+                    "--dry_run",
+                    "--dry_run_json",
+                    str(tmp_path / f"{name}.json"),
+                    "--cpu",
+                    "--num_processes",
+                    str(num),
+                    *flags,
+                    str(SCRIPT),
+                    *(["--wrong_plan"] if wrong else []),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        real = {
+            name: worlds.get(num).run(script.real_figures, layout, wrong)
+            for name, (num, layout, wrong) in cases.items()
+        }
         done = {name: process.communicate(timeout=240) for name, process in dry.items()}
     finally:
         for process in dry.values():
@@ -115,8 +146,10 @@ def _alive(pid: int) -> bool:
 def _worker_pids(directory: Path, launcher: subprocess.Popen[str], ranks: tuple[int, ...]) -> list[int]:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        texts = [(directory / f"{rank}.pid").read_text() if (directory / f"{rank}.pid").is_file() else ""
-                 for rank in ranks]
+        texts = [
+            (directory / f"{rank}.pid").read_text() if (directory / f"{rank}.pid").is_file() else ""
+            for rank in ranks
+        ]
         if all(text.isdigit() for text in texts):
             return [int(text) for text in texts]
         assert launcher.poll() is None, launcher.communicate()
@@ -134,19 +167,41 @@ def test_a_dry_run_ends_its_ranks_with_itself_and_on_its_signals(tmp_path: Path)
     try:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
             (tmp_path / sig.name).mkdir()
-            runs[sig] = (tmp_path / sig.name, subprocess.Popen(
-                [sys.executable, "-m", "fnaccel", "launch", "-q", "--dry_run", "--cpu", "--num_machines", "4",
-                 "--num_processes", "64", str(script), str(tmp_path / sig.name)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            runs[sig] = (
+                tmp_path / sig.name,
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "fnaccel",
+                        "launch",
+                        "-q",
+                        "--dry_run",
+                        "--cpu",
+                        "--num_machines",
+                        "4",
+                        "--num_processes",
+                        "64",
+                        str(script),
+                        str(tmp_path / sig.name),
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
         for sig, (directory, launcher) in runs.items():
             pids += _worker_pids(directory, launcher, (0, 63))
             launcher.send_signal(sig)
         for sig, (_, launcher) in runs.items():
             _, err = launcher.communicate(timeout=60)
-            assert launcher.returncode == {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGKILL: -9}[sig], err
+            assert (
+                launcher.returncode == {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGKILL: -9}[sig]
+            ), err
             if sig != signal.SIGKILL:
-                assert err.splitlines() == [f"fnaccel launch --dry_run: stopped by {sig.name}; its simulated "
-                                            "ranks were ended"], err
+                assert err.splitlines() == [
+                    f"fnaccel launch --dry_run: stopped by {sig.name}; its simulated ranks were ended"
+                ], err
         deadline = time.monotonic() + 30
         while any(map(_alive, pids)) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -161,17 +216,36 @@ def test_a_dry_run_ends_its_ranks_with_itself_and_on_its_signals(tmp_path: Path)
 
 
 def test_an_impossible_mesh_is_refused_as_the_real_launch_refuses_it() -> None:
-    mesh = ["--cpu", "--num_machines", "8", "--num_processes", "64", "--parallelism_config_tp_size", "3", str(SCRIPT)]
+    mesh = [
+        "--cpu",
+        "--num_machines",
+        "8",
+        "--num_processes",
+        "64",
+        "--parallelism_config_tp_size",
+        "3",
+        str(SCRIPT),
+    ]
     # side by side: each is refused in its launcher, one process each
-    started = [subprocess.Popen([sys.executable, "-m", "fnaccel", "launch", "-q", *argv], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True) for argv in (["--dry_run", *mesh], mesh)]
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-m", "fnaccel", "launch", "-q", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for argv in (["--dry_run", *mesh], mesh)
+    ]
     try:
         outputs = [process.communicate(timeout=240) for process in started]
     finally:
         for process in started:
             process.kill()
             process.wait()
-    dry, real = (subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(started, outputs))
+    dry, real = (
+        subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        for p, (out, err) in zip(started, outputs, strict=False)
+    )
     assert dry.returncode == real.returncode != 0
     assert "tp_size=3 = 3 does not divide the 64 processes" in dry.stderr
     assert dry.stderr == real.stderr

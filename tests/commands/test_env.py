@@ -26,7 +26,10 @@ def _write_default_config(text: str) -> Path:
 def test_the_command_line_prints_versions_and_the_default_config() -> None:
     path = _write_default_config("mixed_precision: bf16\nnum_processes: 2\n")
     result = subprocess.run(
-        [sys.executable, "-m", "fnaccel", "env"], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "fnaccel", "env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr
@@ -34,8 +37,18 @@ def test_the_command_line_prints_versions_and_the_default_config() -> None:
     assert "Copy-and-paste the text below in your GitHub issue" in out
     assert f"- `fnaccel` version: {fnaccel.__version__}" in out
     assert f"- PyTorch version: {torch.__version__}" in out
-    for name in ("torchdata", "safetensors", "PyYAML", "NumPy", "Platform", "CPU count",
-                 "System RAM", "CUDA available", "GPU count", "Distributed backends"):
+    for name in (
+        "torchdata",
+        "safetensors",
+        "PyYAML",
+        "NumPy",
+        "Platform",
+        "CPU count",
+        "System RAM",
+        "CUDA available",
+        "GPU count",
+        "Distributed backends",
+    ):
         assert f"- {name}" in out, name
     assert f"- `fnaccel` config file (default location): {path}" in out
     assert "\t- mixed_precision: bf16" in out and "\t- num_processes: 2" in out
@@ -70,11 +83,14 @@ def test_no_config_file_says_not_found(capsys: pytest.CaptureFixture[str]) -> No
     assert f"(default location): {default_config_file()}\n\tnot found" in out
 
 
-@pytest.mark.parametrize("content, fragment", [
-    ("bogus_key: 1\n", "unknown key 'bogus_key'"),
-    ("num_processes: [\n", "malformed YAML"),
-    ("num_processes: two\n", "key 'num_processes' must be int"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("bogus_key: 1\n", "unknown key 'bogus_key'"),
+        ("num_processes: [\n", "malformed YAML"),
+        ("num_processes: two\n", "key 'num_processes' must be int"),
+    ],
+)
 def test_an_invalid_config_is_one_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, fragment: str
 ) -> None:
@@ -98,7 +114,10 @@ def test_a_missing_config_file_is_an_error(tmp_path: Path, capsys: pytest.Captur
 def test_an_invalid_default_config_fails_the_real_command_without_a_traceback() -> None:
     _write_default_config("distributed_type: [\n")
     result = subprocess.run(
-        [sys.executable, "-m", "fnaccel", "env"], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "fnaccel", "env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 2

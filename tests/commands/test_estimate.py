@@ -26,7 +26,7 @@ TENSORS = {
     "step": torch.zeros(3, dtype=torch.int64),
 }
 
-FACTORY = '''
+FACTORY = """
 from torch import nn
 
 def make_model():
@@ -40,7 +40,7 @@ def make_blocks():
 
 def not_a_model():
     return 3
-'''
+"""
 
 
 def estimate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -50,8 +50,11 @@ def estimate(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
 
 
 def table_rows(out: str) -> dict[str, list[str]]:
-    rows = [[cell.strip() for cell in line.strip("│").split("│")] for line in out.splitlines()
-            if line.startswith("│") and line.count("│") == 5]
+    rows = [
+        [cell.strip() for cell in line.strip("│").split("│")]
+        for line in out.splitlines()
+        if line.startswith("│") and line.count("│") == 5
+    ]
     return {row[0]: row[1:] for row in rows}
 
 
@@ -60,8 +63,11 @@ def test_a_safetensors_file_by_hand(tmp_path: Path, capsys: pytest.CaptureFixtur
     status, out, _ = estimate(capsys, str(tmp_path / "model.safetensors"))
     assert status == 0
     assert "Memory Usage for loading `" in out
-    assert table_rows(out)["dtype"] == ["Largest Layer or Residual Group", "Total Size",
-                                        "Training using Adam (Peak vRAM)"]
+    assert table_rows(out)["dtype"] == [
+        "Largest Layer or Residual Group",
+        "Total Size",
+        "Training using Adam (Peak vRAM)",
+    ]
     # The largest layer is the embedding (256 B float32) against each numbered block (128 B).
     # Adam: 4 x the float32 size (2144 B = 2.09 KB); float16 mixed precision: 2 x (1072 B = 1.05 KB).
     assert table_rows(out)["float32"] == ["256 bytes", "536 bytes", "2.09 KB"]
@@ -104,13 +110,21 @@ def test_a_factory_is_built_on_the_meta_device(
     assert table_rows(out)["float32"][0] == "16.38 KB"
 
 
-@pytest.mark.parametrize(("name", "message"), [
-    ("my_factories:missing", "has no function 'missing'"),
-    ("my_factories:not_a_model", "returned a int, not an nn.Module"),
-    ("no_such_package.models:make", "cannot import 'no_such_package.models'"),
-])
-def test_bad_factories(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-                       name: str, message: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("my_factories:missing", "has no function 'missing'"),
+        ("my_factories:not_a_model", "returned a int, not an nn.Module"),
+        ("no_such_package.models:make", "cannot import 'no_such_package.models'"),
+    ],
+)
+def test_bad_factories(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    message: str,
+) -> None:
     (tmp_path / "my_factories.py").write_text(FACTORY)
     monkeypatch.syspath_prepend(str(tmp_path))
     status, out, err = estimate(capsys, name)
@@ -120,12 +134,15 @@ def test_bad_factories(tmp_path: Path, capsys: pytest.CaptureFixture[str], monke
 def test_a_hub_name_says_only_local_models_work_offline(capsys: pytest.CaptureFixture[str]) -> None:
     status, _, err = estimate(capsys, "meta-llama/Llama-2-7b-hf")
     assert status == 2
-    assert err.startswith("fnaccel estimate-memory: error: 'meta-llama/Llama-2-7b-hf' is neither a local path")
+    assert err.startswith(
+        "fnaccel estimate-memory: error: 'meta-llama/Llama-2-7b-hf' is neither a local path"
+    )
     assert "local models only" in err and "network" in err
 
 
-def test_a_config_needs_transformers(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_config_needs_transformers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails, installed or not
     for target in (tmp_path / "config.json", tmp_path):
@@ -154,8 +171,9 @@ def test_a_config_is_built_with_transformers_auto_model(
     monkeypatch.setitem(sys.modules, "transformers", fake)
     (tmp_path / "config.json").write_text("{}")
     save_file(TENSORS, tmp_path / "model.safetensors")
-    status, out, _ = estimate(capsys, str(tmp_path), "--library_name", "transformers", "--trust_remote_code",
-                              "--dtypes", "float32")
+    status, out, _ = estimate(
+        capsys, str(tmp_path), "--library_name", "transformers", "--trust_remote_code", "--dtypes", "float32"
+    )
     assert status == 0 and table_rows(out)["float32"] == ["400 bytes", "440 bytes", "1.72 KB"]
     assert calls == [(str(tmp_path), True)]
     status, out, _ = estimate(capsys, str(tmp_path), "--dtypes", "float32")  # the safetensors win otherwise
@@ -168,15 +186,23 @@ def test_timm_needs_timm(capsys: pytest.CaptureFixture[str], monkeypatch: pytest
     assert status == 2 and "needs timm" in err
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (b"", "not a readable safetensors file"),
-    (b"\xff" * 8 + b"{}", "not a readable safetensors file"),
-    ((20).to_bytes(8, "little") + b'{"a": {"dtype": "F32"', "not a readable safetensors file"),
-    ((63).to_bytes(8, "little") + b'{"a": {"dtype": "F4", "shape": [2, 2], "data_offsets": [0, 2]}}' + b"\0\0",
-     "dtypes ['F4'], which torch has"),
-])
-def test_broken_files_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes,
-                                message: str) -> None:
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "not a readable safetensors file"),
+        (b"\xff" * 8 + b"{}", "not a readable safetensors file"),
+        ((20).to_bytes(8, "little") + b'{"a": {"dtype": "F32"', "not a readable safetensors file"),
+        (
+            (63).to_bytes(8, "little")
+            + b'{"a": {"dtype": "F4", "shape": [2, 2], "data_offsets": [0, 2]}}'
+            + b"\0\0",
+            "dtypes ['F4'], which torch has",
+        ),
+    ],
+)
+def test_broken_files_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, message: str
+) -> None:
     file = tmp_path / "broken.safetensors"
     file.write_bytes(content)
     status, _, err = estimate(capsys, str(file))
@@ -189,7 +215,9 @@ def test_other_local_mistakes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     (tmp_path / "weights.bin").write_bytes(b"x")
     status, _, err = estimate(capsys, str(tmp_path / "weights.bin"))
     assert status == 2 and "not a .safetensors file" in err
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "gone.safetensors"}})
+    )
     status, _, err = estimate(capsys, str(tmp_path / "model.safetensors.index.json"))
     assert status == 2 and "gone.safetensors, which is missing" in err
 
@@ -198,9 +226,20 @@ def test_other_local_mistakes(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_through_python_dash_m(tmp_path: Path) -> None:
     save_file(TENSORS, tmp_path / "model.safetensors")
     result = subprocess.run(
-        [sys.executable, "-m", "fnaccel", "estimate-memory", str(tmp_path / "model.safetensors"),
-         "--dtypes", "float16"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "fnaccel",
+            "estimate-memory",
+            str(tmp_path / "model.safetensors"),
+            "--dtypes",
+            "float16",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert table_rows(result.stdout) == {

@@ -25,7 +25,10 @@ SCRIPT = Path(__file__).with_name("_launched.py")
 def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "fnaccel", "launch", "-q", *args],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
 
@@ -75,15 +78,27 @@ def test_config_default_then_launch_uses_its_values(tmp_path: Path, monkeypatch:
     out = tmp_path / "out"
     out.mkdir()
     result = launch(
-        "--config_file", str(config), "--num_processes", "2", "--use_fsdp",
-        "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "--enable_cpu_affinity",
-        "--num_cpu_threads_per_process", "1", "--debug", str(SCRIPT), str(out),
+        "--config_file",
+        str(config),
+        "--num_processes",
+        "2",
+        "--use_fsdp",
+        "--fsdp_sharding_strategy",
+        "SHARD_GRAD_OP",
+        "--enable_cpu_affinity",
+        "--num_cpu_threads_per_process",
+        "1",
+        "--debug",
+        str(SCRIPT),
+        str(out),
     )
     assert result.returncode == 0, result.stderr
     ranks = report(out)
     for seen in ranks:
         assert seen["mixed_precision"] == "bf16"  # from `config default`
-        assert seen["device"] == "cpu" and seen["num_processes"] == 2  # use_cpu from the file, 2 from the flag
+        assert (
+            seen["device"] == "cpu" and seen["num_processes"] == 2
+        )  # use_cpu from the file, 2 from the flag
         assert "fsdp(reshard_after_forward=False, sync_module_states=True)" in seen["pipeline"]
         assert seen["debug"] is True and seen["omp_threads"] == "1"
     if len(os.sched_getaffinity(0)) >= 2:  # each process pinned to its own share
@@ -94,7 +109,8 @@ def test_config_default_then_launch_uses_its_values(tmp_path: Path, monkeypatch:
 def test_an_accelerate_hybrid_shard_config_with_a_parallelism_section_trains(tmp_path: Path) -> None:
     """Accelerate's HYBRID_SHARD (refused before meshes) runs as HSDP on a 2x2 mesh."""
     config = tmp_path / "hsdp.yaml"
-    config.write_text(textwrap.dedent("""\
+    config.write_text(
+        textwrap.dedent("""\
         compute_environment: LOCAL_MACHINE
         distributed_type: FSDP
         use_cpu: true
@@ -108,7 +124,8 @@ def test_an_accelerate_hybrid_shard_config_with_a_parallelism_section_trains(tmp
           parallelism_config_dp_shard_size: 2
           parallelism_config_tp_size: 1
           parallelism_config_cp_size: 1
-        """))
+        """)
+    )
     out = tmp_path / "out"
     out.mkdir()
     result = launch("--config_file", str(config), str(SCRIPT), str(out))
@@ -120,11 +137,21 @@ def test_an_accelerate_hybrid_shard_config_with_a_parallelism_section_trains(tmp
 
 
 def test_parallelism_flags_override_the_file_and_reach_the_processes(tmp_path: Path) -> None:
-    args = parse("--cpu", "--num_processes", "4", "--parallelism_config_dp_replicate_size", "2",
-                 "--parallelism_config_tp_size", "2", str(SCRIPT))
+    args = parse(
+        "--cpu",
+        "--num_processes",
+        "4",
+        "--parallelism_config_dp_replicate_size",
+        "2",
+        "--parallelism_config_tp_size",
+        "2",
+        str(SCRIPT),
+    )
     config = resolve(args)
-    assert config.parallelism_config == {"parallelism_config_dp_replicate_size": 2,
-                                         "parallelism_config_tp_size": 2}
+    assert config.parallelism_config == {
+        "parallelism_config_dp_replicate_size": 2,
+        "parallelism_config_tp_size": 2,
+    }
     env = launch_environment(args, config)
     assert env["FNACCEL_PARALLELISM_CONFIG_TP_SIZE"] == "2"
     bad = parse("--cpu", "--num_processes", "4", "--parallelism_config_tp_size", "3", str(SCRIPT))
@@ -149,10 +176,29 @@ def test_two_machines_form_one_world(tmp_path: Path, uninterrupted: Path) -> Non
     port = str(free_port())
     machines = [
         subprocess.Popen(
-            [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_machines", "2",
-             "--num_processes", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-             "--main_process_port", port, str(SCRIPT), str(out)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "fnaccel",
+                "launch",
+                "-q",
+                "--cpu",
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+                str(SCRIPT),
+                str(out),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         for rank in (0, 1)
@@ -162,7 +208,9 @@ def test_two_machines_form_one_world(tmp_path: Path, uninterrupted: Path) -> Non
         assert machine.returncode == 0, stderr
     ranks = report(out)
     assert [(r["rank"], r["node_rank"], r["num_nodes"], r["num_processes"], r["resumed"]) for r in ranks] == [
-        (0, 0, 2, 2, True), (1, 1, 2, 2, True)]
+        (0, 0, 2, 2, True),
+        (1, 1, 2, 2, True),
+    ]
     assert_same_weights(out, uninterrupted)  # the same training as 2 processes on one machine
 
 
@@ -170,8 +218,18 @@ def test_two_machines_form_one_world(tmp_path: Path, uninterrupted: Path) -> Non
 def test_a_killed_rank_restarts_and_resumes_from_its_checkpoint(tmp_path: Path, uninterrupted: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    result = launch("--cpu", "--num_processes", "2", "--max_restarts", "1", "--monitor_interval", "0.2",
-                    str(SCRIPT), str(out), "--kill-after-checkpoint")
+    result = launch(
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--max_restarts",
+        "1",
+        "--monitor_interval",
+        "0.2",
+        str(SCRIPT),
+        str(out),
+        "--kill-after-checkpoint",
+    )
     assert result.returncode == 0, result.stderr
     assert "exitcode: -9" in result.stderr  # rank 1 really died once
     ranks = report(out)
@@ -205,24 +263,43 @@ def bad_config_launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, t
         config = tmp_path_factory.mktemp("bad_config") / f"bad{number}.yaml"
         config.write_text(text)
         configs[text] = config
-    started = {text: subprocess.Popen([sys.executable, "-m", "fnaccel", "launch", "-q", "--config_file", str(config),
-                                       str(SCRIPT), str(config.parent)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-               for text, config in configs.items()}
+    started = {
+        text: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fnaccel",
+                "launch",
+                "-q",
+                "--config_file",
+                str(config),
+                str(SCRIPT),
+                str(config.parent),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for text, config in configs.items()
+    }
     try:
         outputs = {text: process.communicate(timeout=60) for text, process in started.items()}
     finally:
         for process in started.values():
             process.kill()
             process.wait()
-    return {text: (configs[text], subprocess.CompletedProcess(process.args, process.returncode, *outputs[text]))
-            for text, process in started.items()}
+    return {
+        text: (configs[text], subprocess.CompletedProcess(process.args, process.returncode, *outputs[text]))
+        for text, process in started.items()
+    }
 
 
 @pytest.mark.parametrize(("text", "message"), BAD_CONFIGS.items())
 @pytest.mark.multiprocess
-def test_bad_config_files_give_one_line_and_exit_2(bad_config_launches: dict[str, tuple[Path, Any]], text: str,
-                                                   message: str) -> None:
+def test_bad_config_files_give_one_line_and_exit_2(
+    bad_config_launches: dict[str, tuple[Path, Any]], text: str, message: str
+) -> None:
     config, result = bad_config_launches[text]
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -234,12 +311,21 @@ def parse(*argv: str) -> Any:
     return build_parser().parse_args(["launch", *argv, "train.py", "--lr", "1"])
 
 
-@pytest.mark.parametrize("flag", [
-    ["--use_megatron_lm"], ["--megatron_lm_tp_degree", "2"],
-    ["--tpu"], ["--main_training_function", "main"],
-    ["--aws_access_key_id", "x"], ["--ipex"], ["--use_xpu"],
-])
-def test_flags_of_engines_not_shipped_are_refused(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--use_megatron_lm"],
+        ["--megatron_lm_tp_degree", "2"],
+        ["--tpu"],
+        ["--main_training_function", "main"],
+        ["--aws_access_key_id", "x"],
+        ["--ipex"],
+        ["--use_xpu"],
+    ],
+)
+def test_flags_of_engines_not_shipped_are_refused(
+    flag: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["launch", *flag, str(SCRIPT)]) == 2
     err = capsys.readouterr().err
     assert flag[0] in err and len(err.strip().splitlines()) == 1
@@ -262,8 +348,20 @@ def test_bad_fp8_and_deepspeed_settings_are_refused_with_the_fix(
     assert "zero_stage must be 0, 1, 2 or 3" in capsys.readouterr().err
     assert main(["launch", "--zero_stage", "2", str(SCRIPT)]) == 2
     assert "pass --use_deepspeed" in capsys.readouterr().err
-    assert main(["launch", "--use_deepspeed", "--deepspeed_config_file", "ds.json", "--zero_stage", "2",
-                 str(SCRIPT)]) == 2
+    assert (
+        main(
+            [
+                "launch",
+                "--use_deepspeed",
+                "--deepspeed_config_file",
+                "ds.json",
+                "--zero_stage",
+                "2",
+                str(SCRIPT),
+            ]
+        )
+        == 2
+    )
     assert "zero_stage is given beside deepspeed_config_file" in capsys.readouterr().err
     assert main(["launch", "--use_deepspeed", "--mixed_precision", "fp8", str(SCRIPT)]) == 2
     assert "fp8 does not run through DeepSpeed" in capsys.readouterr().err
@@ -274,32 +372,139 @@ def test_bad_fp8_and_deepspeed_settings_are_refused_with_the_fix(
 
 
 def test_torchrun_arguments() -> None:
-    args = parse("--cpu", "--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
-                 "--main_process_ip", "10.0.0.1", "--main_process_port", "1234", "--max_restarts", "2",
-                 "--tee", "3", "--log_dir", "logs", "--role", "trainer", "--monitor_interval", "0.5")
+    args = parse(
+        "--cpu",
+        "--num_processes",
+        "4",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        "1",
+        "--main_process_ip",
+        "10.0.0.1",
+        "--main_process_port",
+        "1234",
+        "--max_restarts",
+        "2",
+        "--tee",
+        "3",
+        "--log_dir",
+        "logs",
+        "--role",
+        "trainer",
+        "--monitor_interval",
+        "0.5",
+    )
     # every worker starts through the entry that ends it with this launcher, then runs the script
     worker = ["--module", "fnaccel.commands.launch_worker", str(os.getpid())]
     assert torchrun_arguments(args, resolve(args)) == [
-        "--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1",
-        "--master_port", "1234", "--max_restarts", "2", "--monitor_interval", "0.5", "--role", "trainer",
-        "--tee", "3", "--log_dir", "logs", *worker, sys.executable, "-u", "train.py", "--lr", "1"]
-    args = parse("--num_processes", "4", "--num_machines", "2", "--rdzv_backend", "c10d",
-                 "--main_process_ip", "h", "--main_process_port", "9", "--rdzv_conf", "a=1", "-m")
+        "--nproc_per_node",
+        "2",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "10.0.0.1",
+        "--master_port",
+        "1234",
+        "--max_restarts",
+        "2",
+        "--monitor_interval",
+        "0.5",
+        "--role",
+        "trainer",
+        "--tee",
+        "3",
+        "--log_dir",
+        "logs",
+        *worker,
+        sys.executable,
+        "-u",
+        "train.py",
+        "--lr",
+        "1",
+    ]
+    args = parse(
+        "--num_processes",
+        "4",
+        "--num_machines",
+        "2",
+        "--rdzv_backend",
+        "c10d",
+        "--main_process_ip",
+        "h",
+        "--main_process_port",
+        "9",
+        "--rdzv_conf",
+        "a=1",
+        "-m",
+    )
     assert torchrun_arguments(args, resolve(args)) == [
-        "--nproc_per_node", "2", "--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "h:9",
-        "--rdzv_conf", "a=1", *worker, sys.executable, "-u", "-m", "train.py", "--lr", "1"]
+        "--nproc_per_node",
+        "2",
+        "--nnodes",
+        "2",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "h:9",
+        "--rdzv_conf",
+        "a=1",
+        *worker,
+        sys.executable,
+        "-u",
+        "-m",
+        "train.py",
+        "--lr",
+        "1",
+    ]
     args = parse("--num_processes", "3", "--no_python")
     assert torchrun_arguments(args, resolve(args)) == [
-        "--nproc_per_node", "3", "--standalone", *worker, "train.py", "--lr", "1"]
+        "--nproc_per_node",
+        "3",
+        "--standalone",
+        *worker,
+        "train.py",
+        "--lr",
+        "1",
+    ]
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--num_processes", "3", "--num_machines", "2", "--main_process_ip", "h", "--main_process_port", "1"],
-     "must divide evenly"),
-    (["--num_processes", "2", "--num_machines", "2"], "needs --main_process_ip and --main_process_port"),
-    (["--num_processes", "2", "--num_machines", "2", "--machine_rank", "2", "--main_process_ip", "h",
-      "--main_process_port", "1"], "machine_rank 2 is outside 0..1"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            [
+                "--num_processes",
+                "3",
+                "--num_machines",
+                "2",
+                "--main_process_ip",
+                "h",
+                "--main_process_port",
+                "1",
+            ],
+            "must divide evenly",
+        ),
+        (["--num_processes", "2", "--num_machines", "2"], "needs --main_process_ip and --main_process_port"),
+        (
+            [
+                "--num_processes",
+                "2",
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                "2",
+                "--main_process_ip",
+                "h",
+                "--main_process_port",
+                "1",
+            ],
+            "machine_rank 2 is outside 0..1",
+        ),
+    ],
+)
 def test_inconsistent_machine_flags(argv: list[str], message: str) -> None:
     from fnaccel.commands.main import CommandError
 
@@ -313,13 +518,25 @@ def test_the_environment_the_script_reads(tmp_path: Path, monkeypatch: pytest.Mo
     from fnaccel.preparation import default_pipeline
 
     config = tmp_path / "c.yaml"
-    config.write_text(textwrap.dedent("""\
+    config.write_text(
+        textwrap.dedent("""\
         distributed_type: FSDP
         fsdp_config: {fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP, fsdp_transformer_layer_cls_to_wrap: Block}
         dynamo_config: {dynamo_backend: EAGER}
-    """))
-    args = parse("--config_file", str(config), "--cpu", "--fsdp_offload_params", "false",
-                 "--dynamo_use_fullgraph", "--gpu_ids", "0,1", "--num_cpu_threads_per_process", "2")
+    """)
+    )
+    args = parse(
+        "--config_file",
+        str(config),
+        "--cpu",
+        "--fsdp_offload_params",
+        "false",
+        "--dynamo_use_fullgraph",
+        "--gpu_ids",
+        "0,1",
+        "--num_cpu_threads_per_process",
+        "2",
+    )
     env = launch_environment(args, resolve(args))
     assert env["FNACCEL_USE_FSDP"] == "true" and env["FNACCEL_FSDP_OFFLOAD_PARAMS"] == "false"
     assert env["FNACCEL_DISTRIBUTED_TYPE"] == "FSDP"
@@ -351,32 +568,104 @@ def _help(*argv: str) -> str:
 
 
 # accelerate launch's flags, from the reference page (docs/cli.md maps each)
-ACCELERATE_LAUNCH_FLAGS = """
---config_file -m --module --no_python --debug -q --quiet --cpu --multi_gpu --tpu --ipex
---mixed_precision --num_processes --num_machines --num_cpu_threads_per_process --enable_cpu_affinity
---use_deepspeed --use_fsdp --use_megatron_lm --use_xpu --gpu_ids --same_network --machine_rank
---main_process_ip --main_process_port -t --tee --log_dir --role --rdzv_backend --rdzv_conf --max_restarts
---monitor_interval --tpu_cluster --tpu_use_sudo --vm --env --main_training_function --downcast_bf16
---deepspeed_config_file --zero_stage --offload_optimizer_device --offload_param_device
---offload_optimizer_nvme_path --gradient_accumulation_steps --gradient_clipping --zero3_init_flag
---zero3_save_16bit_model --deepspeed_hostfile --deepspeed_exclusion_filter --deepspeed_inclusion_filter
---deepspeed_multinode_launcher --deepspeed_moe_layer_cls_names --fsdp_offload_params --fsdp_min_num_params
---fsdp_sharding_strategy --fsdp_auto_wrap_policy --fsdp_transformer_layer_cls_to_wrap
---fsdp_backward_prefetch_policy --fsdp_state_dict_type --fsdp_forward_prefetch --fsdp_use_orig_params
---fsdp_cpu_ram_efficient_loading --fsdp_sync_module_states --fsdp_activation_checkpointing
---megatron_lm_tp_degree --megatron_lm_pp_degree --megatron_lm_num_micro_batches
---megatron_lm_sequence_parallelism --megatron_lm_recompute_activations
---megatron_lm_use_distributed_optimizer --megatron_lm_gradient_clipping --fp8_backend
---fp8_use_autocast_during_eval --fp8_margin --fp8_interval --fp8_format --fp8_amax_history_len
---fp8_amax_compute_algo --fp8_override_linear_precision --fp8_opt_level --aws_access_key_id
---aws_secret_access_key --dynamo_backend --dynamo_mode --dynamo_use_fullgraph --dynamo_use_dynamic
-""".split()
+ACCELERATE_LAUNCH_FLAGS = [
+    "--config_file",
+    "-m",
+    "--module",
+    "--no_python",
+    "--debug",
+    "-q",
+    "--quiet",
+    "--cpu",
+    "--multi_gpu",
+    "--tpu",
+    "--ipex",
+    "--mixed_precision",
+    "--num_processes",
+    "--num_machines",
+    "--num_cpu_threads_per_process",
+    "--enable_cpu_affinity",
+    "--use_deepspeed",
+    "--use_fsdp",
+    "--use_megatron_lm",
+    "--use_xpu",
+    "--gpu_ids",
+    "--same_network",
+    "--machine_rank",
+    "--main_process_ip",
+    "--main_process_port",
+    "-t",
+    "--tee",
+    "--log_dir",
+    "--role",
+    "--rdzv_backend",
+    "--rdzv_conf",
+    "--max_restarts",
+    "--monitor_interval",
+    "--tpu_cluster",
+    "--tpu_use_sudo",
+    "--vm",
+    "--env",
+    "--main_training_function",
+    "--downcast_bf16",
+    "--deepspeed_config_file",
+    "--zero_stage",
+    "--offload_optimizer_device",
+    "--offload_param_device",
+    "--offload_optimizer_nvme_path",
+    "--gradient_accumulation_steps",
+    "--gradient_clipping",
+    "--zero3_init_flag",
+    "--zero3_save_16bit_model",
+    "--deepspeed_hostfile",
+    "--deepspeed_exclusion_filter",
+    "--deepspeed_inclusion_filter",
+    "--deepspeed_multinode_launcher",
+    "--deepspeed_moe_layer_cls_names",
+    "--fsdp_offload_params",
+    "--fsdp_min_num_params",
+    "--fsdp_sharding_strategy",
+    "--fsdp_auto_wrap_policy",
+    "--fsdp_transformer_layer_cls_to_wrap",
+    "--fsdp_backward_prefetch_policy",
+    "--fsdp_state_dict_type",
+    "--fsdp_forward_prefetch",
+    "--fsdp_use_orig_params",
+    "--fsdp_cpu_ram_efficient_loading",
+    "--fsdp_sync_module_states",
+    "--fsdp_activation_checkpointing",
+    "--megatron_lm_tp_degree",
+    "--megatron_lm_pp_degree",
+    "--megatron_lm_num_micro_batches",
+    "--megatron_lm_sequence_parallelism",
+    "--megatron_lm_recompute_activations",
+    "--megatron_lm_use_distributed_optimizer",
+    "--megatron_lm_gradient_clipping",
+    "--fp8_backend",
+    "--fp8_use_autocast_during_eval",
+    "--fp8_margin",
+    "--fp8_interval",
+    "--fp8_format",
+    "--fp8_amax_history_len",
+    "--fp8_amax_compute_algo",
+    "--fp8_override_linear_precision",
+    "--fp8_opt_level",
+    "--aws_access_key_id",
+    "--aws_secret_access_key",
+    "--dynamo_backend",
+    "--dynamo_mode",
+    "--dynamo_use_fullgraph",
+    "--dynamo_use_dynamic",
+]
 
 
 def test_launch_help_lists_every_accelerate_flag() -> None:
     text = _help("launch")
-    missing = [flag for flag in ACCELERATE_LAUNCH_FLAGS if f"{flag} " not in text and f"{flag}," not in text
-               and f"{flag}\n" not in text]
+    missing = [
+        flag
+        for flag in ACCELERATE_LAUNCH_FLAGS
+        if f"{flag} " not in text and f"{flag}," not in text and f"{flag}\n" not in text
+    ]
     assert not missing
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
@@ -34,9 +33,24 @@ def test_the_run_records_the_resolved_config_and_warns_once(tmp_path: Path) -> N
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
     result = subprocess.run(
-        [sys.executable, "-m", "fnaccel", "launch", "-q", "--config_file", str(config), "--cpu",
-         "--mixed_precision", "bf16", str(script), str(tmp_path / "ckpt")],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "fnaccel",
+            "launch",
+            "-q",
+            "--config_file",
+            str(config),
+            "--cpu",
+            "--mixed_precision",
+            "bf16",
+            str(script),
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr
     assert "rank 0: bf16 True False" in result.stdout and "rank 1: bf16 True False" in result.stdout
@@ -46,9 +60,15 @@ def test_the_run_records_the_resolved_config_and_warns_once(tmp_path: Path) -> N
 
 
 def test_one_table_encodes_and_decodes_the_launch_environment() -> None:
-    config = LaunchConfig(mixed_precision="bf16", use_cpu=True, debug=True, enable_cpu_affinity=True,
-                          distributed_type="FSDP", fsdp_config={"fsdp_offload_params": True},
-                          dynamo_config={"dynamo_backend": "EAGER"})
+    config = LaunchConfig(
+        mixed_precision="bf16",
+        use_cpu=True,
+        debug=True,
+        enable_cpu_affinity=True,
+        distributed_type="FSDP",
+        fsdp_config={"fsdp_offload_params": True},
+        dynamo_config={"dynamo_backend": "EAGER"},
+    )
     env = launch_env(config)
     assert set(LAUNCH_VARIABLES.values()) <= set(env)
     back = with_launch_env(LaunchConfig(), env)

@@ -35,9 +35,24 @@ def test_a_raising_rank_ends_the_launch_within_seconds(tmp_path: Path, where: st
     collective: before, the job hung for the 30-minute process-group timeout."""
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", "2",
-             str(CRASHING), str(tmp_path), where, ending],
-            capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            [
+                sys.executable,
+                "-m",
+                "fnaccel",
+                "launch",
+                "-q",
+                "--cpu",
+                "--num_processes",
+                "2",
+                str(CRASHING),
+                str(tmp_path),
+                where,
+                ending,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         elapsed = time.time() - float((tmp_path / "failed_at").read_text())
         pids = [int(path.name.split(".")[1]) for path in tmp_path.glob("pid.*")]
@@ -66,10 +81,32 @@ def test_a_rank_failing_on_another_machine_is_named_by_every_machine(tmp_path: P
     port = str(free_port())
     launchers = [
         subprocess.Popen(
-            [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_machines", "2", "--num_processes", "2",
-             "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-             str(CRASHING), str(tmp_path), "init", "plain"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            [
+                sys.executable,
+                "-m",
+                "fnaccel",
+                "launch",
+                "-q",
+                "--cpu",
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "2",
+                "--machine_rank",
+                str(machine),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+                str(CRASHING),
+                str(tmp_path),
+                "init",
+                "plain",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         for machine in (0, 1)
     ]

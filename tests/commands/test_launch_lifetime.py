@@ -24,7 +24,9 @@ SCRIPT = Path(__file__).with_name("_lifetime.py")
 def _start(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "fnaccel", "launch", "-q", *argv],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
 
@@ -113,10 +115,30 @@ def test_waiting_for_machines_speaks_hears_ctrl_c_and_times_out(tmp_path: Path) 
     traceback. Machine 0 waits alone for 4 s; machine 1, on a port nobody serves, gets Ctrl-C."""
     every_second = {"FNACCEL_LAUNCH_REPORT_INTERVAL": "1"}
     machine = ["--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1"]
-    alone = _start(*machine, "--machine_rank", "0", "--main_process_port", str(_free_port()),
-                   "--rdzv_conf", "timeout=4", str(SCRIPT), str(tmp_path), "sleep", env=every_second)
-    interrupted = _start(*machine, "--machine_rank", "1", "--main_process_port", str(_free_port()),
-                         str(SCRIPT), str(tmp_path), "sleep", env=every_second)
+    alone = _start(
+        *machine,
+        "--machine_rank",
+        "0",
+        "--main_process_port",
+        str(_free_port()),
+        "--rdzv_conf",
+        "timeout=4",
+        str(SCRIPT),
+        str(tmp_path),
+        "sleep",
+        env=every_second,
+    )
+    interrupted = _start(
+        *machine,
+        "--machine_rank",
+        "1",
+        "--main_process_port",
+        str(_free_port()),
+        str(SCRIPT),
+        str(tmp_path),
+        "sleep",
+        env=every_second,
+    )
     try:
         first = _first_line(interrupted, 120)
         assert "machine 1: waiting up to 900 s for the machines at 127.0.0.1:" in first, first
@@ -141,14 +163,26 @@ def test_waiting_for_machines_speaks_hears_ctrl_c_and_times_out(tmp_path: Path) 
             _end(launcher, tmp_path)
 
 
-def test_a_port_in_use_is_one_line_and_exit_2_before_any_worker(tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_port_in_use_is_one_line_and_exit_2_before_any_worker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        status = main(["launch", "--cpu", "--num_processes", "2", "--main_process_port", str(port),
-                       str(SCRIPT), str(tmp_path), "sleep"])
+        status = main(
+            [
+                "launch",
+                "--cpu",
+                "--num_processes",
+                "2",
+                "--main_process_port",
+                str(port),
+                str(SCRIPT),
+                str(tmp_path),
+                "sleep",
+            ]
+        )
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1, err
     assert f"--main_process_port {port} is already in use" in err
@@ -187,10 +221,20 @@ def test_a_machine_killed_mid_run_is_named_by_the_survivor(tmp_path: Path) -> No
     mid-run. Before: machine 0 ended within seconds, but its last line blamed its own rank
     (``rank 0 exited with code 1 (its traceback is above ...)``) under gloo's ``Connection
     closed by peer``."""
-    machine = ["--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",
-               "--main_process_port", str(_free_port())]
-    survivor, lost = (_start(*machine, "--machine_rank", str(rank), str(SCRIPT), str(tmp_path), "reduce")
-                      for rank in (0, 1))
+    machine = [
+        "--cpu",
+        "--num_machines",
+        "2",
+        "--num_processes",
+        "2",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(_free_port()),
+    ]
+    survivor, lost = (
+        _start(*machine, "--machine_rank", str(rank), str(SCRIPT), str(tmp_path), "reduce") for rank in (0, 1)
+    )
     try:
         _wait_for(lambda: len(_pids(tmp_path)) == 2, 240, survivor)
         time.sleep(1)  # both ranks in their loop of all-reduces

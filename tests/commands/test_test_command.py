@@ -19,8 +19,8 @@ from fnaccel.commands.test import SCRIPT
 from fnaccel.commands.test_checks import (
     CheckFailed,
     CheckSkipped,
-    check_repeated_resumes,
     check_process_group,
+    check_repeated_resumes,
     check_resume_world_size,
 )
 from fnaccel.commands.test_script import CheckResult, run_checks
@@ -98,7 +98,8 @@ def test_a_generator_not_restored_fails_the_resume_check_naming_the_resume(
     lines = _report_lines(capsys.readouterr().out)
     assert lines["resume x3 in an epoch"].startswith(
         "FAILED: CheckFailed: verify_resume: resume 1 of 3 (at batch 2, on 1 process(es)): batch 3 after "
-        "resuming at batch 2 has loss"), lines
+        "resuming at batch 2 has loss"
+    ), lines
     assert lines["training vs PyTorch"].startswith("ok")
 
 
@@ -108,8 +109,13 @@ def _resume_checks_with_a_summed_loss(state: fa.RunState) -> list[CheckResult]:
     mean = torch.nn.functional.cross_entropy
     torch.nn.functional.cross_entropy = lambda *a, **k: mean(*a, **k, reduction="sum")  # type: ignore[assignment]
     try:
-        return run_checks(state, [("resume x3 in an epoch", check_repeated_resumes),
-                                  ("resume on 1 process", check_resume_world_size)])
+        return run_checks(
+            state,
+            [
+                ("resume x3 in an epoch", check_repeated_resumes),
+                ("resume on 1 process", check_resume_world_size),
+            ],
+        )
     finally:
         torch.nn.functional.cross_entropy = mean
 
@@ -119,9 +125,11 @@ def test_a_loss_that_depends_on_the_world_size_fails_the_resume_on_one_process(w
         assert repeated.status == "ok", repeated
         assert other_size.status == "FAILED" and other_size.detail.startswith(
             "CheckFailed: verify_resume: resume 1 of 2 (at batch 2, on 1 process(es)): batch 3 after resuming at "
-            "batch 2 has loss "), other_size
+            "batch 2 has loss "
+        ), other_size
         assert "the uninterrupted run's mean over its ranks (compared within atol=1e-05, rtol=0.0001)" in (
-            other_size.detail)
+            other_size.detail
+        )
 
 
 def _fails() -> str:
@@ -134,11 +142,14 @@ def _skips() -> str:
 
 def test_run_checks_turns_outcomes_into_report_lines(capsys: pytest.CaptureFixture[str]) -> None:
     state = fa.init(cpu=True)
-    results = run_checks(state, [
-        ("works", lambda state: "fine"),
-        ("breaks", lambda state: _fails()),
-        ("does not apply", lambda state: _skips()),
-    ])
+    results = run_checks(
+        state,
+        [
+            ("works", lambda state: "fine"),
+            ("breaks", lambda state: _fails()),
+            ("does not apply", lambda state: _skips()),
+        ],
+    )
     assert results == [
         CheckResult(name="works", status="ok", detail="fine"),
         CheckResult(name="breaks", status="FAILED", detail="CheckFailed: expected 1, got 2"),
@@ -164,8 +175,9 @@ def _checks_with_one_rank_failing(state: fa.RunState) -> list[CheckResult]:
 
 def test_a_failure_on_one_rank_is_reported_on_every_rank(world2: Any) -> None:
     for lopsided, group in world2.run(_checks_with_one_rank_failing):
-        assert lopsided == CheckResult(name="lopsided", status="FAILED",
-                                       detail="rank 1: RuntimeError: only rank 1 sees this")
+        assert lopsided == CheckResult(
+            name="lopsided", status="FAILED", detail="rank 1: RuntimeError: only rank 1 sees this"
+        )
         assert group.status == "ok" and "2 processes" in group.detail
 
 
@@ -173,7 +185,10 @@ def test_a_failure_on_one_rank_is_reported_on_every_rank(world2: Any) -> None:
 def test_the_script_passes_every_check_under_torchrun() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **ENV},
     )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = _report_lines(result.stdout)
@@ -202,10 +217,13 @@ def test_launch_flags_pass_through_in_order_with_the_config_file_first(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls = _fake_launch(monkeypatch, 0)
-    assert main(["test", "--cpu", "--config_file", "c.yaml", "--num_processes", "2",
-                 "--mixed_precision=bf16"]) == 0
-    assert calls == [["--config_file", "c.yaml", "--cpu", "--num_processes", "2", "--mixed_precision=bf16",
-                      str(SCRIPT)]]
+    assert (
+        main(["test", "--cpu", "--config_file", "c.yaml", "--num_processes", "2", "--mixed_precision=bf16"])
+        == 0
+    )
+    assert calls == [
+        ["--config_file", "c.yaml", "--cpu", "--num_processes", "2", "--mixed_precision=bf16", str(SCRIPT)]
+    ]
     assert "Test is a success!" in capsys.readouterr().out
     assert main(["test"]) == 0
     assert calls[1] == [str(SCRIPT)]
@@ -241,7 +259,11 @@ def test_fnaccel_test_end_to_end_on_two_cpu_processes(tmp_path: Path) -> None:
     """Needs `fnaccel.commands.launch.run_launch`."""
     result = subprocess.run(
         [sys.executable, "-m", "fnaccel", "test", "--cpu", "--num_processes", "2"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **ENV}, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **ENV},
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "All 11 checks passed (1 skipped)." in result.stdout

@@ -6,8 +6,16 @@ import pytest
 
 from fnaccel.commands.main import build_parser, main
 
-FLAGS = ("--config_file", "--tpu_name", "--tpu_zone", "--command_file", "--command",
-         "--install_accelerate", "--accelerate_version", "--debug")
+FLAGS = (
+    "--config_file",
+    "--tpu_name",
+    "--tpu_zone",
+    "--command_file",
+    "--command",
+    "--install_accelerate",
+    "--accelerate_version",
+    "--debug",
+)
 
 
 def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -21,13 +29,34 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_flags_parse_as_accelerate_spells_them() -> None:
-    args = build_parser().parse_args([
-        "tpu-config", "--config_file", "c.yaml", "--tpu_name", "pod", "--tpu_zone", "us-central1-a",
-        "--command_file", "cmds.txt", "--command", "echo", "hi", "--command", "ls",
-        "--install_accelerate", "--accelerate_version", "dev", "--debug",
-    ])
+    args = build_parser().parse_args(
+        [
+            "tpu-config",
+            "--config_file",
+            "c.yaml",
+            "--tpu_name",
+            "pod",
+            "--tpu_zone",
+            "us-central1-a",
+            "--command_file",
+            "cmds.txt",
+            "--command",
+            "echo",
+            "hi",
+            "--command",
+            "ls",
+            "--install_accelerate",
+            "--accelerate_version",
+            "dev",
+            "--debug",
+        ]
+    )
     assert (args.config_file, args.tpu_name, args.tpu_zone, args.command_file) == (
-        "c.yaml", "pod", "us-central1-a", "cmds.txt")
+        "c.yaml",
+        "pod",
+        "us-central1-a",
+        "cmds.txt",
+    )
     assert args.command == [["echo", "hi"], ["ls"]]
     assert args.install_accelerate and args.debug and args.accelerate_version == "dev"
 

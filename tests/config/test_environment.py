@@ -95,8 +95,10 @@ def test_cuda_check_leaves_the_environment_alone() -> None:
     assert dict(os.environ) == before
 
 
-@pytest.mark.skipif(torch.cuda.is_available() or torch.xpu.is_available() or is_mps_available()
-                    or is_torch_xla_available(), reason="CPU-only answer")
+@pytest.mark.skipif(
+    torch.cuda.is_available() or torch.xpu.is_available() or is_mps_available() or is_torch_xla_available(),
+    reason="CPU-only answer",
+)
 def test_bf16_is_available_on_cpu() -> None:
     assert is_bf16_available() is True
     assert is_bf16_available(ignore_tpu=True) is True
@@ -120,8 +122,13 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[.
     created: list[str] = []
     before = set(sys.modules)  # a real package already imported (torchao, by an fp8 test) stays
 
-    def install(module: str, *, version: str | None = None, dist: str | None = None,
-                files: dict[str, str] | None = None) -> None:
+    def install(
+        module: str,
+        *,
+        version: str | None = None,
+        dist: str | None = None,
+        files: dict[str, str] | None = None,
+    ) -> None:
         package = tmp_path / module
         package.mkdir()
         (package / "__init__.py").write_text("")
@@ -130,7 +137,9 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[.
         if version is not None:
             info = tmp_path / f"{(dist or module).replace('-', '_')}-{version}.dist-info"
             info.mkdir()
-            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist or module}\nVersion: {version}\n")
+            (info / "METADATA").write_text(
+                f"Metadata-Version: 2.1\nName: {dist or module}\nVersion: {version}\n"
+            )
         created.append(module)
         importlib.invalidate_caches()
 
@@ -219,31 +228,34 @@ def test_patch_environment_sets_and_restores(monkeypatch: pytest.MonkeyPatch) ->
 def test_patch_environment_restores_on_exception(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FNACCEL_TEST_OLD", "old")
     monkeypatch.delenv("FNACCEL_TEST_NEW", raising=False)
-    with pytest.raises(RuntimeError, match="boom"):
-        with patch_environment(FNACCEL_TEST_OLD="x", FNACCEL_TEST_NEW="y"):
-            os.environ["FNACCEL_TEST_OLD"] = "changed inside"
-            raise RuntimeError("boom")
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        patch_environment(FNACCEL_TEST_OLD="x", FNACCEL_TEST_NEW="y"),
+    ):
+        os.environ["FNACCEL_TEST_OLD"] = "changed inside"
+        raise RuntimeError("boom")
     assert os.environ["FNACCEL_TEST_OLD"] == "old"
     assert "FNACCEL_TEST_NEW" not in os.environ
 
 
 def test_patch_environment_rejects_keys_equal_up_to_case() -> None:
     before = dict(os.environ)
-    with pytest.raises(ValueError, match="FNACCEL_TEST_DUP twice"):
-        with patch_environment(fnaccel_test_dup="a", FNACCEL_TEST_DUP="b"):
-            pass
+    with (
+        pytest.raises(ValueError, match="FNACCEL_TEST_DUP twice"),
+        patch_environment(fnaccel_test_dup="a", FNACCEL_TEST_DUP="b"),
+    ):
+        pass
     assert dict(os.environ) == before
 
 
 def test_clear_environment_empties_and_restores_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FNACCEL_TEST_OLD", "old")
     before = dict(os.environ)
-    with pytest.raises(RuntimeError, match="boom"):
-        with clear_environment():
-            assert dict(os.environ) == {}
-            os.environ["FNACCEL_TEST_OLD"] = "new"
-            os.environ["FNACCEL_TEST_INSIDE"] = "1"
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), clear_environment():
+        assert dict(os.environ) == {}
+        os.environ["FNACCEL_TEST_OLD"] = "new"
+        os.environ["FNACCEL_TEST_INSIDE"] = "1"
+        raise RuntimeError("boom")
     assert dict(os.environ) == before
 
 

@@ -11,7 +11,9 @@ import pytest
 
 from fnaccel.config.numa import numa_node_cpus, parse_cpu_list
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux's sched_setaffinity")
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity"), reason="needs Linux's sched_setaffinity"
+)
 
 
 def _sysfs(root: Path, nodes: dict[int, str]) -> Path:
@@ -48,7 +50,9 @@ def test_this_machine_pins_a_child_process_to_its_nodes_allowed_cpus() -> None:
         "print(node is None, cpus == (None if node is None or not node & allowed else node & allowed),"
         " cpus is None or os.sched_getaffinity(0) == cpus, override_numa_affinity(0) == cpus)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     no_numa, right_cpus, pinned, same = out.stdout.split()
     assert (right_cpus, pinned, same) == ("True", "True", "True"), out.stdout
     if no_numa == "True":

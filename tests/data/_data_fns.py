@@ -8,9 +8,8 @@ in a helper module). The datasets are module-level so that loader workers
 
 from __future__ import annotations
 
-from typing import Any
-
 import json
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
@@ -135,8 +134,13 @@ def stepping(state: Any, prepared: Any) -> Any:
     rank's) and a model that reads no batch and learns nothing, so that `fa.step`
     consumes the loader's batches as a training loop does."""
     model = torch.nn.Linear(1, 1, bias=False)
-    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.0), pipeline=fa.compose(fa.ddp()),
-                       loss_fn=_no_loss)
+    state = fa.prepare(
+        state,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        pipeline=fa.compose(fa.ddp()),
+        loss_fn=_no_loss,
+    )
     return state.replace(loader=prepared)
 
 
@@ -159,9 +163,15 @@ def train(state: Any, epochs: int | None = None, stop_after: int | None = None) 
 
 def through_json(position: Any) -> Any:
     """``position`` as a checkpoint stores it: its fields, as JSON, read back."""
-    fields = json.loads(json.dumps({"epoch": position.epoch, "num_batches": position.num_batches,
-                                    "loader_state": None if position.loader_state is None
-                                    else dict(position.loader_state)}))
+    fields = json.loads(
+        json.dumps(
+            {
+                "epoch": position.epoch,
+                "num_batches": position.num_batches,
+                "loader_state": None if position.loader_state is None else dict(position.loader_state),
+            }
+        )
+    )
     return fa.DataPosition(**fields)
 
 
@@ -173,9 +183,16 @@ def epoch_batches(
 ) -> dict[str, Any]:
     """Every batch this rank steps in ``epochs`` epochs, with the epoch it was stepped in,
     and the position the run ends at."""
-    loader = DataLoader(Indices(num_samples), batch_size=batch_size, shuffle=shuffle, collate_fn=collate_list,
-                        generator=torch.Generator().manual_seed(100 + state.dist.rank))
-    state = stepping(state, prepare_loader(loader, state.dist, seed=5, config=DataLoaderConfiguration(**config)))
+    loader = DataLoader(
+        Indices(num_samples),
+        batch_size=batch_size,
+        shuffle=shuffle,
+        collate_fn=collate_list,
+        generator=torch.Generator().manual_seed(100 + state.dist.rank),
+    )
+    state = stepping(
+        state, prepare_loader(loader, state.dist, seed=5, config=DataLoaderConfiguration(**config))
+    )
     out = []
     for batch in batches(state, epochs=epochs):
         out.append((batch, state.epoch))
@@ -185,23 +202,26 @@ def epoch_batches(
 
 def iterable_batches(state: Any, num_samples: int, batch_size: int) -> list[list[int]]:
     """This rank's batches of one pass over a `Stream`."""
-    state = state.replace(loader=prepare_loader(DataLoader(Stream(num_samples), batch_size=batch_size),
-                                                state.dist, seed=0))
+    state = state.replace(
+        loader=prepare_loader(DataLoader(Stream(num_samples), batch_size=batch_size), state.dist, seed=0)
+    )
     return [batch.tolist() for batch in batches(state)]
 
 
 def distributed_sampler_batches(state: Any, num_samples: int, batch_size: int) -> dict[str, Any]:
     """A `DistributedSampler` loader, prepared: its batches over two epochs, and the sampler's own."""
     dist = state.dist
-    sampler = DistributedSampler(Indices(num_samples), num_replicas=dist.num_processes, rank=dist.rank,
-                                 shuffle=True, seed=3)
+    sampler = DistributedSampler(
+        Indices(num_samples), num_replicas=dist.num_processes, rank=dist.rank, shuffle=True, seed=3
+    )
     loader = DataLoader(Indices(num_samples), batch_size=batch_size, sampler=sampler)
     state = state.replace(loader=prepare_loader(loader, dist, seed=0))
     got = [batch.tolist() for batch in batches(state, epochs=2)]
     expected = []
     for epoch in range(2):
-        reference = DistributedSampler(Indices(num_samples), num_replicas=dist.num_processes, rank=dist.rank,
-                                       shuffle=True, seed=3)
+        reference = DistributedSampler(
+            Indices(num_samples), num_replicas=dist.num_processes, rank=dist.rank, shuffle=True, seed=3
+        )
         reference.set_epoch(epoch)
         order = list(reference)
         expected += [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -211,6 +231,7 @@ def distributed_sampler_batches(state: Any, num_samples: int, batch_size: int) -
 def resumed_batches(state: Any, num_samples: int, batch_size: int, stop_after: int) -> dict[str, Any]:
     """Step ``stop_after`` batches (and fetch one more), keep the position as a checkpoint
     would, finish the epoch; then read from that position with a fresh loader: what each reads."""
+
     def prepared() -> Any:
         loader = DataLoader(Indices(num_samples), batch_size=batch_size, shuffle=True)
         return prepare_loader(loader, state.dist, seed=1)
@@ -226,8 +247,15 @@ def resumed_batches(state: Any, num_samples: int, batch_size: int, stop_after: i
     rest = batches(state.replace(loader=fresh, data_position=saved))
     lengths["resumed"] = len(rest)
     resumed = [b.tolist() for b in rest]
-    return {"head": head, "tail": tail, "resumed": resumed, "reads": fresh.dataloader.dataset.reads,
-            "saved": saved.key, "end": state.data_position.key, "lengths": lengths}
+    return {
+        "head": head,
+        "tail": tail,
+        "resumed": resumed,
+        "reads": fresh.dataloader.dataset.reads,
+        "saved": saved.key,
+        "end": state.data_position.key,
+        "lengths": lengths,
+    }
 
 
 def ended_epoch(state: Any, num_samples: int, batch_size: int, stop_after: int) -> dict[str, Any]:
@@ -257,16 +285,24 @@ def plain_reference(dataset: Any, prepared: Any, epochs: int, collate_fn: Any = 
     sampler = prepared.sampler
     out: list[Any] = []
     for epoch in range(epochs):
-        fresh = ShardedBatchSampler(sampler.num_samples, sampler.batch_size, num_processes=sampler.num_processes,
-                                    rank=sampler.rank, seed=sampler.seed, shuffle=sampler.shuffle,
-                                    drop_last=sampler.drop_last, even_batches=sampler.even_batches)
+        fresh = ShardedBatchSampler(
+            sampler.num_samples,
+            sampler.batch_size,
+            num_processes=sampler.num_processes,
+            rank=sampler.rank,
+            seed=sampler.seed,
+            shuffle=sampler.shuffle,
+            drop_last=sampler.drop_last,
+            even_batches=sampler.even_batches,
+        )
         fresh.set_epoch(epoch)
         out += list(DataLoader(dataset, batch_sampler=list(fresh), collate_fn=collate_fn))
     return out
 
 
-def indexed_save(state: Any, directory: str, num_samples: int, batch_size: int,
-                 stop_after: int) -> dict[str, Any]:
+def indexed_save(
+    state: Any, directory: str, num_samples: int, batch_size: int, stop_after: int
+) -> dict[str, Any]:
     """Train two epochs over a shuffled TensorDataset through `fa.batches`, saving the run
     (`fa.save`) after ``stop_after`` steps of epoch 0 with one batch fetched and not stepped."""
     dataset = tensor_data(num_samples)
@@ -275,19 +311,26 @@ def indexed_save(state: Any, directory: str, num_samples: int, batch_size: int,
     state, head = train_tensors(state, epochs=1, stop_after=stop_after)
     fa.save(state, directory)
     state, tail = train_tensors(state, epochs=2)
-    return {"head": head, "tail": tail, "reference": plain_reference(dataset, prepared, 2),
-            "fetch": type(prepared.fetch).__name__}
+    return {
+        "head": head,
+        "tail": tail,
+        "reference": plain_reference(dataset, prepared, 2),
+        "fetch": type(prepared.fetch).__name__,
+    }
 
 
 def indexed_resume(state: Any, directory: str, num_samples: int, batch_size: int) -> list[Any]:
     """`fa.load` the run `indexed_save` saved into fresh objects; the batches it then steps."""
-    prepared = prepare_loader(DataLoader(tensor_data(num_samples), batch_size=batch_size, shuffle=True),
-                              state.dist, seed=4)
+    prepared = prepare_loader(
+        DataLoader(tensor_data(num_samples), batch_size=batch_size, shuffle=True), state.dist, seed=4
+    )
     state = fa.load(stepping(state, prepared), directory)
     return train_tensors(state, epochs=2)[1]
 
 
-def train_tensors(state: Any, epochs: int | None = None, stop_after: int | None = None) -> tuple[Any, list[Any]]:
+def train_tensors(
+    state: Any, epochs: int | None = None, stop_after: int | None = None
+) -> tuple[Any, list[Any]]:
     """`train`, keeping the batches themselves (tensors) rather than lists."""
     stepped: list[Any] = []
     for batch in batches(state, epochs=epochs):
@@ -302,8 +345,12 @@ def epoch_order_of(prepared: Any, epoch: int) -> list[int]:
     """The prepared loader's sample order of ``epoch`` (one process)."""
     from fnaccel.data.sampler import epoch_order
 
-    return epoch_order(prepared.sampler.num_samples, seed=prepared.sampler.seed, epoch=epoch,
-                       shuffle=prepared.sampler.shuffle).tolist()
+    return epoch_order(
+        prepared.sampler.num_samples,
+        seed=prepared.sampler.seed,
+        epoch=epoch,
+        shuffle=prepared.sampler.shuffle,
+    ).tolist()
 
 
 # ------------------------------------------------------------------ the data campaign
@@ -329,9 +376,11 @@ def dict_records_resumed(state: Any, num_samples: int, batch_size: int, stop_aft
     """Two shuffled epochs of `DictRecords` through `fa.batches` + `fa.step`, breaking after
     ``stop_after`` steps (a batch fetched, not stepped); then the rest from the saved position
     in a freshly prepared loader."""
+
     def prepared() -> Any:
-        return prepare_loader(DataLoader(DictRecords(num_samples), batch_size=batch_size, shuffle=True),
-                              state.dist, seed=11)
+        return prepare_loader(
+            DataLoader(DictRecords(num_samples), batch_size=batch_size, shuffle=True), state.dist, seed=11
+        )
 
     state = stepping(state, prepared())
     state, head = train_tensors(state, epochs=2, stop_after=stop_after)
@@ -354,8 +403,13 @@ def elastic_part(state: Any, root: str, batch_size: int, num_steps: int | None) 
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
     data = torch.utils.data.TensorDataset(torch.arange(float(ELASTIC_SAMPLES)).unsqueeze(1))
-    run = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.01),
-                     DataLoader(data, batch_size=batch_size, shuffle=True), loss_fn=lambda m, b: m(b[0]).mean())
+    run = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        DataLoader(data, batch_size=batch_size, shuffle=True),
+        loss_fn=lambda m, b: m(b[0]).mean(),
+    )
     if num_steps is None:
         run = fa.load(run, f"{root}/elastic", allow_global_batch_change=True)
     ids: list[int] = []

@@ -15,8 +15,12 @@ from fnaccel.kwargs import KwargsHandler
 def test_fields_and_defaults_follow_accelerate() -> None:
     fields = {f.name: f.default for f in dataclasses.fields(DataLoaderConfiguration)}
     assert fields == {
-        "split_batches": False, "dispatch_batches": None, "even_batches": True,
-        "data_seed": None, "non_blocking": False, "shard": None,
+        "split_batches": False,
+        "dispatch_batches": None,
+        "even_batches": True,
+        "data_seed": None,
+        "non_blocking": False,
+        "shard": None,
     }
     config = DataLoaderConfiguration()
     assert isinstance(config, KwargsHandler) and config.to_kwargs() == {}

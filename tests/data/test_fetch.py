@@ -30,17 +30,23 @@ def identical(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, torch.Tensor):
-        return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-                and a.device == b.device and torch.equal(a, b))
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+            and a.device == b.device
+            and torch.equal(a, b)
+        )
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
     return bool(a == b)
 
 
-def _prepare(loader: DataLoader[Any], num_processes: int = 1, rank: int = 0, device: str = "cpu",
-             **config: Any) -> PreparedLoader:
+def _prepare(
+    loader: DataLoader[Any], num_processes: int = 1, rank: int = 0, device: str = "cpu", **config: Any
+) -> PreparedLoader:
     ctx = fa.DistContext(num_processes=num_processes, rank=rank, device=torch.device(device))
     return prepare_loader(loader, ctx, seed=7, config=DataLoaderConfiguration(**config))
 
@@ -75,8 +81,9 @@ class Records(Dataset[dict[str, Any]]):
 @pytest.mark.parametrize("shuffle", [True, False])
 @pytest.mark.parametrize(("num_processes", "rank"), [(1, 0), (2, 1), (3, 2)])
 @pytest.mark.parametrize("cut", [{}, {"drop_last": True}, {"even_batches": False}])
-def test_one_indexing_equals_the_plain_loader(kind: str, shuffle: bool, num_processes: int, rank: int,
-                                              cut: dict[str, bool]) -> None:
+def test_one_indexing_equals_the_plain_loader(
+    kind: str, shuffle: bool, num_processes: int, rank: int, cut: dict[str, bool]
+) -> None:
     data = fns.tensor_data(29)
     dataset = data if kind == "tensor_dataset" else data.tensors[0]
     loader = DataLoader(dataset, batch_size=4, shuffle=shuffle, drop_last=cut.get("drop_last", False))
@@ -124,8 +131,11 @@ def test_what_indexing_may_not_equal_is_read_as_the_loader_reads_it(case: str) -
     assert type(prepared.fetch).__name__ == "ItemFetch"
     got = _epochs(prepared, 2)
     if case == "unbatched":  # a sample at a time, through default_convert
-        expected = [next(iter(DataLoader(dataset, batch_size=None, sampler=[i])))
-                    for epoch in range(2) for i in fns.epoch_order_of(prepared, epoch)]
+        expected = [
+            next(iter(DataLoader(dataset, batch_size=None, sampler=[i])))
+            for epoch in range(2)
+            for i in fns.epoch_order_of(prepared, epoch)
+        ]
     else:
         expected = fns.plain_reference(dataset, prepared, 2, loader.collate_fn)
     assert identical(got, expected)

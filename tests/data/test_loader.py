@@ -8,6 +8,8 @@ the tests on the real 2- and 3-rank worlds check the same properties end to end.
 
 from __future__ import annotations
 
+import functools
+import operator
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from fnaccel.data.sampler import epoch_order
 _TESTS = str(Path(__file__).resolve().parents[1])  # see ops/_dist_fns.py for why
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
 from data import _data_fns as fns  # noqa: E402
 from data._data_fns import Indices, Noisy, PlainStream, Stream, as_lists, collate_list, stepping, train  # noqa: E402
 
@@ -36,9 +39,12 @@ def _ctx(num_processes: int = 1, rank: int = 0, device: str = "cpu") -> fa.DistC
     return fa.DistContext(num_processes=num_processes, rank=rank, device=torch.device(device))
 
 
-def _prepare(loader: DataLoader[Any], num_processes: int = 1, rank: int = 0, seed: int = 0,
-             **config: Any) -> PreparedLoader:
-    return prepare_loader(loader, _ctx(num_processes, rank), seed=seed, config=DataLoaderConfiguration(**config))
+def _prepare(
+    loader: DataLoader[Any], num_processes: int = 1, rank: int = 0, seed: int = 0, **config: Any
+) -> PreparedLoader:
+    return prepare_loader(
+        loader, _ctx(num_processes, rank), seed=seed, config=DataLoaderConfiguration(**config)
+    )
 
 
 def _state(prepared: PreparedLoader) -> fa.RunState:
@@ -60,12 +66,15 @@ def test_the_order_depends_on_shuffle_and_seed_only_never_on_the_users_generator
     data = Indices(10)
     reference = order(DataLoader(data, batch_size=3, shuffle=True))
     torch.manual_seed(1)
-    assert order(DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5))) == reference
+    assert (
+        order(DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5)))
+        == reference
+    )
     assert order(DataLoader(data, batch_size=3, sampler=RandomSampler(data))) == reference
     assert order(StatefulDataLoader(data, batch_size=3, shuffle=True)) == reference
     assert order(DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 3, False))) == reference
     expected = epoch_order(10, seed=9, epoch=0, shuffle=True).tolist()
-    assert sum(reference, []) == expected
+    assert functools.reduce(operator.iadd, reference, []) == expected
     assert [len(b) for b in reference] == [3, 3, 3, 1]  # one process: no padding
     assert order(DataLoader(data, batch_size=3)) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     sequential = DataLoader(data, batch_size=3, sampler=SequentialSampler(data))
@@ -77,11 +86,25 @@ def test_the_order_depends_on_shuffle_and_seed_only_never_on_the_users_generator
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_ranks_of_a_step_make_the_single_process_global_batch(num_processes: int, shuffle: bool) -> None:
     num_samples, batch_size = 4 * 3 * num_processes, 3
-    single = as_lists(_prepare(DataLoader(Indices(num_samples), batch_size=batch_size * num_processes,
-                                          shuffle=shuffle), seed=2))
-    ranks = [as_lists(_prepare(DataLoader(Indices(num_samples), batch_size=batch_size, shuffle=shuffle),
-                               num_processes, rank, seed=2)) for rank in range(num_processes)]
-    assert [sum((r[step] for r in ranks), []) for step in range(len(single))] == single
+    single = as_lists(
+        _prepare(
+            DataLoader(Indices(num_samples), batch_size=batch_size * num_processes, shuffle=shuffle), seed=2
+        )
+    )
+    ranks = [
+        as_lists(
+            _prepare(
+                DataLoader(Indices(num_samples), batch_size=batch_size, shuffle=shuffle),
+                num_processes,
+                rank,
+                seed=2,
+            )
+        )
+        for rank in range(num_processes)
+    ]
+    assert [
+        functools.reduce(operator.iadd, (r[step] for r in ranks), []) for step in range(len(single))
+    ] == single
     assert sorted(i for r in ranks for b in r for i in b) == list(range(num_samples))
 
 
@@ -89,14 +112,15 @@ def test_on_real_worlds_every_sample_once_and_steps_equal_one_process(world: Any
     n = world.num_processes
     num_samples, batch_size = 5 * 2 * n, 2
     results = world.run(fns.epoch_batches, num_samples, batch_size, True, 2, {})
-    single = fa.init(cpu=True).replace(loader=_prepare(
-        DataLoader(Indices(num_samples), batch_size=batch_size * n, shuffle=True), seed=5))
+    single = fa.init(cpu=True).replace(
+        loader=_prepare(DataLoader(Indices(num_samples), batch_size=batch_size * n, shuffle=True), seed=5)
+    )
     expected = [b.tolist() for b in batches(single, epochs=2)]
     assert all(r["end"] == (2, 0) for r in results)
     stepped = [r["batches"] for r in results]
     assert all(len(r) == len(expected) for r in stepped)
     for step, global_batch in enumerate(expected):
-        assert sum((r[step][0] for r in stepped), []) == global_batch
+        assert functools.reduce(operator.iadd, (r[step][0] for r in stepped), []) == global_batch
     for epoch in range(2):
         steps = [step for step, (_, e) in enumerate(stepped[0]) if e == epoch]
         assert len(steps) == len(expected) // 2
@@ -112,8 +136,10 @@ def test_on_real_worlds_uneven_data_pads_and_counts_the_real_samples(world: Any)
     assert {len(r) for r in results} == {3}
     # the third step has one real sample (rank 0's first); the rest of the global batch is
     # padding wrapped around from the start, each rank taking its chunk of it
-    assert all(r[2][0] == ([num_samples - 1, 0] if rank == 0 else [2 * rank - 1, 2 * rank])
-               for rank, r in enumerate(results))
+    assert all(
+        r[2][0] == ([num_samples - 1, 0] if rank == 0 else [2 * rank - 1, 2 * rank])
+        for rank, r in enumerate(results)
+    )
     real = sorted([i for r in results for batch, _ in r[:2] for i in batch] + [num_samples - 1])
     assert real == list(range(num_samples))
     uneven = world.run(fns.epoch_batches, num_samples, 2, False, 1, {"even_batches": False})
@@ -125,8 +151,12 @@ def test_on_real_worlds_uneven_data_pads_and_counts_the_real_samples(world: Any)
 
 def test_even_batches_drop_last_and_split_batches_on_the_loader() -> None:
     def ranks(loader_kwargs: dict[str, Any], **config: Any) -> list[list[list[int]]]:
-        return [as_lists(_prepare(DataLoader(Indices(8), collate_fn=collate_list, **loader_kwargs), 3, rank,
-                                  **config)) for rank in range(3)]
+        return [
+            as_lists(
+                _prepare(DataLoader(Indices(8), collate_fn=collate_list, **loader_kwargs), 3, rank, **config)
+            )
+            for rank in range(3)
+        ]
 
     # even_batches pads a short global batch by wrapping around to the dataset's start
     assert ranks({"batch_size": 2}) == [[[0, 1], [6, 7]], [[2, 3], [0, 1]], [[4, 5], [2, 3]]]
@@ -197,10 +227,15 @@ def test_a_custom_sampler_is_kept_on_one_process_and_refused_on_more() -> None:
 
 
 def test_shard_false_gives_every_rank_the_whole_dataset_in_the_seeded_order() -> None:
-    per_rank = [as_lists(_prepare(DataLoader(Indices(6), batch_size=4, shuffle=True), 2, rank, shard=False))
-                for rank in range(2)]
+    per_rank = [
+        as_lists(_prepare(DataLoader(Indices(6), batch_size=4, shuffle=True), 2, rank, shard=False))
+        for rank in range(2)
+    ]
     assert per_rank[0] == per_rank[1]
-    assert sum(per_rank[0], []) == epoch_order(6, seed=0, epoch=0, shuffle=True).tolist()
+    assert (
+        functools.reduce(operator.iadd, per_rank[0], [])
+        == epoch_order(6, seed=0, epoch=0, shuffle=True).tolist()
+    )
 
 
 # --------------------------------------------------------------------- resuming
@@ -208,8 +243,9 @@ def test_shard_false_gives_every_rank_the_whole_dataset_in_the_seeded_order() ->
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("stop_after", [0, 1, 3])
-def test_a_mid_epoch_state_resumes_exactly_in_a_fresh_loader(num_workers: int, stop_after: int,
-                                                               tmp_path: Path) -> None:
+def test_a_mid_epoch_state_resumes_exactly_in_a_fresh_loader(
+    num_workers: int, stop_after: int, tmp_path: Path
+) -> None:
     def fresh() -> fa.RunState:
         loader = DataLoader(Indices(23), batch_size=2, shuffle=True, num_workers=num_workers)
         return _stepping(_prepare(loader, 2, 1, seed=3))
@@ -233,7 +269,13 @@ def test_resuming_reads_only_the_remaining_samples() -> None:
     assert result["resumed"] == result["tail"] and len(result["tail"]) == 5
     assert result["reads"] == 50  # no replay of the 950 samples before the position
     # len() of what fa.batches returns: the batches it yields from the state's position
-    assert result["lengths"] == {"epoch": 100, "three_epochs": 300, "rest": 5, "after_the_epoch": 0, "resumed": 5}
+    assert result["lengths"] == {
+        "epoch": 100,
+        "three_epochs": 300,
+        "rest": 5,
+        "after_the_epoch": 0,
+        "resumed": 5,
+    }
 
 
 def test_resuming_on_real_worlds(world: Any) -> None:
@@ -244,13 +286,20 @@ def test_resuming_on_real_worlds(world: Any) -> None:
         assert result["reads"] == 2 * len(result["tail"])
         # this rank's batches, as the prepared loader of Accelerate counts them
         rest = len(result["tail"])
-        assert result["lengths"] == {"epoch": steps, "three_epochs": 3 * steps, "rest": rest,
-                                     "after_the_epoch": 0, "resumed": rest}
+        assert result["lengths"] == {
+            "epoch": steps,
+            "three_epochs": 3 * steps,
+            "rest": rest,
+            "after_the_epoch": 0,
+            "resumed": rest,
+        }
 
 
 def test_the_length_of_a_streams_batches_is_refused_naming_why() -> None:
-    state = fns.stepping(fa.init(seed=0, cpu=True), prepare_loader(
-        DataLoader(fns.Stream(6), batch_size=2), fa.init(cpu=True).dist, seed=0))
+    state = fns.stepping(
+        fa.init(seed=0, cpu=True),
+        prepare_loader(DataLoader(fns.Stream(6), batch_size=2), fa.init(cpu=True).dist, seed=0),
+    )
     with pytest.raises(TypeError, match="fa.batches: the loader reads a stream .* has no len\\(\\)"):
         len(fa.batches(state))
     assert len(list(fa.batches(state))) == 3  # list() still reads it (len() is only a hint to it)
@@ -296,7 +345,9 @@ def test_a_state_at_an_epoch_boundary_resumes_the_next_epoch(tmp_path: Path) -> 
     assert state.data_position == fa.DataPosition(epoch=1)  # no loader snapshot: the epoch alone
     fa.save(state, tmp_path / "ckpt")
     state, expected = train(state, epochs=2)
-    assert sorted(sum(expected, [])) == list(range(6)) and expected != first  # the next epoch, reshuffled
+    assert (
+        sorted(functools.reduce(operator.iadd, expected, [])) == list(range(6)) and expected != first
+    )  # the next epoch, reshuffled
     resumed = fa.load(fresh(), tmp_path / "ckpt")
     assert resumed.data_position == fa.DataPosition(epoch=1)
     resumed, again = train(resumed, epochs=2)
@@ -310,7 +361,10 @@ def test_a_state_that_does_not_fit_is_refused(tmp_path: Path) -> None:
     state, _ = train(fresh(), epochs=1, stop_after=1)
     fa.save(state, tmp_path / "ckpt")
     for other, message in [
-        (fresh(3), "global batch of 4 samples per step \\(2 per process x 2 process\\(es\\)\\) but this run reads 6"),
+        (
+            fresh(3),
+            "global batch of 4 samples per step \\(2 per process x 2 process\\(es\\)\\) but this run reads 6",
+        ),
         (fresh(num_workers=1), "num_workers=0 but this run's loader has num_workers=1"),
     ]:
         with pytest.raises(CheckpointError, match=message):
@@ -335,17 +389,21 @@ def test_a_state_that_does_not_fit_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("num_processes", [2, 3])
 def test_an_iterable_dataset_is_split_by_global_batch(num_processes: int) -> None:
     num_samples = 2 * num_processes * 3 + 1
-    ranks = [as_lists(_prepare(DataLoader(Stream(num_samples), batch_size=2), num_processes, rank))
-             for rank in range(num_processes)]
+    ranks = [
+        as_lists(_prepare(DataLoader(Stream(num_samples), batch_size=2), num_processes, rank))
+        for rank in range(num_processes)
+    ]
     assert {len(r) for r in ranks} == {4}
     single = as_lists(_prepare(DataLoader(Stream(num_samples), batch_size=2 * num_processes)))
     for step in range(3):
-        assert sum((r[step] for r in ranks), []) == single[step]
+        assert functools.reduce(operator.iadd, (r[step] for r in ranks), []) == single[step]
     assert sorted(i for r in ranks for b in r[:3] for i in b) == list(range(num_samples - 1))
     last = [r[3] for r in ranks]  # one real sample, padded by cycling the last global batch
     assert last == [[num_samples - 1] * 2] * num_processes
-    dropped = [as_lists(_prepare(DataLoader(Stream(num_samples), batch_size=2, drop_last=True), num_processes, r))
-               for r in range(num_processes)]
+    dropped = [
+        as_lists(_prepare(DataLoader(Stream(num_samples), batch_size=2, drop_last=True), num_processes, r))
+        for r in range(num_processes)
+    ]
     assert [len(r) for r in dropped] == [3] * num_processes
 
 
@@ -401,8 +459,14 @@ def test_batches_cross_epochs_and_reshuffle() -> None:
         seen.append((batch.tolist(), state.epoch))  # the epoch of the batch about to be stepped
         state, _ = fa.step(state, batch)
     assert [e for _, e in seen] == [0, 0, 1, 1] and state.data_position == fa.DataPosition(epoch=2)
-    assert sum((b for b, _ in seen[:2]), []) == epoch_order(8, seed=1, epoch=0, shuffle=True).tolist()
-    assert sum((b for b, _ in seen[2:]), []) == epoch_order(8, seed=1, epoch=1, shuffle=True).tolist()
+    assert (
+        functools.reduce(operator.iadd, (b for b, _ in seen[:2]), [])
+        == epoch_order(8, seed=1, epoch=0, shuffle=True).tolist()
+    )
+    assert (
+        functools.reduce(operator.iadd, (b for b, _ in seen[2:]), [])
+        == epoch_order(8, seed=1, epoch=1, shuffle=True).tolist()
+    )
     assert list(batches(state, epochs=2)) == []  # already through epoch 1
 
 
@@ -420,7 +484,9 @@ def test_batches_without_epochs_yields_the_rest_of_the_current_epoch() -> None:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_end_epoch_skips_the_rest_unread_and_the_next_epoch_comes_whole(num_workers: int, tmp_path: Path) -> None:
+def test_end_epoch_skips_the_rest_unread_and_the_next_epoch_comes_whole(
+    num_workers: int, tmp_path: Path
+) -> None:
     import multiprocessing
 
     data = fns.Logged(40, str(tmp_path / "reads"))
@@ -435,7 +501,10 @@ def test_end_epoch_skips_the_rest_unread_and_the_next_epoch_comes_whole(num_work
     assert read_in_epoch_0 <= (4 if num_workers == 0 else 4 + 2 * 2) * 2 < 40
     assert head == as_lists([epoch_order(40, seed=2, epoch=0, shuffle=True)[:6].view(3, 2)][0])
     state, epoch_1 = train(state)
-    assert sum(epoch_1, []) == epoch_order(40, seed=2, epoch=1, shuffle=True).tolist()
+    assert (
+        functools.reduce(operator.iadd, epoch_1, [])
+        == epoch_order(40, seed=2, epoch=1, shuffle=True).tolist()
+    )
     assert state.data_position == fa.DataPosition(epoch=2) and len(data.reads()) == read_in_epoch_0 + 40
 
 
@@ -443,8 +512,11 @@ def test_end_epoch_on_real_worlds_every_rank_reads_the_next_epoch_whole(world: A
     n = world.num_processes
     results = world.run(fns.ended_epoch, 24, 2, 1)
     assert all(r["ended"] == (1, 0) and r["end"] == (2, 0) for r in results)
-    steps = zip(*(r["epoch_1"] for r in results))  # each step's batches, in rank order
-    assert sum((sum(step, []) for step in steps), []) == epoch_order(24, seed=7, epoch=1, shuffle=True).tolist()
+    steps = zip(*(r["epoch_1"] for r in results), strict=False)  # each step's batches, in rank order
+    assert (
+        functools.reduce(operator.iadd, (functools.reduce(operator.iadd, step, []) for step in steps), [])
+        == epoch_order(24, seed=7, epoch=1, shuffle=True).tolist()
+    )
     assert len(results[0]["epoch_1"]) == 24 // (2 * n)
 
 
@@ -490,7 +562,9 @@ def test_batches_needs_a_prepared_loader() -> None:
         batches(_state(_prepare(DataLoader(Indices(2)))), epochs=-1)
 
 
-def test_batches_are_placed_on_the_device_with_the_configured_non_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batches_are_placed_on_the_device_with_the_configured_non_blocking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     calls = []
     real = prepared_module.send_to_device
 
@@ -500,8 +574,9 @@ def test_batches_are_placed_on_the_device_with_the_configured_non_blocking(monke
 
     monkeypatch.setattr(prepared_module, "send_to_device", recording)
     loader = DataLoader(Indices(4), batch_size=2)
-    prepared = prepare_loader(loader, _ctx(device="meta"), seed=0,
-                              config=DataLoaderConfiguration(non_blocking=True))
+    prepared = prepare_loader(
+        loader, _ctx(device="meta"), seed=0, config=DataLoaderConfiguration(non_blocking=True)
+    )
     out = list(batches(fa.init(cpu=True).replace(loader=prepared)))
     assert [b.device.type for b in out] == ["meta", "meta"]
     assert calls == [(torch.device("meta"), True)] * 2
@@ -510,8 +585,9 @@ def test_batches_are_placed_on_the_device_with_the_configured_non_blocking(monke
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_batches_reach_the_gpu() -> None:
     loader = DataLoader(Indices(8), batch_size=4, pin_memory=True, num_workers=2)
-    prepared = prepare_loader(loader, _ctx(device="cuda:0"), seed=0,
-                              config=DataLoaderConfiguration(non_blocking=True))
+    prepared = prepare_loader(
+        loader, _ctx(device="cuda:0"), seed=0, config=DataLoaderConfiguration(non_blocking=True)
+    )
     out = list(batches(fa.init(cpu=True).replace(loader=prepared)))
     assert all(b.device == torch.device("cuda:0") for b in out)
     assert torch.cat(out).tolist() == list(range(8))
@@ -535,11 +611,14 @@ def test_a_sampler_with_its_own_generator_resumes_in_new_objects_and_refuses_a_r
     """A kept sampler that draws from its own generator cannot re-read a position in the
     same process (the generator moved on): that is refused, never silently other batches.
     In freshly prepared objects, after fa.load, the position replays exactly."""
+
     def fresh() -> fa.RunState:
         data = Indices(8)
         sampler = RandomSampler(data, replacement=True, generator=torch.Generator().manual_seed(1))
-        return stepping(fa.init(seed=0, cpu=True),
-                        prepare_loader(DataLoader(data, batch_size=2, sampler=sampler), fa.DistContext(), seed=0))
+        return stepping(
+            fa.init(seed=0, cpu=True),
+            prepare_loader(DataLoader(data, batch_size=2, sampler=sampler), fa.DistContext(), seed=0),
+        )
 
     _, whole = train(fresh(), epochs=1)
     state, head = train(fresh(), epochs=1, stop_after=1)  # fetched a second batch, never stepped it

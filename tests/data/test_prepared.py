@@ -42,7 +42,6 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 from data import _data_fns as fns  # noqa: E402
 
-
 Pair = namedtuple("Pair", ["x", "y"])
 
 
@@ -61,10 +60,15 @@ def identical(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, torch.Tensor):
-        return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-                and a.device == b.device and torch.equal(_bits(a), _bits(b)))
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+            and a.device == b.device
+            and torch.equal(_bits(a), _bits(b))
+        )
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, dict):
         return list(a) == list(b) and all(identical(a[k], b[k]) for k in a)
     if dataclasses.is_dataclass(a):
@@ -72,8 +76,9 @@ def identical(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _prepare(loader: DataLoader[Any], num_processes: int = 1, rank: int = 0, seed: int = 7,
-             **config: Any) -> PreparedLoader:
+def _prepare(
+    loader: DataLoader[Any], num_processes: int = 1, rank: int = 0, seed: int = 7, **config: Any
+) -> PreparedLoader:
     ctx = fa.DistContext(num_processes=num_processes, rank=rank, device=torch.device("cpu"))
     return prepare_loader(loader, ctx, seed=seed, config=DataLoaderConfiguration(**config))
 
@@ -86,13 +91,20 @@ def _read(prepared: PreparedLoader, epoch: int = 0, num_batches: int = 0) -> lis
 def _shuffled_reference(loader: DataLoader[Any], seed: int, epoch: int) -> list[Any]:
     """A plain DataLoader over the documented order of a shuffled epoch (one process)."""
     order = epoch_order(len(loader.dataset), seed=seed, epoch=epoch, shuffle=True).tolist()  # type: ignore[arg-type]
-    return list(DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=order, drop_last=loader.drop_last,
-                           collate_fn=loader.collate_fn))
+    return list(
+        DataLoader(
+            loader.dataset,
+            batch_size=loader.batch_size,
+            sampler=order,
+            drop_last=loader.drop_last,
+            collate_fn=loader.collate_fn,
+        )
+    )
 
 
 def _assert_same(got: list[Any], expected: list[Any]) -> None:
     assert len(got) == len(expected)
-    for step, (a, b) in enumerate(zip(got, expected)):
+    for step, (a, b) in enumerate(zip(got, expected, strict=False)):
         assert identical(a, b), f"batch {step}: {a!r} != {b!r}"
 
 
@@ -103,7 +115,11 @@ def _dtype_tensors(num_samples: int) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(num_samples, 3, generator=g)
     return TensorDataset(
-        x > 0, (x * 10).to(torch.int8), x.half(), x.bfloat16(), torch.complex(x, -x),
+        x > 0,
+        (x * 10).to(torch.int8),
+        x.half(),
+        x.bfloat16(),
+        torch.complex(x, -x),
         torch.arange(num_samples),  # 0-d per sample
         _complex32(x),
         torch.arange(num_samples, dtype=torch.float64).view(num_samples, 1, 1) * float("nan"),
@@ -127,8 +143,13 @@ class Items(Dataset[Any]):
 
     def sample(self, i: int) -> Any:
         x = torch.full((2,), i, dtype=torch.float16)
-        return {"list": [x, i], "dict": {"x": x, "label": i, "name": f"s{i}"}, "tuple": (x, float(i), True),
-                "namedtuple": Pair(x, i), "dataclass": Sample(x=x, name=f"s{i}")}[self.kind]
+        return {
+            "list": [x, i],
+            "dict": {"x": x, "label": i, "name": f"s{i}"},
+            "tuple": (x, float(i), True),
+            "namedtuple": Pair(x, i),
+            "dataclass": Sample(x=x, name=f"s{i}"),
+        }[self.kind]
 
     def __getitem__(self, i: int) -> Any:
         raise AssertionError("read one at a time: __getitems__ was not used")
@@ -175,8 +196,9 @@ def _identity(batch: Any) -> Any:
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("batch_size", [1, 4])
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_tensor_datasets_of_every_dtype_equal_the_plain_loader(shuffle: bool, batch_size: int,
-                                                               drop_last: bool) -> None:
+def test_tensor_datasets_of_every_dtype_equal_the_plain_loader(
+    shuffle: bool, batch_size: int, drop_last: bool
+) -> None:
     loader = DataLoader(_dtype_tensors(11), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
     prepared = _prepare(loader)
     assert type(prepared.fetch).__name__ == "IndexFetch"  # NaN and complex32 included
@@ -265,7 +287,7 @@ def test_a_mapping_that_moves_itself_keeps_its_own_state(device: str) -> None:
     assert [type(b) for b in got] == [Encoding] * 2 and [b.words for b in got] == [[0, 1, 2, 3], [4, 5]]
     assert [b["ids"].device.type for b in got] == [device] * 2
     if device == "cpu":
-        assert all(torch.equal(b["ids"], e["ids"]) for b, e in zip(got, loader))
+        assert all(torch.equal(b["ids"], e["ids"]) for b, e in zip(got, loader, strict=False))
 
 
 def test_without_batching_each_item_goes_through_default_convert_alone() -> None:
@@ -276,14 +298,21 @@ def test_without_batching_each_item_goes_through_default_convert_alone() -> None
     assert type(expected[0]) is torch.Tensor
     for num_processes, rank in ((1, 0), (2, 1)):
         for num_workers in (0, 1):
-            prepared = _prepare(DataLoader(TwoWays(5), batch_size=None, num_workers=num_workers), num_processes, rank)
-            want = expected if num_processes == 1 else [expected[i] for i in (1, 3, 0)]  # rank 1 pads from the start
+            prepared = _prepare(
+                DataLoader(TwoWays(5), batch_size=None, num_workers=num_workers), num_processes, rank
+            )
+            want = (
+                expected if num_processes == 1 else [expected[i] for i in (1, 3, 0)]
+            )  # rank 1 pads from the start
             _assert_same(_read(prepared), want)
     with pytest.raises(ValueError, match="this rank's batch is empty"):
         _read(_prepare(DataLoader(TwoWays(5), batch_size=None, num_workers=1), 2, 1, even_batches=False))
     for num_workers in (0, 1):  # resumed mid-epoch in a fresh loader: the rest of the items
-        def fresh() -> PreparedLoader:
-            return _prepare(DataLoader(TwoWays(9), batch_size=None, shuffle=True, num_workers=num_workers), 2, 1)
+
+        def fresh(num_workers: int = num_workers) -> PreparedLoader:
+            return _prepare(
+                DataLoader(TwoWays(9), batch_size=None, shuffle=True, num_workers=num_workers), 2, 1
+            )
 
         whole = _read(fresh(), 1)
         assert len(whole) == 5
@@ -296,7 +325,7 @@ def test_fewer_samples_than_ranks_pads_every_rank_from_the_start() -> None:
     ranks = [_read(_prepare(loader, 3, rank)) for rank in range(3)]
     assert [len(r) for r in ranks] == [1, 1, 1]
     expected = [list(DataLoader(dataset, batch_size=1, sampler=[i])) for i in (0, 1, 0)]
-    for got, want in zip(ranks, expected):
+    for got, want in zip(ranks, expected, strict=False):
         _assert_same(got, want)
 
 
@@ -318,14 +347,26 @@ def test_samplers_kept_on_one_process_equal_the_plain_loader() -> None:
 
     both(lambda: {"batch_size": 3, "sampler": SequentialSampler(data)})
     both(lambda: {"batch_size": 3, "sampler": SequentialSampler(range(5))})  # over the first 5 only
-    both(lambda: {"batch_size": 3, "sampler": WeightedRandomSampler(
-        [1.0] * 10, 12, generator=torch.Generator().manual_seed(3))})
-    both(lambda: {"batch_size": 3, "sampler": SubsetRandomSampler(
-        [1, 3, 5, 7], generator=torch.Generator().manual_seed(3))})
+    both(
+        lambda: {
+            "batch_size": 3,
+            "sampler": WeightedRandomSampler([1.0] * 10, 12, generator=torch.Generator().manual_seed(3)),
+        }
+    )
+    both(
+        lambda: {
+            "batch_size": 3,
+            "sampler": SubsetRandomSampler([1, 3, 5, 7], generator=torch.Generator().manual_seed(3)),
+        }
+    )
     both(lambda: {"batch_sampler": [[3, 1], [4], [1, 5, 9]]})
     both(lambda: {"batch_size": 3, "sampler": Reversed(data)})
-    both(lambda: {"batch_size": 3, "sampler": RandomSampler(
-        data, replacement=True, generator=torch.Generator().manual_seed(3))})
+    both(
+        lambda: {
+            "batch_size": 3,
+            "sampler": RandomSampler(data, replacement=True, generator=torch.Generator().manual_seed(3)),
+        }
+    )
 
 
 def test_a_sampler_drawing_from_the_process_generator_is_not_silently_rewound() -> None:
@@ -388,11 +429,15 @@ def test_workers_and_pinning_yield_the_same_batches(num_processes: int, rank: in
 
 @pytest.mark.parametrize(("num_processes", "rank"), [(1, 0), (2, 1), (3, 0)])
 @pytest.mark.parametrize("num_workers", [0, 1])
-def test_resuming_mid_epoch_in_a_fresh_loader_reads_the_rest(num_processes: int, rank: int,
-                                                             num_workers: int) -> None:
+def test_resuming_mid_epoch_in_a_fresh_loader_reads_the_rest(
+    num_processes: int, rank: int, num_workers: int
+) -> None:
     def fresh() -> PreparedLoader:
-        return _prepare(DataLoader(Items(17, "dict"), batch_size=2, shuffle=True, num_workers=num_workers),
-                        num_processes, rank)
+        return _prepare(
+            DataLoader(Items(17, "dict"), batch_size=2, shuffle=True, num_workers=num_workers),
+            num_processes,
+            rank,
+        )
 
     whole = _read(fresh(), 1)
     for k in (1, len(whole) - 1):
@@ -435,7 +480,9 @@ class Records(IterableDataset[dict[str, Any]]):
 
 @pytest.mark.parametrize("split_batches", [False, True])
 def test_an_iterable_dataset_equals_the_plain_loader_split_across_ranks(split_batches: bool) -> None:
-    assert identical(_read(_prepare(DataLoader(Records(7), batch_size=2))), list(DataLoader(Records(7), batch_size=2)))
+    assert identical(
+        _read(_prepare(DataLoader(Records(7), batch_size=2))), list(DataLoader(Records(7), batch_size=2))
+    )
     per_rank = 2 if split_batches else 1
     loader = DataLoader(Records(8), batch_size=per_rank * 2 if split_batches else per_rank)
     ranks = [_read(_prepare(loader, 2, rank, split_batches=split_batches)) for rank in range(2)]
@@ -482,7 +529,9 @@ def test_bad_datasets_and_collate_fns_raise_their_own_clear_error(num_workers: i
     with pytest.raises(RuntimeError, match="my collate refuses"):
         _read(_prepare(DataLoader(fns.Indices(4), batch_size=2, collate_fn=_refuse, num_workers=num_workers)))
     if num_workers == 0:  # fnaccel's own fetch checks; workers run torch's fetcher, which does not
-        with pytest.raises(ValueError, match=r"Miscounting.__getitems__ returned 1 sample\(s\) for 2 indices"):
+        with pytest.raises(
+            ValueError, match=r"Miscounting.__getitems__ returned 1 sample\(s\) for 2 indices"
+        ):
             _read(_prepare(DataLoader(Miscounting(), batch_size=2)))
 
 
@@ -530,7 +579,7 @@ def test_on_real_worlds_dict_batches_equal_the_plain_loader_and_resume(world: An
             order = epoch_order(num_samples, seed=11, epoch=epoch, shuffle=True).tolist()
             steps = -(-num_samples // global_size)
             padded = [order[p % num_samples] for p in range(steps * global_size)]  # even_batches
-            chunks = [padded[s * global_size + rank * batch_size:][:batch_size] for s in range(steps)]
+            chunks = [padded[s * global_size + rank * batch_size :][:batch_size] for s in range(steps)]
             expected += list(DataLoader(dataset, batch_sampler=chunks))
         _assert_same(whole, expected)
 
@@ -538,13 +587,17 @@ def test_on_real_worlds_dict_batches_equal_the_plain_loader_and_resume(world: An
 def test_a_value_that_is_no_state_is_refused_naming_the_call() -> None:
     """Before: a raw AttributeError ('NoneType' object has no attribute 'check_fresh')."""
     for call, name in ((fa.end_epoch, "fa.end_epoch"), (fa.batches, "fa.batches")):
-        with pytest.raises(TypeError, match=rf"{name}: state must be a fa.RunState \(from fa.init and fa.prepare\), "
-                                            "got NoneType"):
+        with pytest.raises(
+            TypeError,
+            match=rf"{name}: state must be a fa.RunState \(from fa.init and fa.prepare\), "
+            "got NoneType",
+        ):
             call(None)  # type: ignore[arg-type]
 
 
 def test_an_epoch_resumed_on_other_numbers_of_processes_and_global_batches_reads_each_sample_once(
-        worlds: Any, tmp_path: Path) -> None:
+    worlds: Any, tmp_path: Path
+) -> None:
     """Elastic data (issue 33 point 9): 2 processes x 4 samples step 3 times (24 of the epoch's 60, shuffled)
     and save; the rest of the epoch, loaded with allow_global_batch_change=True, on 3 processes x 2 and on
     1 process x 12: across the whole run every sample is stepped exactly once, none twice, none dropped."""

@@ -50,15 +50,25 @@ def test_ranks_concatenated_are_the_single_process_global_batch(
 ) -> None:
     batch_size = 2
     ranks = _ranks(num_samples, batch_size, num_processes, seed=7, shuffle=shuffle, drop_last=drop_last)
-    single = ShardedBatchSampler(num_samples, batch_size * num_processes, seed=7, shuffle=shuffle,
-                                 drop_last=drop_last, even_batches=False)
+    single = ShardedBatchSampler(
+        num_samples,
+        batch_size * num_processes,
+        seed=7,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        even_batches=False,
+    )
     per_rank = [list(s) for s in ranks]
     assert {len(b) for b in per_rank} == {len(single)} == {len(ranks[0])}
     for step, expected in enumerate(single):
         real = [i for r, s in enumerate(ranks) for i in per_rank[r][step][: s.num_valid(step)]]
         assert real == expected
-    seen = [i for step in range(len(single)) for r, s in enumerate(ranks)
-            for i in per_rank[r][step][: s.num_valid(step)]]
+    seen = [
+        i
+        for step in range(len(single))
+        for r, s in enumerate(ranks)
+        for i in per_rank[r][step][: s.num_valid(step)]
+    ]
     if drop_last:
         assert len(seen) == num_samples // (batch_size * num_processes) * batch_size * num_processes
     else:
@@ -102,7 +112,7 @@ def test_drop_last_drops_the_incomplete_global_batch() -> None:
 def test_split_batches_divides_the_global_batch() -> None:
     ranks = _ranks(12, 6, 3, split_batches=True)
     assert [s.batch_size for s in ranks] == [2, 2, 2]
-    assert [list(s)[0] for s in ranks] == [[0, 1], [2, 3], [4, 5]]
+    assert [next(iter(s)) for s in ranks] == [[0, 1], [2, 3], [4, 5]]
     assert len(ranks[0]) == 2
     with pytest.raises(ValueError, match="multiple of 4"):
         ShardedBatchSampler(12, 6, num_processes=4, rank=0, split_batches=True)
@@ -178,10 +188,13 @@ def test_bad_positions_are_refused() -> None:
 @pytest.mark.parametrize("num_samples", [1, 3, 10, 23])
 @pytest.mark.parametrize(("num_processes", "rank"), [(1, 0), (2, 1), (3, 0), (3, 2)])
 @pytest.mark.parametrize("cut", [{}, {"drop_last": True}, {"even_batches": False}])
-def test_index_batches_are_the_iterated_batches_as_tensors(num_samples: int, num_processes: int, rank: int,
-                                                           cut: dict[str, bool]) -> None:
+def test_index_batches_are_the_iterated_batches_as_tensors(
+    num_samples: int, num_processes: int, rank: int, cut: dict[str, bool]
+) -> None:
     def sampler() -> ShardedBatchSampler:
-        s = ShardedBatchSampler(num_samples, 4, num_processes=num_processes, rank=rank, seed=2, shuffle=True, **cut)
+        s = ShardedBatchSampler(
+            num_samples, 4, num_processes=num_processes, rank=rank, seed=2, shuffle=True, **cut
+        )
         s.set_epoch(1)
         return s
 

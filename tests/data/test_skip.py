@@ -48,7 +48,9 @@ def test_shuffled_map_style_skips_without_loading(n: int) -> None:
     skipping = skip_first_batches(_shuffled(dataset, seed=5), n)
     assert _listed(skipping) == full[n:]
     assert len(skipping) == max(len(full) - n, 0)
-    assert sorted(dataset.loaded) == sorted(i for batch in full[n:] for i in batch)  # skipped ones never loaded
+    assert sorted(dataset.loaded) == sorted(
+        i for batch in full[n:] for i in batch
+    )  # skipped ones never loaded
 
 
 def test_iterable_datasets_drop_last_and_no_batching() -> None:
@@ -66,11 +68,14 @@ def test_workers_and_stateful_loaders_keep_their_settings() -> None:
     assert (skipping.num_workers, _listed(skipping)) == (2, full[2:])
 
 
-@pytest.mark.parametrize(("loader", "n", "error", "match"), [
-    ([1, 2, 3], 1, TypeError, "takes a torch.utils.data.DataLoader, got list.*islice"),
-    (DataLoader(Counted(3)), -1, ValueError, "num_batches must be >= 0, got -1"),
-    (DataLoader(Counted(3)), 1.0, TypeError, "num_batches must be an int, got float"),
-])
+@pytest.mark.parametrize(
+    ("loader", "n", "error", "match"),
+    [
+        ([1, 2, 3], 1, TypeError, "takes a torch.utils.data.DataLoader, got list.*islice"),
+        (DataLoader(Counted(3)), -1, ValueError, "num_batches must be >= 0, got -1"),
+        (DataLoader(Counted(3)), 1.0, TypeError, "num_batches must be an int, got float"),
+    ],
+)
 def test_bad_arguments_are_refused(loader: Any, n: Any, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         skip_first_batches(loader, n)

@@ -27,8 +27,13 @@ def big_state() -> tuple[fa.RunState, nn.Module]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = TensorDataset(torch.randn(8, WIDTH))
     loader = DataLoader(data, batch_size=2, shuffle=True)
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, optimizer, loader,
-                       loss_fn=lambda m, batch: m(batch[0]).pow(2).mean())
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        optimizer,
+        loader,
+        loss_fn=lambda m, batch: m(batch[0]).pow(2).mean(),
+    )
     return state, model
 
 
@@ -120,8 +125,14 @@ def _small(seed: int = 0) -> fa.RunState:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4, shuffle=True)
-    return fa.prepare(fa.init(seed=0, cpu=True), model, optimizer, loader, scheduler,
-                      loss_fn=lambda m, batch: m(batch[0]).pow(2).mean())
+    return fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        optimizer,
+        loader,
+        scheduler,
+        loss_fn=lambda m, batch: m(batch[0]).pow(2).mean(),
+    )
 
 
 def test_rng_data_position_and_counters_are_named(tmp_path: Path) -> None:
@@ -137,8 +148,16 @@ def test_rng_data_position_and_counters_are_named(tmp_path: Path) -> None:
     with pytest.raises(fa.StaleStateError, match="fa.diff"):
         fa.diff(old, state)
     found = fa.diff(tmp_path / "a", state)
-    for name in ("step", "micro_step", "rank0/data/num_batches", "rank0/rng/torch", "model/0.weight",
-                 "optimizer/0.weight/exp_avg", "scheduler/last_epoch", "optimizer/param_groups/0/lr"):
+    for name in (
+        "step",
+        "micro_step",
+        "rank0/data/num_batches",
+        "rank0/rng/torch",
+        "model/0.weight",
+        "optimizer/0.weight/exp_avg",
+        "scheduler/last_epoch",
+        "optimizer/param_groups/0/lr",
+    ):
         assert name in found, (name, str(found))
     assert "epoch" not in found
 
@@ -152,7 +171,9 @@ def test_tolerance_pipeline_and_bad_input(tmp_path: Path) -> None:
     fa.save(a, tmp_path / "a")
     c = fa.prepare(fa.init(seed=0, cpu=True), nn.Linear(4, 1), pipeline=fa.compose(fa.clip_grad_norm(0.5)))
     found = fa.diff(tmp_path / "a", c)
-    assert "pipeline/clip_grad_norm/max_norm" in found and "model/0.weight" in found and "model/weight" in found
+    assert (
+        "pipeline/clip_grad_norm/max_norm" in found and "model/0.weight" in found and "model/weight" in found
+    )
     with pytest.raises(ValueError, match="atol and rtol must be >= 0"):
         fa.diff(a, b, atol=-1)
     with pytest.raises(TypeError, match="not int"):

@@ -21,13 +21,19 @@ def run(pipeline: fa.Pipeline) -> fa.RunState:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     loader = DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4)
-    return fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
-                      pipeline=pipeline, loss_fn=lambda m, batch: m(batch[0]).pow(2).mean())
+    return fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loader,
+        pipeline=pipeline,
+        loss_fn=lambda m, batch: m(batch[0]).pow(2).mean(),
+    )
 
 
 def saved(tmp_path: Path, pipeline: fa.Pipeline, steps: int = 2) -> Path:
     state = run(pipeline)
-    for batch, _ in zip(fa.batches(state), range(steps)):
+    for batch, _ in zip(fa.batches(state), range(steps), strict=False):
         state, _ = fa.step(state, batch)
     fa.save(state, tmp_path / "ckpt")
     return tmp_path / "ckpt"
@@ -55,8 +61,11 @@ def test_another_pipeline_warns_once_naming_each_difference(tmp_path: Path) -> N
 def test_another_accumulation_count_is_refused_unless_not_strict(tmp_path: Path) -> None:
     ckpt = saved(tmp_path, fa.compose())
     fresh = run(fa.compose(fa.accumulate(2)))
-    with pytest.raises(fa.CheckpointError, match=r"cannot resume the checkpoint exactly: micro_steps: 1 -> 2.*"
-                                                 r"strict=False"):
+    with pytest.raises(
+        fa.CheckpointError,
+        match=r"cannot resume the checkpoint exactly: micro_steps: 1 -> 2.*"
+        r"strict=False",
+    ):
         fa.load(fresh, ckpt)
     assert not fresh.is_spent  # refused before anything was restored
     with pytest.warns(ResumeDriftWarning, match="micro_steps: 1 -> 2"):
@@ -65,10 +74,13 @@ def test_another_accumulation_count_is_refused_unless_not_strict(tmp_path: Path)
 
 def test_a_transform_state_the_run_lacks_is_refused_or_dropped(tmp_path: Path) -> None:
     ckpt = saved(tmp_path, fa.compose(fa.autocast(fa.fp16), fa.grad_scaler()))  # fp16, then resumed in bf16
-    with pytest.raises(fa.CheckpointError, match="'grad_scaler', which this run's pipeline lacks.*strict=False"):
+    with pytest.raises(
+        fa.CheckpointError, match="'grad_scaler', which this run's pipeline lacks.*strict=False"
+    ):
         fa.load(run(fa.compose(fa.autocast(fa.bf16))), ckpt)
-    with pytest.warns(ResumeDriftWarning, match="pipeline/grad_scaler: 'present' -> 'absent'.*"
-                                                "precision: 'fp16' -> 'bf16'"):
+    with pytest.warns(
+        ResumeDriftWarning, match="pipeline/grad_scaler: 'present' -> 'absent'.*precision: 'fp16' -> 'bf16'"
+    ):
         assert fa.load(run(fa.compose(fa.autocast(fa.bf16))), ckpt, strict=False).step == 2
 
 
@@ -88,8 +100,14 @@ def _saved_with_ddp(state: fa.RunState, directory: str, batch_size: int) -> None
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     loader = DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=batch_size)
-    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
-                       pipeline=fa.compose(fa.ddp()), loss_fn=lambda m, batch: m(batch[0]).pow(2).mean())
+    state = fa.prepare(
+        state,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loader,
+        pipeline=fa.compose(fa.ddp()),
+        loss_fn=lambda m, batch: m(batch[0]).pow(2).mean(),
+    )
     batch = next(iter(fa.batches(state)))
     state, _ = fa.step(state, batch)
     fa.save(state, directory)
@@ -101,13 +119,24 @@ def test_another_number_of_processes_is_no_drift_but_another_option_is(world2: A
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     loader = DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4)  # the same global batch
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
-                       pipeline=fa.compose(), loss_fn=lambda m, batch: m(batch[0]).pow(2).mean())
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loader,
+        pipeline=fa.compose(),
+        loss_fn=lambda m, batch: m(batch[0]).pow(2).mean(),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert fa.load(state, tmp_path / "ddp").step == 1
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), loader,
-                       pipeline=fa.compose(fa.clip_grad_norm(1.0)),
-                       loss_fn=lambda m, batch: m(batch[0]).pow(2).mean())
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loader,
+        pipeline=fa.compose(fa.clip_grad_norm(1.0)),
+        loss_fn=lambda m, batch: m(batch[0]).pow(2).mean(),
+    )
     with pytest.warns(ResumeDriftWarning, match="pipeline/clip_grad_norm: 'absent' -> 'present'"):
         fa.load(state, tmp_path / "ddp")

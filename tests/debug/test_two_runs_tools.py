@@ -19,14 +19,20 @@ from tests.commands._inspect import inspect_in_a_new_process
 
 def model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 16), nn.ReLU(),
-                         nn.Linear(16, 1))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
+    )
 
 
 def run(net: nn.Module, pipeline: fa.Pipeline | None = None, state: fa.RunState | None = None) -> fa.RunState:
     start = fa.init(seed=0, cpu=True) if state is None else state
-    return fa.prepare(start, net, torch.optim.AdamW(net.parameters(), lr=1e-2),
-                      pipeline=pipeline or fa.compose(), loss_fn=lambda m, b: (m(b[0]) - b[1]).pow(2).mean())
+    return fa.prepare(
+        start,
+        net,
+        torch.optim.AdamW(net.parameters(), lr=1e-2),
+        pipeline=pipeline or fa.compose(),
+        loss_fn=lambda m, b: (m(b[0]) - b[1]).pow(2).mean(),
+    )
 
 
 def batches(num: int, rank: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -68,9 +74,13 @@ def test_find_divergence_refuses_different_models() -> None:
 def ddp_against_fsdp(state: fa.RunState) -> list[Any]:
     """Runs on each rank: the same model under ddp() and fsdp(), stepped side by side."""
     rank = state.dist.rank
-    report = find_divergence(run(model(), fa.compose(fa.ddp()), state),
-                             run(model(), fa.compose(fa.fsdp()), fa.init(seed=0, cpu=True)),
-                             batches(3, rank), atol=1e-5, rtol=1e-4)
+    report = find_divergence(
+        run(model(), fa.compose(fa.ddp()), state),
+        run(model(), fa.compose(fa.fsdp()), fa.init(seed=0, cpu=True)),
+        batches(3, rank),
+        atol=1e-5,
+        rtol=1e-4,
+    )
     return [(s.loss_diff, s.max_abs, s.diverged) for s in report.steps]
 
 
@@ -99,8 +109,15 @@ def make_state(net: type[nn.Module] | None = None, pipeline: fa.Pipeline | None 
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     loader = DataLoader(TensorDataset(torch.randn(20, 4)), batch_size=4, shuffle=True)  # 5 batches an epoch
-    return fa.prepare(fa.init(seed=0, cpu=True), module, optimizer, loader, scheduler,
-                      pipeline=pipeline or fa.compose(), loss_fn=lambda m, b: m(b[0]).pow(2).mean())
+    return fa.prepare(
+        fa.init(seed=0, cpu=True),
+        module,
+        optimizer,
+        loader,
+        scheduler,
+        pipeline=pipeline or fa.compose(),
+        loss_fn=lambda m, b: m(b[0]).pow(2).mean(),
+    )
 
 
 def test_verify_resume_passes_a_sound_setup_and_names_what_breaks() -> None:
@@ -116,19 +133,27 @@ def test_verify_resume_passes_a_sound_setup_and_names_what_breaks() -> None:
 
 def test_verify_resume_refuses_a_make_state_that_returns_no_state() -> None:
     """Before: a raw AttributeError ('NoneType' object has no attribute 'dist')."""
-    with pytest.raises(TypeError, match=r"verify_resume: make_state\(\) must return a fa.RunState prepared with a "
-                                        r"loader \(fa.prepare\(fa.init\(...\), model, optimizer, loader, ...\)\), "
-                                        r"got NoneType"):
+    with pytest.raises(
+        TypeError,
+        match=r"verify_resume: make_state\(\) must return a fa.RunState prepared with a "
+        r"loader \(fa.prepare\(fa.init\(...\), model, optimizer, loader, ...\)\), "
+        r"got NoneType",
+    ):
         verify_resume(lambda: None, steps=1)  # type: ignore[arg-type,return-value]
-    with pytest.raises(TypeError, match=r"verify_resume: make_state must be a function returning a fresh, "
-                                        r"prepared state .*got RunState"):
+    with pytest.raises(
+        TypeError,
+        match=r"verify_resume: make_state must be a function returning a fresh, "
+        r"prepared state .*got RunState",
+    ):
         verify_resume(make_state(), steps=1)  # type: ignore[arg-type]
 
 
 def save_ddp_and_fsdp(state: fa.RunState, root: str) -> None:
     """Runs on each rank: the same model and batches under ddp() and fsdp(), each saved."""
-    for name, pipeline, start in (("ddp", fa.compose(fa.ddp()), state),
-                                  ("fsdp", fa.compose(fa.fsdp()), fa.init(seed=0, cpu=True))):
+    for name, pipeline, start in (
+        ("ddp", fa.compose(fa.ddp()), state),
+        ("fsdp", fa.compose(fa.fsdp()), fa.init(seed=0, cpu=True)),
+    ):
         current = run(model(), pipeline, start)
         for batch in batches(2, state.dist.rank):
             current, _ = fa.step(current, batch)
@@ -142,7 +167,10 @@ def test_a_ddp_checkpoint_diffs_against_a_sharded_one_by_the_same_names(world2: 
     assert set(found.names) == {"pipeline/ddp", "pipeline/fsdp"}, str(found)
     sharded, plain = summarize(tmp_path / "fsdp"), summarize(tmp_path / "ddp")
     assert sharded.layout.startswith("sharded") and plain.layout.startswith("one model.safetensors")
-    assert sharded.parameters_by_module == plain.parameters_by_module and plain.parameters == 8 * 16 + 16 + 16 * 16 + 16 + 17  # noqa: E501
+    assert (
+        sharded.parameters_by_module == plain.parameters_by_module
+        and plain.parameters == 8 * 16 + 16 + 16 * 16 + 16 + 17
+    )
     assert verify(tmp_path / "fsdp") == sum(sharded.files.values())
     # inspect reads the sharded index as JSON: a new process imports no torch for it either
     fresh = inspect_in_a_new_process(tmp_path / "fsdp", "--json")
@@ -168,7 +196,7 @@ class BlockShuffledStream(torch.utils.data.IterableDataset[torch.Tensor]):
         first = self.start // 16
         for block in range(first, 4):
             order = torch.randperm(16, generator=torch.Generator().manual_seed(block - first))
-            for i in order[self.position - 16 * block:].tolist():
+            for i in order[self.position - 16 * block :].tolist():
                 self.position += 1
                 yield self.data[16 * block + i]
 
@@ -182,15 +210,23 @@ class BlockShuffledStream(torch.utils.data.IterableDataset[torch.Tensor]):
 def stream_state() -> fa.RunState:
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1))
-    return fa.prepare(fa.init(seed=0, cpu=True), module, torch.optim.AdamW(module.parameters(), lr=1e-2),
-                      DataLoader(BlockShuffledStream(), batch_size=4), pipeline=fa.compose(fa.accumulate(3)),
-                      loss_fn=lambda m, b: m(b).pow(2).mean())
+    return fa.prepare(
+        fa.init(seed=0, cpu=True),
+        module,
+        torch.optim.AdamW(module.parameters(), lr=1e-2),
+        DataLoader(BlockShuffledStream(), batch_size=4),
+        pipeline=fa.compose(fa.accumulate(3)),
+        loss_fn=lambda m, b: m(b).pow(2).mean(),
+    )
 
 
 def test_a_position_lost_on_the_second_resume_passes_one_resume_and_fails_the_second() -> None:
     verify_resume(stream_state, steps=2)
-    with pytest.raises(AssertionError, match=r"resume 2 of 3 \(at batch 4, on 1 process\(es\)\): batch 5 reads "
-                                             r"other data than the uninterrupted run: the data position was not"):
+    with pytest.raises(
+        AssertionError,
+        match=r"resume 2 of 3 \(at batch 4, on 1 process\(es\)\): batch 5 reads "
+        r"other data than the uninterrupted run: the data position was not",
+    ):
         verify_resume(stream_state, steps=2, resumes=3)
 
 
@@ -210,9 +246,12 @@ class WarmupState:
 
 def warmup() -> fa.Transform:
     """Scales the loss up over the first updates (a user-written transform with state)."""
-    return fa.Transform(name="warmup", init=lambda ctx: WarmupState(),
-                        scale_loss=lambda loss, s: loss * min(1.0, (s.count + 1) / 8),
-                        after_step=lambda s: setattr(s, "count", s.count + 1))
+    return fa.Transform(
+        name="warmup",
+        init=lambda ctx: WarmupState(),
+        scale_loss=lambda loss, s: loss * min(1.0, (s.count + 1) / 8),
+        after_step=lambda s: setattr(s, "count", s.count + 1),
+    )
 
 
 class NoisyLinear(nn.Linear):
@@ -227,12 +266,18 @@ class NoisyLinear(nn.Linear):
 
 
 def test_a_transform_state_or_a_generator_not_restored_is_named() -> None:
-    with pytest.raises(AssertionError, match=r"(?s)resume 1 of 3 .*batch 4 after resuming at batch 2 has loss .*"
-                                             r"the loaded state differs from the one that saved it:.*"
-                                             r"rank0/transforms/warmup/count: 2 != 0"):
+    with pytest.raises(
+        AssertionError,
+        match=r"(?s)resume 1 of 3 .*batch 4 after resuming at batch 2 has loss .*"
+        r"the loaded state differs from the one that saved it:.*"
+        r"rank0/transforms/warmup/count: 2 != 0",
+    ):
         verify_resume(lambda: make_state(pipeline=fa.compose(warmup())), steps=2, resumes=3)
-    with pytest.raises(AssertionError, match=r"resume 1 of 3 .*batch 3 after resuming at batch 2 has loss .*the "
-                                             r"batches are the same and the loaded state equals the saved one"):
+    with pytest.raises(
+        AssertionError,
+        match=r"resume 1 of 3 .*batch 3 after resuming at batch 2 has loss .*the "
+        r"batches are the same and the loaded state equals the saved one",
+    ):
         verify_resume(lambda: make_state(NoisyLinear), steps=2, resumes=3)
 
 
@@ -244,18 +289,33 @@ def global_batch_state(loss: str, hidden_bug: bool = False) -> fa.RunState:
     module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
     data = TensorDataset(torch.randn(48, 4, generator=torch.Generator().manual_seed(2)))  # 6 steps an epoch
-    reduce = torch.mean if loss == "mean" else torch.sum  # "sum": the bug, gradients scale with the local batch
-    return fa.prepare(state, module, optimizer, DataLoader(data, batch_size=8 // state.dist.num_processes,
-                                                           shuffle=True),
-                      torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
-                      pipeline=fa.compose(*counting(hidden_bug), fa.ddp(), fa.accumulate(2)),
-                      loss_fn=lambda m, b: reduce(m(b[0]).pow(2)))
+    reduce = (
+        torch.mean if loss == "mean" else torch.sum
+    )  # "sum": the bug, gradients scale with the local batch
+    return fa.prepare(
+        state,
+        module,
+        optimizer,
+        DataLoader(data, batch_size=8 // state.dist.num_processes, shuffle=True),
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
+        pipeline=fa.compose(*counting(hidden_bug), fa.ddp(), fa.accumulate(2)),
+        loss_fn=lambda m, b: reduce(m(b[0]).pow(2)),
+    )
 
 
 def counting(planted: bool) -> tuple[fa.Transform, ...]:
     """The transform keeping a `WarmupState` the step never reads, when the bug is planted."""
-    return (fa.Transform(name="counting", init=lambda ctx: WarmupState(),
-                         after_step=lambda s: setattr(s, "count", s.count + 1)),) if planted else ()
+    return (
+        (
+            fa.Transform(
+                name="counting",
+                init=lambda ctx: WarmupState(),
+                after_step=lambda s: setattr(s, "count", s.count + 1),
+            ),
+        )
+        if planted
+        else ()
+    )
 
 
 def resume_on_one_and_back(state: fa.RunState, loss: str) -> str:
@@ -272,8 +332,12 @@ def chains_ending_on_one_process(state: fa.RunState, hidden_bug: bool) -> list[s
     outcomes = []
     for sizes in ((2, 1), (2, 1, 2)):
         try:
-            verify_resume(lambda: global_batch_state("mean", hidden_bug), steps=2, resumes=len(sizes),
-                          num_processes=sizes)
+            verify_resume(
+                lambda: global_batch_state("mean", hidden_bug),
+                steps=2,
+                resumes=len(sizes),
+                num_processes=sizes,
+            )
         except AssertionError as exc:
             outcomes.append(str(exc))
         else:
@@ -293,17 +357,21 @@ def resume_alone_between_micro_steps(state: fa.RunState) -> str:
 def test_a_failure_of_rank_0_alone_raises_on_every_rank(world2: Any) -> None:
     alone, waiting = world2.run(resume_alone_between_micro_steps)
     assert alone.startswith("CheckpointError: ") and "between accumulation micro-steps" in alone, alone
-    assert waiting.startswith("AssertionError: verify_resume: resume 1 of 1 (at batch 1, on 1 process(es)): "
-                              "CheckpointError: "), waiting
+    assert waiting.startswith(
+        "AssertionError: verify_resume: resume 1 of 1 (at batch 1, on 1 process(es)): CheckpointError: "
+    ), waiting
 
 
 def test_another_number_of_processes_compares_within_tolerance_and_names_a_planted_bug(world2: Any) -> None:
     assert world2.run(resume_on_one_and_back, "mean") == ["ok", "ok"]
     failed = world2.run(resume_on_one_and_back, "sum")
     assert failed[0] == failed[1], failed  # every rank raises, naming the same difference
-    assert re.match(r"verify_resume: resume 1 of 2 \(at batch 2, on 1 process\(es\)\): batch 3 after resuming at "
-                    r"batch 2 has loss .*, the uninterrupted run's mean over its ranks \(compared within "
-                    r"atol=1e-05, rtol=0.0001\)", failed[0]), failed[0]
+    assert re.match(
+        r"verify_resume: resume 1 of 2 \(at batch 2, on 1 process\(es\)\): batch 3 after resuming at "
+        r"batch 2 has loss .*, the uninterrupted run's mean over its ranks \(compared within "
+        r"atol=1e-05, rtol=0.0001\)",
+        failed[0],
+    ), failed[0]
 
 
 def test_chains_ending_on_one_process_pass_and_a_hidden_state_bug_still_fails(world2: Any) -> None:
@@ -312,7 +380,8 @@ def test_chains_ending_on_one_process_pass_and_a_hidden_state_bug_still_fails(wo
     assert world2.run(chains_ending_on_one_process, False) == [["ok", "ok"], ["ok", "ok"]]
     for outcomes in world2.run(chains_ending_on_one_process, True):
         for outcome in outcomes:  # every batch matches: only the final states show the count not restored
-            assert outcome.startswith("rank 0: verify_resume: every batch of the resumed runs matches, but "
-                                      "the final state differs"), outcome
+            assert outcome.startswith(
+                "rank 0: verify_resume: every batch of the resumed runs matches, but the final state differs"
+            ), outcome
             assert re.search(r"rank0/transforms/counting/count: \d+ != \d+", outcome), outcome
             assert "data/layout" not in outcome, outcome

@@ -62,24 +62,54 @@ def test_field_names_order_and_defaults_follow_accelerate() -> None:
 
     assert signature(AutocastKwargs) == [("enabled", True), ("cache_enabled", None)]
     assert signature(GradScalerKwargs) == [
-        ("init_scale", 65536.0), ("growth_factor", 2.0), ("backoff_factor", 0.5),
-        ("growth_interval", 2000), ("enabled", True),
+        ("init_scale", 65536.0),
+        ("growth_factor", 2.0),
+        ("backoff_factor", 0.5),
+        ("growth_interval", 2000),
+        ("enabled", True),
     ]
-    assert signature(InitProcessGroupKwargs) == [("backend", "nccl"), ("init_method", None), ("timeout", None)]
+    assert signature(InitProcessGroupKwargs) == [
+        ("backend", "nccl"),
+        ("init_method", None),
+        ("timeout", None),
+    ]
     assert [name for name, _ in signature(DistributedDataParallelKwargs)] == [
-        "dim", "broadcast_buffers", "bucket_cap_mb", "find_unused_parameters", "check_reduction",
-        "gradient_as_bucket_view", "static_graph", "comm_hook", "comm_wrapper", "comm_state_option",
+        "dim",
+        "broadcast_buffers",
+        "bucket_cap_mb",
+        "find_unused_parameters",
+        "check_reduction",
+        "gradient_as_bucket_view",
+        "static_graph",
+        "comm_hook",
+        "comm_wrapper",
+        "comm_state_option",
     ]
     assert [name for name, _ in signature(FP8RecipeKwargs)] == [
-        "backend", "use_autocast_during_eval", "opt_level", "margin", "interval", "fp8_format",
-        "amax_history_len", "amax_compute_algo", "override_linear_precision",
+        "backend",
+        "use_autocast_during_eval",
+        "opt_level",
+        "margin",
+        "interval",
+        "fp8_format",
+        "amax_history_len",
+        "amax_compute_algo",
+        "override_linear_precision",
         # then torchao's options (Accelerate keeps these in AORecipeKwargs)
-        "enable_fsdp_float8_all_gather", "module_filter_func",
+        "enable_fsdp_float8_all_gather",
+        "module_filter_func",
     ]
     assert all(default is None for _, default in signature(FP8RecipeKwargs))
     assert [name for name, _ in signature(ProfileKwargs)] == [
-        "activities", "schedule_option", "on_trace_ready", "record_shapes", "profile_memory",
-        "with_stack", "with_flops", "with_modules", "output_trace_dir",
+        "activities",
+        "schedule_option",
+        "on_trace_ready",
+        "record_shapes",
+        "profile_memory",
+        "with_stack",
+        "with_flops",
+        "with_modules",
+        "output_trace_dir",
     ]
 
 
@@ -87,18 +117,28 @@ def test_field_names_order_and_defaults_follow_accelerate() -> None:
 
 
 def test_to_kwargs_returns_exactly_the_changed_fields() -> None:
-    assert AutocastKwargs(enabled=False, cache_enabled=True).to_kwargs() == {"enabled": False, "cache_enabled": True}
+    assert AutocastKwargs(enabled=False, cache_enabled=True).to_kwargs() == {
+        "enabled": False,
+        "cache_enabled": True,
+    }
     assert AutocastKwargs(enabled=True).to_kwargs() == {}
     assert GradScalerKwargs(init_scale=1024.0, growth_interval=10).to_kwargs() == {
-        "init_scale": 1024.0, "growth_interval": 10,
+        "init_scale": 1024.0,
+        "growth_interval": 10,
     }
     assert DistributedDataParallelKwargs(find_unused_parameters=True, bucket_cap_mb=50).to_kwargs() == {
-        "bucket_cap_mb": 50, "find_unused_parameters": True,
+        "bucket_cap_mb": 50,
+        "find_unused_parameters": True,
     }
-    assert InitProcessGroupKwargs(timeout=timedelta(seconds=30)).to_kwargs() == {"timeout": timedelta(seconds=30)}
+    assert InitProcessGroupKwargs(timeout=timedelta(seconds=30)).to_kwargs() == {
+        "timeout": timedelta(seconds=30)
+    }
     assert FP8RecipeKwargs(margin=0, interval=2).to_kwargs() == {"margin": 0, "interval": 2}
-    assert ProfileKwargs(with_flops=True, schedule_option={"wait": 0, "warmup": 1, "active": 2}).to_kwargs() == {
-        "schedule_option": {"wait": 0, "warmup": 1, "active": 2}, "with_flops": True,
+    assert ProfileKwargs(
+        with_flops=True, schedule_option={"wait": 0, "warmup": 1, "active": 2}
+    ).to_kwargs() == {
+        "schedule_option": {"wait": 0, "warmup": 1, "active": 2},
+        "with_flops": True,
     }
 
 
@@ -113,7 +153,9 @@ def test_to_kwargs_returns_fresh_plain_containers() -> None:
 @pytest.mark.parametrize(
     "handler",
     [
-        DistributedDataParallelKwargs(comm_hook="power_sgd", comm_state_option={"matrix_approximation_rank": 2}),
+        DistributedDataParallelKwargs(
+            comm_hook="power_sgd", comm_state_option={"matrix_approximation_rank": 2}
+        ),
         ProfileKwargs(activities=["cpu"], schedule_option={"wait": 0, "warmup": 0, "active": 1}),
         InitProcessGroupKwargs(backend="gloo", timeout=timedelta(seconds=5)),
         FP8RecipeKwargs(backend="te", override_linear_precision=(True, False, False)),
@@ -129,7 +171,9 @@ def test_copy_pickle_and_replace_round_trip(handler: KwargsHandler) -> None:
 
 def test_ddp_to_kwargs_omits_hook_fields_and_feeds_the_constructor() -> None:
     handler = DistributedDataParallelKwargs(
-        static_graph=True, comm_hook="power_sgd", comm_wrapper="fp16",
+        static_graph=True,
+        comm_hook="power_sgd",
+        comm_wrapper="fp16",
         comm_state_option={"matrix_approximation_rank": 2},
     )
     assert handler.to_kwargs() == {"static_graph": True}
@@ -148,15 +192,28 @@ def test_ddp_to_kwargs_omits_hook_fields_and_feeds_the_constructor() -> None:
         (DistributedDataParallelKwargs, {"dim": 0.5}, "dim"),
         (DistributedDataParallelKwargs, {"static_graph": None}, "static_graph"),
         (DistributedDataParallelKwargs, {"comm_hook": "fp32"}, "comm_hook"),
-        (DistributedDataParallelKwargs, {"comm_wrapper": "power_sgd", "comm_hook": "power_sgd"}, "comm_wrapper"),
+        (
+            DistributedDataParallelKwargs,
+            {"comm_wrapper": "power_sgd", "comm_hook": "power_sgd"},
+            "comm_wrapper",
+        ),
         (DistributedDataParallelKwargs, {"comm_wrapper": "fp16"}, "comm_wrapper"),
         (DistributedDataParallelKwargs, {"comm_wrapper": "bf16", "comm_hook": "fp16"}, "comm_wrapper"),
-        (DistributedDataParallelKwargs, {"comm_hook": "fp16", "comm_state_option": {"warm_start": False}},
-         "comm_state_option"),
-        (DistributedDataParallelKwargs, {"comm_hook": "power_sgd", "comm_state_option": {"rank": 2}},
-         "comm_state_option"),
-        (DistributedDataParallelKwargs, {"comm_hook": "power_sgd", "comm_state_option": {"process_group": None}},
-         "comm_state_option"),
+        (
+            DistributedDataParallelKwargs,
+            {"comm_hook": "fp16", "comm_state_option": {"warm_start": False}},
+            "comm_state_option",
+        ),
+        (
+            DistributedDataParallelKwargs,
+            {"comm_hook": "power_sgd", "comm_state_option": {"rank": 2}},
+            "comm_state_option",
+        ),
+        (
+            DistributedDataParallelKwargs,
+            {"comm_hook": "power_sgd", "comm_state_option": {"process_group": None}},
+            "comm_state_option",
+        ),
         (DistributedDataParallelKwargs, {"comm_state_option": [("a", 1)]}, "comm_state_option"),
         (GradScalerKwargs, {"init_scale": 0.0}, "init_scale"),
         (GradScalerKwargs, {"growth_factor": 1.0}, "growth_factor"),
@@ -185,7 +242,11 @@ def test_ddp_to_kwargs_omits_hook_fields_and_feeds_the_constructor() -> None:
         (ProfileKwargs, {"activities": ["cpu", "tpu"]}, "activities"),
         (ProfileKwargs, {"activities": "cpu"}, "activities"),
         (ProfileKwargs, {"schedule_option": {"wait": 1, "warmup": 1}}, "schedule_option"),
-        (ProfileKwargs, {"schedule_option": {"wait": 1, "warmup": 1, "active": 1, "cycles": 2}}, "schedule_option"),
+        (
+            ProfileKwargs,
+            {"schedule_option": {"wait": 1, "warmup": 1, "active": 1, "cycles": 2}},
+            "schedule_option",
+        ),
         (ProfileKwargs, {"schedule_option": {"wait": -1, "warmup": 1, "active": 1}}, "schedule_option"),
         (ProfileKwargs, {"schedule_option": {"wait": 0, "warmup": 0, "active": 0}}, "schedule_option"),
         (ProfileKwargs, {"on_trace_ready": "print"}, "on_trace_ready"),
@@ -226,14 +287,16 @@ def test_ddp_hook_names_become_enums_and_options_read_only() -> None:
     with pytest.raises(TypeError):
         handler.comm_state_option["warm_start"] = False  # type: ignore[index]
     assert handler == DistributedDataParallelKwargs(
-        comm_hook=DDPCommunicationHookType.BATCHED_POWER_SGD, comm_wrapper="bf16",
+        comm_hook=DDPCommunicationHookType.BATCHED_POWER_SGD,
+        comm_wrapper="bf16",
         comm_state_option={"matrix_approximation_rank": 2},
     )
 
 
 def test_fp8_names_are_upper_cased_and_precision_is_a_tuple() -> None:
-    handler = FP8RecipeKwargs(backend="msamp", opt_level="o1", fp8_format="e5m2",
-                              override_linear_precision=[False, True, False])  # type: ignore[arg-type]
+    handler = FP8RecipeKwargs(
+        backend="msamp", opt_level="o1", fp8_format="e5m2", override_linear_precision=[False, True, False]
+    )  # type: ignore[arg-type]
     assert (handler.backend, handler.opt_level, handler.fp8_format) == ("MSAMP", "O1", "E5M2")
     assert handler.override_linear_precision == (False, True, False)
 
@@ -272,7 +335,7 @@ def _twin_ddp_models() -> tuple[DistributedDataParallel, DistributedDataParallel
 
 
 def _hook_name(model: DistributedDataParallel) -> str:
-    logging_data = getattr(model, "_get_ddp_logging_data")()
+    logging_data = model._get_ddp_logging_data()
     return str(logging_data.get("comm_hook", ""))
 
 
@@ -289,30 +352,31 @@ def test_fp16_hook_compresses_gradients(gloo_group: None) -> None:
     x = torch.randn(32, 8)
     exact, compressed = _backward(reference, x), _backward(hooked, x)
     assert len(exact) == len(compressed) == 4
-    for e, h in zip(exact, compressed):
+    for e, h in zip(exact, compressed, strict=False):
         torch.testing.assert_close(h, e, rtol=1e-3, atol=1e-3)
         assert torch.equal(h, e.half().float())  # one process: the all-reduce is an fp16 round trip
-    assert any(not torch.equal(e, h) for e, h in zip(exact, compressed))
+    assert any(not torch.equal(e, h) for e, h in zip(exact, compressed, strict=False))
 
 
 @pytest.mark.parametrize("hook", ["power_sgd", "batched_power_sgd"])
 def test_power_sgd_hooks_register_and_run(gloo_group: None, hook: str) -> None:
     # Before start_powerSGD_iter, PowerSGD all-reduces uncompressed gradients.
     reference, hooked = _twin_ddp_models()
-    DistributedDataParallelKwargs(comm_hook=hook, comm_state_option={"start_powerSGD_iter": 10}).register_comm_hook(
-        hooked
-    )
+    DistributedDataParallelKwargs(
+        comm_hook=hook, comm_state_option={"start_powerSGD_iter": 10}
+    ).register_comm_hook(hooked)
     assert _hook_name(hooked) == hook.replace("power_sgd", "powerSGD_hook")
     for _ in range(2):
         x = torch.randn(32, 8)
-        for e, h in zip(_backward(reference, x), _backward(hooked, x)):
+        for e, h in zip(_backward(reference, x), _backward(hooked, x), strict=False):
             torch.testing.assert_close(h, e)
 
 
 def test_power_sgd_with_fp16_wrapper_compresses(gloo_group: None) -> None:
     reference, hooked = _twin_ddp_models()
     handler = DistributedDataParallelKwargs(
-        comm_hook="power_sgd", comm_wrapper="fp16",
+        comm_hook="power_sgd",
+        comm_wrapper="fp16",
         comm_state_option={"start_powerSGD_iter": 2, "matrix_approximation_rank": 1},
     )
     handler.register_comm_hook(hooked)
@@ -325,8 +389,11 @@ def test_power_sgd_with_fp16_wrapper_compresses(gloo_group: None) -> None:
     assert not torch.allclose(compressed[0], exact[0], rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.xfail(raises=AssertionError, strict=False,
-                   reason="torch's batched_powerSGD_hook passes a 2-D matrix to _orthogonalize, which wants 3-D")
+@pytest.mark.xfail(
+    raises=AssertionError,
+    strict=False,
+    reason="torch's batched_powerSGD_hook passes a 2-D matrix to _orthogonalize, which wants 3-D",
+)
 def test_batched_power_sgd_compresses(gloo_group: None) -> None:
     _, hooked = _twin_ddp_models()
     DistributedDataParallelKwargs(

@@ -54,7 +54,9 @@ def make_net(seed: int = 0) -> Net:
 
 
 @pytest.mark.parametrize("where", ["cpu", "disk"])
-def test_the_offloaded_model_state_dict_equals_the_model_before_offloading(tmp_path: Path, where: str) -> None:
+def test_the_offloaded_model_state_dict_equals_the_model_before_offloading(
+    tmp_path: Path, where: str
+) -> None:
     expected = {k: v.clone() for k, v in make_net().state_dict().items()}
     model = make_net()
     if where == "cpu":
@@ -98,20 +100,26 @@ def test_get_state_dict_offloaded_model_agrees_with_accelerate() -> None:
 
 
 def test_the_upcasting_layers_are_accelerates() -> None:
-    assert nn.Linear in SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING and nn.Conv2d in SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
+    assert (
+        nn.Linear in SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
+        and nn.Conv2d in SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
+    )
     accelerate = _accelerate()
     del accelerate
     from accelerate.utils.constants import SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING as theirs
 
-    assert SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING == theirs
+    assert theirs == SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
 
 
 # infer_auto_device_map: devices left empty are logged
 
 
 def _nested() -> nn.Module:
-    inner = nn.Sequential(OrderedDict([("linear1", nn.Linear(10, 4)), ("linear2", nn.Linear(4, 4)),
-                                       ("linear3", nn.Linear(4, 8))]))
+    inner = nn.Sequential(
+        OrderedDict(
+            [("linear1", nn.Linear(10, 4)), ("linear2", nn.Linear(4, 4)), ("linear3", nn.Linear(4, 8))]
+        )
+    )
     return nn.Sequential(OrderedDict([("module", inner)]))
 
 
@@ -128,7 +136,9 @@ def test_a_device_left_empty_is_logged_with_the_bytes_it_needed(caplog: pytest.L
 
 
 @pytest.mark.parametrize("case", ["nested", "nested-fallback", "no-fit", "partial", "tied", "buffers"])
-def test_fallback_allocation_and_its_log_agree_with_accelerate(case: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_fallback_allocation_and_its_log_agree_with_accelerate(
+    case: str, caplog: pytest.LogCaptureFixture
+) -> None:
     _accelerate()
     from accelerate.utils import infer_auto_device_map as theirs
 
@@ -153,22 +163,33 @@ def _fallback_case(case: str) -> tuple[nn.Module, dict[Any, int], bool]:
         inner = nn.Sequential(*[nn.Linear(10, 10) for _ in range(3)])
         return nn.Sequential(OrderedDict([("module", inner)])), {0: 30}, True
     if case == "partial":
-        blocks = [(f"module{i}", nn.Sequential(OrderedDict([("a", nn.Linear(20, 20)), ("b", nn.Linear(20, 20))])))
-                  for i in range(3)]
+        blocks = [
+            (f"module{i}", nn.Sequential(OrderedDict([("a", nn.Linear(20, 20)), ("b", nn.Linear(20, 20))])))
+            for i in range(3)
+        ]
         return nn.Sequential(OrderedDict(blocks)), {0: 5000}, True
     if case == "tied":
         model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
         model[1].weight = model[0].weight
         return model, {0: 600}, True
-    model = nn.Sequential(OrderedDict([("linear1", nn.Linear(10, 10)), ("batchnorm", nn.BatchNorm1d(10)),
-                                       ("linear2", nn.Linear(10, 10))]))
+    model = nn.Sequential(
+        OrderedDict(
+            [
+                ("linear1", nn.Linear(10, 10)),
+                ("batchnorm", nn.BatchNorm1d(10)),
+                ("linear2", nn.Linear(10, 10)),
+            ]
+        )
+    )
     return model, {0: 678}, True
 
 
 # load_checkpoint_in_model: unexpected weights, in Accelerate's words, on the logger
 
 
-def test_unexpected_weights_are_logged_in_accelerates_words(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_unexpected_weights_are_logged_in_accelerates_words(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     tensors = {**make_net().state_dict(), "foo": torch.rand(4, 5)}
     safetensors.torch.save_file(tensors, tmp_path / "model.safetensors")
     for device_map in (None, {"": "cpu"}):
@@ -180,8 +201,9 @@ def test_unexpected_weights_are_logged_in_accelerates_words(tmp_path: Path, capl
         assert "were not used when initializing Net: ['foo']" in caplog.text
         assert "missing" not in caplog.text
         with pytest.raises((ValueError, RuntimeError), match="foo"):
-            load_checkpoint_in_model(make_net(1), tmp_path / "model.safetensors", device_map=device_map,
-                                     strict=True)
+            load_checkpoint_in_model(
+                make_net(1), tmp_path / "model.safetensors", device_map=device_map, strict=True
+            )
 
 
 # set_module_tensor_to_device: the shape check

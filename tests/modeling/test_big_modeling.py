@@ -11,9 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from fnaccel.modeling.hooks import remove_hook_from_module
-from fnaccel.modeling.layerwise_casting import LayerwiseCastingHook, attach_layerwise_casting_hooks
-from fnaccel.modeling.offload import read_offload_index
 from fnaccel.modeling.big_modeling import (
     CpuOffload,
     UserCpuOffloadHook,
@@ -23,6 +20,9 @@ from fnaccel.modeling.big_modeling import (
     disk_offload,
     has_offloaded_params,
 )
+from fnaccel.modeling.hooks import remove_hook_from_module
+from fnaccel.modeling.layerwise_casting import LayerwiseCastingHook, attach_layerwise_casting_hooks
+from fnaccel.modeling.offload import read_offload_index
 
 
 def _net(seed: int = 0) -> nn.Sequential:
@@ -141,7 +141,9 @@ def test_cpu_offload_with_hook_keeps_only_the_running_model_on_cuda() -> None:
         hooks.append(hook)
     seen: list[list[str]] = []
     for model in models:
-        model.register_forward_pre_hook(lambda m, a: seen.append([next(x.parameters()).device.type for x in models]))
+        model.register_forward_pre_hook(
+            lambda m, a: seen.append([next(x.parameters()).device.type for x in models])
+        )
     x = torch.randn(2, 4)
     models[2](models[1](models[0](x)))
     assert seen == [["cuda", "cpu", "cpu"], ["cpu", "cuda", "cpu"], ["cpu", "cpu", "cuda"]]
@@ -155,7 +157,9 @@ def test_cpu_offload_refuses_a_prev_hook_of_another_kind() -> None:
 
 
 @pytest.mark.parametrize("storage", [torch.float16, torch.bfloat16])
-def test_layerwise_casting_stores_low_precision_and_matches_a_model_cast_by_hand(storage: torch.dtype) -> None:
+def test_layerwise_casting_stores_low_precision_and_matches_a_model_cast_by_hand(
+    storage: torch.dtype,
+) -> None:
     model = _net()
     by_hand = _net()
     with torch.no_grad():
@@ -172,8 +176,9 @@ def test_layerwise_casting_stores_low_precision_and_matches_a_model_cast_by_hand
 
 def test_layerwise_casting_skips_by_pattern_and_class() -> None:
     model = _net()
-    attach_layerwise_casting_hooks(model, torch.float16, torch.float32, skip_modules_pattern="^3$",
-                                   skip_modules_classes=[nn.BatchNorm1d])
+    attach_layerwise_casting_hooks(
+        model, torch.float16, torch.float32, skip_modules_pattern="^3$", skip_modules_classes=[nn.BatchNorm1d]
+    )
     assert model[0].weight.dtype == torch.float16 and model[3].weight.dtype == torch.float32
     assert isinstance(model[0]._hf_hook, LayerwiseCastingHook) and not hasattr(model[3], "_hf_hook")
     remove_hook_from_module(model, recurse=True)

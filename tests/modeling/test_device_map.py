@@ -62,17 +62,36 @@ class TinyLM(nn.Module):
 
 def test_the_hand_counted_sizes() -> None:
     sizes = compute_module_sizes(TinyLM())
-    assert (sizes["embed"], sizes["blocks.0"], sizes["blocks.0.attn"], sizes["blocks.0.mlp"]) == (256, 976, 320, 592)
+    assert (sizes["embed"], sizes["blocks.0"], sizes["blocks.0.attn"], sizes["blocks.0.mlp"]) == (
+        256,
+        976,
+        320,
+        592,
+    )
     assert (sizes["norm"], sizes["lm_head"], sizes[""]) == (32, 0, 3216)
 
 
 # --- budgets -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("text", "size"), [
-    ("10GiB", 10 * 2**30), ("256MB", 256 * 10**6), ("1.5KiB", 1536), ("2kb", 250), ("3GB", 3 * 10**9),
-    ("1TiB", 2**40), (" 7 MiB ", 7 * 2**20), ("8Gb", 10**9), (123, 123), (0, 0),
-    ("1TB", 10**12), ("0GB", 0), (" 1 kib ", 1024),  # bits only for decimal units, as Accelerate
-])
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("10GiB", 10 * 2**30),
+        ("256MB", 256 * 10**6),
+        ("1.5KiB", 1536),
+        ("2kb", 250),
+        ("3GB", 3 * 10**9),
+        ("1TiB", 2**40),
+        (" 7 MiB ", 7 * 2**20),
+        ("8Gb", 10**9),
+        (123, 123),
+        (0, 0),
+        ("1TB", 10**12),
+        ("0GB", 0),
+        (" 1 kib ", 1024),  # bits only for decimal units, as Accelerate
+    ],
+)
 def test_convert_file_size_to_int(text: str | int, size: int) -> None:
     assert convert_file_size_to_int(text) == size
 
@@ -127,17 +146,23 @@ def test_strategy_names_resolve_to_balanced_or_sequential_maps() -> None:
     assert resolve_device_map(model, "sequential", budget, ["Block"]) == {"": 0}
     for strategy in ("auto", "balanced"):
         balanced = get_balanced_memory(model, budget, ["Block"])
-        assert resolve_device_map(model, strategy, budget, ["Block"]) == infer_auto_device_map(model, balanced, ["Block"])
+        assert resolve_device_map(model, strategy, budget, ["Block"]) == infer_auto_device_map(
+            model, balanced, ["Block"]
+        )
     low_0 = resolve_device_map(model, "balanced_low_0", budget, ["Block"], dtype="float16")
     assert low_0 == infer_auto_device_map(
-        model, get_balanced_memory(model, budget, ["Block"], dtype="float16", low_zero=True), ["Block"],
-        dtype="float16")
+        model,
+        get_balanced_memory(model, budget, ["Block"], dtype="float16", low_zero=True),
+        ["Block"],
+        dtype="float16",
+    )
     assert 0 not in low_0.values()
     with pytest.raises(ValueError, match="'everywhere': a string must be one of auto, balanced"):
         resolve_device_map(model, "everywhere", budget)
 
 
 # --- infer_auto_device_map: hand-computed maps ----------------------------------------------------------
+
 
 def test_everything_fits_on_the_cpu() -> None:
     assert infer_auto_device_map(TinyLM(), {"cpu": 10_000}, ["Block"]) == {"": "cpu"}
@@ -146,8 +171,14 @@ def test_everything_fits_on_the_cpu() -> None:
 def test_one_gpu_cpu_and_disk_keep_room_for_the_largest_layer() -> None:
     # GPU 0: 2000 - 976 reserved for a Block = 1024: embed (+ its tied lm_head) 256, no room for a Block.
     # CPU: 2000 - 976 = 1024: blocks.0; blocks.1 does not fit beside it, so blocks.1 and the rest go to disk.
-    expected = {"embed": 0, "lm_head": 0, "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "disk",
-                "norm": "disk"}
+    expected = {
+        "embed": 0,
+        "lm_head": 0,
+        "blocks.0": "cpu",
+        "blocks.1": "disk",
+        "blocks.2": "disk",
+        "norm": "disk",
+    }
     assert infer_auto_device_map(TinyLM(), {0: 2000, "cpu": 2000}, ["Block"]) == expected
 
 
@@ -161,8 +192,17 @@ def test_two_gpus_only_gpu_zero_keeps_a_reserve() -> None:
 def test_without_no_split_classes_a_block_is_split() -> None:
     # The largest layer is an mlp.up (320): GPU 0 has 1200 - 320 = 880 for embed 256, ln1 32, attn 320,
     # ln2 32 (640 in all); mlp (592) is split and mlp.up does not fit in what is left (240).
-    expected = {"embed": 0, "lm_head": 0, "blocks.0.ln1": 0, "blocks.0.attn": 0, "blocks.0.ln2": 0,
-                "blocks.0.mlp": "cpu", "blocks.1": "cpu", "blocks.2": "cpu", "norm": "cpu"}
+    expected = {
+        "embed": 0,
+        "lm_head": 0,
+        "blocks.0.ln1": 0,
+        "blocks.0.attn": 0,
+        "blocks.0.ln2": 0,
+        "blocks.0.mlp": "cpu",
+        "blocks.1": "cpu",
+        "blocks.2": "cpu",
+        "norm": "cpu",
+    }
     assert infer_auto_device_map(TinyLM(), {0: 1200, "cpu": 100_000}) == expected
     # Kept whole, a Block (976) is the largest layer: 1200 - 976 leaves GPU 0 no room even for embed.
     assert infer_auto_device_map(TinyLM(), {0: 1200, "cpu": 100_000}, ["Block"]) == {"": "cpu"}
@@ -170,16 +210,31 @@ def test_without_no_split_classes_a_block_is_split() -> None:
 
 def test_clean_result_false_gives_the_placed_units() -> None:
     raw = infer_auto_device_map(TinyLM(), {0: 1200, "cpu": 100_000}, clean_result=False)
-    assert raw == {"embed": 0, "lm_head": 0, "blocks.0.ln1": 0, "blocks.0.attn": 0, "blocks.0.ln2": 0,
-                   "blocks.0.mlp.up": "cpu", "blocks.0.mlp.down": "cpu", "blocks.1": "cpu", "blocks.2": "cpu",
-                   "norm": "cpu"}
+    assert raw == {
+        "embed": 0,
+        "lm_head": 0,
+        "blocks.0.ln1": 0,
+        "blocks.0.attn": 0,
+        "blocks.0.ln2": 0,
+        "blocks.0.mlp.up": "cpu",
+        "blocks.0.mlp.down": "cpu",
+        "blocks.1": "cpu",
+        "blocks.2": "cpu",
+        "norm": "cpu",
+    }
     assert clean_device_map(raw) == infer_auto_device_map(TinyLM(), {0: 1200, "cpu": 100_000})
 
 
 def test_dtype_halves_the_sizes() -> None:
     # In float16 every size halves: GPU 0's 1000 - 488 = 512 takes embed (128) but no Block (488 beside it).
-    expected = {"embed": 0, "lm_head": 0, "blocks.0": "cpu", "blocks.1": "disk", "blocks.2": "disk",
-                "norm": "disk"}
+    expected = {
+        "embed": 0,
+        "lm_head": 0,
+        "blocks.0": "cpu",
+        "blocks.1": "disk",
+        "blocks.2": "disk",
+        "norm": "disk",
+    }
     assert infer_auto_device_map(TinyLM(), {0: 1000, "cpu": 1000}, ["Block"], dtype="float16") == expected
 
 
@@ -201,14 +256,23 @@ def test_tied_modules_go_together_even_when_the_embedding_alone_would_fit() -> N
     model = TiedPair(split_head=False)
     # GPU 0: 450 - 80 (reserve: mid) - 80 (a) = 290 fits embed (256) but not embed + head (320): both move on.
     assert infer_auto_device_map(model, {0: 450, "cpu": 10_000}) == {
-        "a": 0, "embed": "cpu", "mid": "cpu", "head": "cpu"}
+        "a": 0,
+        "embed": "cpu",
+        "mid": "cpu",
+        "head": "cpu",
+    }
 
 
 def test_a_tied_module_is_split_so_that_only_the_tied_part_comes_along() -> None:
     # GPU 0: 480 - 80 reserved - 80 (a) = 320: embed + head (400) does not fit, head is split,
     # and embed + head.0 (320) does; mid and head.1 go to the CPU.
     assert infer_auto_device_map(TiedPair(), {0: 480, "cpu": 10_000}) == {
-        "a": 0, "embed": 0, "head.0": 0, "mid": "cpu", "head.1": "cpu"}
+        "a": 0,
+        "embed": 0,
+        "head.0": 0,
+        "mid": "cpu",
+        "head.1": "cpu",
+    }
 
 
 def test_top_level_parameters_and_buffers_are_placed() -> None:
@@ -261,6 +325,7 @@ def test_meta_models_and_gpu_ids_need_no_gpu() -> None:
 
 # --- check_device_map ----------------------------------------------------------------------------------
 
+
 def test_check_device_map() -> None:
     model = TinyLM()
     check_device_map(model, {"": "cpu"})
@@ -290,13 +355,17 @@ def test_clean_device_map() -> None:
 
 # --- invariants over many random budgets ---------------------------------------------------------------
 
+
 def _device_of(name: str, device_map: dict[str, int | str]) -> int | str:
-    owner = max((key for key in device_map if key == "" or name == key or name.startswith(key + ".")), key=len)
+    owner = max(
+        (key for key in device_map if key == "" or name == key or name.startswith(key + ".")), key=len
+    )
     return device_map[owner]
 
 
-def _check_invariants(model: nn.Module, budget: dict[int | str, int], no_split: list[str],
-                      dtype: str | None) -> None:
+def _check_invariants(
+    model: nn.Module, budget: dict[int | str, int], no_split: list[str], dtype: str | None
+) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "the buffers of the offloaded modules", UserWarning)
         device_map = infer_auto_device_map(model, budget, no_split, dtype=dtype)
@@ -343,7 +412,9 @@ def test_invariants_hold_for_random_budgets(seed: int) -> None:
         budget: dict[int | str, int] = {gpu: rng.randrange(0, 4000) for gpu in range(rng.randrange(0, 4))}
         if rng.random() < 0.8:
             budget["cpu"] = rng.randrange(0, 6000)
-        no_split = rng.choice([[], ["Block"], ["MLP", "Attention"], ["Block", "MLP"], ["Ends"], ["Ends", "Block"]])
+        no_split = rng.choice(
+            [[], ["Block"], ["MLP", "Attention"], ["Block", "MLP"], ["Ends"], ["Ends", "Block"]]
+        )
         _check_invariants(model, budget, no_split, rng.choice([None, "float16"]))
 
 
@@ -357,13 +428,22 @@ def test_fallback_allocation_puts_a_later_module_that_fits_on_a_device_left_empt
 
 
 def test_fallback_allocation_searches_inside_modules_breadth_first() -> None:
-    model = nn.Sequential(nn.Linear(75, 100), nn.Linear(100, 100), nn.Sequential(nn.Linear(100, 50), nn.Linear(10, 10)))
-    placed = infer_auto_device_map(model, {0: 60000, "cpu": 10**6}, no_split_module_classes=["Linear"],
-                                   fallback_allocation=True, clean_result=False)
+    model = nn.Sequential(
+        nn.Linear(75, 100), nn.Linear(100, 100), nn.Sequential(nn.Linear(100, 50), nn.Linear(10, 10))
+    )
+    placed = infer_auto_device_map(
+        model,
+        {0: 60000, "cpu": 10**6},
+        no_split_module_classes=["Linear"],
+        fallback_allocation=True,
+        clean_result=False,
+    )
     assert placed["2.1"] == 0 and placed["2.0"] == "cpu" and placed["0"] == "cpu"
 
 
 def test_fallback_allocation_changes_nothing_when_regular_allocation_succeeds() -> None:
     model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(4)])
     budget = {0: 1000, "cpu": 1000}
-    assert infer_auto_device_map(model, budget, fallback_allocation=True) == infer_auto_device_map(model, budget)
+    assert infer_auto_device_map(model, budget, fallback_allocation=True) == infer_auto_device_map(
+        model, budget
+    )

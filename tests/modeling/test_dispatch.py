@@ -65,16 +65,22 @@ def checkpoint(tmp_path: Path) -> Path:
 
 
 def disk_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    device_map = getattr(model, "hf_device_map")
+    device_map = model.hf_device_map
     return {n: p for n, p in model.named_parameters() if device_for(n, device_map) == "disk"}
 
 
 def test_a_model_split_over_cpu_and_disk_runs_like_the_whole_model(checkpoint: Path, tmp_path: Path) -> None:
     with init_empty_weights():
         model = Net()
-    model = load_checkpoint_and_dispatch(model, checkpoint, device_map="auto", max_memory={"cpu": "120KB"},
-                                         no_split_module_classes=["Block"], offload_folder=tmp_path / "off")
-    places = set(getattr(model, "hf_device_map").values())
+    model = load_checkpoint_and_dispatch(
+        model,
+        checkpoint,
+        device_map="auto",
+        max_memory={"cpu": "120KB"},
+        no_split_module_classes=["Block"],
+        offload_folder=tmp_path / "off",
+    )
+    places = set(model.hf_device_map.values())
     assert places == {"cpu", "disk"}
     with torch.no_grad():
         expected = make_net(0)(TOKENS, scale=0.5)
@@ -100,14 +106,19 @@ def test_one_offloaded_layer_at_a_time_is_in_memory(checkpoint: Path, tmp_path: 
             module.register_forward_pre_hook(record)
     with torch.no_grad():
         model(TOKENS)
-    assert loaded == [["blocks.3.fc1.bias", "blocks.3.fc1.weight"], ["blocks.3.fc2.bias", "blocks.3.fc2.weight"],
-                      ["blocks.3.norm.bias", "blocks.3.norm.weight"]]
+    assert loaded == [
+        ["blocks.3.fc1.bias", "blocks.3.fc1.weight"],
+        ["blocks.3.fc2.bias", "blocks.3.fc2.weight"],
+        ["blocks.3.norm.bias", "blocks.3.norm.weight"],
+    ]
 
 
 def test_a_weight_tied_across_cpu_and_disk_runs_from_both(checkpoint: Path, tmp_path: Path) -> None:
     with init_empty_weights():
         model = Net()
-    model = load_checkpoint_and_dispatch(model, checkpoint, {"": "cpu", "head": "disk"}, offload_folder=tmp_path)
+    model = load_checkpoint_and_dispatch(
+        model, checkpoint, {"": "cpu", "head": "disk"}, offload_folder=tmp_path
+    )
     assert model.head.weight.is_meta and not model.embed.weight.is_meta
     assert torch.equal(model(TOKENS), make_net(0)(TOKENS)) and model.head.weight.is_meta
 
@@ -135,7 +146,9 @@ def test_the_weights_are_released_when_the_forward_raises(tmp_path: Path) -> Non
     assert model.head.weight.is_meta
 
 
-def test_preload_module_classes_load_a_whole_subtree_for_modules_that_use_weights_directly(tmp_path: Path) -> None:
+def test_preload_module_classes_load_a_whole_subtree_for_modules_that_use_weights_directly(
+    tmp_path: Path,
+) -> None:
     class Direct(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -147,7 +160,9 @@ def test_preload_module_classes_load_a_whole_subtree_for_modules_that_use_weight
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), Direct())
     expected = model(torch.ones(2, 4))
-    dispatch_model(model, {"0": "cpu", "1": "disk"}, offload_dir=tmp_path / "off", preload_module_classes=["Direct"])
+    dispatch_model(
+        model, {"0": "cpu", "1": "disk"}, offload_dir=tmp_path / "off", preload_module_classes=["Direct"]
+    )
     assert torch.equal(model(torch.ones(2, 4)), expected) and model[1].dense.weight.is_meta
     remove_hook_from_submodules(model)
     with pytest.raises((RuntimeError, NotImplementedError)):  # without preloading, the weights stay on meta
@@ -159,14 +174,16 @@ def test_offload_buffers(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)).eval()
     model[1].running_mean += 1.0
     expected = model(torch.randn(3, 4, generator=torch.Generator().manual_seed(1)))
-    dispatch_model(model, {"0": "cpu", "1": "disk", "2": "cpu"}, offload_dir=tmp_path / "off", offload_buffers=True)
+    dispatch_model(
+        model, {"0": "cpu", "1": "disk", "2": "cpu"}, offload_dir=tmp_path / "off", offload_buffers=True
+    )
     assert model[1].running_mean.is_meta and "1.running_mean" in read_offload_index(tmp_path / "off")
     assert torch.equal(model(torch.randn(3, 4, generator=torch.Generator().manual_seed(1))), expected)
 
 
 def test_one_device_needs_no_hooks_unless_forced(tmp_path: Path) -> None:
     model = dispatch_model(make_net(0), {"": "cpu"})
-    assert getattr(model, "hf_device_map") == {"": "cpu"} and not model._forward_pre_hooks
+    assert model.hf_device_map == {"": "cpu"} and not model._forward_pre_hooks
     forced = dispatch_model(make_net(0), {"": "cpu"}, force_hooks=True)
     assert forced._forward_pre_hooks and torch.equal(forced(TOKENS), make_net(0)(TOKENS))
     on_disk = dispatch_model(make_net(0), {"": "disk"}, offload_dir=tmp_path / "off", force_hooks=True)
@@ -180,8 +197,9 @@ def test_mistakes_are_refused_with_the_fix(checkpoint: Path, tmp_path: Path) -> 
         dispatch_model(make_net(0), {"": "disk"}, offload_dir=tmp_path)
     with init_empty_weights():
         empty = Net()
-    dispatch_model(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), {"0": "cpu", "1": "disk"},
-                   offload_dir=tmp_path / "c")  # leaves an offload folder for another model
+    dispatch_model(
+        nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), {"0": "cpu", "1": "disk"}, offload_dir=tmp_path / "c"
+    )  # leaves an offload folder for another model
     offload_state_dict(tmp_path / "c", {f"blocks.7.{k}": v for k, v in Block().state_dict().items()})
     with pytest.raises(ValueError, match="'embed.weight' is on the meta device, but the device_map keeps it"):
         dispatch_model(empty, {"": "cpu"})
@@ -190,12 +208,21 @@ def test_mistakes_are_refused_with_the_fix(checkpoint: Path, tmp_path: Path) -> 
     with pytest.raises(ValueError, match="are on the meta device and the offload folder has no index.json"):
         dispatch_model(empty, {"": "disk", "embed": "cpu"}, offload_dir=tmp_path / "b")
     with pytest.raises(ValueError, match=r"'1.weight' has shape \[3, 3\] in .* but \[4, 4\] in the model"):
-        dispatch_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), {"0": "cpu", "1": "disk"},
-                       offload_dir=tmp_path / "c")
+        dispatch_model(
+            nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+            {"0": "cpu", "1": "disk"},
+            offload_dir=tmp_path / "c",
+        )
     with pytest.raises(ValueError, match="'1.bias' is offloaded but .* has no weights for it"):
-        dispatch_model(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), {"0": "cpu", "1": "disk"},
-                       offload_index={"1.weight": {"dtype": "float32", "shape": [3, 3]}}, offload_dir=tmp_path / "c")
-    with pytest.raises(ValueError, match="a string must be one of auto, balanced, balanced_low_0, sequential"):
+        dispatch_model(
+            nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)),
+            {"0": "cpu", "1": "disk"},
+            offload_index={"1.weight": {"dtype": "float32", "shape": [3, 3]}},
+            offload_dir=tmp_path / "c",
+        )
+    with pytest.raises(
+        ValueError, match="a string must be one of auto, balanced, balanced_low_0, sequential"
+    ):
         load_checkpoint_and_dispatch(make_net(0), checkpoint, device_map="fastest")
 
 
@@ -224,21 +251,37 @@ def test_under_another_main_device_cpu_layers_are_offloaded_too(tmp_path: Path) 
     dispatch_model(model, {"0": "meta", "1": "cpu", "2": "disk"}, main_device="meta", offload_dir=tmp_path)
     assert all(layer.weight.is_meta for layer in model)
     seen: list[tuple[str, str]] = []
-    model[1].register_forward_pre_hook(lambda module, args: seen.append((module.weight.device.type,
-                                                                          args[0].device.type)))
-    assert model[1](torch.ones(2, 4)).is_meta and seen == [("meta", "meta")]  # weights and input on the main device
+    model[1].register_forward_pre_hook(
+        lambda module, args: seen.append((module.weight.device.type, args[0].device.type))
+    )
+    assert model[1](torch.ones(2, 4)).is_meta and seen == [
+        ("meta", "meta")
+    ]  # weights and input on the main device
     hook = model[1]._hf_hook
-    assert hook.offload and torch.equal(hook.weights_map["weight"], weight)  # kept in CPU memory between forwards
+    assert hook.offload and torch.equal(
+        hook.weights_map["weight"], weight
+    )  # kept in CPU memory between forwards
     assert not (tmp_path / "1.weight.dat").exists() and (tmp_path / "2.weight.dat").exists()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_gpu_main_device_brings_cpu_and_disk_layers_over_one_at_a_time(checkpoint: Path, tmp_path: Path) -> None:
+def test_a_gpu_main_device_brings_cpu_and_disk_layers_over_one_at_a_time(
+    checkpoint: Path, tmp_path: Path
+) -> None:
     with init_empty_weights():
         model = Net()
-    device_map = {"embed": 0, "blocks.0": 0, "blocks.1": "cpu", "blocks.2": "cpu", "blocks": "disk", "head": 0}
+    device_map = {
+        "embed": 0,
+        "blocks.0": 0,
+        "blocks.1": "cpu",
+        "blocks.2": "cpu",
+        "blocks": "disk",
+        "head": 0,
+    }
     model = load_checkpoint_and_dispatch(model, checkpoint, device_map, offload_folder=tmp_path / "off")
-    assert model.blocks[1].fc1.weight.is_meta and model.blocks[0].fc1.weight.is_cuda  # cpu layers: offloaded too
+    assert (
+        model.blocks[1].fc1.weight.is_meta and model.blocks[0].fc1.weight.is_cuda
+    )  # cpu layers: offloaded too
     out = model(TOKENS)  # CPU input: moved to the GPU, and the output back
     assert out.device.type == "cpu"
     torch.testing.assert_close(out, make_net(0)(TOKENS))

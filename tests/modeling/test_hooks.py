@@ -34,7 +34,9 @@ class Recorder(ModelHook):
         self.log.append(f"{self.name}.init")
         return module
 
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def pre_forward(
+        self, module: nn.Module, *args: Any, **kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self.log.append(f"{self.name}.pre")
         return args, kwargs
 
@@ -51,7 +53,9 @@ class AddToInput(ModelHook):
     def __init__(self, value: float) -> None:
         self.value = value
 
-    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def pre_forward(
+        self, module: nn.Module, *args: Any, **kwargs: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return (args[0] + self.value, *args[1:]), kwargs
 
 
@@ -140,8 +144,12 @@ def test_align_devices_hook_io_same_device_returns_the_output_where_the_input_wa
     layer = _linear()
     seen: list[str] = []
     add_hook_to_module(layer, AlignDevicesHook("meta", io_same_device=True))
-    layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].device.type))  # runs after the hook
-    with pytest.raises(NotImplementedError):  # meta -> cpu copies have no data: torch refuses, which shows the move
+    layer.register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].device.type)
+    )  # runs after the hook
+    with pytest.raises(
+        NotImplementedError
+    ):  # meta -> cpu copies have no data: torch refuses, which shows the move
         layer(torch.ones(1, 3))
     assert seen == ["meta"] and layer.weight.is_meta
 
@@ -161,7 +169,9 @@ def test_attach_execution_device_hook_hooks_modules_that_own_tensors_only() -> N
 def test_attach_align_device_hook_offloads_every_layer_from_a_weights_map(tmp_path: Path) -> None:
     model, reference = _net(), _net()
     offload_state_dict(tmp_path, model.state_dict())
-    attach_align_device_hook(model, "cpu", offload=True, weights_map=OffloadedWeightsLoader(save_folder=tmp_path))
+    attach_align_device_hook(
+        model, "cpu", offload=True, weights_map=OffloadedWeightsLoader(save_folder=tmp_path)
+    )
     assert all(p.is_meta for p in model.parameters())
     x = torch.randn(3, 4)
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
@@ -176,12 +186,15 @@ def test_preload_module_classes_load_their_whole_subtree_at_once() -> None:
     torch.testing.assert_close(model(torch.ones(1, 4)), _net()(torch.ones(1, 4)), rtol=0, atol=0)
 
 
-def test_on_blocks_splits_a_model_between_memory_and_disk_with_the_whole_models_outputs(tmp_path: Path) -> None:
+def test_on_blocks_splits_a_model_between_memory_and_disk_with_the_whole_models_outputs(
+    tmp_path: Path,
+) -> None:
     model, reference = _net(), _net()
     offload_state_dict(tmp_path, {k: v for k, v in model.state_dict().items() if k.startswith("2.")})
     weights = OffloadedWeightsLoader(save_folder=tmp_path)
-    attach_align_device_hook_on_blocks(model, {"0": "cpu", "2": "cpu"}, {"0": False, "2": True}, weights_map=weights,
-                                       module_name="")
+    attach_align_device_hook_on_blocks(
+        model, {"0": "cpu", "2": "cpu"}, {"0": False, "2": True}, weights_map=weights, module_name=""
+    )
     assert not model[0].weight.is_meta and model[2][0].weight.is_meta and model[2][1].weight.is_meta
     x = torch.randn(5, 4)
     torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)

@@ -45,8 +45,10 @@ def test_every_dtype_round_trips_bit_for_bit(tmp_path: Path, name: str) -> None:
     assert index == {name: {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}}
     back = load_offloaded_weight(tmp_path / f"{name}.dat", index[name])
     assert back.dtype == tensor.dtype and back.shape == tensor.shape
-    assert torch.equal(back.view(torch.int16) if name == "bf16" else back, tensor.view(torch.int16) if name == "bf16"
-                       else tensor)
+    assert torch.equal(
+        back.view(torch.int16) if name == "bf16" else back,
+        tensor.view(torch.int16) if name == "bf16" else tensor,
+    )
 
 
 def test_files_are_what_accelerate_writes_and_reads(tmp_path: Path) -> None:
@@ -121,8 +123,13 @@ except OSError as exc:
 @pytest.mark.skipif(not hasattr(__import__("signal"), "SIGXFSZ"), reason="needs POSIX file size limits")
 def test_a_failed_write_is_an_oserror_and_leaves_no_file(tmp_path: Path) -> None:
     # a full disk, as a file size limit: plain writes report it (a shared mapping would SIGBUS)
-    result = subprocess.run([sys.executable, "-c", _WRITE_PAST_THE_FILE_SIZE_LIMIT, str(tmp_path)],
-                            capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", _WRITE_PAST_THE_FILE_SIZE_LIMIT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.stdout.split() == ["OSError", "True", "[]"], result.stdout + result.stderr
 
 
@@ -147,7 +154,9 @@ def test_the_loader_serves_a_state_dict_first_then_the_folder_lazily(tmp_path: P
         weights["z"]
     with pytest.raises(ValueError, match="needs a state_dict, a save_folder or an index"):
         OffloadedWeightsLoader()
-    with pytest.raises(ValueError, match="offloaded to a .dat file, but this loader was given no save_folder"):
+    with pytest.raises(
+        ValueError, match="offloaded to a .dat file, but this loader was given no save_folder"
+    ):
         OffloadedWeightsLoader(index={"a": {"dtype": "float32", "shape": [2]}})["a"]
 
 
@@ -167,7 +176,10 @@ def test_offloaded_weights_load_back_into_a_meta_model_with_ties(tmp_path: Path)
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     model[1].weight = model[0].weight
     load_offloaded_weights(model, read_offload_index(tmp_path), tmp_path)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), source.state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), source.state_dict().values(), strict=False)
+    )
     assert model[1].weight is model[0].weight  # tied, and read once
     assert not mapped(tmp_path / "0.weight.dat")  # read into memory: the folder may go
     load_offloaded_weights(model, {}, tmp_path)  # nothing to do

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from fnaccel.config.environment import is_bnb_available
 from fnaccel.modeling import quantization
 from fnaccel.modeling.empty import init_empty_weights
 from fnaccel.modeling.quantization import BnbQuantizationConfig, load_and_quantize_model
-from fnaccel.config.environment import is_bnb_available
 
 CAN_QUANTIZE = is_bnb_available() and torch.cuda.is_available()
 NEEDS_BNB = "needs bitsandbytes (pip install bitsandbytes) and a CUDA GPU"
@@ -146,7 +146,9 @@ def test_arguments_are_checked_first(no_bnb: None) -> None:
         empty = _mlp()
     with pytest.raises(ValueError, match="meta device .* give weights_location"):
         load_and_quantize_model(empty, config)
-    with pytest.raises(ValueError, match="a string must be one of auto, balanced, balanced_low_0, sequential"):
+    with pytest.raises(
+        ValueError, match="a string must be one of auto, balanced, balanced_low_0, sequential"
+    ):
         load_and_quantize_model(_mlp(), config, device_map="everywhere")
     with pytest.raises(TypeError, match="device_map must be a dict"):
         load_and_quantize_model(_mlp(), config, device_map=0)  # type: ignore[arg-type]

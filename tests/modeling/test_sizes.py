@@ -29,11 +29,27 @@ class Net(nn.Module):
         self.register_buffer("mask", torch.ones(4, dtype=torch.bool), persistent=False)
 
 
-@pytest.mark.parametrize(("dtype", "size"), [
-    (torch.float32, 4), (torch.float16, 2), (torch.bfloat16, 2), (torch.float64, 8), (torch.int8, 1),
-    (torch.int64, 8), (torch.uint8, 1), (torch.bool, 1 / 8), (torch.float8_e4m3fn, 1), (torch.complex64, 8),
-    ("float16", 2), ("torch.bfloat16", 2), ("int4", 0.5), ("int2", 0.25), ("fp8", 1), ("int8", 1),
-])
+@pytest.mark.parametrize(
+    ("dtype", "size"),
+    [
+        (torch.float32, 4),
+        (torch.float16, 2),
+        (torch.bfloat16, 2),
+        (torch.float64, 8),
+        (torch.int8, 1),
+        (torch.int64, 8),
+        (torch.uint8, 1),
+        (torch.bool, 1 / 8),
+        (torch.float8_e4m3fn, 1),
+        (torch.complex64, 8),
+        ("float16", 2),
+        ("torch.bfloat16", 2),
+        ("int4", 0.5),
+        ("int2", 0.25),
+        ("fp8", 1),
+        ("int8", 1),
+    ],
+)
 def test_dtype_byte_size(dtype: torch.dtype | str, size: float) -> None:
     assert dtype_byte_size(dtype) == size
 
@@ -50,8 +66,18 @@ def test_named_module_tensors() -> None:
     assert [n for n, _ in named_module_tensors(net)] == ["mask"]
     assert [n for n, _ in named_module_tensors(net, include_buffers=False)] == []
     names = [n for n, _ in named_module_tensors(net, recurse=True)]
-    assert names == ["fc1.weight", "fc1.bias", "bn.weight", "bn.bias", "fc2.weight", "fc2.bias",
-                     "mask", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    assert names == [
+        "fc1.weight",
+        "fc1.bias",
+        "bn.weight",
+        "bn.bias",
+        "fc2.weight",
+        "fc2.bias",
+        "mask",
+        "bn.running_mean",
+        "bn.running_var",
+        "bn.num_batches_tracked",
+    ]
     persistent = [n for n, _ in named_module_tensors(net, recurse=True, remove_non_persistent=True)]
     assert persistent == [n for n in names if n != "mask"]
     assert [n for n, _ in named_module_tensors(net, remove_non_persistent=True)] == []

@@ -58,7 +58,9 @@ def test_values_take_the_model_dtype_unless_a_dtype_is_given_and_integers_are_ne
     assert model[0].weight.dtype == torch.float32  # as nn.Module.load_state_dict does
     set_module_tensor_to_device(model, "0.bias", "cpu", value=torch.ones(2), dtype=torch.bfloat16)
     assert model[0].bias.dtype == torch.bfloat16
-    set_module_tensor_to_device(model, "1.num_batches_tracked", "cpu", value=torch.tensor(7), dtype=torch.float16)
+    set_module_tensor_to_device(
+        model, "1.num_batches_tracked", "cpu", value=torch.tensor(7), dtype=torch.float16
+    )
     assert model[1].num_batches_tracked.dtype == torch.int64 and model[1].num_batches_tracked.item() == 7
     set_module_tensor_to_device(model, "1.weight", "meta", dtype=torch.float16)  # meta keeps shape and dtype
     assert model[1].weight.dtype == torch.float16 and model[1].weight.is_meta
@@ -100,7 +102,9 @@ def test_tied_params_map_reuses_the_tensor_already_on_the_device() -> None:
 def test_device_maps_are_parsed_and_looked_up_by_longest_prefix() -> None:
     parsed = parse_device_map({"": "cpu", "h": "disk", "h.1": torch.device("cpu")})
     assert parsed == {"": torch.device("cpu"), "h": "disk", "h.1": torch.device("cpu")}
-    assert device_for("h.10.weight", parsed) == "disk" and device_for("h.1.weight", parsed) == torch.device("cpu")
+    assert device_for("h.10.weight", parsed) == "disk" and device_for("h.1.weight", parsed) == torch.device(
+        "cpu"
+    )
     assert device_for("x", {"h": "disk"}) is None
     assert as_device(1) == torch.device("cuda", 1)
     if not torch.cuda.is_available():

@@ -41,7 +41,9 @@ def test_groups_are_sorted_whatever_the_registration_order() -> None:
     model.other = nn.Linear(2, 2)
     model.again = model.other  # a module registered twice ties all its parameters
     assert find_tied_parameters(model) == [
-        ["a.p", "m.p", "z.p"], ["again.bias", "other.bias"], ["again.weight", "other.weight"],
+        ["a.p", "m.p", "z.p"],
+        ["again.bias", "other.bias"],
+        ["again.weight", "other.weight"],
     ]
 
 

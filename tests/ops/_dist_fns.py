@@ -73,7 +73,7 @@ def assert_tree_equal(actual: Any, expected: Any, path: str = "tree", *, exact: 
             assert_tree_equal(actual[key], expected[key], f"{path}[{key!r}]", exact=exact)
     elif isinstance(expected, (list, tuple)):
         assert len(actual) == len(expected), f"{path}: length {len(actual)} != {len(expected)}"
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=False)):
             assert_tree_equal(a, e, f"{path}[{i}]", exact=exact)
     elif dataclasses.is_dataclass(expected):
         for f in dataclasses.fields(expected):
@@ -84,9 +84,7 @@ def assert_tree_equal(actual: Any, expected: Any, path: str = "tree", *, exact: 
         assert actual == expected, f"{path}: {actual!r} != {expected!r}"
 
 
-def leaf(
-    rank: int, shape: tuple[int, ...], dtype: torch.dtype, *, transpose: bool = False
-) -> torch.Tensor:
+def leaf(rank: int, shape: tuple[int, ...], dtype: torch.dtype, *, transpose: bool = False) -> torch.Tensor:
     """A tensor whose values depend on ``rank`` (exact in every dtype for small worlds).
 
     ``transpose`` returns the transpose of a tensor of ``shape``: a non-contiguous leaf.
@@ -131,9 +129,7 @@ def float_tree(make: Make, with_int: bool) -> dict[str, Any]:
     tree: dict[str, Any] = {
         "f32": make((2, 3), torch.float32),
         "transposed": make((3, 2), torch.float32, transpose=True),
-        "pair": Pair(
-            x=make((), torch.float32), y=[make((2,), torch.float16), make((2,), torch.bfloat16)]
-        ),
+        "pair": Pair(x=make((), torch.float32), y=[make((2,), torch.float16), make((2,), torch.bfloat16)]),
         "frozen": FrozenBox(value=make((2,), torch.complex64)),
         "empty": make((0, 2), torch.float32),
     }
@@ -157,9 +153,7 @@ def ragged_tree(rank: int, num_processes: int, make: Callable[..., torch.Tensor]
             x=make(rank, (2, rank + 2), torch.int64),
             y=[make(rank, (n + rank,), torch.float32)],
         ),
-        "mask": Box(
-            value=make(rank, (n - rank, rank + 1), torch.bool), extra=make(rank, (), torch.float16)
-        ),
+        "mask": Box(value=make(rank, (n - rank, rank + 1), torch.bool), extra=make(rank, (), torch.float16)),
         "frozen": FrozenBox(value=make(rank, (1, rank), torch.bfloat16)),
         "complex": make(rank, (1, 2), torch.complex64),
     }
@@ -206,8 +200,10 @@ def reduce_non_finite_data(state: Any) -> dict[str, list[Any]]:
     rank = state.dist.rank
     out: dict[str, list[Any]] = {}
     for reduction in ("sum", "max", "min"):
-        value = {"x": torch.tensor([math.inf if rank == 0 else 1.0, 2.0 + rank]),
-                 "nan": torch.tensor([math.nan, 1.0])}
+        value = {
+            "x": torch.tensor([math.inf if rank == 0 else 1.0, 2.0 + rank]),
+            "nan": torch.tensor([math.nan, 1.0]),
+        }
         out[reduction] = [fa.ops.reduce(state, value, reduction) for _ in range(3)]
     out["ints"] = [fa.ops.reduce(state, torch.tensor([rank, 1]), "sum") for _ in range(3)]
     return out
@@ -225,7 +221,9 @@ def per_dtype(state: Any) -> dict[str, Any]:
     out = {}
     for name, dtype in DTYPES.items():
         matrix, scalar = leaf(rank, (2, 3), dtype), leaf(rank, (), dtype)
-        assert_tree_equal(fa.ops.gather(state, matrix), fa.ops.gather(state, matrix))  # checked, then repeated
+        assert_tree_equal(
+            fa.ops.gather(state, matrix), fa.ops.gather(state, matrix)
+        )  # checked, then repeated
         out[name] = (
             fa.ops.gather(state, matrix),
             fa.ops.gather(state, scalar),
@@ -378,7 +376,9 @@ def evaluate_objects(
         texts = [f"sample-{i}" for i in shard.indices]
         gathered.extend(
             fa.ops.gather_for_metrics(
-                state, texts, use_gather_object=use_gather_object,
+                state,
+                texts,
+                use_gather_object=use_gather_object,
                 num_valid=shard.num_valid if even_batches else None,
             )
         )
@@ -414,7 +414,7 @@ def metrics_one_rank_rejects(state: Any, kind: str) -> tuple[str, str, float]:
     started = time.monotonic()
     try:
         fa.ops.gather_for_metrics(state, outputs, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+    except Exception as exc:
         return type(exc).__name__, str(exc), time.monotonic() - started
     return "none", "", time.monotonic() - started
 
@@ -464,11 +464,8 @@ def mismatch_everywhere(
         for _ in range(2):
             _call(ctx, agreed_first, mismatched_input(0, kind))
     try:
-        if op == "pad_across_processes":
-            out = fa.ops.pad_across_processes(ctx, tree)
-        else:
-            out = _call(ctx, op, tree)
-    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+        out = fa.ops.pad_across_processes(ctx, tree) if op == "pad_across_processes" else _call(ctx, op, tree)
+    except Exception as exc:
         return type(exc).__name__, str(exc), fa.ops.gather(ctx, torch.tensor([ctx.rank]))
     return "none", repr(out), fa.ops.gather(ctx, torch.tensor([ctx.rank]))
 
@@ -512,7 +509,7 @@ def object_problem_everywhere(state: Any, op: str, kind: str, debug: bool) -> tu
             out = fa.ops.gather_object(ctx, objects)
         else:
             out = fa.ops.broadcast_object_list(ctx, objects, from_process=ctx.num_processes - 1)
-    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+    except Exception as exc:
         return type(exc).__name__, str(exc), fa.ops.gather(ctx, torch.tensor([ctx.rank]))
     return "none", repr(out), fa.ops.gather(ctx, torch.tensor([ctx.rank]))
 
@@ -556,6 +553,6 @@ def refused_on_last_rank(state: Any, op: str) -> tuple[str, str]:
             fa.ops.reduce(ctx, tree, "sum")
         else:
             fa.ops.broadcast(ctx, tree)
-    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+    except Exception as exc:
         return type(exc).__name__, str(exc)
     return "none", ""

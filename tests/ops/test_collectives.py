@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import fnaccel as fa
-
 from tests.ops import _dist_fns as fns
 from tests.ops._dist_fns import FrozenBox, Pair, assert_tree_equal, leaf
 
@@ -180,9 +179,7 @@ def test_pad_across_processes_single_process_is_identity(
     ],
     ids=["gather", "reduce", "broadcast", "pad_across_processes"],
 )
-def test_a_string_leaf_is_a_type_error_naming_the_op(
-    state: fa.RunState, name: str, call: Any
-) -> None:
+def test_a_string_leaf_is_a_type_error_naming_the_op(state: fa.RunState, name: str, call: Any) -> None:
     with pytest.raises(TypeError, match=rf"^{name}: .*\bstr\b"):
         call(state, {"x": torch.ones(1), "name": "a string"})
 
@@ -195,9 +192,7 @@ def test_ops_need_a_state_or_context() -> None:
 def test_composed_forms_single_process(state: fa.RunState) -> None:
     labels = {"labels": torch.tensor([[1, 2]]), "n": torch.tensor(3)}
     collect = fa.compose(fa.pad_across_processes(dim=1, pad_index=-100), fa.gather())
-    assert_tree_equal(
-        collect(state, labels), {"labels": torch.tensor([[1, 2]]), "n": torch.tensor([3])}
-    )
+    assert_tree_equal(collect(state, labels), {"labels": torch.tensor([[1, 2]]), "n": torch.tensor([3])})
     assert_tree_equal(fa.reduce("sum")(state, [torch.tensor([1.0])]), [torch.tensor([1.0])])
     assert_tree_equal(fa.reduce("mean", scale=3.0)(state, torch.tensor([1.0])), torch.tensor([3.0]))
     assert_tree_equal(fa.broadcast(0)(state, (torch.ones(2),)), (torch.ones(2),))
@@ -324,9 +319,7 @@ def test_reduce_nested_tree(world: Any, reduction: str, scale: float) -> None:
 
 def test_object_collectives(world: Any) -> None:
     n = world.num_processes
-    everyone = [
-        item for r in range(n) for item in [f"r{r}-{i}" for i in range(r + 1)] + [{"rank": r}]
-    ]
+    everyone = [item for r in range(n) for item in [f"r{r}-{i}" for i in range(r + 1)] + [{"rank": r}]]
     for rank, out in enumerate(world.run(fns.objects)):
         assert out["gathered"] == everyone
         assert out["from_first"] == [0, "from 0", {"nested": (0,)}]
@@ -338,9 +331,7 @@ def test_object_collectives(world: Any) -> None:
     ("dim", "pad_index", "pad_first"),
     [(0, 0, False), (1, -100, False), (-1, 7, True), (-2, 0, True), (1, 1, True)],
 )
-def test_pad_across_processes_ragged_tree(
-    world: Any, dim: int, pad_index: int, pad_first: bool
-) -> None:
+def test_pad_across_processes_ragged_tree(world: Any, dim: int, pad_index: int, pad_first: bool) -> None:
     n = world.num_processes
     # every rank's leaf shapes, in the order ragged_tree builds its leaves
     shapes: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
@@ -416,9 +407,7 @@ def test_pad_then_gather_with_another_dim_differing_raises(world: Any) -> None:
 
 
 @pytest.mark.parametrize("kind", ["leaves", "dtype", "ndim"])
-def test_pad_across_processes_detects_different_trees_without_debug_mode(
-    world: Any, kind: str
-) -> None:
+def test_pad_across_processes_detects_different_trees_without_debug_mode(world: Any, kind: str) -> None:
     with pytest.raises(fa.CollectiveMismatchError) as info:
         world.run(fns.pad_mismatched, kind)
     message = str(info.value)
@@ -493,9 +482,7 @@ _WHAT_DIFFERED = {
 @pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
 @pytest.mark.parametrize("kind", list(_WHAT_DIFFERED))
 @pytest.mark.parametrize("op", ["gather", "reduce", "reduce_max", "broadcast"])
-def test_mismatch_raises_on_every_rank_in_every_mode(
-    world2: Any, op: str, kind: str, debug: bool
-) -> None:
+def test_mismatch_raises_on_every_rank_in_every_mode(world2: Any, op: str, kind: str, debug: bool) -> None:
     """float32 vs int32, other keys, another ndim, another length: never a result."""
     name = "reduce" if op == "reduce_max" else op
     for rank, (kind_raised, message, after) in enumerate(
@@ -530,7 +517,7 @@ def test_mismatch_after_an_agreed_call_raises_on_every_rank(
 def test_a_layout_every_rank_changes_alike_is_agreed_again(world: Any) -> None:
     """Calls alternating between layouts and ops: each result is the plain answer."""
     n = world.num_processes
-    for rank, results in enumerate(world.run(fns.changing_layouts)):
+    for results in world.run(fns.changing_layouts):
         for i, (gathered, summed, received, low) in enumerate(results):
             rows = 1 + i % 3
             expected = torch.cat([torch.full((rows, 2), float(r + i)) for r in range(n)])
@@ -604,7 +591,9 @@ def _wait_past_the_timeout(rank: int, rendezvous: str, results: Any, gone: Any, 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     handler = fa.InitProcessGroupKwargs(backend="gloo", init_method=rendezvous, timeout=timedelta(seconds=2))
     state = fa.init(cpu=True, kwargs_handlers=[handler])
-    value = torch.arange(66) if scenario == "out_of_step" else torch.ones(2)  # 528 bytes: 16 of mark, 64 slots
+    value = (
+        torch.arange(66) if scenario == "out_of_step" else torch.ones(2)
+    )  # 528 bytes: 16 of mark, 64 slots
     for _ in range(2):  # together: the group works, and has an agreed call
         fa.ops.gather(state, value)
     outcome: tuple[str, ...] = ("returned",)
@@ -614,7 +603,7 @@ def _wait_past_the_timeout(rank: int, rendezvous: str, results: Any, gone: Any, 
             fa.ops.gather(state, value)
         elif scenario == "out_of_step":
             fa.ops.pad_across_processes(state, torch.ones(2))
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
+    except Exception as exc:
         outcome = (type(exc).__name__, str(exc), str(isinstance(exc, RuntimeError)))
     if rank == 0:
         results.put((time.perf_counter() - start, outcome))
@@ -636,8 +625,10 @@ def _two_ranks(tmp_path: Path, scenario: str) -> list[tuple[float, tuple[str, ..
     context = mp.get_context("spawn")
     results, gone = context.Queue(), context.Event()
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
-    procs = [context.Process(target=_wait_past_the_timeout, args=(rank, rendezvous, results, gone, scenario))
-             for rank in range(2)]
+    procs = [
+        context.Process(target=_wait_past_the_timeout, args=(rank, rendezvous, results, gone, scenario))
+        for rank in range(2)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -670,5 +661,6 @@ def test_ranks_out_of_step_get_errors_never_a_result(tmp_path: Path) -> None:
     outcomes = dict((o[0], o) for _, o in _two_ranks(tmp_path, "out_of_step"))
     assert set(outcomes) == {"CollectiveMismatchError", "CollectiveTimeoutError"}, outcomes
     assert outcomes["CollectiveMismatchError"][1].startswith(
-        "pad_across_processes: rank 0 is in another collective"), outcomes
+        "pad_across_processes: rank 0 is in another collective"
+    ), outcomes
     assert outcomes["CollectiveTimeoutError"][1].startswith("gather: timed out"), outcomes

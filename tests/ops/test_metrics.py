@@ -14,7 +14,6 @@ import torch
 
 import fnaccel as fa
 from fnaccel.data.sharding import EvalShard, eval_shards
-
 from tests.ops import _dist_fns as fns
 from tests.ops._dist_fns import Pair, assert_tree_equal
 

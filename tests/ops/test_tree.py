@@ -21,7 +21,6 @@ from fnaccel.ops import (
     send_to_device,
     slice_tensors,
 )
-
 from tests.ops._dist_fns import Box, FrozenBox, Pair, assert_tree_equal
 
 
@@ -317,7 +316,10 @@ def test_concatenate_needs_at_least_one_tree() -> None:
     [
         ([{"a": "x"}, {"a": "y"}], "['a']"),
         ([(torch.ones(1), 1), (torch.ones(1), 2)], "[1]"),
-        ([{"t": torch.ones(1), "n": Pair(x=1, y="s")}, {"t": torch.ones(1), "n": Pair(x=1, y="u")}], "['n'].y"),
+        (
+            [{"t": torch.ones(1), "n": Pair(x=1, y="s")}, {"t": torch.ones(1), "n": Pair(x=1, y="u")}],
+            "['n'].y",
+        ),
         ([[torch.ones(1), 1], [torch.ones(1), 1.0]], "[1]"),  # 1 == 1.0, but not the same leaf
     ],
     ids=["strings", "ints", "nested", "int-vs-float"],
@@ -348,8 +350,15 @@ def test_concatenate_of_one_tree_returns_it() -> None:
 def test_tree_ops_are_the_same_functions_in_fnaccel_utils() -> None:
     from fnaccel import utils
 
-    for name in ("concatenate", "convert_outputs_to_fp32", "convert_to_fp32", "listify",
-                 "recursively_apply", "send_to_device", "slice_tensors"):
+    for name in (
+        "concatenate",
+        "convert_outputs_to_fp32",
+        "convert_to_fp32",
+        "listify",
+        "recursively_apply",
+        "send_to_device",
+        "slice_tensors",
+    ):
         assert getattr(utils, name) is getattr(fa.ops, name), name
 
 

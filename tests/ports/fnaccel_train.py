@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, RandomSampler, Subset
 import fnaccel as fa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gptlike import GPTConfig, TinyGPT, splits  # noqa: E402 - model.py beside train.py, as in the repo
+from gptlike import GPTConfig, TinyGPT, splits
 
 # -------------------------------------------------------------------------------- settings
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -41,8 +41,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, dim = x.shape
-        q, k, v = (t.view(batch, time, self.num_heads, dim // self.num_heads).transpose(1, 2)
-                   for t in self.qkv(self.ln_1(x)).split(dim, dim=2))
+        q, k, v = (
+            t.view(batch, time, self.num_heads, dim // self.num_heads).transpose(1, 2)
+            for t in self.qkv(self.ln_1(x)).split(dim, dim=2)
+        )
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.dropout(self.proj(attended.transpose(1, 2).reshape(batch, time, dim)))
         return x + self.dropout(self.fc_out(F.gelu(self.fc(self.ln_2(x)))))
@@ -58,8 +60,9 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.dim)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.token_embedding(idx) + self.position_embedding(positions)
         for block in self.blocks:
@@ -69,8 +72,9 @@ class TinyGPT(nn.Module):
             return logits, None
         return logits, F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
-    def configure_optimizers(self, weight_decay: float, learning_rate: float,
-                             betas: tuple[float, float]) -> torch.optim.AdamW:
+    def configure_optimizers(
+        self, weight_decay: float, learning_rate: float, betas: tuple[float, float]
+    ) -> torch.optim.AdamW:
         """AdamW with weight decay on the matrices and embeddings only: biases and norms are
         another group. The optimizer's parameter order is therefore not the model's."""
         decay = [p for p in self.parameters() if p.dim() >= 2]
@@ -101,7 +105,7 @@ class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return len(self.tokens) - self.block_size
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tokens[i:i + self.block_size], self.tokens[i + 1:i + 1 + self.block_size]
+        return self.tokens[i : i + self.block_size], self.tokens[i + 1 : i + 1 + self.block_size]
 
 
 def splits(config: GPTConfig, num_tokens: int) -> tuple[Windows, Windows]:

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, RandomSampler, Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gptlike import GPTConfig, TinyGPT, splits  # noqa: E402 - model.py beside train.py, as in the repo
+from gptlike import GPTConfig, TinyGPT, splits
 
 # -------------------------------------------------------------------------------- settings
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -13,6 +13,7 @@ to the end; cut after its save at iteration 4; started again, resuming from that
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -48,16 +49,30 @@ for argv in runs:
 
 def _environment() -> dict[str, str]:
     """This process's environment without a launcher's variables (a test may run under one)."""
-    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-              "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launch and not k.startswith(("FNACCEL_", "TORCHELASTIC_"))}
+    launch = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in launch and not k.startswith(("FNACCEL_", "TORCHELASTIC_"))
+    }
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _runs(out: Path) -> list[list[str]]:
-    return [["--out", str(out / "whole")],
-            ["--out", str(out / "cut"), "--stop-after", str(STOP_AFTER)],
-            ["--out", str(out / "cut")]]
+    return [
+        ["--out", str(out / "whole")],
+        ["--out", str(out / "cut"), "--stop-after", str(STOP_AFTER)],
+        ["--out", str(out / "cut")],
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -69,29 +84,51 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, d
     driver.write_text(_DRIVER)
     commands = {}
     for n in (1, 2):
-        commands[f"plain{n}"] = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                 "--nproc_per_node", str(n), str(PLAIN), "--out", str(tmp / f"plain{n}")]
-        commands[f"port{n}"] = [sys.executable, "-m", "fnaccel", "launch", "-q", "--cpu", "--num_processes", str(n),
-                                "--num_cpu_threads_per_process", "1", str(driver), str(PORT),
-                                json.dumps(_runs(tmp / f"port{n}"))]
+        commands[f"plain{n}"] = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(n),
+            str(PLAIN),
+            "--out",
+            str(tmp / f"plain{n}"),
+        ]
+        commands[f"port{n}"] = [
+            sys.executable,
+            "-m",
+            "fnaccel",
+            "launch",
+            "-q",
+            "--cpu",
+            "--num_processes",
+            str(n),
+            "--num_cpu_threads_per_process",
+            "1",
+            str(driver),
+            str(PORT),
+            json.dumps(_runs(tmp / f"port{n}")),
+        ]
     started = {}
     try:
         for name, command in commands.items():
             with open(tmp / f"{name}.log", "w") as log:  # files: a full pipe would block a launch
-                started[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                                 env=_environment(), start_new_session=True)
+                started[name] = subprocess.Popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, env=_environment(), start_new_session=True
+                )
         outputs = {}
         for name, process in started.items():
             process.wait(timeout=600)
             outputs[name] = (tmp / f"{name}.log").read_text()
-            assert process.returncode == 0, f"{name} ({' '.join(commands[name])}) failed:\n{outputs[name][-8000:]}"
+            assert process.returncode == 0, (
+                f"{name} ({' '.join(commands[name])}) failed:\n{outputs[name][-8000:]}"
+            )
         yield tmp, outputs
     finally:
         for process in started.values():  # the launcher's session holds its workers
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             process.wait()
 
 
@@ -110,7 +147,8 @@ def _grad_norms(output: str) -> list[str]:
 
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_the_port_trains_the_plain_scripts_weights_bit_for_bit(
-        launches: tuple[Path, dict[str, str]], num_processes: int) -> None:
+    launches: tuple[Path, dict[str, str]], num_processes: int
+) -> None:
     """Clipping acts at every update (each printed norm is above the clip), over the model's
     parameter order although the optimizer's groups order them otherwise; accumulation and the
     hand-set learning rate are on: the final weights are equal, not close."""
@@ -125,7 +163,8 @@ def test_the_port_trains_the_plain_scripts_weights_bit_for_bit(
 
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_the_port_resumed_from_a_mid_run_save_ends_as_the_uninterrupted_run(
-        launches: tuple[Path, dict[str, str]], num_processes: int) -> None:
+    launches: tuple[Path, dict[str, str]], num_processes: int
+) -> None:
     """The save at iteration 4 of 12 holds the weights, AdamW's moments, the data position in
     the random windows, the hand-set learning rate's iteration (state.step) and the registered
     best_val_loss; the run started again from it ends with the uninterrupted run's weights."""

@@ -46,8 +46,9 @@ def _calls(logger: Any) -> None:
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_the_records_that_reach_a_handler_are_accelerates(rank: int, records: Records,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_records_that_reach_a_handler_are_accelerates(
+    rank: int, records: Records, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from accelerate.logging import get_logger as accelerate_get_logger
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
@@ -58,8 +59,12 @@ def test_the_records_that_reach_a_handler_are_accelerates(rank: int, records: Re
     _calls(get_logger("fnaccel_test_ours", log_level="INFO"))
     ours, records.messages = records.messages, []
     # Accelerate asks its process-wide PartialState for the rank: set as a launch would make it
-    PartialState._shared_state.update(process_index=rank, local_process_index=rank, num_processes=2,
-                                      distributed_type=DistributedType.MULTI_CPU)
+    PartialState._shared_state.update(
+        process_index=rank,
+        local_process_index=rank,
+        num_processes=2,
+        distributed_type=DistributedType.MULTI_CPU,
+    )
     try:
         _calls(accelerate_get_logger("fnaccel_test_theirs", log_level="INFO"))
     finally:
@@ -83,7 +88,9 @@ def test_the_level_comes_from_fnaccel_log_level(records: Records, monkeypatch: p
     logger.info("dropped")
     logger.warning("kept")
     assert records.messages == ["[RANK 0] kept"]
-    assert get_logger("fnaccel_test_ours", log_level="DEBUG").logger.level == logging.DEBUG  # the argument wins
+    assert (
+        get_logger("fnaccel_test_ours", log_level="DEBUG").logger.level == logging.DEBUG
+    )  # the argument wins
     monkeypatch.setenv("FNACCEL_LOG_LEVEL", "LOUD")
     with pytest.raises(ValueError, match="FNACCEL_LOG_LEVEL='LOUD' is not a logging level; use DEBUG, INFO"):
         get_logger("fnaccel_test_ours")
@@ -109,4 +116,5 @@ def test_in_order_logs_rank_by_rank_on_a_real_world(world2: Any, tmp_path: Path)
     path = tmp_path / "log.txt"
     world2.run(_log_in_order, str(path))
     assert path.read_text().splitlines() == [
-        f"[RANK {rank}] line {i}" for i in range(3) for rank in (0, 1)] + ["[RANK 0] main only"]
+        f"[RANK {rank}] line {i}" for i in range(3) for rank in (0, 1)
+    ] + ["[RANK 0] main only"]

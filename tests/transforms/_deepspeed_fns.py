@@ -42,8 +42,9 @@ def _parts(pipeline: fa.Pipeline) -> tuple[nn.Module, torch.optim.Optimizer, Any
     return model, opt, sched, _data(), pipeline
 
 
-def pipeline_of(engine: str, precision: str | None, accumulate: int, clip: float | None,
-                **settings: Any) -> fa.Pipeline:
+def pipeline_of(
+    engine: str, precision: str | None, accumulate: int, clip: float | None, **settings: Any
+) -> fa.Pipeline:
     parts: list[Any] = []
     if precision is not None:
         parts.append(fa.autocast(precision))
@@ -61,8 +62,10 @@ def full_weights(state: fa.RunState) -> dict[str, torch.Tensor]:
 
     engine = deepspeed_engine(state.model)
     if engine is None:
-        return {k: v.detach().float().clone() for k, v in fa.utils.extract_model_from_parallel(
-            state.model).state_dict().items()}
+        return {
+            k: v.detach().float().clone()
+            for k, v in fa.utils.extract_model_from_parallel(state.model).state_dict().items()
+        }
     from deepspeed.utils import safe_get_full_fp32_param
 
     out = {}
@@ -72,8 +75,16 @@ def full_weights(state: fa.RunState) -> dict[str, torch.Tensor]:
     return out
 
 
-def train(state: fa.RunState, engine: str, precision: str | None, accumulate: int, clip: float | None,
-          epochs: int = 1, explicit: bool = False, **settings: Any) -> dict[str, Any]:
+def train(
+    state: fa.RunState,
+    engine: str,
+    precision: str | None,
+    accumulate: int,
+    clip: float | None,
+    epochs: int = 1,
+    explicit: bool = False,
+    **settings: Any,
+) -> dict[str, Any]:
     """Train one epoch; return the fp32 weights, the losses and the metrics' keys."""
     model, opt, sched, loader, pipeline = _parts(pipeline_of(engine, precision, accumulate, clip, **settings))
     state = fa.prepare(state, model, opt, loader, sched, pipeline=pipeline, loss_fn=loss_fn)
@@ -89,13 +100,20 @@ def train(state: fa.RunState, engine: str, precision: str | None, accumulate: in
         losses.append(float(metrics["loss"]))
         if "grad_norm" in metrics:
             norms.append(float(metrics["grad_norm"]))
-    out = {"weights": full_weights(state), "losses": losses, "norms": norms, "step": state.step,
-           "lr": opt.param_groups[0]["lr"]}
+    out = {
+        "weights": full_weights(state),
+        "losses": losses,
+        "norms": norms,
+        "step": state.step,
+        "lr": opt.param_groups[0]["lr"],
+    }
     fa.shutdown(state)
     return out
 
 
-def resume(state: fa.RunState, path: str, stop: int, precision: str | None, **settings: Any) -> dict[str, Any]:
+def resume(
+    state: fa.RunState, path: str, stop: int, precision: str | None, **settings: Any
+) -> dict[str, Any]:
     """Train 2 epochs straight; then again, saving after ``stop`` batches, and continue a fresh
     state and engine loaded from the checkpoint. Returns both runs' weights and losses."""
     pipeline = pipeline_of("deepspeed", precision, 2, 0.5, **settings)
@@ -172,7 +190,7 @@ def two_engines(state: fa.RunState, interleaved: bool) -> list[list[float]]:
         if i == 1:
             states.append(start(3))
         for batch in batches:
-            for j in ([0, 1] if i is None else [i]):
+            for j in [0, 1] if i is None else [i]:
                 states[j], metrics = fa.step(states[j], batch)
                 losses[j].append(float(metrics["loss"]))
     for s in states:
@@ -219,13 +237,20 @@ def _scheduler_first() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     model = NoBiasNet()
     no_decay = ("bias", "LayerNorm.weight")
     groups = [
-        {"params": [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)], "weight_decay": 0.01},
-        {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)], "weight_decay": 0.0},
+        {
+            "params": [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)],
+            "weight_decay": 0.01,
+        },
+        {
+            "params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)],
+            "weight_decay": 0.0,
+        },
     ]
     optimizer = torch.optim.AdamW(groups, lr=0.05)
     total = len(_data()) * 2  # transformers' get_linear_schedule_with_warmup(optimizer, 2, total)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: s / 2 if s < 2 else max(0.0, (total - s) / (
-        total - 2)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: s / 2 if s < 2 else max(0.0, (total - s) / (total - 2))
+    )
     return model, optimizer, scheduler
 
 
@@ -240,8 +265,13 @@ def literal_port(state: fa.RunState, engine: str) -> dict[str, Any]:
         losses.append(float(metrics["loss"]))
         if "lr" in metrics:  # an update
             rates.append(float(metrics["lr"]))
-    out = {"weights": full_weights(state), "losses": losses, "rates": rates,
-           "groups": len(optimizer.param_groups), "step": state.step}
+    out = {
+        "weights": full_weights(state),
+        "losses": losses,
+        "rates": rates,
+        "groups": len(optimizer.param_groups),
+        "step": state.step,
+    }
     fa.shutdown(state)
     return out
 
@@ -257,8 +287,14 @@ def doc_example(state: fa.RunState, code: str, directory: str) -> dict[str, Any]
     fa_here = types.SimpleNamespace(**{name: getattr(fa, name) for name in fa.__all__})
     fa_here.init = lambda **_: state
     # 8 batches per rank and epoch: the example's save after 3 epochs falls on an update of its accumulation(4)
-    names = {"fa": fa_here, "model": model, "optimizer": optimizer, "loader": _data(64), "scheduler": scheduler,
-             "loss_fn": loss_fn}
+    names = {
+        "fa": fa_here,
+        "model": model,
+        "optimizer": optimizer,
+        "loader": _data(64),
+        "scheduler": scheduler,
+        "loss_fn": loss_fn,
+    }
     here = os.getcwd()
     os.chdir(directory)
     try:
@@ -272,7 +308,8 @@ def doc_example(state: fa.RunState, code: str, directory: str) -> dict[str, Any]
 
 def bf16_overflow(state: fa.RunState) -> dict[str, Any]:
     """bf16 ZeRO-2 (DeepSpeed 0.19.8 checks bf16 gradients by default), the second update's inputs inf:
-    what fa.step reported, where the scheduler stood after each update, and whether the skipped update moved a weight."""
+    what fa.step reported, where the scheduler stood after each update, and whether the
+    skipped update moved a weight."""
     model, opt, sched, loader, pipeline = _parts(pipeline_of("deepspeed", "bf16", 1, None, zero_stage=2))
     state = fa.prepare(state, model, opt, loader, sched, pipeline=pipeline, loss_fn=loss_fn)
     skipped, scheduler_epochs, moved = [], [], False

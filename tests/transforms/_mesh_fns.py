@@ -46,8 +46,9 @@ def make_model() -> Net:
 
 def data() -> TensorDataset:
     generator = torch.Generator().manual_seed(4)
-    return TensorDataset(torch.randn(NUM_SAMPLES, DIM, generator=generator),
-                         torch.randn(NUM_SAMPLES, 1, generator=generator))
+    return TensorDataset(
+        torch.randn(NUM_SAMPLES, DIM, generator=generator), torch.randn(NUM_SAMPLES, 1, generator=generator)
+    )
 
 
 def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -70,7 +71,7 @@ def reference(global_batch: int, num_steps: int) -> tuple[dict[str, torch.Tensor
     for step in range(num_steps):
         start = (step * global_batch) % NUM_SAMPLES
         optimizer.zero_grad()
-        loss_fn(model, (x[start:start + global_batch], y[start:start + global_batch])).backward()
+        loss_fn(model, (x[start : start + global_batch], y[start : start + global_batch])).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         optimizer.step()
     with torch.no_grad():
@@ -86,21 +87,30 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def train_on_mesh(base: fa.RunState, layout: dict[str, int], pipeline: str, num_steps: int,
-                  batch_size: int, checkpoint: str) -> dict[str, Any]:
+def train_on_mesh(
+    base: fa.RunState, layout: dict[str, int], pipeline: str, num_steps: int, batch_size: int, checkpoint: str
+) -> dict[str, Any]:
     """Train on the layout's mesh; evaluate; save, perturb, load; report what rank 0 needs."""
     state = fa.init(cpu=True, seed=0, parallelism=fa.ParallelismConfig(**layout))
     try:
         transforms = {
             "tp": lambda: [fa.tp(tp_plan())],
-            "fsdp+tp": lambda: [fa.tp(tp_plan()), fa.checkpoint_activations(),  # torchtitan's order
-                                fa.fsdp(transformer_cls_names_to_wrap=["Block"])],
+            "fsdp+tp": lambda: [
+                fa.tp(tp_plan()),
+                fa.checkpoint_activations(),  # torchtitan's order
+                fa.fsdp(transformer_cls_names_to_wrap=["Block"]),
+            ],
             "hsdp": lambda: [fa.fsdp(transformer_cls_names_to_wrap=["Block"])],
         }[pipeline]()
         model = make_model()
-        state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=LR),
-                           DataLoader(data(), batch_size=batch_size), loss_fn=loss_fn,
-                           pipeline=fa.compose(*transforms, fa.clip_grad_norm(MAX_NORM)))
+        state = fa.prepare(
+            state,
+            model,
+            torch.optim.SGD(model.parameters(), lr=LR),
+            DataLoader(data(), batch_size=batch_size),
+            loss_fn=loss_fn,
+            pipeline=fa.compose(*transforms, fa.clip_grad_norm(MAX_NORM)),
+        )
         norms, seen = [], []
         for batch in fa.batches(state, epochs=2):
             seen.append(batch[0][:, 0].tolist())
@@ -116,9 +126,15 @@ def train_on_mesh(base: fa.RunState, layout: dict[str, int], pipeline: str, num_
                 p.zero_()
         state = fa.load(state, checkpoint)
         reloaded = full_weights(state.model)
-        return {"weights": weights, "reloaded": reloaded, "norms": norms, "outputs": outputs,
-                "batches": seen, "kinds": sorted({type(p).__name__ for p in state.model.parameters()}),
-                "tp_size": get_model_tp_size(state.model)}
+        return {
+            "weights": weights,
+            "reloaded": reloaded,
+            "norms": norms,
+            "outputs": outputs,
+            "batches": seen,
+            "kinds": sorted({type(p).__name__ for p in state.model.parameters()}),
+            "tp_size": get_model_tp_size(state.model),
+        }
     finally:
         fa.shutdown(state)
 
@@ -129,15 +145,23 @@ def mesh_facts(base: fa.RunState, layout: dict[str, int]) -> dict[str, Any]:
 
     state = fa.init(cpu=True, parallelism=fa.ParallelismConfig(**layout))
     try:
-        dims = {name: None if mesh_dim(state.dist, name) is None else mesh_dim(state.dist, name).mesh.tolist()
-                for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp")}
+        dims = {
+            name: None if mesh_dim(state.dist, name) is None else mesh_dim(state.dist, name).mesh.tolist()
+            for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp")
+        }
         dp = data_parallel_context(state.dist)
         total = fa.ops.reduce(dp, torch.tensor([1.0]), "sum")
         mine = torch.tensor([float(state.dist.rank)])
         from_second = [float(fa.ops.broadcast(dp, mine, from_process=1)) for _ in range(2)]
         objects = fa.ops.broadcast_object_list(dp, [state.dist.rank], from_process=1)
-        return {"names": state.dist.mesh.mesh_dim_names, "dims": dims, "dp": data_parallel(state.dist),
-                "dp_sum": float(total), "from_second": from_second, "objects": objects}
+        return {
+            "names": state.dist.mesh.mesh_dim_names,
+            "dims": dims,
+            "dp": data_parallel(state.dist),
+            "dp_sum": float(total),
+            "from_second": from_second,
+            "objects": objects,
+        }
     finally:
         fa.shutdown(state)
 
@@ -145,13 +169,20 @@ def mesh_facts(base: fa.RunState, layout: dict[str, int]) -> dict[str, Any]:
 def refusals(base: fa.RunState) -> list[str]:
     """The mesh errors that need a world larger than one."""
     messages = []
-    for layout, pipeline in (({"tp_size": 2}, None), ({"dp_replicate_size": 4}, [fa.fsdp()]),
-                             ({"tp_size": 2}, [fa.ddp(), fa.tp(tp_plan())])):
+    for layout, pipeline in (
+        ({"tp_size": 2}, None),
+        ({"dp_replicate_size": 4}, [fa.fsdp()]),
+        ({"tp_size": 2}, [fa.ddp(), fa.tp(tp_plan())]),
+    ):
         state = fa.init(cpu=True, parallelism=fa.ParallelismConfig(**layout))
         try:
             model = make_model()
-            fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=LR),
-                       pipeline=None if pipeline is None else fa.compose(*pipeline))
+            fa.prepare(
+                state,
+                model,
+                torch.optim.SGD(model.parameters(), lr=LR),
+                pipeline=None if pipeline is None else fa.compose(*pipeline),
+            )
         except ValueError as exc:
             messages.append(str(exc))
         finally:

@@ -17,14 +17,22 @@ BATCH = 8
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-        nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4),
+        nn.Linear(8, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Linear(16, 4),
     )
 
 
 def batches(num: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(BATCH, 8, generator=g), torch.randint(0, 4, (BATCH,), generator=g)) for _ in range(num)]
+    return [
+        (torch.randn(BATCH, 8, generator=g), torch.randint(0, 4, (BATCH,), generator=g)) for _ in range(num)
+    ]
 
 
 def reference(num: int, *, clip: float | None = None, accumulate: int = 1) -> dict[str, Any]:
@@ -34,7 +42,7 @@ def reference(num: int, *, clip: float | None = None, accumulate: int = 1) -> di
     losses, norms = [], []
     data = batches(num)
     for i in range(0, num, accumulate):
-        for x, y in data[i:i + accumulate]:
+        for x, y in data[i : i + accumulate]:
             loss = F.cross_entropy(model(x), y)
             (loss / accumulate).backward()
             losses.append(loss.detach())
@@ -45,8 +53,16 @@ def reference(num: int, *, clip: float | None = None, accumulate: int = 1) -> di
     return {"params": {k: v.detach() for k, v in model.named_parameters()}, "losses": losses, "norms": norms}
 
 
-def train(state: fa.RunState, num: int, schedule: str, num_microbatches: int = 4, *,
-          clip: float | None = None, accumulate: int = 1, **split: Any) -> dict[str, Any]:
+def train(
+    state: fa.RunState,
+    num: int,
+    schedule: str,
+    num_microbatches: int = 4,
+    *,
+    clip: float | None = None,
+    accumulate: int = 1,
+    **split: Any,
+) -> dict[str, Any]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     parts = [fa.pp(loss_fn=F.cross_entropy, num_microbatches=num_microbatches, schedule=schedule, **split)]
@@ -61,17 +77,27 @@ def train(state: fa.RunState, num: int, schedule: str, num_microbatches: int = 4
         losses.append(metrics["loss"])
         if "grad_norm" in metrics:
             norms.append(metrics["grad_norm"])
-    held = {name for group in opt.param_groups for name, p in state.model.named_parameters()
-            if any(p is q for q in group["params"])}
-    return {"params": {k: v.detach() for k, v in state.model.named_parameters()}, "losses": losses,
-            "norms": norms, "optimizer_holds": sorted(held), "step": state.step}
+    held = {
+        name
+        for group in opt.param_groups
+        for name, p in state.model.named_parameters()
+        if any(p is q for q in group["params"])
+    }
+    return {
+        "params": {k: v.detach() for k, v in state.model.named_parameters()},
+        "losses": losses,
+        "norms": norms,
+        "optimizer_holds": sorted(held),
+        "step": state.step,
+    }
 
 
 def _prepared(state: fa.RunState, schedule: str) -> tuple[fa.RunState, torch.optim.Optimizer]:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    pipeline = fa.compose(fa.pp(loss_fn=F.cross_entropy, num_microbatches=2, schedule=schedule),
-                          fa.clip_grad_norm(0.5))
+    pipeline = fa.compose(
+        fa.pp(loss_fn=F.cross_entropy, num_microbatches=2, schedule=schedule), fa.clip_grad_norm(0.5)
+    )
     return fa.prepare(state, model, opt, pipeline=pipeline), opt
 
 
@@ -99,8 +125,11 @@ def resume(state: fa.RunState, path: str, schedule: str) -> dict[str, Any]:
     for batch in batches(4)[2:]:
         state, metrics = fa.step(state, batch)
         losses.append(metrics["loss"])
-    return {"params": {k: v.detach().clone() for k, v in state.model.named_parameters()}, "losses": losses,
-            "step": state.step}
+    return {
+        "params": {k: v.detach().clone() for k, v in state.model.named_parameters()},
+        "losses": losses,
+        "step": state.step,
+    }
 
 
 def refused(state: fa.RunState, case: str) -> str:
@@ -135,8 +164,13 @@ def refused(state: fa.RunState, case: str) -> str:
             batch = (batch[0][:6], batch[1][:6])
         if case == "loader":
             data = torch.utils.data.TensorDataset(*batch)
-            fa.prepare(state, model, opt, torch.utils.data.DataLoader(data, batch_size=4),
-                       pipeline=fa.compose(fa.pp(**pp)))
+            fa.prepare(
+                state,
+                model,
+                opt,
+                torch.utils.data.DataLoader(data, batch_size=4),
+                pipeline=fa.compose(fa.pp(**pp)),
+            )
         elif case == "late_optimizer":
             state = fa.prepare(state, model, pipeline=fa.compose(fa.pp(**pp)))
             fa.prepare(state, optimizer=opt)

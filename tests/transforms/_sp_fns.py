@@ -18,7 +18,9 @@ NUM_SAMPLES = 16
 
 
 class Attention(nn.Module):
-    def __init__(self, heads: int = HEADS, mask: bool = False, manual: bool = False, custom: bool = False) -> None:
+    def __init__(
+        self, heads: int = HEADS, mask: bool = False, manual: bool = False, custom: bool = False
+    ) -> None:
         super().__init__()
         self.heads, self.mask, self.manual, self.custom = heads, mask, manual, custom
         self.qkv = nn.Linear(DIM, 3 * DIM)
@@ -86,8 +88,15 @@ class TinyLlama(nn.Module):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2,
-                             num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=LENGTH)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=DIM,
+            intermediate_size=2 * DIM,
+            num_hidden_layers=2,
+            num_attention_heads=HEADS,
+            num_key_value_heads=2,
+            max_position_embeddings=LENGTH,
+        )
         config._attn_implementation = "sdpa"
         self.lm = LlamaForCausalLM(config)
 
@@ -146,8 +155,9 @@ def per_row_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tens
     return F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none").sum(1)
 
 
-def reference(per_step: list[list[dict[str, torch.Tensor]]], clip: bool,
-              naive_parts: int = 0, **attention: Any) -> dict[str, Any]:
+def reference(
+    per_step: list[list[dict[str, torch.Tensor]]], clip: bool, naive_parts: int = 0, **attention: Any
+) -> dict[str, Any]:
     """One process, plain PyTorch: each step averages the loss of each data-parallel
     rank's whole batch (what DDP averages), ``attention`` as in `train`. ``naive_parts``: each batch's loss is
     instead the mean of the per-part means over that many sequence parts (what a
@@ -162,7 +172,9 @@ def reference(per_step: list[list[dict[str, torch.Tensor]]], clip: bool,
             batch = with_positions(batch)
             if naive_parts:
                 step = batch["input_ids"].shape[1] // naive_parts
-                parts = [{k: v[:, i * step:(i + 1) * step] for k, v in batch.items()} for i in range(naive_parts)]
+                parts = [
+                    {k: v[:, i * step : (i + 1) * step] for k, v in batch.items()} for i in range(naive_parts)
+                ]
                 loss = torch.stack([loss_fn(model, part) for part in parts]).mean()
             else:
                 loss = loss_fn(model, batch)
@@ -173,8 +185,11 @@ def reference(per_step: list[list[dict[str, torch.Tensor]]], clip: bool,
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         losses.append(total.detach())
         optimizer.step()
-    return {"grads": grads, "losses": losses,
-            "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "grads": grads,
+        "losses": losses,
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -183,10 +198,20 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (gather() if gather else tensor).detach().clone()
 
 
-def train(base: fa.RunState, layout: dict[str, int], num_steps: int, *, packed: bool = False, ddp: bool = False,
-          fsdp: bool = False,
-          accumulate: int = 1, clip: bool = False, batch_size: int = 2, checkpoint: str | None = None,
-          **attention: Any) -> dict[str, Any]:
+def train(
+    base: fa.RunState,
+    layout: dict[str, int],
+    num_steps: int,
+    *,
+    packed: bool = False,
+    ddp: bool = False,
+    fsdp: bool = False,
+    accumulate: int = 1,
+    clip: bool = False,
+    batch_size: int = 2,
+    checkpoint: str | None = None,
+    **attention: Any,
+) -> dict[str, Any]:
     """Train with fa.sp on the layout's mesh; what the reference needs, per rank.
 
     With ``checkpoint``: save after ``num_steps // 2`` steps, train on, then load and
@@ -195,11 +220,21 @@ def train(base: fa.RunState, layout: dict[str, int], num_steps: int, *, packed: 
     state = fa.init(cpu=True, seed=0, parallelism=fa.ParallelismConfig(**layout))
     try:
         model = make_model(**attention)
-        transforms = [fa.sp(), *([fa.ddp()] if ddp else []), *([fa.fsdp()] if fsdp else []), *([fa.accumulate(accumulate)] if accumulate > 1 else []),
-                      *([fa.clip_grad_norm(MAX_NORM)] if clip else [])]
-        state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=LR),
-                           DataLoader(Tokens(packed), batch_size=batch_size), loss_fn=loss_fn,
-                           pipeline=fa.compose(*transforms))
+        transforms = [
+            fa.sp(),
+            *([fa.ddp()] if ddp else []),
+            *([fa.fsdp()] if fsdp else []),
+            *([fa.accumulate(accumulate)] if accumulate > 1 else []),
+            *([fa.clip_grad_norm(MAX_NORM)] if clip else []),
+        ]
+        state = fa.prepare(
+            state,
+            model,
+            torch.optim.SGD(model.parameters(), lr=LR),
+            DataLoader(Tokens(packed), batch_size=batch_size),
+            loss_fn=loss_fn,
+            pipeline=fa.compose(*transforms),
+        )
         batches, grads, losses, resumed = [], [], [], None
         saved_at = num_steps // 2 if checkpoint else None
         for batch in fa.batches(state, epochs=1):
@@ -219,25 +254,46 @@ def train(base: fa.RunState, layout: dict[str, int], num_steps: int, *, packed: 
                 state, _ = fa.step(state, batch)
                 if state.step == num_steps:
                     break
-            resumed = {n.removeprefix("module."): p.detach().clone() for n, p in state.model.named_parameters()}
+            resumed = {
+                n.removeprefix("module."): p.detach().clone() for n, p in state.model.named_parameters()
+            }
         evaluated = fa.evaluate(state, DataLoader(Tokens(packed), batch_size=4), per_row_loss)
-        return {"batches": batches, "grads": [{n.removeprefix("module."): g for n, g in step.items()} for step in grads],
-                "losses": losses, "weights": weights, "resumed": resumed, "evaluated": evaluated,
-                "sp": fa.ParallelismConfig(**layout).resolved(state.dist.num_processes).coordinates(
-                    state.dist.rank)["sp"]}
+        return {
+            "batches": batches,
+            "grads": [{n.removeprefix("module."): g for n, g in step.items()} for step in grads],
+            "losses": losses,
+            "weights": weights,
+            "resumed": resumed,
+            "evaluated": evaluated,
+            "sp": fa.ParallelismConfig(**layout)
+            .resolved(state.dist.num_processes)
+            .coordinates(state.dist.rank)["sp"],
+        }
     finally:
         fa.shutdown(state)
 
 
-def resume(base: fa.RunState | None, layout: dict[str, int], checkpoint: str, num_steps: int,
-           save_at: int | None = None, save_to: str | None = None) -> dict[str, torch.Tensor]:
+def resume(
+    base: fa.RunState | None,
+    layout: dict[str, int],
+    checkpoint: str,
+    num_steps: int,
+    save_at: int | None = None,
+    save_to: str | None = None,
+) -> dict[str, torch.Tensor]:
     """Load ``checkpoint`` on this layout (on 1 process: ``base`` None), train on to
     ``num_steps`` (saving at ``save_at`` into ``save_to``); the weights."""
     state = fa.init(cpu=True, seed=0, parallelism=fa.ParallelismConfig(**layout) if layout else None)
     try:
         model = make_model()
-        state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=LR),
-                           DataLoader(Tokens(), batch_size=2), loss_fn=loss_fn, pipeline=fa.sp())
+        state = fa.prepare(
+            state,
+            model,
+            torch.optim.SGD(model.parameters(), lr=LR),
+            DataLoader(Tokens(), batch_size=2),
+            loss_fn=loss_fn,
+            pipeline=fa.sp(),
+        )
         state = fa.load(state, checkpoint)
         for batch in fa.batches(state, epochs=1):
             state, _ = fa.step(state, batch)
@@ -271,8 +327,14 @@ def refusals(base: fa.RunState) -> list[str]:
             model = make_model(**attention)
             if recompute:
                 model.lm.gradient_checkpointing_enable()
-            state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=LR),
-                               DataLoader(data, batch_size=2), loss_fn=loss_fn, pipeline=fa.compose(*transforms))
+            state = fa.prepare(
+                state,
+                model,
+                torch.optim.SGD(model.parameters(), lr=LR),
+                DataLoader(data, batch_size=2),
+                loss_fn=loss_fn,
+                pipeline=fa.compose(*transforms),
+            )
             for batch in fa.batches(state, epochs=1):
                 if own_forward:
                     state = fa.backward(state, loss_fn(state.model, with_positions(batch)))
@@ -285,4 +347,3 @@ def refusals(base: fa.RunState) -> list[str]:
         finally:
             fa.shutdown(state)
     return messages
-

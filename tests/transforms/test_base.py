@@ -72,18 +72,37 @@ def test_an_engine_of_ones_own_is_built_by_prepare_and_steps_as_it_declares() ->
         seen["clipped"] += 1
         return {}
 
-    engine = EngineTransform(name="engine", phase=Phase.DATA_PARALLEL, init=lambda ctx: "engine state",
-                             optimizer_step=step, prepare_engine=prepare_engine, backward=backward,
-                             micro_steps=2, takes_over=frozenset({Capability.CLIPS_GRADIENTS}))
-    wrap = Transform(name="wrap", phase=Phase.CHECKPOINT_ACTIVATIONS,
-                     prepare_model=lambda ctx, model, state: _Marked(model))
-    clipper = Transform(name="clipper", phase=Phase.CLIP, before_update=clip,
-                        capabilities=frozenset({Capability.CLIPS_GRADIENTS}))
+    engine = EngineTransform(
+        name="engine",
+        phase=Phase.DATA_PARALLEL,
+        init=lambda ctx: "engine state",
+        optimizer_step=step,
+        prepare_engine=prepare_engine,
+        backward=backward,
+        micro_steps=2,
+        takes_over=frozenset({Capability.CLIPS_GRADIENTS}),
+    )
+    wrap = Transform(
+        name="wrap",
+        phase=Phase.CHECKPOINT_ACTIVATIONS,
+        prepare_model=lambda ctx, model, state: _Marked(model),
+    )
+    clipper = Transform(
+        name="clipper",
+        phase=Phase.CLIP,
+        before_update=clip,
+        capabilities=frozenset({Capability.CLIPS_GRADIENTS}),
+    )
     torch.manual_seed(0)
     model, reference = nn.Linear(3, 1), nn.Linear(3, 1)
     reference.load_state_dict(model.state_dict())
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       pipeline=fa.compose(wrap, engine, clipper), loss_fn=_loss)
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        pipeline=fa.compose(wrap, engine, clipper),
+        loss_fn=_loss,
+    )
     assert isinstance(seen["model"], _Marked) and seen["model"].inner is model
     assert seen["state"] == "engine state" and state.model is seen["model"]
 
@@ -108,8 +127,11 @@ def test_a_pipeline_holds_one_engine() -> None:
         raise AssertionError("not built")
 
     mine = EngineTransform(name="mine", phase=Phase.DATA_PARALLEL, prepare_engine=prepare_engine)
-    with pytest.raises(ValueError, match=r"compose: deepspeed\(\) and mine\(\) each hand the model and "
-                                         r"optimizer to an engine of their own; keep one"):
+    with pytest.raises(
+        ValueError,
+        match=r"compose: deepspeed\(\) and mine\(\) each hand the model and "
+        r"optimizer to an engine of their own; keep one",
+    ):
         fa.compose(fa.deepspeed(), mine)
 
 
@@ -120,6 +142,11 @@ def test_the_pipelines_accumulation_wins_over_the_engines_default() -> None:
 
     engine = EngineTransform(name="engine", phase=Phase.DATA_PARALLEL, prepare_engine=prepare_engine)
     model = nn.Linear(3, 1)
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       pipeline=fa.compose(engine, fa.accumulate(3)), loss_fn=_loss)
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        pipeline=fa.compose(engine, fa.accumulate(3)),
+        loss_fn=_loss,
+    )
     assert state.plan is not None and state.plan.micro_steps == 3

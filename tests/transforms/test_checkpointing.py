@@ -18,12 +18,17 @@ from tests.transforms import _mesh_fns as fns
 
 def _train(pipeline: fa.Pipeline, num_steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = fns.make_model()
-    state = fa.prepare(fa.init(cpu=True, seed=0), model, torch.optim.SGD(model.parameters(), lr=fns.LR),
-                       pipeline=pipeline, loss_fn=fns.loss_fn)
+    state = fa.prepare(
+        fa.init(cpu=True, seed=0),
+        model,
+        torch.optim.SGD(model.parameters(), lr=fns.LR),
+        pipeline=pipeline,
+        loss_fn=fns.loss_fn,
+    )
     x, y = fns.data().tensors
     losses = []
     for step in range(num_steps):
-        batch = (x[step * 4:(step + 1) * 4], y[step * 4:(step + 1) * 4])
+        batch = (x[step * 4 : (step + 1) * 4], y[step * 4 : (step + 1) * 4])
         state, metrics = fa.step(state, batch)
         losses.append(float(metrics["loss"]))
     assert state.model is not None
@@ -32,8 +37,10 @@ def _train(pipeline: fa.Pipeline, num_steps: int = 3) -> tuple[list[float], dict
 
 def test_offloaded_checkpointing_trains_bit_for_bit_like_plain_checkpointing_and_none() -> None:
     plain_losses, plain = _train(fa.compose())
-    for pipeline in (fa.compose(fa.checkpoint_activations()),
-                     fa.compose(fa.checkpoint_activations("Block", offload=True))):
+    for pipeline in (
+        fa.compose(fa.checkpoint_activations()),
+        fa.compose(fa.checkpoint_activations("Block", offload=True)),
+    ):
         losses, weights = _train(pipeline)
         assert losses == plain_losses, pipeline
         for name, weight in plain.items():
@@ -42,8 +49,12 @@ def test_offloaded_checkpointing_trains_bit_for_bit_like_plain_checkpointing_and
 
 def _bytes_seen_by_an_outer_hook(offload: bool) -> int:
     model = fns.make_model()
-    state = fa.prepare(fa.init(cpu=True, seed=0), model,
-                       pipeline=fa.compose(fa.checkpoint_activations(offload=offload)), loss_fn=fns.loss_fn)
+    state = fa.prepare(
+        fa.init(cpu=True, seed=0),
+        model,
+        pipeline=fa.compose(fa.checkpoint_activations(offload=offload)),
+        loss_fn=fns.loss_fn,
+    )
     assert state.model is not None
     saved = [0]
 
@@ -72,18 +83,23 @@ def test_an_offload_that_is_not_a_bool_is_refused(offload: object) -> None:
 
 def test_the_fsdp_plugin_field_builds_the_offload_and_needs_checkpointing() -> None:
     plugin = FullyShardedDataParallelPlugin.from_config(
-        {"fsdp_activation_checkpointing": "true", "fsdp_activation_checkpointing_offload": True,
-         "fsdp_transformer_layer_cls_to_wrap": "Block"})
+        {
+            "fsdp_activation_checkpointing": "true",
+            "fsdp_activation_checkpointing_offload": True,
+            "fsdp_transformer_layer_cls_to_wrap": "Block",
+        }
+    )
     assert plugin.checkpointing() == fa.checkpoint_activations("Block", offload=True)
     assert repr(plugin.checkpointing()) == "checkpoint_activations(classes=('Block',), offload=True)"
-    with pytest.raises(fa.ConfigError, match="'fsdp_activation_checkpointing_offload': true needs "
-                                             "fsdp_activation_checkpointing true"):
+    with pytest.raises(
+        fa.ConfigError,
+        match="'fsdp_activation_checkpointing_offload': true needs fsdp_activation_checkpointing true",
+    ):
         FullyShardedDataParallelPlugin.from_config({"fsdp_activation_checkpointing_offload": True})
     with pytest.raises(fa.ConfigError, match="'fsdp_activation_checkpointing_offload' must be true or false"):
         FullyShardedDataParallelPlugin.from_config({"fsdp_activation_checkpointing_offload": "maybe"})
     with pytest.raises(fa.ConfigError, match="activation_checkpointing_offload"):
-        FullyShardedDataParallelPlugin(activation_checkpointing=True,
-                                       activation_checkpointing_offload=1)  # type: ignore[arg-type]
+        FullyShardedDataParallelPlugin(activation_checkpointing=True, activation_checkpointing_offload=1)  # type: ignore[arg-type]
 
 
 class _Wide(nn.Module):
@@ -109,7 +125,9 @@ class _Stack(nn.Module):
 def _peak_bytes(offload: bool, tokens: int, dim: int, depth: int) -> int:
     torch.manual_seed(0)
     model = _Stack(dim, depth)
-    state = fa.prepare(fa.init(seed=0), model, pipeline=fa.compose(fa.checkpoint_activations(offload=offload)))
+    state = fa.prepare(
+        fa.init(seed=0), model, pipeline=fa.compose(fa.checkpoint_activations(offload=offload))
+    )
     assert state.model is not None
     x = torch.randn(tokens, dim, device=next(state.model.parameters()).device, requires_grad=True)
     torch.cuda.synchronize()
@@ -119,8 +137,11 @@ def _peak_bytes(offload: bool, tokens: int, dim: int, depth: int) -> int:
     return torch.cuda.max_memory_allocated()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU, activations already live in "
-                                                          "host memory, so offloading cannot lower the peak")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs CUDA: on the CPU, activations already live in "
+    "host memory, so offloading cannot lower the peak",
+)
 def test_offload_lowers_the_gpu_peak() -> None:
     tokens, dim, depth = 8192, 512, 8
     block_input = tokens * dim * 4

@@ -22,9 +22,7 @@ def test_pipelines_print_as_the_code_that_built_them_and_compare_by_value() -> N
 
 def test_nested_pipelines_are_flattened() -> None:
     inner = fa.compose(fa.pad_across_processes(dim=1))
-    assert fa.compose(inner, fa.gather()).transforms == (
-        fa.pad_across_processes(dim=1), fa.gather()
-    )
+    assert fa.compose(inner, fa.gather()).transforms == (fa.pad_across_processes(dim=1), fa.gather())
 
 
 def test_a_nested_pipeline_is_merged_where_the_order_rules_put_each_transform() -> None:
@@ -39,7 +37,9 @@ def test_a_nested_pipeline_is_merged_where_the_order_rules_put_each_transform() 
     with pytest.raises(ValueError, match=r"accumulate\(num_steps=4\) must come before clip_grad_norm"):
         fa.compose(launch, fa.clip_grad_norm(1.0), fa.accumulate(4))
     # and the merged result is validated whole: duplicates and conflicts across the nesting
-    with pytest.raises(ValueError, match=r"ddp\(\) and ddp\(find_unused_parameters=True\) both appear; keep one ddp"):
+    with pytest.raises(
+        ValueError, match=r"ddp\(\) and ddp\(find_unused_parameters=True\) both appear; keep one ddp"
+    ):
         fa.compose(launch, fa.ddp(find_unused=True))
     with pytest.raises(ValueError, match=r"ddp\(\) and fsdp\(\) cannot be combined"):
         fa.compose(launch, fa.fsdp())
@@ -122,8 +122,11 @@ def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(batch).pow(2).mean() * 100  # large enough for clip_grad_norm(1.0) to clip
 
 
-@pytest.mark.parametrize("bare", [fa.ddp, lambda: fa.clip_grad_norm(1.0), lambda: fa.accumulate(2)],
-                         ids=["ddp", "clip_grad_norm", "accumulate"])
+@pytest.mark.parametrize(
+    "bare",
+    [fa.ddp, lambda: fa.clip_grad_norm(1.0), lambda: fa.accumulate(2)],
+    ids=["ddp", "clip_grad_norm", "accumulate"],
+)
 def test_a_bare_transform_is_a_pipeline_of_one(bare: Any) -> None:
     model, opt = _linear()
     state = fa.prepare(fa.init(seed=0, cpu=True), model, opt, pipeline=bare(), loss_fn=_loss)
@@ -132,10 +135,16 @@ def test_a_bare_transform_is_a_pipeline_of_one(bare: Any) -> None:
     assert state.micro_step == 1
 
 
-@pytest.mark.parametrize("value", [[fa.ddp()], (fa.ddp(), fa.accumulate(2)), fa.ddp, "ddp"],
-                         ids=["list", "tuple", "function", "string"])
+@pytest.mark.parametrize(
+    "value",
+    [[fa.ddp()], (fa.ddp(), fa.accumulate(2)), fa.ddp, "ddp"],
+    ids=["list", "tuple", "function", "string"],
+)
 def test_a_pipeline_that_is_not_one_names_compose(value: Any) -> None:
     model, opt = _linear()
-    with pytest.raises(TypeError, match=r"pipeline must be a transform or fa\.compose\(\.\.\.\) of transforms, "
-                                        f"got {type(value).__name__} .*write pipeline=fa.compose"):
+    with pytest.raises(
+        TypeError,
+        match=r"pipeline must be a transform or fa\.compose\(\.\.\.\) of transforms, "
+        f"got {type(value).__name__} .*write pipeline=fa.compose",
+    ):
         fa.prepare(fa.init(seed=0, cpu=True), model, opt, pipeline=value, loss_fn=_loss)

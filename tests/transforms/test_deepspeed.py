@@ -34,13 +34,16 @@ def ddp_reference(worlds: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("stage, explicit", [(1, False), (2, True), (3, False)])
-def test_zero_stages_match_ddp_with_accumulation_and_clipping(worlds: Any, ddp_reference: dict[str, Any],
-                                                              stage: int, explicit: bool) -> None:
+def test_zero_stages_match_ddp_with_accumulation_and_clipping(
+    worlds: Any, ddp_reference: dict[str, Any], stage: int, explicit: bool
+) -> None:
     # explicit: fa.with_rng, fa.backward and fa.apply_gradients instead of fa.step
     ours = worlds.get(2).run(fns.train, "deepspeed", None, 2, 0.5, explicit=explicit, zero_stage=stage)
     assert ours[0]["step"] == ddp_reference["step"] == 3 and ours[0]["lr"] == ddp_reference["lr"]
     assert ours[0]["losses"] == pytest.approx(ddp_reference["losses"], abs=1e-6)
-    assert ours[0]["norms"] == pytest.approx(ddp_reference["norms"], abs=1e-6)  # clipping engaged: norms > 0.5
+    assert ours[0]["norms"] == pytest.approx(
+        ddp_reference["norms"], abs=1e-6
+    )  # clipping engaged: norms > 0.5
     assert min(ddp_reference["norms"]) > 0.5
     for name, tensor in ddp_reference["weights"].items():
         torch.testing.assert_close(ours[0]["weights"][name], tensor, rtol=0, atol=1e-6)
@@ -67,8 +70,11 @@ def test_an_update_deepspeed_skips_in_bf16_is_reported_and_holds_the_scheduler(w
 
 def _pickles(directory: Path) -> list[str]:
     """Files holding a pickle: protocol 2+ opens with 0x80, a zip (torch.save) with PK."""
-    return [p.name for p in directory.rglob("*") if p.is_file() and p.read_bytes()[:2] in (b"\x80\x02", b"\x80\x03",
-                                                                                           b"\x80\x04", b"\x80\x05", b"PK")]
+    return [
+        p.name
+        for p in directory.rglob("*")
+        if p.is_file() and p.read_bytes()[:2] in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK")
+    ]
 
 
 @pytest.mark.parametrize("stage, precision", [(2, "bf16"), (3, None)])
@@ -93,12 +99,23 @@ def test_a_save_inside_an_accumulation_is_refused(tmp_path: Path, worlds: Any) -
 
 
 def test_auto_values_are_filled_from_the_run_and_conflicts_name_the_fix() -> None:
-    run = EngineSettings(micro_steps=2, max_grad_norm=1.0, precision="bf16", micro_batch_size=4, num_processes=2,
-                         hidden_size=8)
-    config = resolve_ds_config({"train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-                                "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-                                "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
-                                                      "stage3_param_persistence_threshold": "auto"}}, run)
+    run = EngineSettings(
+        micro_steps=2, max_grad_norm=1.0, precision="bf16", micro_batch_size=4, num_processes=2, hidden_size=8
+    )
+    config = resolve_ds_config(
+        {
+            "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"},
+            "zero_optimization": {
+                "stage": 3,
+                "reduce_bucket_size": "auto",
+                "stage3_param_persistence_threshold": "auto",
+            },
+        },
+        run,
+    )
     assert config["train_batch_size"] == 16 and config["gradient_accumulation_steps"] == 2
     assert config["gradient_clipping"] == 1.0 and config["bf16"] == {"enabled": True}
     assert config["zero_optimization"]["reduce_bucket_size"] == 64
@@ -106,24 +123,36 @@ def test_auto_values_are_filled_from_the_run_and_conflicts_name_the_fix() -> Non
     assert config["managed_gradient_accumulation"] is False
     bad = {
         "gradient_accumulation_steps is 4 but the pipeline's fa.accumulate says 2; set gradient_accumulation_steps "
-        "to \"auto\"": {"gradient_accumulation_steps": 4},
+        'to "auto"': {"gradient_accumulation_steps": 4},
         "gradient_clipping is 2.0 but the pipeline's fa.clip_grad_norm": {"gradient_clipping": 2.0},
         "bf16.enabled is False but the pipeline asks for fa.autocast": {"bf16": {"enabled": False}},
-        "has a 'optimizer' section; fnaccel trains with the optimizer passed to fa.prepare":
-            {"optimizer": {"type": "Adam"}},
+        "has a 'optimizer' section; fnaccel trains with the optimizer passed to fa.prepare": {
+            "optimizer": {"type": "Adam"}
+        },
         "zero_optimization.stage must be 0, 1, 2 or 3, got 4": {"zero_optimization": {"stage": 4}},
         "train_batch_size is 10 but batch 4 x accumulation 2 x 2 processes is 16": {"train_batch_size": 10},
-        "zero_optimization.stage3_max_live_parameters is \"auto\" and nothing in the run fills it":
-            {"zero_optimization": {"stage3_max_live_parameters": "auto"}},
+        'zero_optimization.stage3_max_live_parameters is "auto" and nothing in the run fills it': {
+            "zero_optimization": {"stage3_max_live_parameters": "auto"}
+        },
     }
     for message, raw in bad.items():
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             resolve_ds_config(raw, run)
 
 
-REMOVED_IN_0_19 = ("amp", "compression_training", "curriculum_learning", "eigenvalue", "elasticity",
-                   "graph_harvesting", "nebula", "progressive_layer_drop", "quantize_training", "sparse_attention",
-                   "sparse_gradients")
+REMOVED_IN_0_19 = (
+    "amp",
+    "compression_training",
+    "curriculum_learning",
+    "eigenvalue",
+    "elasticity",
+    "graph_harvesting",
+    "nebula",
+    "progressive_layer_drop",
+    "quantize_training",
+    "sparse_attention",
+    "sparse_gradients",
+)
 REMOVED_ZERO_KEYS = ("mics_hierarchical_params_gather", "mics_shard_size", "zeropp_loco_param")
 
 
@@ -131,16 +160,20 @@ REMOVED_ZERO_KEYS = ("mics_hierarchical_params_gather", "mics_shard_size", "zero
 def test_a_section_deepspeed_removed_is_refused_by_name_before_the_engine(key: str) -> None:
     """DeepSpeed 0.19.6-0.19.8 (issue #8489) refuse these at initialize; fnaccel names each
     and what replaces it (or that nothing does) while resolving the config."""
-    raw: dict[str, Any] = {"zero_optimization": {"stage": 3, key.split(".")[1]: 2}} if "." in key else {key: {}}
-    with pytest.raises(ConfigError, match=rf"'{key}' names a feature DeepSpeed 0.19.6 removed.*Remove the key"):
+    raw: dict[str, Any] = (
+        {"zero_optimization": {"stage": 3, key.split(".")[1]: 2}} if "." in key else {key: {}}
+    )
+    with pytest.raises(
+        ConfigError, match=rf"'{key}' names a feature DeepSpeed 0.19.6 removed.*Remove the key"
+    ):
         resolve_ds_config(raw, EngineSettings(micro_batch_size=1))
 
 
 def test_the_removed_sections_are_those_the_installed_deepspeed_refuses() -> None:
     """Kept in step with DeepSpeed: its own tables, read from the installed package when there is one."""
     config = pytest.importorskip("deepspeed.runtime.config")
-    assert sorted(getattr(config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS")) == sorted(REMOVED_IN_0_19)
-    assert sorted(getattr(config, "_REMOVED_ZERO_CONFIG_KEYS")) == sorted(REMOVED_ZERO_KEYS)
+    assert sorted(config._REMOVED_TOP_LEVEL_CONFIG_KEYS) == sorted(REMOVED_IN_0_19)
+    assert sorted(config._REMOVED_ZERO_CONFIG_KEYS) == sorted(REMOVED_ZERO_KEYS)
 
 
 def test_plugin_and_launch_sections_are_checked_where_written(tmp_path: Path) -> None:
@@ -153,9 +186,19 @@ def test_plugin_and_launch_sections_are_checked_where_written(tmp_path: Path) ->
     (tmp_path / "bad.json").write_text("[1]")
     with pytest.raises(ConfigError, match="holds a JSON object"):
         fa.deepspeed(hf_ds_config=str(tmp_path / "bad.json"))
-    plugin = DeepSpeedPlugin.from_config({"zero_stage": "3", "offload_param_device": "cpu",
-                                          "zero3_init_flag": "true", "gradient_accumulation_steps": "1"})
-    assert plugin.zero_stage == 3 and plugin.zero3_init_flag is True and plugin.gradient_accumulation_steps is None
+    plugin = DeepSpeedPlugin.from_config(
+        {
+            "zero_stage": "3",
+            "offload_param_device": "cpu",
+            "zero3_init_flag": "true",
+            "gradient_accumulation_steps": "1",
+        }
+    )
+    assert (
+        plugin.zero_stage == 3
+        and plugin.zero3_init_flag is True
+        and plugin.gradient_accumulation_steps is None
+    )
     with pytest.raises(ConfigError, match="offload_param_device only applies to zero_stage 3"):
         fa.deepspeed(zero_stage=2, offload_param_device="cpu")
     with pytest.raises(ValueError, match="cannot be combined"):
@@ -166,11 +209,15 @@ def test_pipelines_deepspeed_cannot_run_are_refused_before_the_engine_starts(wor
     world = worlds.get(2)
     with pytest.raises(ValueError, match="normalize='items'.*use normalize='mean'"):
         world.run(fns.prepare_only, "items")
-    with pytest.raises(ValueError, match="CPU accelerator has no fp16 training; use fa.autocast\\(fa.bf16\\)"):
+    with pytest.raises(
+        ValueError, match="CPU accelerator has no fp16 training; use fa.autocast\\(fa.bf16\\)"
+    ):
         world.run(fns.prepare_only, "fp16")
     with pytest.raises(ValueError, match="pass both in the same fa.prepare call"):
         world.run(fns.prepare_only, "no optimizer")
-    with pytest.raises(ConfigError, match="gradient_accumulation_steps is 4 but the pipeline's fa.accumulate"):
+    with pytest.raises(
+        ConfigError, match="gradient_accumulation_steps is 4 but the pipeline's fa.accumulate"
+    ):
         world.run(fns.prepare_only, "accumulation")
 
 
@@ -179,7 +226,9 @@ def test_two_models_each_with_its_own_engine_train_as_each_would_alone(worlds: A
     interleaved = world.run(fns.two_engines, True)[0]  # ZeRO-1 and ZeRO-3 engines, stepped in turn
     alone = world.run(fns.two_engines, False)[0]
     assert len(interleaved[0]) == len(interleaved[1]) == 6
-    assert interleaved[0] == pytest.approx(alone[0], abs=1e-6) and interleaved[1] == pytest.approx(alone[1], abs=1e-6)
+    assert interleaved[0] == pytest.approx(alone[0], abs=1e-6) and interleaved[1] == pytest.approx(
+        alone[1], abs=1e-6
+    )
 
 
 @pytest.mark.multiprocess
@@ -189,7 +238,8 @@ def test_an_accelerate_deepspeed_yaml_launches_trains_and_resumes_in_fresh_proce
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nuse_cpu: true\nnum_processes: 2\n"
         "mixed_precision: 'no'\ndeepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: cpu\n"
         "  offload_param_device: none\n  gradient_accumulation_steps: 2\n  gradient_clipping: 1.0\n"
-        "  zero3_init_flag: false\n")
+        "  zero3_init_flag: false\n"
+    )
     script = Path(__file__).parents[1] / "commands" / "_launched.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     runs = []
@@ -198,13 +248,30 @@ def test_an_accelerate_deepspeed_yaml_launches_trains_and_resumes_in_fresh_proce
         out.mkdir()
         if name == "resumed":  # the first run's checkpoint at step 6: fresh processes pick it up
             subprocess.run(["cp", "-r", str(tmp_path / "straight" / "ckpt"), str(out / "ckpt")], check=True)
-        result = subprocess.run([sys.executable, "-m", "fnaccel", "launch", "-q", "--config_file", str(config),
-                                 str(script), str(out)], capture_output=True, text=True, timeout=300, env=env)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fnaccel",
+                "launch",
+                "-q",
+                "--config_file",
+                str(config),
+                str(script),
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         runs.append(json.loads((out / "report.json").read_text()))
     straight, resumed = runs
-    assert straight[0]["pipeline"] == ("compose(deepspeed(gradient_accumulation_steps=2, gradient_clipping=1.0, "
-                                       "zero_stage=2, offload_optimizer_device='cpu', zero3_init_flag=False))")
+    assert straight[0]["pipeline"] == (
+        "compose(deepspeed(gradient_accumulation_steps=2, gradient_clipping=1.0, "
+        "zero_stage=2, offload_optimizer_device='cpu', zero3_init_flag=False))"
+    )
     assert straight[0]["steps"] == 8 and not straight[0]["resumed"] and resumed[0]["resumed"]
     first, second = (load_file(tmp_path / n / "final" / "model.safetensors") for n in ("straight", "resumed"))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
@@ -214,9 +281,24 @@ def test_an_accelerate_deepspeed_yaml_launches_trains_and_resumes_in_fresh_proce
 def test_mixed_precision_fp8_from_the_launch_trains(tmp_path: Path) -> None:
     pytest.importorskip("torchao", reason="torchao is not installed (pip install 'fnaccel[fp8]')")
     result = subprocess.run(
-        [sys.executable, "-m", "fnaccel", "test", "--cpu", "--num_processes", "1", "--mixed_precision", "fp8",
-         "--fp8_format", "HYBRID"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "fnaccel",
+            "test",
+            "--cpu",
+            "--num_processes",
+            "1",
+            "--mixed_precision",
+            "fp8",
+            "--fp8_format",
+            "HYBRID",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if "mixed precision ...." in line)
     assert "ok (compose(autocast(dtype='fp8', recipe=FP8RecipeKwargs(fp8_format='HYBRID')))" in line
@@ -248,7 +330,13 @@ def test_the_literal_port_with_its_scheduler_built_first_trains_as_under_ddp(wor
 
 def test_the_docs_example_runs_as_written(worlds: Any, tmp_path: Path) -> None:
     page = (Path(__file__).parents[2] / "docs" / "deepspeed.md").read_text()
-    code = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "fa.deepspeed(zero_stage=3)" in block)
+    code = next(
+        block
+        for block in re.findall(r"```python\n(.*?)```", page, re.S)
+        if "fa.deepspeed(zero_stage=3)" in block
+    )
     out = worlds.get(2).run(fns.doc_example, code, str(tmp_path))[0]
     assert out["step"] > 0 and out["groups"] == 1  # trained, its scheduler realigned to the group kept
-    assert (tmp_path / "ckpt" / "model.safetensors").is_file() and (tmp_path / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file() and (
+        tmp_path / "model" / "model.safetensors"
+    ).is_file()

@@ -11,12 +11,13 @@ from torch import nn
 import fnaccel as fa
 from fnaccel.config.environment import is_torchao_available
 from fnaccel.kwargs import FP8RecipeKwargs
+from fnaccel.preparation import default_pipeline
 from fnaccel.transforms.fp8 import convert_to_fp8, float8_linear_config, keep_first_and_last_linear
 from fnaccel.transforms.precision import fp8
-from fnaccel.preparation import default_pipeline
 
 needs_torchao = pytest.mark.skipif(
-    not is_torchao_available(), reason="torchao is not installed (pip install 'fnaccel[fp8]')")
+    not is_torchao_available(), reason="torchao is not installed (pip install 'fnaccel[fp8]')"
+)
 
 # fp8's final loss against bf16's after TRAIN_STEPS steps of the same run, measured on CPU:
 # 1.2e-3 apart in one process, 1.4e-3 (float8 all-gather) and 1.9e-3 under fa.fsdp() on 2.
@@ -58,8 +59,9 @@ def token_batches() -> torch.Tensor:
     return torch.randint(0, 64, (4, 8, 17), generator=torch.Generator().manual_seed(1))
 
 
-def train_lm(state: fa.RunState, precision: Any, sharded: bool = False,
-             recipe: FP8RecipeKwargs | None = None) -> dict[str, Any]:
+def train_lm(
+    state: fa.RunState, precision: Any, sharded: bool = False, recipe: FP8RecipeKwargs | None = None
+) -> dict[str, Any]:
     """TRAIN_STEPS steps of TinyLM (under fa.fsdp() when ``sharded``); each rank
     takes its share of every batch."""
     torch.manual_seed(0)
@@ -76,8 +78,11 @@ def train_lm(state: fa.RunState, precision: Any, sharded: bool = False,
         losses.append(float(fa.ops.reduce(state, metrics["loss"].detach())))
     weight = model.blocks[0].up.weight
     local = getattr(weight, "_local_tensor", weight)
-    return {"losses": losses, "layers": {name: type(m).__name__ for name, m in model.named_modules()},
-            "weight_class": type(local).__name__}
+    return {
+        "losses": losses,
+        "layers": {name: type(m).__name__ for name, m in model.named_modules()},
+        "weight_class": type(local).__name__,
+    }
 
 
 @needs_torchao
@@ -170,8 +175,9 @@ def test_fp8_checkpoints_resume_bit_identical(tmp_path: Any, world2: Any) -> Non
 
 
 def test_default_choice_of_float8_layers() -> None:
-    model = nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 24), nn.Linear(24, 32),
-                          nn.ReLU(), nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 24), nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
     keep = keep_first_and_last_linear(model)
     # first and last stay high precision; 24 is not a multiple of 16; only a Linear converts
     assert [keep(m, name) for name, m in model.named_children()] == [False, True, False, False, False, False]
@@ -185,14 +191,24 @@ def test_module_filter_func_overrides_the_default() -> None:
 
 
 @needs_torchao
-@pytest.mark.parametrize(("model", "recipe", "message"), [
-    (nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16)), FP8RecipeKwargs(module_filter_func=lambda m, fqn: True),
-     r"picked '0' \(16 -> 24 features\).*multiples of 16"),
-    (nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)), FP8RecipeKwargs(),
-     r"no nn.Linear of Sequential would train in float8.*fa.autocast\(fa.bf16\)"),
-])
-def test_bad_layer_choices_are_refused_before_converting(model: nn.Module, recipe: FP8RecipeKwargs,
-                                                         message: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "recipe", "message"),
+    [
+        (
+            nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 16)),
+            FP8RecipeKwargs(module_filter_func=lambda m, fqn: True),
+            r"picked '0' \(16 -> 24 features\).*multiples of 16",
+        ),
+        (
+            nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16)),
+            FP8RecipeKwargs(),
+            r"no nn.Linear of Sequential would train in float8.*fa.autocast\(fa.bf16\)",
+        ),
+    ],
+)
+def test_bad_layer_choices_are_refused_before_converting(
+    model: nn.Module, recipe: FP8RecipeKwargs, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         convert_to_fp8(model, recipe)
     assert all(type(m) is nn.Linear for m in model)  # untouched
@@ -204,7 +220,10 @@ def test_recipe_maps_onto_torchaos_float8_config() -> None:
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
     default = float8_linear_config(FP8RecipeKwargs())  # HYBRID, as torchao's own default
-    assert (default.cast_config_weight.target_dtype, default.cast_config_grad_output.target_dtype) == (e4m3, e5m2)
+    assert (default.cast_config_weight.target_dtype, default.cast_config_grad_output.target_dtype) == (
+        e4m3,
+        e5m2,
+    )
     assert not default.enable_fsdp_float8_all_gather
     e4m3_only = float8_linear_config(FP8RecipeKwargs(fp8_format="e4m3", enable_fsdp_float8_all_gather=True))
     assert e4m3_only.cast_config_input.target_dtype == e4m3_only.cast_config_grad_output.target_dtype == e4m3
@@ -223,16 +242,23 @@ def test_high_precision_weight_gradients_train() -> None:
     assert result["losses"][-1] < result["losses"][0] - 0.1
 
 
-@pytest.mark.parametrize(("recipe", "message"), [
-    (FP8RecipeKwargs(backend="te"), r"'TE' \(TransformerEngine\) runs fp8 on CUDA GPUs only.*backend='AO'"),
-    (FP8RecipeKwargs(backend="msamp"), r"'MSAMP' \(MS-AMP\) runs fp8 on CUDA GPUs only"),
-    (FP8RecipeKwargs(amax_history_len=16), "delayed scaling, which torchao does not have"),
-    (FP8RecipeKwargs(margin=0), "delayed scaling"),
-    (FP8RecipeKwargs(opt_level="O2"), "MS-AMP's"),
-    (FP8RecipeKwargs(use_autocast_during_eval=True), "TransformerEngine's switch"),
-])
-def test_recipes_this_build_cannot_run_are_refused_with_the_reason(recipe: FP8RecipeKwargs,
-                                                                   message: str) -> None:
+@pytest.mark.parametrize(
+    ("recipe", "message"),
+    [
+        (
+            FP8RecipeKwargs(backend="te"),
+            r"'TE' \(TransformerEngine\) runs fp8 on CUDA GPUs only.*backend='AO'",
+        ),
+        (FP8RecipeKwargs(backend="msamp"), r"'MSAMP' \(MS-AMP\) runs fp8 on CUDA GPUs only"),
+        (FP8RecipeKwargs(amax_history_len=16), "delayed scaling, which torchao does not have"),
+        (FP8RecipeKwargs(margin=0), "delayed scaling"),
+        (FP8RecipeKwargs(opt_level="O2"), "MS-AMP's"),
+        (FP8RecipeKwargs(use_autocast_during_eval=True), "TransformerEngine's switch"),
+    ],
+)
+def test_recipes_this_build_cannot_run_are_refused_with_the_reason(
+    recipe: FP8RecipeKwargs, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         fa.autocast(fp8, recipe=recipe)
 
@@ -266,7 +292,6 @@ def test_launch_precision_fp8_builds_the_fp8_pipeline_with_the_recipe() -> None:
     pipeline = default_pipeline(state)
     assert pipeline == fa.compose(fa.autocast(fp8, recipe=recipe))
     assert repr(pipeline) == "compose(autocast(dtype='fp8', recipe=FP8RecipeKwargs(fp8_format='HYBRID')))"
-
 
 
 @needs_torchao

@@ -17,7 +17,9 @@ NUM_STEPS, K = 7, 3
 
 def _my_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own data: the replicas drift apart
-    return [(torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)) for _ in range(NUM_STEPS)]
+    return [
+        (torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)) for _ in range(NUM_STEPS)
+    ]
 
 
 def _definition(rank: int, group: Any) -> list[torch.Tensor]:
@@ -50,7 +52,7 @@ def train_local_sgd(state: fa.RunState) -> dict[str, Any]:
         collectives.append(group._get_sequence_number_for_group() - before)
     params = [p.detach().clone() for p in model.parameters()]
     return {
-        "equal": all(torch.equal(a, b) for a, b in zip(params, expected)),
+        "equal": all(torch.equal(a, b) for a, b in zip(params, expected, strict=False)),
         "collectives": collectives,
         "params": params,
     }
@@ -64,13 +66,20 @@ def test_local_sgd_equals_its_definition_and_communicates_only_to_average(world2
     for r in results:
         assert r["collectives"] == [0, 2, 1, 0, 0, 1, 0], r["collectives"]
     # after step 6 both replicas were equal; step 7 was local, so they differ again
-    assert not all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"], strict=False)
+    )
 
 
 def _averaged_at(state: fa.RunState) -> list[bool]:
     model = make_model(dropout=0.0)
-    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
-                       pipeline=fa.compose(fa.ddp(), local_sgd(K)))
+    state = fa.prepare(
+        state,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=loss_fn,
+        pipeline=fa.compose(fa.ddp(), local_sgd(K)),
+    )
     equal_after = []
     for batch in _my_batches(state.dist.rank)[:K]:
         state, _ = fa.step(state, batch)
@@ -93,7 +102,7 @@ def test_one_process_is_plain_training() -> None:
         loss_fn(reference, batch).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=False))
     assert state.transform_states["local_sgd"].state_dict() == {"steps_since_average": NUM_STEPS % 2}
 
 
@@ -111,8 +120,13 @@ def test_fsdp_is_refused_at_compose() -> None:
 def _with_comm_hook(state: fa.RunState) -> str:
     model = make_model(dropout=0.0)
     try:
-        fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
-                   pipeline=fa.compose(fa.ddp(comm_hook="fp16"), local_sgd(2)))
+        fa.prepare(
+            state,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=loss_fn,
+            pipeline=fa.compose(fa.ddp(comm_hook="fp16"), local_sgd(2)),
+        )
     except ValueError as error:
         return str(error)
     return "no error"
@@ -125,8 +139,13 @@ def test_a_ddp_comm_hook_is_refused(world2: Any) -> None:
 def test_the_count_since_the_last_average_is_saved_with_the_run(tmp_path: Any) -> None:
     def prepared() -> fa.RunState:
         model = make_model(dropout=0.0)
-        return fa.prepare(fa.init(cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                          loss_fn=loss_fn, pipeline=fa.compose(local_sgd(5)))
+        return fa.prepare(
+            fa.init(cpu=True),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loss_fn=loss_fn,
+            pipeline=fa.compose(local_sgd(5)),
+        )
 
     state = prepared()
     for batch in _my_batches(0)[:3]:

@@ -25,13 +25,16 @@ def world4(worlds: Any) -> Any:
     return worlds.get(4)
 
 
-def assert_trained_like_reference(results: list[dict[str, Any]], global_batch: int, num_steps: int,
-                                  atol: float) -> None:
+def assert_trained_like_reference(
+    results: list[dict[str, Any]], global_batch: int, num_steps: int, atol: float
+) -> None:
     weights, norms, outputs = fns.reference(global_batch, num_steps)
     for rank, seen in enumerate(results):
         assert seen["weights"].keys() == weights.keys()
         for name, expected in weights.items():
-            torch.testing.assert_close(seen["weights"][name], expected, atol=atol, rtol=0, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(
+                seen["weights"][name], expected, atol=atol, rtol=0, msg=f"rank {rank} {name}"
+            )
             assert torch.equal(seen["reloaded"][name], seen["weights"][name]), f"rank {rank} {name} reloaded"
         torch.testing.assert_close(torch.tensor(seen["norms"]), torch.tensor(norms), atol=atol, rtol=0)
         assert max(norms) > fns.MAX_NORM  # clipping was active: the global norm mattered
@@ -55,8 +58,9 @@ def test_tp_on_two_ranks_equals_the_unsharded_model(world2: Any, tmp_path: Path)
 
 def test_fsdp_plus_tp_on_a_2x2_mesh_equals_one_process(world4: Any, tmp_path: Path) -> None:
     """With activation checkpointing between them (tp, checkpoint_activations, fsdp)."""
-    results = world4.run(fns.train_on_mesh, {"dp_shard_size": 2, "tp_size": 2}, "fsdp+tp", 5, 4,
-                         str(tmp_path / "fsdp_tp"))
+    results = world4.run(
+        fns.train_on_mesh, {"dp_shard_size": 2, "tp_size": 2}, "fsdp+tp", 5, 4, str(tmp_path / "fsdp_tp")
+    )
     assert_trained_like_reference(results, global_batch=8, num_steps=5, atol=1e-5)
     batches = [r["batches"] for r in results]
     assert batches[0] == batches[1] and batches[2] == batches[3] and batches[0] != batches[2]
@@ -64,8 +68,9 @@ def test_fsdp_plus_tp_on_a_2x2_mesh_equals_one_process(world4: Any, tmp_path: Pa
 
 
 def test_hsdp_on_a_2x2_mesh_equals_one_process(world4: Any, tmp_path: Path) -> None:
-    results = world4.run(fns.train_on_mesh, {"dp_replicate_size": 2, "dp_shard_size": 2}, "hsdp", 5, 2,
-                         str(tmp_path / "hsdp"))
+    results = world4.run(
+        fns.train_on_mesh, {"dp_replicate_size": 2, "dp_shard_size": 2}, "hsdp", 5, 2, str(tmp_path / "hsdp")
+    )
     assert_trained_like_reference(results, global_batch=8, num_steps=5, atol=1e-5)
     assert len({str(r["batches"]) for r in results}) == 4  # four data-parallel ranks, four shards
 
@@ -77,8 +82,14 @@ def test_the_mesh_names_its_dimensions_and_the_accessors_agree(world4: Any) -> N
     results = world4.run(fns.mesh_facts, {"dp_replicate_size": 2, "tp_size": 2})
     assert [r["names"] for r in results] == [("dp_replicate", "tp")] * 4  # dp_shard 1: left out
     assert [r["dp"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
-    assert results[0]["dims"] == {"pp": None, "dp_replicate": [0, 2], "dp_shard": None, "cp": None,
-                                  "tp": [0, 1], "dp": [0, 2]}
+    assert results[0]["dims"] == {
+        "pp": None,
+        "dp_replicate": [0, 2],
+        "dp_shard": None,
+        "cp": None,
+        "tp": [0, 1],
+        "dp": [0, 2],
+    }
     assert results[3]["dims"]["tp"] == [2, 3] and results[3]["dims"]["dp"] == [1, 3]
     assert all(r["dp_sum"] == 2.0 for r in results)  # reduced over the data-parallel group only
     # from_process counts the group's ranks: its rank 1 is global rank 2 (group 0, 2) or 3 (group 1, 3)
@@ -105,8 +116,9 @@ def test_sizes_that_do_not_multiply_to_the_world_fail_at_init() -> None:
 
 
 def test_context_parallel_is_accepted_in_config_and_refused_on_cpu_with_the_reason() -> None:
-    config = fa.ParallelismConfig.from_config({"parallelism_config_cp_size": 1,
-                                               "parallelism_config_cp_comm_strategy": "alltoall"})
+    config = fa.ParallelismConfig.from_config(
+        {"parallelism_config_cp_size": 1, "parallelism_config_cp_comm_strategy": "alltoall"}
+    )
     assert config.cp_comm_strategy == "alltoall"
     with pytest.raises(fa.ConfigError, match="_scaled_dot_product_flash_attention_for_cpu.*set cp_size=1"):
         fa.init(cpu=True, parallelism=fa.ParallelismConfig(cp_size=2))
@@ -124,8 +136,12 @@ def test_a_world_of_one_has_no_mesh_and_is_its_own_data_parallel_group() -> None
 
 
 def test_the_config_section_reads_accelerates_keys_and_refuses_others() -> None:
-    section = {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": "2",
-               "parallelism_config_tp_size": 1, "parallelism_config_cp_size": 1}
+    section = {
+        "parallelism_config_dp_replicate_size": 2,
+        "parallelism_config_dp_shard_size": "2",
+        "parallelism_config_tp_size": 1,
+        "parallelism_config_cp_size": 1,
+    }
     config = fa.ParallelismConfig.from_config(section)
     assert (config.dp_replicate_size, config.dp_shard_size) == (2, 2)
     assert fa.ParallelismConfig.from_config(config.to_config()) == config
@@ -140,8 +156,13 @@ def test_the_config_section_reads_accelerates_keys_and_refuses_others() -> None:
 
 def _saved_bytes_and_grads(pipeline: fa.Pipeline) -> tuple[int, dict[str, torch.Tensor], float]:
     model = fns.make_model()
-    state = fa.prepare(fa.init(cpu=True, seed=0), model, torch.optim.SGD(model.parameters(), lr=fns.LR),
-                       pipeline=pipeline, loss_fn=fns.loss_fn)
+    state = fa.prepare(
+        fa.init(cpu=True, seed=0),
+        model,
+        torch.optim.SGD(model.parameters(), lr=fns.LR),
+        pipeline=pipeline,
+        loss_fn=fns.loss_fn,
+    )
     x, y = fns.data().tensors
     saved = [0]
 
@@ -155,8 +176,12 @@ def _saved_bytes_and_grads(pipeline: fa.Pipeline) -> tuple[int, dict[str, torch.
     return saved[0], {n: p.grad.clone() for n, p in model.named_parameters()}, float(loss.detach())
 
 
-@pytest.mark.parametrize("classes", [(), ("Block",), (fns.Block,)], ids=["every-block", "by-name", "by-class"])
-def test_activation_checkpointing_changes_no_result_and_keeps_fewer_activations(classes: tuple[Any, ...]) -> None:
+@pytest.mark.parametrize(
+    "classes", [(), ("Block",), (fns.Block,)], ids=["every-block", "by-name", "by-class"]
+)
+def test_activation_checkpointing_changes_no_result_and_keeps_fewer_activations(
+    classes: tuple[Any, ...],
+) -> None:
     plain_bytes, plain_grads, plain_loss = _saved_bytes_and_grads(fa.compose())
     bytes_, grads, loss = _saved_bytes_and_grads(fa.compose(fa.checkpoint_activations(*classes)))
     assert loss == plain_loss
@@ -178,10 +203,18 @@ def test_checkpointing_a_class_the_model_lacks_is_refused() -> None:
 
 def test_compose_puts_tp_before_checkpointing_before_fsdp() -> None:
     tp = fa.tp(fns.tp_plan())
-    assert fa.compose(tp, fa.checkpoint_activations(), fa.fsdp()).names == ("tp", "checkpoint_activations", "fsdp")
-    with pytest.raises(ValueError, match=r"tp\(plan=\['blocks.\*.up', 'blocks.\*.down'\]\) must come before fsdp"):
+    assert fa.compose(tp, fa.checkpoint_activations(), fa.fsdp()).names == (
+        "tp",
+        "checkpoint_activations",
+        "fsdp",
+    )
+    with pytest.raises(
+        ValueError, match=r"tp\(plan=\['blocks.\*.up', 'blocks.\*.down'\]\) must come before fsdp"
+    ):
         fa.compose(fa.fsdp(), tp)
-    with pytest.raises(ValueError, match=r"cannot be combined; ddp\(\) replicates whole parameters; use fa.fsdp\(\)"):
+    with pytest.raises(
+        ValueError, match=r"cannot be combined; ddp\(\) replicates whole parameters; use fa.fsdp\(\)"
+    ):
         fa.compose(tp, fa.ddp())
 
 
@@ -193,5 +226,8 @@ def test_a_tp_plan_must_hold_parallel_styles_and_name_real_modules() -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     with pytest.raises(ValueError, match=r"'blocks.\*.gate', which is no submodule"):
-        fa.prepare(fa.init(cpu=True), fns.make_model(),
-                   pipeline=fa.compose(fa.tp({"blocks.*.gate": ColwiseParallel()})))
+        fa.prepare(
+            fa.init(cpu=True),
+            fns.make_model(),
+            pipeline=fa.compose(fa.tp({"blocks.*.gate": ColwiseParallel()})),
+        )

@@ -90,8 +90,14 @@ def train_with_a_nan(state: fa.RunState, variant: str) -> dict[str, Any]:
         "clip": [fa.ddp(), fa.clip_grad_norm(1.0)],
         "fp16": [fa.autocast(fa.fp16), fa.grad_scaler(), fa.ddp()],
     }[variant]
-    state = fa.prepare(state, model, opt, scheduler=sched, pipeline=fa.compose(*parts, fa.skip_nonfinite(3)),
-                       loss_fn=lambda m, b: _loss(m, b[0], b[1]) + b[2])  # + NaN or + 0.0 (no bit changes)
+    state = fa.prepare(
+        state,
+        model,
+        opt,
+        scheduler=sched,
+        pipeline=fa.compose(*parts, fa.skip_nonfinite(3)),
+        loss_fn=lambda m, b: _loss(m, b[0], b[1]) + b[2],
+    )  # + NaN or + 0.0 (no bit changes)
     skipped, collectives, grad_norms, cleared = [], [], [], []
     for i, (x, y) in enumerate(_batches(rank, NUM_UPDATES * accumulate)):
         poison = NAN if rank == 1 and i == BAD * accumulate else 0.0
@@ -118,12 +124,15 @@ def train_with_a_nan(state: fa.RunState, variant: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("variant", ["ddp", "accumulate", "clip", "fp16"])
 def test_a_nan_on_one_rank_skips_the_update_on_both_as_a_hand_loop_that_skips_it(
-        world2: Any, variant: str) -> None:
+    world2: Any, variant: str
+) -> None:
     results = world2.run(train_with_a_nan, variant)
     want = [update == BAD for update in range(NUM_UPDATES)]
     for rank, result in enumerate(results):
         assert result["skipped"] == want, (rank, result["skipped"])
-        assert result["equal"], f"rank {rank}: the weights differ from the hand loop that skipped update {BAD}"
+        assert result["equal"], (
+            f"rank {rank}: the weights differ from the hand loop that skipped update {BAD}"
+        )
         assert result["cleared"] == want  # a skipped update leaves no gradients behind
         assert result["count"] == {"num_skipped": 1, "num_consecutive": 0}
         assert result["step"] == NUM_UPDATES  # a skipped update is still an update: the data moved on
@@ -145,7 +154,9 @@ def train_fsdp_with_one_nan_element(state: fa.RunState) -> dict[str, Any]:
     model = make_model(dropout=0.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.9**n)
-    state = fa.prepare(state, model, opt, scheduler=sched, pipeline=fa.compose(fa.fsdp(), fa.skip_nonfinite()))
+    state = fa.prepare(
+        state, model, opt, scheduler=sched, pipeline=fa.compose(fa.fsdp(), fa.skip_nonfinite())
+    )
     skipped = []
     for update, (x, y) in enumerate(_batches(rank, NUM_UPDATES)):
         state = fa.backward(state, _loss(state.model, x, y))  # type: ignore[arg-type]
@@ -169,8 +180,10 @@ def train_until_the_limit(state: fa.RunState) -> str:
     """A prepared loader; rank 1's loss NaN from its 4th batch on: updates 3, 4, 5 skip
     and the third in a row raises."""
     rank = state.dist.rank
-    data = TensorDataset(torch.randn(80, 8, generator=torch.Generator().manual_seed(3)),
-                         torch.randint(0, 4, (80,), generator=torch.Generator().manual_seed(4)))
+    data = TensorDataset(
+        torch.randn(80, 8, generator=torch.Generator().manual_seed(3)),
+        torch.randint(0, 4, (80,), generator=torch.Generator().manual_seed(4)),
+    )
     calls = [0]
 
     def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -179,8 +192,14 @@ def train_until_the_limit(state: fa.RunState) -> str:
         return loss * NAN if rank == 1 and calls[0] > 3 else loss
 
     model = make_model(dropout=0.0)
-    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=4),
-                       pipeline=fa.compose(fa.ddp(), fa.skip_nonfinite(max_consecutive=3)), loss_fn=loss_fn)
+    state = fa.prepare(
+        state,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        DataLoader(data, batch_size=4),
+        pipeline=fa.compose(fa.ddp(), fa.skip_nonfinite(max_consecutive=3)),
+        loss_fn=loss_fn,
+    )
     steps = []
     try:
         for batch in fa.batches(state):
@@ -197,11 +216,14 @@ def test_max_consecutive_skips_raise_on_every_rank_naming_the_step_and_the_data_
     messages = world2.run(train_until_the_limit)
     for message in messages:
         assert "3 updates in a row had a NaN or inf loss or gradients (max_consecutive=3)" in message
-        assert "update 5 (state.step), whose last batch ends at data position DataPosition(epoch=0, num_batches=6" \
+        assert (
+            "update 5 (state.step), whose last batch ends at data position DataPosition(epoch=0, num_batches=6"
             in message
+        )
 
 
 # One process from here on: the parts of the contract that need no reduction.
+
 
 def _nan_rows(batches: set[int]) -> TensorDataset:
     """Batches of 4 rows; every row of the listed batches is NaN."""
@@ -214,9 +236,14 @@ def _nan_rows(batches: set[int]) -> TensorDataset:
 def _resumable_run() -> fa.RunState:
     model = make_model(dropout=0.1)  # dropout: the run's RNG resumes too
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return fa.prepare(fa.init(seed=0, cpu=True), model, opt, DataLoader(_nan_rows({1, 4, 5}), batch_size=4),
-                      pipeline=fa.compose(fa.clip_grad_norm(1.0), fa.skip_nonfinite(max_consecutive=2)),
-                      loss_fn=lambda m, b: _loss(m, *b))
+    return fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        opt,
+        DataLoader(_nan_rows({1, 4, 5}), batch_size=4),
+        pipeline=fa.compose(fa.clip_grad_norm(1.0), fa.skip_nonfinite(max_consecutive=2)),
+        loss_fn=lambda m, b: _loss(m, *b),
+    )
 
 
 def _run_to_the_limit(state: fa.RunState, save_at: Path | None = None) -> tuple[list[bool], str]:
@@ -234,8 +261,10 @@ def test_the_count_resumes_exactly_and_the_resumed_run_stops_where_the_whole_run
     whole = _resumable_run()
     skipped, message = _run_to_the_limit(whole, tmp_path / "ckpt")
     assert skipped == [False, True, False, False, True]  # batch 5 makes two in a row: it raises
-    assert "update 5 (state.step), whose last batch ends at data position DataPosition(epoch=0, num_batches=6" \
+    assert (
+        "update 5 (state.step), whose last batch ends at data position DataPosition(epoch=0, num_batches=6"
         in message
+    )
     resumed = fa.load(_resumable_run(), tmp_path / "ckpt")  # saved with one skip in a row pending
     assert resumed.transform_states["skip_nonfinite"].state_dict() == {"num_skipped": 2, "num_consecutive": 1}
     after, resumed_message = _run_to_the_limit(resumed)
@@ -246,7 +275,8 @@ def test_the_count_resumes_exactly_and_the_resumed_run_stops_where_the_whole_run
 
 
 def test_after_the_limit_the_state_held_counts_what_was_applied_and_its_save_resumes_exactly(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Before: the state left in the caller's hands when fa.step raised counted the failed update
     (step 5, num_skipped 3, 2 in a row) and fa.save wrote that."""
     held = _resumable_run()
@@ -266,15 +296,23 @@ def test_after_the_limit_the_state_held_counts_what_was_applied_and_its_save_res
     # resumed, it meets the same batch and stops as the whole run did, at the same update
     resumed = fa.load(_resumable_run(), tmp_path / "after_the_error")
     after, message = _run_to_the_limit(resumed)
-    assert after == [] and "update 5 (state.step), whose last batch ends at data position DataPosition(epoch=0, " \
-        "num_batches=6" in message
+    assert (
+        after == []
+        and "update 5 (state.step), whose last batch ends at data position DataPosition(epoch=0, "
+        "num_batches=6"
+        in message
+    )
 
 
 def test_without_the_transform_a_nan_batch_poisons_every_weight() -> None:
     """What the transform is for: PyTorch's own loop, and fa.step without it, go NaN."""
     model = make_model(dropout=0.0)
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       loss_fn=lambda m, b: _loss(m, *b))
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=lambda m, b: _loss(m, *b),
+    )
     state, _ = fa.step(state, (torch.full((4, 8), NAN), torch.zeros(4, dtype=torch.long)))
     assert not any(torch.isfinite(p).any() for p in model.parameters())
 
@@ -283,9 +321,14 @@ def test_a_finite_run_is_bit_for_bit_the_run_without_it() -> None:
     runs = []
     for pipeline in (fa.compose(fa.accumulate(2)), fa.compose(fa.accumulate(2), fa.skip_nonfinite())):
         model = make_model(dropout=0.1)
-        state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                           DataLoader(_nan_rows(set()), batch_size=4), pipeline=pipeline,
-                           loss_fn=lambda m, b: _loss(m, *b))
+        state = fa.prepare(
+            fa.init(seed=0, cpu=True),
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            DataLoader(_nan_rows(set()), batch_size=4),
+            pipeline=pipeline,
+            loss_fn=lambda m, b: _loss(m, *b),
+        )
         for batch in fa.batches(state):
             state, _ = fa.step(state, batch)
         runs.append([p.detach() for p in model.parameters()])
@@ -301,8 +344,9 @@ def test_bad_arguments_and_combinations_are_refused_with_the_fix() -> None:
     assert repr(fa.skip_nonfinite(max_consecutive=5)) == "skip_nonfinite(max_consecutive=5)"
     state = fa.init(seed=0, cpu=True)
     model = make_model()
-    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       pipeline=fa.compose(fa.skip_nonfinite()))
+    state = fa.prepare(
+        state, model, torch.optim.SGD(model.parameters(), lr=0.1), pipeline=fa.compose(fa.skip_nonfinite())
+    )
     with pytest.raises(ValueError, match="num_consecutive"):
         state.transform_states["skip_nonfinite"].load_state_dict({"num_skipped": 1, "num_consecutive": 2})
 
@@ -310,10 +354,14 @@ def test_bad_arguments_and_combinations_are_refused_with_the_fix() -> None:
 def test_a_save_inside_the_window_keeps_its_nan_and_the_resumed_run_skips_that_update(tmp_path: Path) -> None:
     def run() -> fa.RunState:
         model = make_model(dropout=0.0)
-        return fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                          DataLoader(_nan_rows({2}), batch_size=4),
-                          pipeline=fa.compose(fa.accumulate(2), fa.skip_nonfinite()),
-                          loss_fn=lambda m, b: _loss(m, *b))
+        return fa.prepare(
+            fa.init(seed=0, cpu=True),
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            DataLoader(_nan_rows({2}), batch_size=4),
+            pipeline=fa.compose(fa.accumulate(2), fa.skip_nonfinite()),
+            loss_fn=lambda m, b: _loss(m, *b),
+        )
 
     def updates(state: fa.RunState, save_at: int | None = None) -> tuple[fa.RunState, list[bool]]:
         skipped = []
@@ -329,5 +377,11 @@ def test_a_save_inside_the_window_keeps_its_nan_and_the_resumed_run_skips_that_u
     assert skipped == [False, True, False, False, False]
     resumed, rest = updates(fa.load(run(), tmp_path / "ckpt"))
     assert rest == skipped[1:]
-    assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters(),  # type: ignore[union-attr]
-                                                  strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            whole.model.parameters(),
+            resumed.model.parameters(),  # type: ignore[union-attr]
+            strict=True,
+        )
+    )

@@ -42,8 +42,11 @@ def _every_factory() -> list[tuple[Transform | Collective, Phase]]:
 
 def test_every_factory_takes_its_place_from_the_table() -> None:
     placed = _every_factory()
-    wrong = {repr(t): (t.phase, phase) for t, phase in placed
-             if not isinstance(t.phase, Phase) or t.phase is not phase}
+    wrong = {
+        repr(t): (t.phase, phase)
+        for t, phase in placed
+        if not isinstance(t.phase, Phase) or t.phase is not phase
+    }
     assert not wrong, wrong
 
 
@@ -55,19 +58,34 @@ def test_the_table_reads_in_pipeline_order() -> None:
 
 def test_the_table_orders_a_pipeline_written_backwards() -> None:
     """compose names the first transform out of order and prints the call in the table's order."""
-    written = (fa.compile(), fa.clip_grad_norm(1.0), fa.accumulate(4), fa.ddp(),
-               fa.checkpoint_activations(), fa.autocast(fa.bf16))
+    written = (
+        fa.compile(),
+        fa.clip_grad_norm(1.0),
+        fa.accumulate(4),
+        fa.ddp(),
+        fa.checkpoint_activations(),
+        fa.autocast(fa.bf16),
+    )
     with pytest.raises(ValueError) as info:
         fa.compose(*written)
     assert str(info.value) == (
         "compose: clip_grad_norm(max_norm=1.0) must come before compile(); write compose(autocast("
         "dtype=torch.bfloat16), checkpoint_activations(), ddp(), accumulate(num_steps=4), "
-        "clip_grad_norm(max_norm=1.0), compile())")
-    merged = fa.compose(fa.compose(fa.accumulate(4), fa.compile()),
-                        fa.compose(fa.autocast(fa.bf16), fa.ddp()),
-                        fa.compose(fa.checkpoint_activations(), fa.clip_grad_norm(1.0)))
+        "clip_grad_norm(max_norm=1.0), compile())"
+    )
+    merged = fa.compose(
+        fa.compose(fa.accumulate(4), fa.compile()),
+        fa.compose(fa.autocast(fa.bf16), fa.ddp()),
+        fa.compose(fa.checkpoint_activations(), fa.clip_grad_norm(1.0)),
+    )
     assert merged.names == (
-        "autocast", "checkpoint_activations", "ddp", "accumulate", "clip_grad_norm", "compile")
+        "autocast",
+        "checkpoint_activations",
+        "ddp",
+        "accumulate",
+        "clip_grad_norm",
+        "compile",
+    )
 
 
 def test_a_transform_of_ones_own_takes_a_place_between_two() -> None:

@@ -17,8 +17,9 @@ def _assert_matches(result: dict[str, Any], expected: dict[str, Any]) -> None:
     assert result["params"], "every rank holds a stage"
     for name, value in result["params"].items():
         torch.testing.assert_close(value, expected["params"][name], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(torch.stack(result["losses"]), torch.stack(expected["losses"]),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        torch.stack(result["losses"]), torch.stack(expected["losses"]), rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
@@ -27,7 +28,7 @@ def test_each_schedule_equals_the_unsplit_model(world2: Any, schedule: str) -> N
     results = world2.run(jobs.train, 4, schedule)
     held = [sorted(r["params"]) for r in results]
     assert sorted(held[0] + held[1]) == sorted(expected["params"]), "the stages cover the model once"
-    for result, names in zip(results, held):
+    for result, names in zip(results, held, strict=False):
         assert result["optimizer_holds"] == names and result["step"] == 4
         _assert_matches(result, expected)
 
@@ -45,13 +46,17 @@ def test_a_saved_pipeline_resumes_bit_for_bit(world2: Any, tmp_path: Path) -> No
     straight = world2.run(jobs.save_and_continue, path, "Interleaved1F1B")
     resumed = world2.run(jobs.resume, path, "Interleaved1F1B")
     resumed_async = world2.run(jobs.resume, f"{path}-async", "Interleaved1F1B")
-    for a, b in zip(straight * 2, resumed + resumed_async):
+    for a, b in zip(straight * 2, resumed + resumed_async, strict=False):
         assert b["step"] == 4 and a["params"].keys() == b["params"].keys()
         for name in a["params"]:
             assert torch.equal(a["params"][name], b["params"][name]), name
-        assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["losses"], b["losses"], strict=False))
     assert sorted(p.name for p in (tmp_path / "ckpt" / "sharded").iterdir()) == [
-        "metadata.json", "rank0.safetensors", "rank1.safetensors", "state.json"]
+        "metadata.json",
+        "rank0.safetensors",
+        "rank1.safetensors",
+        "state.json",
+    ]
     from safetensors.torch import load_file
 
     weights = load_file(tmp_path / "ckpt-model" / "model.safetensors")
@@ -67,18 +72,21 @@ def test_another_stage_layout_is_refused_on_resume(world2: Any, tmp_path: Path) 
         world2.run(jobs.resume, path, "1F1B")
 
 
-@pytest.mark.parametrize(("case", "message"), [
-    ("too_many_stages", "10 stages cannot be made from a model of 8 children"),
-    ("stages_per_rank", "needs exactly 2 stages, got 3"),
-    ("bad_split_point", "must name children after the first, in increasing order"),
-    ("not_sequential", "splits an nn.Sequential into stages, got a ModuleList"),
-    ("tied", "tied weights across stages"),
-    ("microbatches", "divides into num_microbatches=4 equal micro-batches"),
-    ("loader", "DataLoaderConfiguration(shard=False)"),
-    ("prepare_loss_fn", "drop fa.prepare's loss_fn"),
-    ("late_optimizer", "build it from state.model.parameters()"),
-    ("no_pp", "pp_size=2 but compose(ddp()) has no transform over its pp dimension; add fa.pp(loss_fn="),
-])
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("too_many_stages", "10 stages cannot be made from a model of 8 children"),
+        ("stages_per_rank", "needs exactly 2 stages, got 3"),
+        ("bad_split_point", "must name children after the first, in increasing order"),
+        ("not_sequential", "splits an nn.Sequential into stages, got a ModuleList"),
+        ("tied", "tied weights across stages"),
+        ("microbatches", "divides into num_microbatches=4 equal micro-batches"),
+        ("loader", "DataLoaderConfiguration(shard=False)"),
+        ("prepare_loss_fn", "drop fa.prepare's loss_fn"),
+        ("late_optimizer", "build it from state.model.parameters()"),
+        ("no_pp", "pp_size=2 but compose(ddp()) has no transform over its pp dimension; add fa.pp(loss_fn="),
+    ],
+)
 def test_invalid_setups_are_refused_with_the_fix(world2: Any, case: str, message: str) -> None:
     for result in world2.run(jobs.refused, case):
         assert message in result
@@ -100,10 +108,12 @@ def test_autocast_runs_each_stage_under_it(world2: Any) -> None:
     for result in world2.run(jobs.train_bf16, 3):
         for name, value in result["params"].items():
             torch.testing.assert_close(value, expected["params"][name], rtol=1e-3, atol=1e-3)
-        torch.testing.assert_close(torch.stack(result["losses"]), torch.stack(expected["losses"]),
-                                   rtol=1e-3, atol=1e-3)
-        assert not torch.allclose(torch.stack(result["losses"]), torch.stack(full_precision["losses"][:3]),
-                                  rtol=1e-4, atol=1e-4), "bf16 changed the losses"
+        torch.testing.assert_close(
+            torch.stack(result["losses"]), torch.stack(expected["losses"]), rtol=1e-3, atol=1e-3
+        )
+        assert not torch.allclose(
+            torch.stack(result["losses"]), torch.stack(full_precision["losses"][:3]), rtol=1e-4, atol=1e-4
+        ), "bf16 changed the losses"
 
 
 @pytest.mark.parametrize("mesh", [False, True], ids=["shard=False", "pp-mesh"])
@@ -132,13 +142,18 @@ def test_in_a_world_of_one_a_pp_checkpoint_is_a_plain_one(tmp_path: Path) -> Non
 
 def test_pp_refuses_what_its_schedule_cannot_do() -> None:
     pp = fa.pp(loss_fn=F.cross_entropy, num_microbatches=2)
-    for other, reason in ((fa.ddp(), "no data-parallel dimension"), (fa.compile(), "no compile"),
-                          (fa.grad_scaler(), "no fp16 loss scaling"), (fa.local_sgd(4), "local_sgd")):
+    for other, reason in (
+        (fa.ddp(), "no data-parallel dimension"),
+        (fa.compile(), "no compile"),
+        (fa.grad_scaler(), "no fp16 loss scaling"),
+        (fa.local_sgd(4), "local_sgd"),
+    ):
         with pytest.raises(ValueError, match=reason):
             fa.compose(pp, other)
     model = jobs.make_model()
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       pipeline=fa.compose(pp))
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), pipeline=fa.compose(pp)
+    )
     x, y = jobs.batches(1)[0]
     with pytest.raises(ValueError, match="call fa.step"):
         fa.backward(state, x.sum())
@@ -148,7 +163,8 @@ def test_pp_refuses_what_its_schedule_cannot_do() -> None:
         fa.step(state, x)
     model = jobs.make_model()
     items = fa.compose(pp, fa.accumulate(2, normalize="items"))
-    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                       pipeline=items)
+    state = fa.prepare(
+        fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), pipeline=items
+    )
     with pytest.raises(ValueError, match="normalize='items'"):
         fa.step(state, (x, y))

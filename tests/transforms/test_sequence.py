@@ -29,7 +29,10 @@ def _per_step(results: list[dict[str, Any]], accumulate: int = 1) -> list[list[d
     """Each update's batches, one per data-parallel rank (the sp rank 0 of each group), as read."""
     readers = [r for r in results if r["sp"] == 0]
     num_steps = len(readers[0]["batches"]) // accumulate
-    return [[b for r in readers for b in r["batches"][s * accumulate:(s + 1) * accumulate]] for s in range(num_steps)]
+    return [
+        [b for r in readers for b in r["batches"][s * accumulate : (s + 1) * accumulate]]
+        for s in range(num_steps)
+    ]
 
 
 def _assert_like(results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
@@ -37,15 +40,20 @@ def _assert_like(results: list[dict[str, Any]], expected: dict[str, Any]) -> Non
         assert len(result["grads"]) == len(expected["grads"])
         for step, (got, want) in enumerate(zip(result["grads"], expected["grads"], strict=True)):
             for name, value in want.items():
-                torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-7,
-                                           msg=lambda m, n=name, s=step, r=rank: f"rank {r} step {s} {n}: {m}")
+                torch.testing.assert_close(
+                    got[name],
+                    value,
+                    rtol=1e-6,
+                    atol=1e-7,
+                    msg=lambda m, n=name, s=step, r=rank: f"rank {r} step {s} {n}: {m}",
+                )
         for name, value in expected["weights"].items():
             torch.testing.assert_close(result["weights"][name], value, rtol=1e-6, atol=1e-7)
 
 
 def _same_batch_per_group(results: list[dict[str, Any]], sp_size: int) -> None:
     for start in range(0, len(results), sp_size):
-        group = results[start:start + sp_size]
+        group = results[start : start + sp_size]
         for other in group[1:]:
             for a, b in zip(group[0]["batches"], other["batches"], strict=True):
                 assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -70,12 +78,16 @@ def test_sp2_equals_one_process_on_the_whole_sequence(world2: Any) -> None:
     expected = fns.reference(_per_step(results), clip=False)
     _assert_like(results, expected)
     for result in results:  # the reported loss is the whole batch's, on each rank
-        torch.testing.assert_close(torch.stack(result["losses"]), torch.stack(expected["losses"]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            torch.stack(result["losses"]), torch.stack(expected["losses"]), rtol=1e-6, atol=0
+        )
     # evaluation runs the whole sequence on every rank (the batch is not split): every sample once
     model = fns.make_model()
     model.load_state_dict(expected["weights"])
     with torch.no_grad():
-        whole = fns.per_row_loss(model, {k: torch.stack([s[k] for s in fns.Tokens()]) for k in ("input_ids", "labels")})
+        whole = fns.per_row_loss(
+            model, {k: torch.stack([s[k] for s in fns.Tokens()]) for k in ("input_ids", "labels")}
+        )
     for result in results:
         torch.testing.assert_close(result["evaluated"], whole, rtol=1e-5, atol=1e-5)
 
@@ -106,7 +118,9 @@ def test_sp4_with_packed_sequences_and_a_users_attention_equals_one_process(worl
     the attention is the user's own function, marked with ulysses_attention."""
     results = world4.run(fns.train, {"sp_size": 4}, 2, packed=True, clip=True, custom=True)
     _same_batch_per_group(results, 4)
-    assert {tuple(b["position_ids"][0, :8].tolist()) for b in results[0]["batches"]} == {(0, 1, 2, 3, 4, 5, 6, 0)}
+    assert {tuple(b["position_ids"][0, :8].tolist()) for b in results[0]["batches"]} == {
+        (0, 1, 2, 3, 4, 5, 6, 0)
+    }
     _assert_like(results, fns.reference(_per_step(results), clip=True, custom=True))
 
 
@@ -153,8 +167,13 @@ def test_sp_in_a_world_of_one_is_the_plain_step() -> None:
     state = fa.init(cpu=True, seed=0)
     try:
         model = fns.make_model()
-        state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=fns.LR),
-                           loss_fn=lambda m, b: fns.loss_fn(m, fns.with_positions(b)), pipeline=fa.sp())
+        state = fa.prepare(
+            state,
+            model,
+            torch.optim.SGD(model.parameters(), lr=fns.LR),
+            loss_fn=lambda m, b: fns.loss_fn(m, fns.with_positions(b)),
+            pipeline=fa.sp(),
+        )
         batch = {k: torch.stack([fns.Tokens()[i][k] for i in range(2)]) for k in ("input_ids", "labels")}
         state, _ = fa.step(state, batch)
         expected = fns.reference([[batch]], clip=False)["weights"]
@@ -174,15 +193,20 @@ def test_sp_size_is_a_mesh_dimension_read_from_accelerates_keys_and_the_launch_f
     assert [layout.coordinates(rank)["sp"] for rank in range(4)] == [0, 1, 0, 1]
     # the two ranks of an sp group are one data-parallel rank: they read one batch
     assert [data_parallel(DistContext(num_processes=4, rank=r, parallelism=layout)) for r in range(4)] == [
-        (0, 2), (0, 2), (1, 2), (1, 2)]
+        (0, 2),
+        (0, 2),
+        (1, 2),
+        (1, 2),
+    ]
     config = fa.ParallelismConfig.from_config({"parallelism_config_sp_size": "2"})
     assert config.sp_size == 2 and fa.ParallelismConfig.from_config(config.to_config()) == config
     with pytest.raises(ValueError, match="sp_size must be a positive int"):
         fa.ParallelismConfig(sp_size=0)
     with pytest.raises(fa.ConfigError, match="sp_size=2 x tp_size=1 = 2, but the run has 1 processes"):
         fa.init(cpu=True, parallelism=fa.ParallelismConfig(dp_shard_size=1, sp_size=2))
-    args = build_parser().parse_args(["launch", "--cpu", "--num_processes", "4", "--parallelism_config_sp_size", "2",
-                                      "train.py"])
+    args = build_parser().parse_args(
+        ["launch", "--cpu", "--num_processes", "4", "--parallelism_config_sp_size", "2", "train.py"]
+    )
     launched = resolve(args)
     assert launched.parallelism_config == {"parallelism_config_sp_size": 2}
     assert launch_environment(args, launched)["FNACCEL_PARALLELISM_CONFIG_SP_SIZE"] == "2"

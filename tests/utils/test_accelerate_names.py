@@ -29,7 +29,9 @@ from fnaccel.utils import (
 
 
 def _accelerate_utils() -> Any:
-    return pytest.importorskip("accelerate.utils", reason="accelerate is not installed (the bench extra has it)")
+    return pytest.importorskip(
+        "accelerate.utils", reason="accelerate is not installed (the bench extra has it)"
+    )
 
 
 class Quantized(NamedTuple):
@@ -62,16 +64,28 @@ def test_is_namedtuple_agrees_with_accelerate() -> None:
     from accelerate.utils.operations import is_namedtuple as theirs
 
     del au
-    values = [Quantized(torch.ones(1), None), Subclassed(torch.ones(1), None), Point(1, 2), (1, 2), "hey",
-              object(), torch.max(torch.ones(2, 2), 1), [1, 2]]
+    values = [
+        Quantized(torch.ones(1), None),
+        Subclassed(torch.ones(1), None),
+        Point(1, 2),
+        (1, 2),
+        "hey",
+        object(),
+        torch.max(torch.ones(2, 2), 1),
+        [1, 2],
+    ]
     assert [is_namedtuple(v) for v in values] == [theirs(v) for v in values]
 
 
-@pytest.mark.parametrize("tree", [
-    Quantized(torch.arange(4.0), None),
-    Subclassed(torch.arange(4.0), torch.ones(4)),
-    Point(torch.arange(4), [torch.ones(4), 3]),
-], ids=["typing.NamedTuple", "subclass", "collections.namedtuple"])
+@pytest.mark.parametrize(
+    "tree",
+    [
+        Quantized(torch.arange(4.0), None),
+        Subclassed(torch.arange(4.0), torch.ones(4)),
+        Point(torch.arange(4), [torch.ones(4), 3]),
+    ],
+    ids=["typing.NamedTuple", "subclass", "collections.namedtuple"],
+)
 def test_named_tuples_are_rebuilt_with_their_own_type(tree: Any) -> None:
     doubled = recursively_apply(lambda t: t * 2, tree)
     assert type(doubled) is type(tree) and torch.equal(doubled[0], tree[0] * 2)
@@ -88,14 +102,17 @@ def test_named_tuples_are_rebuilt_with_their_own_type(tree: Any) -> None:
 
 
 def test_error_on_other_type_names_the_type_the_function_and_the_test() -> None:
-    def tensor(t: torch.Tensor) -> torch.Tensor:  # Accelerate's test passes torch.tensor, which warns on a tensor
+    def tensor(
+        t: torch.Tensor,
+    ) -> torch.Tensor:  # Accelerate's test passes torch.tensor, which warns on a tensor
         return t
 
     with pytest.raises(TypeError) as info:
         recursively_apply(tensor, (torch.tensor(1), 1), error_on_other_type=True)
     assert str(info.value) == (  # Accelerate's message, word for word
         "Unsupported types (<class 'int'>) passed to `tensor`. Only nested list/tuple/dicts of objects that "
-        "are valid for `is_torch_tensor` should be passed.")
+        "are valid for `is_torch_tensor` should be passed."
+    )
 
 
 # find_device
@@ -112,18 +129,38 @@ def test_find_device_returns_the_first_tensors_device_or_none() -> None:
 
 def test_find_device_agrees_with_accelerate() -> None:
     au = _accelerate_utils()
-    trees = [[1, "a", torch.ones(1)], {"a": 1, "b": [torch.ones(1, device="meta"), torch.ones(1)]},
-             [1, "a"], Point(torch.ones(1, device="meta"), 1), (), {}, 5, torch.ones(1)]
+    trees = [
+        [1, "a", torch.ones(1)],
+        {"a": 1, "b": [torch.ones(1, device="meta"), torch.ones(1)]},
+        [1, "a"],
+        Point(torch.ones(1, device="meta"), 1),
+        (),
+        {},
+        5,
+        torch.ones(1),
+    ]
     assert [find_device(t) for t in trees] == [au.find_device(t) for t in trees]
 
 
 # pad_input_tensors
 
 
-@pytest.mark.parametrize(("batch_size", "num_processes", "padded"), [
-    (1, 2, 2), (3, 2, 4), (4, 3, 6), (3, 4, 4), (4, 6, 6), (1, 6, 6), (2, 6, 6), (61, 6, 66),
-    (7, 2, 8), (8, 2, 8), (0, 3, 3),
-])
+@pytest.mark.parametrize(
+    ("batch_size", "num_processes", "padded"),
+    [
+        (1, 2, 2),
+        (3, 2, 4),
+        (4, 3, 6),
+        (3, 4, 4),
+        (4, 6, 6),
+        (1, 6, 6),
+        (2, 6, 6),
+        (61, 6, 66),
+        (7, 2, 8),
+        (8, 2, 8),
+        (0, 3, 3),
+    ],
+)
 def test_pad_input_tensors_pads_to_a_multiple_of_the_processes(
     batch_size: int, num_processes: int, padded: int
 ) -> None:
@@ -147,17 +184,33 @@ def test_pad_input_tensors_pads_every_tensor_of_a_tree_along_dim() -> None:
         pad_input_tensors(torch.ones(5), 3, 2)
 
 
-@pytest.mark.parametrize(("batch_size", "num_processes"), [
-    (1, 2), (3, 2), (4, 3), (3, 4), (4, 6), (1, 6), (2, 6), (61, 6), (5, 4), (10, 4),
-])
-def test_pad_input_tensors_agrees_with_accelerate_where_it_rounds_up(batch_size: int, num_processes: int) -> None:
+@pytest.mark.parametrize(
+    ("batch_size", "num_processes"),
+    [
+        (1, 2),
+        (3, 2),
+        (4, 3),
+        (3, 4),
+        (4, 6),
+        (1, 6),
+        (2, 6),
+        (61, 6),
+        (5, 4),
+        (10, 4),
+    ],
+)
+def test_pad_input_tensors_agrees_with_accelerate_where_it_rounds_up(
+    batch_size: int, num_processes: int
+) -> None:
     """Accelerate's arithmetic gives the next multiple in these cases (its own tests' and two
     more); in most others it does not (8 on 2 processes gives 10, 9 on 4 gives 11), where
     fnaccel still pads to the next multiple: docs/migration.md."""
     au = _accelerate_utils()
     batch = torch.rand(batch_size, 3)
-    assert torch.equal(pad_input_tensors(batch, batch_size, num_processes),
-                       au.pad_input_tensors(batch, batch_size, num_processes))
+    assert torch.equal(
+        pad_input_tensors(batch, batch_size, num_processes),
+        au.pad_input_tensors(batch, batch_size, num_processes),
+    )
 
 
 # convert_dict_to_env_variables
@@ -191,7 +244,9 @@ def test_convert_dict_to_env_variables_refuses_a_value_that_is_not_a_string() ->
 # check_os_kernel
 
 
-def test_check_os_kernel_is_quiet_on_this_machine_when_its_kernel_is_recent(caplog: pytest.LogCaptureFixture) -> None:
+def test_check_os_kernel_is_quiet_on_this_machine_when_its_kernel_is_recent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     release = platform.uname().release
     with caplog.at_level(logging.WARNING):
         check_os_kernel()
@@ -200,10 +255,16 @@ def test_check_os_kernel_is_quiet_on_this_machine_when_its_kernel_is_recent(capl
         assert not caplog.records
 
 
-@pytest.mark.parametrize(("system", "release", "warns"), [
-    ("Linux", "5.15.0-35-generic", False), ("Darwin", "5.4.0-35-generic", False),
-    ("Linux", "5.4.0-35-generic", True), ("Linux", "4.19.112+", True), ("Linux", "6.1.0", False),
-])
+@pytest.mark.parametrize(
+    ("system", "release", "warns"),
+    [
+        ("Linux", "5.15.0-35-generic", False),
+        ("Darwin", "5.4.0-35-generic", False),
+        ("Linux", "5.4.0-35-generic", True),
+        ("Linux", "4.19.112+", True),
+        ("Linux", "6.1.0", False),
+    ],
+)
 def test_check_os_kernel_warns_below_5_5_on_linux(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, system: str, release: str, warns: bool
 ) -> None:
@@ -229,7 +290,10 @@ def test_torch_dynamo_plugin_to_kwargs_gives_torch_compiles_changed_arguments() 
     kwargs = TorchDynamoPlugin(backend="INDUCTOR", mode="reduce-overhead", fullgraph=True).to_kwargs()
     assert kwargs == {"backend": "inductor", "mode": "reduce-overhead", "fullgraph": True}
     assert TorchDynamoPlugin(backend="eager", dynamic=False, disable=True).to_kwargs() == {
-        "backend": "eager", "dynamic": False, "disable": True}
+        "backend": "eager",
+        "dynamic": False,
+        "disable": True,
+    }
     compiled = torch.compile(torch.nn.Linear(2, 1), **TorchDynamoPlugin(backend="eager").to_kwargs())
     assert compiled(torch.ones(1, 2)).shape == (1, 1)
 
@@ -238,8 +302,13 @@ def test_torch_dynamo_plugin_to_kwargs_agrees_with_accelerate() -> None:
     au = _accelerate_utils()
     from fnaccel.utils import clear_environment
 
-    cases = [{}, {"backend": "inductor"}, {"backend": "aot_eager", "mode": "max-autotune"},
-             {"backend": "eager", "fullgraph": True, "dynamic": True}, {"backend": "eager", "disable": True}]
+    cases = [
+        {},
+        {"backend": "inductor"},
+        {"backend": "aot_eager", "mode": "max-autotune"},
+        {"backend": "eager", "fullgraph": True, "dynamic": True},
+        {"backend": "eager", "disable": True},
+    ]
     with clear_environment():  # Accelerate's plugin reads ACCELERATE_DYNAMO_*; fnaccel's reads nothing
         for case in cases:
             theirs = au.TorchDynamoPlugin(**case).to_kwargs()

@@ -32,14 +32,26 @@ ALL_ENUMS = [
 def test_values_match_accelerate() -> None:
     assert [m.value for m in PrecisionType] == ["no", "fp8", "fp16", "bf16"]
     assert DistributedType.list() == [
-        "NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_XPU",
-        "MULTI_HPU", "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM",
+        "NO",
+        "MULTI_CPU",
+        "MULTI_GPU",
+        "MULTI_NPU",
+        "MULTI_MLU",
+        "MULTI_MUSA",
+        "MULTI_XPU",
+        "MULTI_HPU",
+        "DEEPSPEED",
+        "FSDP",
+        "XLA",
+        "MEGATRON_LM",
     ]
     assert DynamoBackend.INDUCTOR.value == "INDUCTOR"
     assert DynamoBackend.AOT_EAGER.value == "AOT_EAGER"
     assert {"NO", "EAGER", "CUDAGRAPHS", "IPEX", "TVM", "ONNXRT", "TENSORRT"} <= set(DynamoBackend.list())
     assert LoggerType.COMETML.value == "comet_ml"
-    assert {"all", "aim", "tensorboard", "wandb", "mlflow", "clearml", "dvclive", "swanlab"} <= set(LoggerType.list())
+    assert {"all", "aim", "tensorboard", "wandb", "mlflow", "clearml", "dvclive", "swanlab"} <= set(
+        LoggerType.list()
+    )
     assert RNGType.list()[:9] == ["torch", "cuda", "npu", "mlu", "musa", "xla", "xpu", "hpu", "generator"]
     assert {"python", "numpy"} <= set(RNGType.list())
     assert ComputeEnvironment.list() == ["LOCAL_MACHINE", "AMAZON_SAGEMAKER"]
@@ -62,7 +74,9 @@ def test_members_are_their_values(enum_cls: Any) -> None:
 
 
 def test_bad_value_names_the_choices() -> None:
-    with pytest.raises(ValueError, match="'fp32' is not a valid PrecisionType: use one of no, fp8, fp16, bf16"):
+    with pytest.raises(
+        ValueError, match="'fp32' is not a valid PrecisionType: use one of no, fp8, fp16, bf16"
+    ):
         PrecisionType("fp32")
 
 

@@ -14,8 +14,9 @@ import fnaccel as fa
 from fnaccel.utils import load, retie_parameters, save
 
 
-def test_tied_tensors_are_stored_once_and_the_dropped_names_logged(tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_tied_tensors_are_stored_once_and_the_dropped_names_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # failed before: both names were written as separate copies, without a word
     model = nn.Sequential(nn.Embedding(4, 3), nn.Linear(3, 4, bias=False))
     model[1].weight = model[0].weight

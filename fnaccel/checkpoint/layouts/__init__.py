@@ -48,7 +48,9 @@ def layout_for(state: Any, manifest: dict[str, Any] | None = None) -> Checkpoint
     'PlainLayout'
     """
     pipeline = Pipeline() if state.pipeline is None else state.pipeline
-    own = next((t.layout for t in pipeline.transforms if isinstance(t, Transform) and t.layout is not None), None)
+    own = next(
+        (t.layout for t in pipeline.transforms if isinstance(t, Transform) and t.layout is not None), None
+    )
     if own is not None:
         return own
     declared = pipeline.capabilities

@@ -36,29 +36,34 @@ from fnaccel.transforms.parallel import unwrap_model
 __all__ = ["PlainLayout", "read_model", "read_optimizer"]
 
 
-def read_model(state: Any, module: torch.nn.Module, directory: Path,
-               manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+def read_model(
+    state: Any, module: torch.nn.Module, directory: Path, manifest: dict[str, Any]
+) -> dict[str, torch.Tensor]:
     """``model.safetensors`` re-tied and passed through the run's load hooks, checked
     against ``module``'s keys, shapes and dtypes (its global ones when sharded)."""
     source = str(directory / "model.safetensors")
     weights = read_tensors(directory, "model.safetensors", manifest)
     for alias, name in manifest["tied"].items():
         if name not in weights or alias in weights:
-            raise CheckpointError(f"{directory / 'fnaccel.json'}: key 'tied/{alias}' names {name!r}, "
-                                  f"which is not a stored weight of {source} (or {alias!r} is stored too)")
+            raise CheckpointError(
+                f"{directory / 'fnaccel.json'}: key 'tied/{alias}' names {name!r}, "
+                f"which is not a stored weight of {source} (or {alias!r} is stored too)"
+            )
     weights = loaded_weights(state, module, retie(weights, manifest["tied"]))
     check_tensors(weights, module.state_dict(), source)
     return weights
 
 
-def read_optimizer(state: Any, module: torch.nn.Module, directory: Path,
-                   manifest: dict[str, Any]) -> dict[str, Any] | None:
+def read_optimizer(
+    state: Any, module: torch.nn.Module, directory: Path, manifest: dict[str, Any]
+) -> dict[str, Any] | None:
     """``optimizer.*`` as the state_dict ``state.optimizer`` takes (parameters by index),
     checked against it; None for a run without an optimizer."""
     if state.optimizer is None:
         return None
     return optimizer_state(
-        state.optimizer, dict(module.named_parameters()),
+        state.optimizer,
+        dict(module.named_parameters()),
         read_tensors(directory, "optimizer.safetensors", manifest),
         read_json(directory, "optimizer.json", manifest),
         str(directory / "optimizer.json"),
@@ -83,8 +88,10 @@ class PlainLayout:
             return
         module = unwrap_model(state.model)
         if state.plan is not None and state.micro_step % state.plan.micro_steps != 0:  # mid-accumulation
-            files.add_tensors(f"rank{files.rank}.safetensors", {
-                f"grad/{name}": p.grad for name, p in module.named_parameters() if p.grad is not None})
+            files.add_tensors(
+                f"rank{files.rank}.safetensors",
+                {f"grad/{name}": p.grad for name, p in module.named_parameters() if p.grad is not None},
+            )
         if files.writer:
             weights, files.tied = untie(saved_weights(state, module))
             files.add_tensors("model.safetensors", weights)
@@ -97,16 +104,26 @@ class PlainLayout:
     def write(self, captured: None, ctx: Any, directory: Path) -> dict[str, Any]:
         return {}  # every file is in the snapshot's own
 
-    def read(self, state: Any, directory: Path, manifest: dict[str, Any],
-             gradients: Mapping[str, torch.Tensor]) -> PlainRead | None:
+    def read(
+        self, state: Any, directory: Path, manifest: dict[str, Any], gradients: Mapping[str, torch.Tensor]
+    ) -> PlainRead | None:
         module = None if state.model is None else unwrap_model(state.model)
-        read = None if module is None else PlainRead(
-            weights=read_model(state, module, directory, manifest),
-            optimizer=read_optimizer(state, module, directory, manifest), gradients=gradients)
+        read = (
+            None
+            if module is None
+            else PlainRead(
+                weights=read_model(state, module, directory, manifest),
+                optimizer=read_optimizer(state, module, directory, manifest),
+                gradients=gradients,
+            )
+        )
         params = {} if module is None else dict(module.named_parameters())
-        check_tensors(gradients, {name: params[name] for name in gradients if name in params},
-                      str(directory / f"rank{source_rank(manifest, state.dist)}.safetensors"),
-                      "the model's parameters")
+        check_tensors(
+            gradients,
+            {name: params[name] for name in gradients if name in params},
+            str(directory / f"rank{source_rank(manifest, state.dist)}.safetensors"),
+            "the model's parameters",
+        )
         return read
 
     def restore(self, state: Any, read: PlainRead | None) -> None:

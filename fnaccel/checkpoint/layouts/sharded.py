@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fnaccel import ops
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.checks import check_layout, kind_of
 from fnaccel.checkpoint.codec import check_kind, restore_groups
@@ -65,7 +66,6 @@ from fnaccel.checkpoint.files import (
 from fnaccel.checkpoint.hooks import check_unsharded
 from fnaccel.checkpoint.layouts.plain import read_model, read_optimizer
 from fnaccel.checkpoint.shardindex import METADATA, SHARDED_DIR, VALUES
-from fnaccel import ops
 from fnaccel.transforms.parallel import unwrap_compiled, unwrap_model
 from fnaccel.transforms.pipelining import PipelinedModel
 
@@ -179,9 +179,12 @@ def _state_dicts(state: RunState, *, for_load: bool) -> tuple[dict[str, Any], li
 def _refuse_mid_accumulation(state: RunState, action: str) -> None:
     plan = state.plan
     if plan is not None and state.micro_step % plan.micro_steps != 0:
-        why = ("a pp() run's checkpoint holds no gradients" if is_pipelined(state.model) else
-               "an fsdp() run between accumulation micro-steps holds its gradients in FSDP's private "
-               "unsharded buffers, which torch.distributed.checkpoint cannot save")
+        why = (
+            "a pp() run's checkpoint holds no gradients"
+            if is_pipelined(state.model)
+            else "an fsdp() run between accumulation micro-steps holds its gradients in FSDP's private "
+            "unsharded buffers, which torch.distributed.checkpoint cannot save"
+        )
         raise CheckpointError(
             f"{action}: {why}; save after an optimizer step (when state.micro_step is a multiple "
             f"of {plan.micro_steps})"
@@ -252,16 +255,20 @@ def write_sharded(snap: ShardedSnapshot, ctx: DistContext, directory: Path) -> d
     (root / SHARDED_DIR).mkdir(exist_ok=True)
     entries = dict(dcpstore.save(snap.tensors, root, ctx.rank, ctx.process_group))
     own = {"values": snap.values, "param_groups": snap.param_groups}
-    record = {"kind": snap.kind, "stages": ops.gather_object(ctx, [own])} if snap.per_rank else {
-        "kind": snap.kind, **own}
+    record = (
+        {"kind": snap.kind, "stages": ops.gather_object(ctx, [own])}
+        if snap.per_rank
+        else {"kind": snap.kind, **own}
+    )
     if ctx.is_main_process:
         entries[VALUES] = write_json(root / VALUES, record)
         fsync_dir(root / SHARDED_DIR)
     return entries
 
 
-def _targets(tensors: Mapping[str, Any], metadata: Any, source: str,
-             own_keys_only: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def _targets(
+    tensors: Mapping[str, Any], metadata: Any, source: str, own_keys_only: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The flat ``{DCP key: live tensor}`` to load and each key's path in the nested dicts.
 
     Model keys must match the checkpoint's exactly (``own_keys_only``: the
@@ -277,9 +284,15 @@ def _targets(tensors: Mapping[str, Any], metadata: Any, source: str,
     wanted = {k: v for k, v in flat.items() if k in saved or paths[k][0] == "model"}
     if own_keys_only:
         saved = {k: m for k, m in saved.items() if k in wanted}
-    check_layout({k: (tuple(m.size), m.properties.dtype) if hasattr(m, "size") else ((), None)  # not a tensor
-                  for k, m in saved.items()},
-                 {k: (tuple(v.shape), v.dtype) for k, v in wanted.items()}, source, "the model or optimizer")
+    check_layout(
+        {
+            k: (tuple(m.size), m.properties.dtype) if hasattr(m, "size") else ((), None)  # not a tensor
+            for k, m in saved.items()
+        },
+        {k: (tuple(v.shape), v.dtype) for k, v in wanted.items()},
+        source,
+        "the model or optimizer",
+    )
     return wanted, {k: paths[k] for k in wanted}
 
 
@@ -297,11 +310,15 @@ def _nest(flat: Mapping[str, Any], paths: Mapping[str, Any]) -> dict[str, Any]:
 def _own_stage(saved: Any, rank: int, num_processes: int, source: str) -> dict[str, Any]:
     """A pp() run's ``state.json`` as this rank's ``{"kind", "values", "param_groups"}``."""
     if not isinstance(saved, dict) or set(saved) != {"kind", "stages"}:
-        raise CheckpointError(f"{source}: this run is split by fa.pp, so this file must hold exactly the keys "
-                              "'kind' and 'stages' (a checkpoint of a pp() run); resume with the pipeline that saved it")
+        raise CheckpointError(
+            f"{source}: this run is split by fa.pp, so this file must hold exactly the keys "
+            "'kind' and 'stages' (a checkpoint of a pp() run); resume with the pipeline that saved it"
+        )
     stages = saved["stages"]
     if not isinstance(stages, list) or len(stages) != num_processes or not isinstance(stages[rank], dict):
-        raise CheckpointError(f"{source}: key 'stages' must be a list of {num_processes} objects, one per rank")
+        raise CheckpointError(
+            f"{source}: key 'stages' must be a list of {num_processes} objects, one per rank"
+        )
     return {"kind": saved["kind"], **stages[rank]}
 
 
@@ -324,15 +341,22 @@ def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> 
     from fnaccel.checkpoint import dcpstore  # imports DCP: only a sharded load pays for it
 
     root = Path(directory)
-    metadata, storage = dcpstore.metadata_from(read_json(root, METADATA, manifest), manifest["files"], str(root / METADATA))
+    metadata, storage = dcpstore.metadata_from(
+        read_json(root, METADATA, manifest), manifest["files"], str(root / METADATA)
+    )
     saved = read_json(root, VALUES, manifest)
     source = str(root / VALUES)
     pipelined = is_pipelined(state.model)
     if pipelined:
         saved = _own_stage(saved, state.dist.rank, state.dist.num_processes, source)
-    if not isinstance(saved, dict) or set(saved) != {"kind", "values", "param_groups"} \
-            or not isinstance(saved["values"], dict):
-        raise CheckpointError(f"{source}: must hold exactly the keys 'kind', 'values' (an object), 'param_groups'")
+    if (
+        not isinstance(saved, dict)
+        or set(saved) != {"kind", "values", "param_groups"}
+        or not isinstance(saved["values"], dict)
+    ):
+        raise CheckpointError(
+            f"{source}: must hold exactly the keys 'kind', 'values' (an object), 'param_groups'"
+        )
     tree, groups = _state_dicts(state, for_load=True)
     tensors, _ = _split(tree)
     flat, paths = _targets(tensors, metadata, str(root / METADATA), own_keys_only=pipelined)
@@ -341,7 +365,9 @@ def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> 
         check_kind(saved, state.optimizer, source)
         param_groups = restore_groups(saved["param_groups"], groups, source, state.optimizer)
     # group None: one process loads the whole tensors
-    dcpstore.load(flat, dcpstore.ShardReader(root, manifest, metadata, storage), state.dist.process_group, "fa.load")
+    dcpstore.load(
+        flat, dcpstore.ShardReader(root, manifest, metadata, storage), state.dist.process_group, "fa.load"
+    )
     restored = _merge(_nest(flat, paths), saved["values"])
     module = unwrap_compiled(state.model)
     dcpstore.set_model_state_dict(module, restored.get("model", {}))
@@ -350,8 +376,9 @@ def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> 
         dcpstore.set_optimizer_state_dict(module, state.optimizer, optim_sd)
 
 
-
-def shard_into(state: RunState, weights: Mapping[str, torch.Tensor], optimizer_sd: Mapping[str, Any] | None) -> None:
+def shard_into(
+    state: RunState, weights: Mapping[str, torch.Tensor], optimizer_sd: Mapping[str, Any] | None
+) -> None:
     """Restore a replicated checkpoint's whole tensors into a sharded run, in place.
 
     ``weights``: the model's tensors by name, checked against the model's global
@@ -376,7 +403,9 @@ def shard_into(state: RunState, weights: Mapping[str, torch.Tensor], optimizer_s
     order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     by_name: dict[str, Any] = {
         "state": {order[i]: fields for i, fields in optimizer_sd["state"].items()},
-        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optimizer_sd["param_groups"]],
+        "param_groups": [
+            {**g, "params": [order[i] for i in g["params"]]} for g in optimizer_sd["param_groups"]
+        ],
     }
     set_optimizer_state_dict(module, optimizer, by_name, options=options)
 
@@ -401,21 +430,33 @@ class ShardedLayout:
         check_unsharded(state)
         return snapshot_sharded(state, copy=files.staging is not None, per_node=files.per_node)
 
-    def write(self, captured: ShardedSnapshot, ctx: DistContext, directory: Path) -> dict[str, dict[str, Any]]:
+    def write(
+        self, captured: ShardedSnapshot, ctx: DistContext, directory: Path
+    ) -> dict[str, dict[str, Any]]:
         return write_sharded(captured, ctx, directory)
 
-    def read(self, state: RunState, directory: Path, manifest: dict[str, Any],
-             gradients: Mapping[str, torch.Tensor]) -> ShardedRead:
+    def read(
+        self,
+        state: RunState,
+        directory: Path,
+        manifest: dict[str, Any],
+        gradients: Mapping[str, torch.Tensor],
+    ) -> ShardedRead:
         check_unsharded(state)  # save/load hooks never see sharded weights: refused, not skipped
         if gradients:
-            raise CheckpointError(f"{directory}: saved between accumulation micro-steps by a replicated run; an "
-                                  "fsdp() run cannot take those gradients: save after an optimizer step")
+            raise CheckpointError(
+                f"{directory}: saved between accumulation micro-steps by a replicated run; an "
+                "fsdp() run cannot take those gradients: save after an optimizer step"
+            )
         if is_stored_sharded(manifest):
             return ShardedRead(directory=directory, manifest=manifest)
         module = unwrap_model(state.model)
-        return ShardedRead(directory=directory, manifest=manifest,
-                           weights=read_model(state, module, directory, manifest),
-                           optimizer=read_optimizer(state, module, directory, manifest))
+        return ShardedRead(
+            directory=directory,
+            manifest=manifest,
+            weights=read_model(state, module, directory, manifest),
+            optimizer=read_optimizer(state, module, directory, manifest),
+        )
 
     def restore(self, state: RunState, read: ShardedRead) -> None:
         if read.weights is None:

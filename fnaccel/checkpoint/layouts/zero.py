@@ -62,7 +62,8 @@ def snapshot_zero(state: Any, engine: Any) -> tuple[str, dict[str, torch.Tensor]
         raise CheckpointError(
             f"fa.save: micro-step {state.micro_step} falls inside an accumulation of "
             f"{state.plan.micro_steps}, and DeepSpeed keeps the partial gradients in buffers of its own; "
-            "save after the update (when state.micro_step is a multiple of the accumulation)")
+            "save after the update (when state.micro_step is a multiple of the accumulation)"
+        )
     masters = master_partitions(engine)
     assert masters is not None, "zero_engine chose this engine"
     with optimizer_over_partitions(engine) as base:
@@ -81,13 +82,18 @@ def read_zero(state: Any, engine: Any, directory: Path, manifest: dict[str, Any]
     live = master_partitions(engine)
     assert live is not None, "zero_engine chose this engine"
     masters = {key: t for key, t in tensors.items() if key.startswith("master/")}
-    check_tensors(masters, {f"master/{i}": m for i, m in enumerate(live)}, str(directory / name),
-                  "this rank's master partitions (same model, stage and world size?)")
+    check_tensors(
+        masters,
+        {f"master/{i}": m for i, m in enumerate(live)},
+        str(directory / name),
+        "this rank's master partitions (same model, stage and world size?)",
+    )
     rest = {key: t for key, t in tensors.items() if not key.startswith("master/")}
     names = _names(live)
     with optimizer_over_partitions(engine) as base:
-        state_dict = optimizer_state(base, {names[id(m)]: m for m in live}, rest, saved,
-                                     str(directory / f"rank{rank}.zero.json"))
+        state_dict = optimizer_state(
+            base, {names[id(m)]: m for m in live}, rest, saved, str(directory / f"rank{rank}.zero.json")
+        )
     return [masters[f"master/{i}"] for i in range(len(live))], state_dict
 
 
@@ -96,7 +102,7 @@ def load_zero(engine: Any, masters: list[torch.Tensor], state_dict: Any) -> None
     live = master_partitions(engine)
     assert live is not None and len(live) == len(masters)
     with torch.no_grad():
-        for now, saved in zip(live, masters):
+        for now, saved in zip(live, masters, strict=False):
             now.copy_(saved)
     with optimizer_over_partitions(engine) as base:
         base.load_state_dict(state_dict)
@@ -129,13 +135,18 @@ class ZeroLayout:
     def write(self, captured: None, ctx: Any, directory: Path) -> dict[str, Any]:
         return {}  # every file is in the snapshot's own
 
-    def read(self, state: Any, directory: Path, manifest: dict[str, Any],
-             gradients: Mapping[str, torch.Tensor]) -> ZeroRead:
+    def read(
+        self, state: Any, directory: Path, manifest: dict[str, Any], gradients: Mapping[str, torch.Tensor]
+    ) -> ZeroRead:
         if gradients:
-            raise CheckpointError(f"{directory}: holds gradients saved between accumulation micro-steps; a "
-                                  "DeepSpeed ZeRO run keeps them in buffers of its own and cannot take them")
+            raise CheckpointError(
+                f"{directory}: holds gradients saved between accumulation micro-steps; a "
+                "DeepSpeed ZeRO run keeps them in buffers of its own and cannot take them"
+            )
         engine = zero_engine(state.model)
-        verify_file(directory, "model.safetensors", manifest)  # the masters hold the weights: checked, not used
+        verify_file(
+            directory, "model.safetensors", manifest
+        )  # the masters hold the weights: checked, not used
         masters, optimizer = read_zero(state, engine, directory, manifest)
         return ZeroRead(engine=engine, masters=masters, optimizer=optimizer)
 

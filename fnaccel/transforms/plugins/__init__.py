@@ -18,5 +18,10 @@ from fnaccel.transforms.plugins.dynamo import TorchDynamoPlugin
 from fnaccel.transforms.plugins.fsdp import FullyShardedDataParallelPlugin
 from fnaccel.transforms.plugins.megatron import MegatronLMPlugin
 
-__all__ = ["DeepSpeedPlugin", "FullyShardedDataParallelPlugin", "GradientAccumulationPlugin", "MegatronLMPlugin",
-           "TorchDynamoPlugin"]
+__all__ = [
+    "DeepSpeedPlugin",
+    "FullyShardedDataParallelPlugin",
+    "GradientAccumulationPlugin",
+    "MegatronLMPlugin",
+    "TorchDynamoPlugin",
+]

@@ -36,11 +36,19 @@ class GradientAccumulationPlugin:
         if not is_int(self.num_steps) or self.num_steps < 1:
             raise refuse("num_steps", source, f"must be a positive int, got {self.num_steps!r}")
         if not self.adjust_scheduler:
-            raise refuse("adjust_scheduler", source, "false is not supported: fa.step steps the "
-                          "scheduler only at optimizer updates, never between")
+            raise refuse(
+                "adjust_scheduler",
+                source,
+                "false is not supported: fa.step steps the "
+                "scheduler only at optimizer updates, never between",
+            )
         if self.sync_with_dataloader:
-            raise refuse("sync_with_dataloader", source, "true is not built: boundaries fall every "
-                          "num_steps batches across epoch ends; pick num_steps dividing an epoch")
+            raise refuse(
+                "sync_with_dataloader",
+                source,
+                "true is not built: boundaries fall every "
+                "num_steps batches across epoch ends; pick num_steps dividing an epoch",
+            )
 
     def transform(self) -> Any:
         """The `fa.accumulate` transform these settings describe."""

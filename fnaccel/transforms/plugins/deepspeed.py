@@ -31,34 +31,45 @@ _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 MAX_DS_CONFIG_BYTES = 1 << 20  # a DeepSpeed config is a page of JSON
 # fnaccel drives accumulation itself (fa.backward, fa.apply_gradients): DeepSpeed reduces and
 # steps when told (managed_gradient_accumulation false), and any torch optimizer is allowed
-_FIXED = MappingProxyType({"managed_gradient_accumulation": False, "zero_allow_untested_optimizer": True,
-                           "zero_force_ds_cpu_optimizer": False})
+_FIXED = MappingProxyType(
+    {
+        "managed_gradient_accumulation": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+)
 _QUIET_STEPS = 2**62  # DeepSpeed prints progress every steps_per_print steps unless told otherwise
 
 # Sections DeepSpeed 0.19.6-0.19.8 removed (DeepSpeed issue #8489) and now refuses at initialize, with
 # what a run does instead: refused here, before the engine (and its CUDA probing) starts.
-_REMOVED_SECTIONS = MappingProxyType({
-    "amp": "Apex AMP is gone: mixed precision comes from the pipeline, fa.autocast(fa.fp16) or fa.autocast(fa.bf16)",
-    "compression_training": "the compression library is gone, with no replacement: the model would train "
-                            "unquantized",
-    "curriculum_learning": "move it under data_efficiency.data_sampling.curriculum_learning",
-    "eigenvalue": "eigenvalue-based quantization is gone, with no replacement",
-    "elasticity": "elastic batch sizes are gone: give train_micro_batch_size_per_gpu (or \"auto\") and restart "
-                  "failed runs with fnaccel launch --max_restarts (torchrun's elastic agent)",
-    "graph_harvesting": "graph harvesting is gone, with no replacement",
-    "nebula": "Nebula checkpointing is gone: fa.save writes the checkpoint (fa.save_policy for asynchronous tiers)",
-    "progressive_layer_drop": "progressive layer dropping is gone, with no replacement",
-    "quantize_training": "quantization-aware training (MoQ) is gone, with no replacement",
-    "sparse_attention": "sparse attention is gone, with no replacement",
-    "sparse_gradients": "the flag is gone: an nn.Embedding(sparse=True) still has its gradients reduced sparsely, "
-                        "with no flag",
-})
-_REMOVED_ZERO_KEYS = MappingProxyType({
-    "mics_shard_size": "MiCS is gone: shard within a group of ranks and replicate across groups with HSDP, "
-                       "fa.fsdp() and ParallelismConfig(dp_replicate_size=...)",
-    "mics_hierarchical_params_gather": "MiCS is gone: HSDP is fa.fsdp() with ParallelismConfig(dp_replicate_size=...)",
-    "zeropp_loco_param": "LoCo is gone: remove the key (ZeRO++'s quantized gradients run without it)",
-})
+_REMOVED_SECTIONS = MappingProxyType(
+    {
+        "amp": "Apex AMP is gone: mixed precision comes from the pipeline, "
+        "fa.autocast(fa.fp16) or fa.autocast(fa.bf16)",
+        "compression_training": "the compression library is gone, with no replacement: the model would train "
+        "unquantized",
+        "curriculum_learning": "move it under data_efficiency.data_sampling.curriculum_learning",
+        "eigenvalue": "eigenvalue-based quantization is gone, with no replacement",
+        "elasticity": 'elastic batch sizes are gone: give train_micro_batch_size_per_gpu (or "auto") and restart '
+        "failed runs with fnaccel launch --max_restarts (torchrun's elastic agent)",
+        "graph_harvesting": "graph harvesting is gone, with no replacement",
+        "nebula": "Nebula checkpointing is gone: fa.save writes the checkpoint (fa.save_policy for asynchronous tiers)",
+        "progressive_layer_drop": "progressive layer dropping is gone, with no replacement",
+        "quantize_training": "quantization-aware training (MoQ) is gone, with no replacement",
+        "sparse_attention": "sparse attention is gone, with no replacement",
+        "sparse_gradients": "the flag is gone: an nn.Embedding(sparse=True) still has its gradients reduced sparsely, "
+        "with no flag",
+    }
+)
+_REMOVED_ZERO_KEYS = MappingProxyType(
+    {
+        "mics_shard_size": "MiCS is gone: shard within a group of ranks and replicate across groups with HSDP, "
+        "fa.fsdp() and ParallelismConfig(dp_replicate_size=...)",
+        "mics_hierarchical_params_gather": "MiCS is gone: HSDP is fa.fsdp() with "
+        "ParallelismConfig(dp_replicate_size=...)",
+        "zeropp_loco_param": "LoCo is gone: remove the key (ZeRO++'s quantized gradients run without it)",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,8 +104,10 @@ class DeepSpeedPlugin:
     def __post_init__(self) -> None:
         owner = type(self).__name__
         if self.hf_ds_config is not None and not isinstance(self.hf_ds_config, (str, Path, dict)):
-            raise ConfigError(f"{owner}: hf_ds_config must be a path to a JSON file or a dict, "
-                              f"got {type(self.hf_ds_config).__name__}")
+            raise ConfigError(
+                f"{owner}: hf_ds_config must be a path to a JSON file or a dict, "
+                f"got {type(self.hf_ds_config).__name__}"
+            )
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"{owner}: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         require_count(owner, "gradient_accumulation_steps", self.gradient_accumulation_steps)
@@ -103,22 +116,32 @@ class DeepSpeedPlugin:
         for kind in ("optimizer", "param"):
             device = getattr(self, f"offload_{kind}_device")
             if device is not None and device not in _OFFLOAD_DEVICES:
-                raise ConfigError(f"{owner}: offload_{kind}_device must be one of "
-                                  f"{', '.join(_OFFLOAD_DEVICES)}, got {device!r}")
+                raise ConfigError(
+                    f"{owner}: offload_{kind}_device must be one of "
+                    f"{', '.join(_OFFLOAD_DEVICES)}, got {device!r}"
+                )
             if device == "nvme" and not getattr(self, f"offload_{kind}_nvme_path"):
                 raise ConfigError(f"{owner}: offload_{kind}_device 'nvme' needs offload_{kind}_nvme_path")
         if self.offload_param_device not in (None, "none") and self.zero_stage not in (None, 3):
-            raise ConfigError(f"{owner}: offload_param_device only applies to zero_stage 3 (parameters are "
-                              f"partitioned only there), got zero_stage {self.zero_stage}")
+            raise ConfigError(
+                f"{owner}: offload_param_device only applies to zero_stage 3 (parameters are "
+                f"partitioned only there), got zero_stage {self.zero_stage}"
+            )
         if self.zero3_init_flag and self.zero_stage not in (None, 3):
-            raise ConfigError(f"{owner}: zero3_init_flag only applies to zero_stage 3, "
-                              f"got zero_stage {self.zero_stage}")
+            raise ConfigError(
+                f"{owner}: zero3_init_flag only applies to zero_stage 3, got zero_stage {self.zero_stage}"
+            )
         if self.hf_ds_config is not None:
-            given = [f.name for f in fields(self) if f.name not in ("hf_ds_config", "is_train_batch_min")
-                     and getattr(self, f.name) is not None]
+            given = [
+                f.name
+                for f in fields(self)
+                if f.name not in ("hf_ds_config", "is_train_batch_min") and getattr(self, f.name) is not None
+            ]
             if given:
-                raise ConfigError(f"{owner}: {given[0]} is given beside hf_ds_config (the DeepSpeed config "
-                                  f"file); set it in the file instead, so that one place says it")
+                raise ConfigError(
+                    f"{owner}: {given[0]} is given beside hf_ds_config (the DeepSpeed config "
+                    f"file); set it in the file instead, so that one place says it"
+                )
             load_ds_config(self.hf_ds_config)  # a bad file fails here, where it is named
 
     @classmethod
@@ -130,21 +153,44 @@ class DeepSpeedPlugin:
         1
         """
         owner = source
-        known = {"deepspeed_config_file", "zero_stage", "offload_optimizer_device", "offload_param_device",
-                 "offload_optimizer_nvme_path", "offload_param_nvme_path", "gradient_accumulation_steps",
-                 "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model",
-                 "deepspeed_moe_layer_cls_names", "deepspeed_hostfile", "deepspeed_multinode_launcher",
-                 "deepspeed_inclusion_filter", "deepspeed_exclusion_filter"}
+        known = {
+            "deepspeed_config_file",
+            "zero_stage",
+            "offload_optimizer_device",
+            "offload_param_device",
+            "offload_optimizer_nvme_path",
+            "offload_param_nvme_path",
+            "gradient_accumulation_steps",
+            "gradient_clipping",
+            "zero3_init_flag",
+            "zero3_save_16bit_model",
+            "deepspeed_moe_layer_cls_names",
+            "deepspeed_hostfile",
+            "deepspeed_multinode_launcher",
+            "deepspeed_inclusion_filter",
+            "deepspeed_exclusion_filter",
+        }
         unknown = sorted(set(section) - known)
         if unknown:
-            raise ConfigError(f"{owner}: unknown key '{unknown[0]}'; known keys are {', '.join(sorted(known))}")
-        launcher = [k for k in ("deepspeed_hostfile", "deepspeed_multinode_launcher",
-                                "deepspeed_inclusion_filter", "deepspeed_exclusion_filter")
-                    if section.get(k) not in (None, "", "none", "standard")]
+            raise ConfigError(
+                f"{owner}: unknown key '{unknown[0]}'; known keys are {', '.join(sorted(known))}"
+            )
+        launcher = [
+            k
+            for k in (
+                "deepspeed_hostfile",
+                "deepspeed_multinode_launcher",
+                "deepspeed_inclusion_filter",
+                "deepspeed_exclusion_filter",
+            )
+            if section.get(k) not in (None, "", "none", "standard")
+        ]
         if launcher:
-            raise ConfigError(f"{owner}: {launcher[0]}: fnaccel launches with torchrun, not DeepSpeed's "
-                              "launcher; for several machines give num_machines, machine_rank, "
-                              "main_process_ip and main_process_port")
+            raise ConfigError(
+                f"{owner}: {launcher[0]}: fnaccel launches with torchrun, not DeepSpeed's "
+                "launcher; for several machines give num_machines, machine_rank, "
+                "main_process_ip and main_process_port"
+            )
 
         def number(key: str, kind: type) -> Any:
             value = section.get(key)
@@ -168,10 +214,12 @@ class DeepSpeedPlugin:
             "offload_param_nvme_path": text("offload_param_nvme_path"),
             "gradient_accumulation_steps": number("gradient_accumulation_steps", int),
             "gradient_clipping": number("gradient_clipping", float),
-            "zero3_init_flag": config_bool(section.get("zero3_init_flag"), f"{owner}: zero3_init_flag",
-                                           optional=True),
-            "zero3_save_16bit_model": config_bool(section.get("zero3_save_16bit_model"),
-                                                  f"{owner}: zero3_save_16bit_model", optional=True),
+            "zero3_init_flag": config_bool(
+                section.get("zero3_init_flag"), f"{owner}: zero3_init_flag", optional=True
+            ),
+            "zero3_save_16bit_model": config_bool(
+                section.get("zero3_save_16bit_model"), f"{owner}: zero3_save_16bit_model", optional=True
+            ),
             "transformer_moe_cls_names": text("deepspeed_moe_layer_cls_names"),
         }
         if values["gradient_accumulation_steps"] == 1:
@@ -183,8 +231,10 @@ class DeepSpeedPlugin:
             # Accelerate's rule: with a config file, the other keys stay unset (the file says them)
             given = sorted(k for k, v in values.items() if v not in (None, False))
             if given:
-                raise ConfigError(f"{owner}: {given[0]} is given beside deepspeed_config_file; set it in "
-                                  f"{file} instead, so that one place says it")
+                raise ConfigError(
+                    f"{owner}: {given[0]} is given beside deepspeed_config_file; set it in "
+                    f"{file} instead, so that one place says it"
+                )
             values = {"hf_ds_config": file}
         try:
             return cls(**values)
@@ -237,8 +287,13 @@ class DeepSpeedPlugin:
         from fnaccel.transforms.deepspeed import deepspeed
 
         defaults = DeepSpeedPlugin()
-        return deepspeed(**{f.name: getattr(self, f.name) for f in fields(self)
-                            if getattr(self, f.name) != getattr(defaults, f.name)})
+        return deepspeed(
+            **{
+                f.name: getattr(self, f.name)
+                for f in fields(self)
+                if getattr(self, f.name) != getattr(defaults, f.name)
+            }
+        )
 
 
 def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -290,11 +345,15 @@ def _fill(config: dict[str, Any], key: str, value: Any, ours: str, where: str) -
         else:
             config[key] = value
     elif value is not None and current != value:
-        raise ConfigError(f"{where}: {key} is {current!r} but the pipeline's {ours} says {value!r}; set "
-                          f"{key} to \"auto\" (or remove it) so that the pipeline says it, or change the pipeline")
+        raise ConfigError(
+            f"{where}: {key} is {current!r} but the pipeline's {ours} says {value!r}; set "
+            f'{key} to "auto" (or remove it) so that the pipeline says it, or change the pipeline'
+        )
 
 
-def resolve_ds_config(raw: Mapping[str, Any], run: EngineSettings, where: str = "the DeepSpeed config") -> dict[str, Any]:
+def resolve_ds_config(
+    raw: Mapping[str, Any], run: EngineSettings, where: str = "the DeepSpeed config"
+) -> dict[str, Any]:
     """The config handed to ``deepspeed.initialize``: ``raw`` with ``"auto"`` filled from
     ``run`` and checked against it.
 
@@ -312,17 +371,23 @@ def resolve_ds_config(raw: Mapping[str, Any], run: EngineSettings, where: str = 
     config = copy.deepcopy(dict(raw))
     zero_raw = config.get("zero_optimization")
     removed = [(key, key, fix) for key, fix in _REMOVED_SECTIONS.items() if key in config] + [
-        (f"zero_optimization.{key}", key, fix) for key, fix in _REMOVED_ZERO_KEYS.items()
-        if isinstance(zero_raw, dict) and key in zero_raw]
+        (f"zero_optimization.{key}", key, fix)
+        for key, fix in _REMOVED_ZERO_KEYS.items()
+        if isinstance(zero_raw, dict) and key in zero_raw
+    ]
     if removed:
         shown, _, fix = removed[0]
-        raise ConfigError(f"{where}: '{shown}' names a feature DeepSpeed 0.19.6 removed (DeepSpeed issue #8489; "
-                          f"0.19.8, the version fnaccel runs, refuses it): {fix}. Remove the key")
+        raise ConfigError(
+            f"{where}: '{shown}' names a feature DeepSpeed 0.19.6 removed (DeepSpeed issue #8489; "
+            f"0.19.8, the version fnaccel runs, refuses it): {fix}. Remove the key"
+        )
     for name, what in (("optimizer", "optimizer"), ("scheduler", "lr scheduler")):
         if name in config:
-            raise ConfigError(f"{where}: has a '{name}' section; fnaccel trains with the {what} passed to "
-                              f"fa.prepare (one source of truth): remove the section and build the {what} in "
-                              "the script")
+            raise ConfigError(
+                f"{where}: has a '{name}' section; fnaccel trains with the {what} passed to "
+                f"fa.prepare (one source of truth): remove the section and build the {what} in "
+                "the script"
+            )
     zero = config.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError(f"{where}: zero_optimization must be an object, got {zero!r}")
@@ -341,8 +406,9 @@ def resolve_ds_config(raw: Mapping[str, Any], run: EngineSettings, where: str = 
         if enabled != "auto" and bool(enabled) != wanted:
             raise ConfigError(
                 f"{where}: {precision}.enabled is {enabled!r} but the pipeline "
-                f"{'asks for' if wanted else 'has no'} fa.autocast(fa.{precision}); set it to \"auto\" so that "
-                "the pipeline says it, or change the pipeline")
+                f'{"asks for" if wanted else "has no"} fa.autocast(fa.{precision}); set it to "auto" so that '
+                "the pipeline says it, or change the pipeline"
+            )
     if run.precision in ("bf16", "fp16"):
         current = config.get(run.precision)
         config[run.precision] = {**(current if isinstance(current, dict) else {}), "enabled": True}
@@ -358,11 +424,14 @@ def resolve_ds_config(raw: Mapping[str, Any], run: EngineSettings, where: str = 
         raise ConfigError(
             f"{where}: train_batch_size is {config['train_batch_size']!r} but batch {micro} x accumulation "
             f"{config['gradient_accumulation_steps']} x {run.num_processes} processes is {total}; set it to "
-            "\"auto\"")
+            '"auto"'
+        )
     hidden = run.hidden_size
-    for key, value in (("reduce_bucket_size", None if hidden is None else hidden * hidden),
-                       ("stage3_prefetch_bucket_size", None if hidden is None else int(0.9 * hidden * hidden)),
-                       ("stage3_param_persistence_threshold", None if hidden is None else 10 * hidden)):
+    for key, value in (
+        ("reduce_bucket_size", None if hidden is None else hidden * hidden),
+        ("stage3_prefetch_bucket_size", None if hidden is None else int(0.9 * hidden * hidden)),
+        ("stage3_param_persistence_threshold", None if hidden is None else 10 * hidden),
+    ):
         if zero.get(key) == "auto":
             if value is None:
                 del zero[key]  # DeepSpeed's default, as no model.config.hidden_size says better
@@ -370,11 +439,13 @@ def resolve_ds_config(raw: Mapping[str, Any], run: EngineSettings, where: str = 
                 zero[key] = value
     left = _first_auto(config)
     if left is not None:
-        raise ConfigError(f"{where}: {left} is \"auto\" and nothing in the run fills it; give a value")
+        raise ConfigError(f'{where}: {left} is "auto" and nothing in the run fills it; give a value')
     for key, value in _FIXED.items():
         if key in config and config[key] != value:
-            raise ConfigError(f"{where}: {key} must be {json.dumps(value)} under fnaccel, which drives the "
-                              f"accumulation and brings its own optimizer; remove the key")
+            raise ConfigError(
+                f"{where}: {key} must be {json.dumps(value)} under fnaccel, which drives the "
+                f"accumulation and brings its own optimizer; remove the key"
+            )
         config[key] = value
     config.setdefault("steps_per_print", _QUIET_STEPS)
     return config

@@ -56,8 +56,10 @@ class TorchDynamoPlugin(KwargsHandler):
                 values[name] = config_choice(raw, what, tuple(b.value for b in DynamoBackend))
             elif name == "mode":
                 if raw not in COMPILE_MODES:
-                    raise ConfigError(f"{source}: key '{key}' must be one of "
-                                      f"{', '.join(str(m) for m in COMPILE_MODES[1:])}, got {raw!r}")
+                    raise ConfigError(
+                        f"{source}: key '{key}' must be one of "
+                        f"{', '.join(str(m) for m in COMPILE_MODES[1:])}, got {raw!r}"
+                    )
                 values[name] = raw
             elif name in ("use_fullgraph", "use_dynamic", "use_regional_compilation"):
                 field_name = {"use_fullgraph": "fullgraph", "use_dynamic": "dynamic"}.get(name, name)
@@ -75,17 +77,25 @@ class TorchDynamoPlugin(KwargsHandler):
         source = type(self).__name__
         require_bools(self, ("dynamic",), ("fullgraph", "disable", "use_regional_compilation"))
         if self.mode not in COMPILE_MODES:
-            raise refuse("mode", source, f"must be one of {', '.join(str(m) for m in COMPILE_MODES[1:])}, "
-                          f"got {self.mode!r}")
+            raise refuse(
+                "mode",
+                source,
+                f"must be one of {', '.join(str(m) for m in COMPILE_MODES[1:])}, got {self.mode!r}",
+            )
         if str(self.backend).upper() not in tuple(b.value for b in DynamoBackend):
             raise refuse("dynamo_backend", source, f"unknown backend {self.backend!r}")
         if self.use_regional_compilation:
-            raise refuse("dynamo_use_regional_compilation", source,
-                          "true is not supported: regional compilation is not built; compile "
-                          "the whole model")
+            raise refuse(
+                "dynamo_use_regional_compilation",
+                source,
+                "true is not supported: regional compilation is not built; compile the whole model",
+            )
         if self.options:
-            raise refuse("options", source, "backend options are not passed on by fa.compile; "
-                          "call torch.compile yourself for them")
+            raise refuse(
+                "options",
+                source,
+                "backend options are not passed on by fa.compile; call torch.compile yourself for them",
+            )
 
     def to_kwargs(self) -> dict[str, Any]:
         """The fields changed from their defaults, as ``torch.compile(model, **kwargs)``
@@ -105,5 +115,6 @@ class TorchDynamoPlugin(KwargsHandler):
 
         if str(self.backend).upper() == "NO" or self.disable:
             return None
-        return compile(backend=str(self.backend).lower(), mode=self.mode, fullgraph=self.fullgraph,
-                       dynamic=self.dynamic)
+        return compile(
+            backend=str(self.backend).lower(), mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic
+        )

@@ -90,14 +90,22 @@ class FullyShardedDataParallelPlugin:
                     number = int(raw)
                 if number is not None:
                     if not 1 <= number <= len(_STRATEGIES):
-                        raise ConfigError(f"{source}: key '{key}' must be 1-{len(_STRATEGIES)} or one "
-                                          f"of {', '.join(_STRATEGIES)}, got {raw!r}")
+                        raise ConfigError(
+                            f"{source}: key '{key}' must be 1-{len(_STRATEGIES)} or one "
+                            f"of {', '.join(_STRATEGIES)}, got {raw!r}"
+                        )
                     values[name] = _STRATEGIES[number - 1]
                 else:
                     values[name] = config_choice(raw, what, _STRATEGIES)
-            elif name in ("reshard_after_forward", "forward_prefetch", "use_orig_params",
-                          "sync_module_states", "cpu_ram_efficient_loading", "activation_checkpointing",
-                          "activation_checkpointing_offload"):
+            elif name in (
+                "reshard_after_forward",
+                "forward_prefetch",
+                "use_orig_params",
+                "sync_module_states",
+                "cpu_ram_efficient_loading",
+                "activation_checkpointing",
+                "activation_checkpointing_offload",
+            ):
                 values[name] = config_bool(raw, what)
             elif name == "offload_params":
                 values["cpu_offload"] = config_bool(raw, what)
@@ -110,20 +118,40 @@ class FullyShardedDataParallelPlugin:
             elif name == "state_dict_type":
                 values[name] = config_choice(raw, what, _STATE_DICT_TYPES)
             else:
-                known = ("fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward",
-                         "fsdp_offload_params", "fsdp_auto_wrap_policy",
-                         "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
-                         "fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_state_dict_type",
-                         "fsdp_use_orig_params", "fsdp_sync_module_states",
-                         "fsdp_cpu_ram_efficient_loading", "fsdp_activation_checkpointing",
-                         "fsdp_activation_checkpointing_offload")
+                known = (
+                    "fsdp_version",
+                    "fsdp_sharding_strategy",
+                    "fsdp_reshard_after_forward",
+                    "fsdp_offload_params",
+                    "fsdp_auto_wrap_policy",
+                    "fsdp_transformer_layer_cls_to_wrap",
+                    "fsdp_min_num_params",
+                    "fsdp_backward_prefetch",
+                    "fsdp_forward_prefetch",
+                    "fsdp_state_dict_type",
+                    "fsdp_use_orig_params",
+                    "fsdp_sync_module_states",
+                    "fsdp_cpu_ram_efficient_loading",
+                    "fsdp_activation_checkpointing",
+                    "fsdp_activation_checkpointing_offload",
+                )
                 raise ConfigError(f"{source}: unknown key '{key}'; known keys are {', '.join(known)}")
         return section_record(cls, values, source)
 
     def __post_init__(self) -> None:
-        require_bools(self, ("reshard_after_forward",), ("cpu_offload", "forward_prefetch",
-                       "use_orig_params", "sync_module_states", "cpu_ram_efficient_loading",
-                       "activation_checkpointing", "activation_checkpointing_offload"))
+        require_bools(
+            self,
+            ("reshard_after_forward",),
+            (
+                "cpu_offload",
+                "forward_prefetch",
+                "use_orig_params",
+                "sync_module_states",
+                "cpu_ram_efficient_loading",
+                "activation_checkpointing",
+                "activation_checkpointing_offload",
+            ),
+        )
         self.check(type(self).__name__)
 
     def check(self, source: str = "fsdp_config") -> None:
@@ -131,46 +159,74 @@ class FullyShardedDataParallelPlugin:
         if self.fsdp_version not in (1, 2):
             raise refuse("fsdp_version", source, f"must be 1 or 2, got {self.fsdp_version}")
         if self.sharding_strategy == "NO_SHARD":
-            raise refuse("fsdp_sharding_strategy", source,
-                          "NO_SHARD is plain data parallelism: use distributed_type MULTI_CPU/MULTI_GPU "
-                          "(fa.ddp()), or FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD")
+            raise refuse(
+                "fsdp_sharding_strategy",
+                source,
+                "NO_SHARD is plain data parallelism: use distributed_type MULTI_CPU/MULTI_GPU "
+                "(fa.ddp()), or FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD",
+            )
         if self.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and not self.transformer_cls_names_to_wrap:
-            raise refuse("fsdp_transformer_layer_cls_to_wrap", source,
-                          "TRANSFORMER_BASED_WRAP needs the layer class names to wrap")
+            raise refuse(
+                "fsdp_transformer_layer_cls_to_wrap",
+                source,
+                "TRANSFORMER_BASED_WRAP needs the layer class names to wrap",
+            )
         if self.auto_wrap_policy == "SIZE_BASED_WRAP" and self.min_num_params is None:
             raise refuse("fsdp_min_num_params", source, "SIZE_BASED_WRAP needs fsdp_min_num_params")
         if None not in (self.reshard_after_forward, self.sharding_strategy) and (
-                self.reshard_after_forward != (self.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"))):
-            raise refuse("fsdp_reshard_after_forward", source,
-                          f"{self.reshard_after_forward} contradicts fsdp_sharding_strategy "
-                          f"{self.sharding_strategy} (FULL_SHARD and HYBRID_SHARD reshard, SHARD_GRAD_OP "
-                          "and _HYBRID_SHARD_ZERO2 do not); "
-                          "keep one of the two")
+            self.reshard_after_forward != (self.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD"))
+        ):
+            raise refuse(
+                "fsdp_reshard_after_forward",
+                source,
+                f"{self.reshard_after_forward} contradicts fsdp_sharding_strategy "
+                f"{self.sharding_strategy} (FULL_SHARD and HYBRID_SHARD reshard, SHARD_GRAD_OP "
+                "and _HYBRID_SHARD_ZERO2 do not); "
+                "keep one of the two",
+            )
         if self.state_dict_type != "SHARDED_STATE_DICT":
-            raise refuse("fsdp_state_dict_type", source,
-                          f"{self.state_dict_type} is not supported: fa.save always writes sharded "
-                          "checkpoints under FSDP; full weights come from fa.save_model or "
-                          "`fnaccel merge-weights`. Use SHARDED_STATE_DICT")
+            raise refuse(
+                "fsdp_state_dict_type",
+                source,
+                f"{self.state_dict_type} is not supported: fa.save always writes sharded "
+                "checkpoints under FSDP; full weights come from fa.save_model or "
+                "`fnaccel merge-weights`. Use SHARDED_STATE_DICT",
+            )
         if not self.use_orig_params:
-            raise refuse("fsdp_use_orig_params", source,
-                          "false is not supported: FSDP2 always keeps the original parameters; "
-                          "set it true or leave it out")
+            raise refuse(
+                "fsdp_use_orig_params",
+                source,
+                "false is not supported: FSDP2 always keeps the original parameters; "
+                "set it true or leave it out",
+            )
         if self.backward_prefetch not in (None, "BACKWARD_PRE"):
-            raise refuse("fsdp_backward_prefetch", source,
-                          f"{self.backward_prefetch} has no FSDP2 counterpart; FSDP2 prefetches "
-                          "the next module in backward (BACKWARD_PRE): use that or leave it out")
+            raise refuse(
+                "fsdp_backward_prefetch",
+                source,
+                f"{self.backward_prefetch} has no FSDP2 counterpart; FSDP2 prefetches "
+                "the next module in backward (BACKWARD_PRE): use that or leave it out",
+            )
         if self.cpu_ram_efficient_loading and not self.sync_module_states:
-            raise refuse("fsdp_sync_module_states", source,
-                          "fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states true: only "
-                          "rank 0's weights are real, and the others receive them")
+            raise refuse(
+                "fsdp_sync_module_states",
+                source,
+                "fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states true: only "
+                "rank 0's weights are real, and the others receive them",
+            )
         if self.activation_checkpointing_offload and not self.activation_checkpointing:
             # Accelerate 1.15 refuses it too; it offloads what checkpointing saves, and nothing is
-            raise refuse("fsdp_activation_checkpointing_offload", source,
-                          "true needs fsdp_activation_checkpointing true: it offloads the inputs the "
-                          "checkpointed blocks keep; turn both on, or leave the offload out")
+            raise refuse(
+                "fsdp_activation_checkpointing_offload",
+                source,
+                "true needs fsdp_activation_checkpointing true: it offloads the inputs the "
+                "checkpointed blocks keep; turn both on, or leave the offload out",
+            )
         if self.forward_prefetch:
-            raise refuse("fsdp_forward_prefetch", source,
-                          "true is not supported: explicit forward prefetching is not built")
+            raise refuse(
+                "fsdp_forward_prefetch",
+                source,
+                "true is not supported: explicit forward prefetching is not built",
+            )
 
     def transform(self) -> Any:
         """The `fa.fsdp` transform these settings describe."""
@@ -182,7 +238,8 @@ class FullyShardedDataParallelPlugin:
         wrap = self.auto_wrap_policy
         return fsdp(  # every field reaches fsdp() or was refused by check()
             transformer_cls_names_to_wrap=self.transformer_cls_names_to_wrap
-            if wrap in (None, "TRANSFORMER_BASED_WRAP") else (),
+            if wrap in (None, "TRANSFORMER_BASED_WRAP")
+            else (),
             min_num_params=self.min_num_params if wrap in (None, "SIZE_BASED_WRAP") else None,
             reshard_after_forward=reshard,
             cpu_offload=self.cpu_offload,
@@ -195,5 +252,6 @@ class FullyShardedDataParallelPlugin:
 
         if not self.activation_checkpointing:
             return None
-        return checkpoint_activations(*self.transformer_cls_names_to_wrap,
-                                      offload=self.activation_checkpointing_offload)
+        return checkpoint_activations(
+            *self.transformer_cls_names_to_wrap, offload=self.activation_checkpointing_offload
+        )

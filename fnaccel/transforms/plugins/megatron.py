@@ -68,26 +68,51 @@ class MegatronLMPlugin:
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        for name in ("tp_degree", "pp_degree", "num_micro_batches", "num_layers_per_virtual_pipeline_stage",
-                     "train_iters", "train_samples", "lr_decay_iters", "lr_decay_samples",
-                     "seq_length", "encoder_seq_length", "decoder_seq_length", "eval_iters",
-                     "eval_interval"):
+        for name in (
+            "tp_degree",
+            "pp_degree",
+            "num_micro_batches",
+            "num_layers_per_virtual_pipeline_stage",
+            "train_iters",
+            "train_samples",
+            "lr_decay_iters",
+            "lr_decay_samples",
+            "seq_length",
+            "encoder_seq_length",
+            "decoder_seq_length",
+            "eval_iters",
+            "eval_interval",
+        ):
             require_count(owner, name, getattr(self, name))
         for name in ("pipeline_model_parallel_split_rank", "lr_warmup_iters", "lr_warmup_samples"):
             require_count(owner, name, getattr(self, name), least=0)
         for name in ("gradient_clipping", "start_weight_decay", "end_weight_decay", "min_lr", "lr_mult"):
             require_number(owner, name, getattr(self, name))
-        require_bools(self, ("sequence_parallelism", "recompute_activations", "use_distributed_optimizer",
-                              "is_train_batch_min", "megatron_dataset_flag", "set_all_logging_options",
-                              "return_logits"), ())
+        require_bools(
+            self,
+            (
+                "sequence_parallelism",
+                "recompute_activations",
+                "use_distributed_optimizer",
+                "is_train_batch_min",
+                "megatron_dataset_flag",
+                "set_all_logging_options",
+                "return_logits",
+            ),
+            (),
+        )
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
-            raise ConfigError(f"{owner}: lr_warmup_fraction must be within [0, 1], "
-                              f"got {self.lr_warmup_fraction!r}")
-        for name, choices in (("weight_decay_incr_style", ("constant", "linear", "cosine")),
-                              ("lr_decay_style", ("constant", "linear", "cosine", "inverse-square-root"))):
+            raise ConfigError(
+                f"{owner}: lr_warmup_fraction must be within [0, 1], got {self.lr_warmup_fraction!r}"
+            )
+        for name, choices in (
+            ("weight_decay_incr_style", ("constant", "linear", "cosine")),
+            ("lr_decay_style", ("constant", "linear", "cosine", "inverse-square-root")),
+        ):
             if getattr(self, name) not in choices:
-                raise ConfigError(f"{owner}: {name} must be one of {', '.join(choices)}, "
-                                  f"got {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"{owner}: {name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
+                )
         if (self.pp_degree or 1) > 1 and self.num_micro_batches is None:
             raise ConfigError(f"{owner}: pp_degree {self.pp_degree} needs num_micro_batches")
 
@@ -113,10 +138,15 @@ def megatron_refusal() -> str:
     message of `MegatronLMPlugin.transform` and ``fnaccel launch --use_megatron_lm``."""
     import torch
 
-    cuda = ("this machine has CUDA, but this build of fnaccel does not drive Megatron-LM"
-            if torch.cuda.is_available() else "this machine has no CUDA device")
+    cuda = (
+        "this machine has CUDA, but this build of fnaccel does not drive Megatron-LM"
+        if torch.cuda.is_available()
+        else "this machine has no CUDA device"
+    )
     installed = "installed" if importlib.util.find_spec("megatron") else "not installed"
-    return (f"Megatron-LM's engine runs on CUDA GPUs only ({cuda}; megatron-core is {installed}): its "
-            "DistributedDataParallel allocates gradient buffers on torch.cuda.current_device(), its "
-            "DistributedOptimizer accepts only torch.cuda tensors and its model and pipeline schedules "
-            "use CUDA streams. Train data-parallel with fa.ddp() or sharded with fa.fsdp()")
+    return (
+        f"Megatron-LM's engine runs on CUDA GPUs only ({cuda}; megatron-core is {installed}): its "
+        "DistributedDataParallel allocates gradient buffers on torch.cuda.current_device(), its "
+        "DistributedOptimizer accepts only torch.cuda tensors and its model and pipeline schedules "
+        "use CUDA streams. Train data-parallel with fa.ddp() or sharded with fa.fsdp()"
+    )

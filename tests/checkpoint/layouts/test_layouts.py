@@ -19,9 +19,23 @@ from fnaccel.transforms.base import Capability, Transform
 
 CHECKPOINT = Path(fa.__file__).parent / "checkpoint"
 # what decides or implements one layout: only checkpoint/layouts/ (and the DCP machinery) may name them
-LAYOUT_NAMES = {"is_sharded", "is_pipelined", "is_stored_sharded", "zero_engine", "shard_into", "load_sharded",
-                "snapshot_sharded", "write_sharded", "snapshot_zero", "read_zero", "load_zero", "ShardedSnapshot",
-                "sharded", "into_shards", "zero"}
+LAYOUT_NAMES = {
+    "is_sharded",
+    "is_pipelined",
+    "is_stored_sharded",
+    "zero_engine",
+    "shard_into",
+    "load_sharded",
+    "snapshot_sharded",
+    "write_sharded",
+    "snapshot_zero",
+    "read_zero",
+    "load_zero",
+    "ShardedSnapshot",
+    "sharded",
+    "into_shards",
+    "zero",
+}
 
 
 def _function(module: ast.Module, name: str) -> ast.FunctionDef:
@@ -40,10 +54,16 @@ def test_save_and_load_are_at_most_60_lines_and_pass_no_layout_flags() -> None:
     for module in ("run.py", "writer.py"):  # the modules every fa.save and fa.load goes through
         tree = ast.parse((CHECKPOINT / module).read_text())
         named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-        named |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
-                  for a in [*n.posonlyargs, *n.args, *n.kwonlyargs]}
+        named |= {
+            a.arg
+            for n in ast.walk(tree)
+            if isinstance(n, ast.arguments)
+            for a in [*n.posonlyargs, *n.args, *n.kwonlyargs]
+        }
         named |= {k.arg for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords if k.arg}
-        named |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        named |= {
+            a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+        }
         assert not named & LAYOUT_NAMES, f"checkpoint/{module} names {sorted(named & LAYOUT_NAMES)}"
 
 
@@ -57,8 +77,11 @@ def test_each_layout_has_its_own_module_and_implements_the_protocol() -> None:
 
 PIPELINES = {
     "fsdp": lambda: fa.compose(fa.fsdp()),
-    "fsdp_undeclared": lambda: fa.compose(dataclasses.replace(  # fsdp's hooks, sharding undeclared
-        fa.fsdp(), capabilities=fa.fsdp().capabilities - {Capability.SHARDS_PARAMETERS})),
+    "fsdp_undeclared": lambda: fa.compose(
+        dataclasses.replace(  # fsdp's hooks, sharding undeclared
+            fa.fsdp(), capabilities=fa.fsdp().capabilities - {Capability.SHARDS_PARAMETERS}
+        )
+    ),
     "ddp": lambda: fa.compose(fa.ddp()),
     "fsdp_own_layout": lambda: fa.compose(dataclasses.replace(fa.fsdp(), layout=_WeightsOnly())),
 }
@@ -67,23 +90,34 @@ PIPELINES = {
 def _chosen(state: fa.RunState, pipeline: str) -> str:
     """The layout this rank's run gets under ``pipeline``."""
     model = nn.Linear(4, 4)
-    state = fa.prepare(state, model, torch.optim.SGD(model.parameters(), lr=0.1), pipeline=PIPELINES[pipeline]())
+    state = fa.prepare(
+        state, model, torch.optim.SGD(model.parameters(), lr=0.1), pipeline=PIPELINES[pipeline]()
+    )
     return type(layout_for(state)).__name__
 
 
 def test_the_layout_follows_what_the_pipeline_declares(world2: Any) -> None:
     # fsdp() declares SHARDS_PARAMETERS: sharded; the same hooks without the declaration: plain; a layout
     # of the transform's own wins over the declaration
-    expected = {"fsdp": "ShardedLayout", "fsdp_undeclared": "PlainLayout", "ddp": "PlainLayout",
-                "fsdp_own_layout": "_WeightsOnly"}
+    expected = {
+        "fsdp": "ShardedLayout",
+        "fsdp_undeclared": "PlainLayout",
+        "ddp": "PlainLayout",
+        "fsdp_own_layout": "_WeightsOnly",
+    }
     for pipeline, layout in expected.items():
         assert world2.run(_chosen, pipeline) == [layout] * 2, pipeline
     # in a world of one, fsdp() leaves the model whole: plain; a sharded checkpoint loads through DCP
     state = fa.prepare(fa.init(cpu=True), nn.Linear(1, 1), pipeline=fa.compose(fa.fsdp()))
     assert isinstance(layout_for(state), PlainLayout)
     assert isinstance(layout_for(state, {"files": {"sharded/metadata.json": {}}}), ShardedLayout)
-    engine = fa.prepare(fa.init(cpu=True), nn.Linear(1, 1), pipeline=fa.compose(
-        Transform(name="engine", capabilities=frozenset({Capability.OWNS_OPTIMIZER_STEP}))))
+    engine = fa.prepare(
+        fa.init(cpu=True),
+        nn.Linear(1, 1),
+        pipeline=fa.compose(
+            Transform(name="engine", capabilities=frozenset({Capability.OWNS_OPTIMIZER_STEP}))
+        ),
+    )
     assert isinstance(layout_for(engine), PlainLayout)  # no DeepSpeed master partitions to save
 
 
@@ -118,8 +152,13 @@ def test_an_outsider_transform_brings_its_own_layout(tmp_path: Path) -> None:
     def prepared(seed: int) -> fa.RunState:
         torch.manual_seed(seed)
         model = nn.Linear(3, 2)
-        return fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1),
-                          pipeline=pipeline, loss_fn=lambda m, batch: m(batch).sum())
+        return fa.prepare(
+            fa.init(seed=0, cpu=True),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            pipeline=pipeline,
+            loss_fn=lambda m, batch: m(batch).sum(),
+        )
 
     state, _ = fa.step(prepared(0), torch.ones(4, 3))
     fa.save(state, tmp_path / "ckpt")

@@ -19,10 +19,12 @@ def test_megatron_settings_are_validated_then_refused_by_engine() -> None:
     assert plugin.lr_decay_style == "linear" and plugin.eval_iters == 100  # Accelerate's defaults
     with pytest.raises(fa.ConfigError, match="Megatron-LM"):
         plugin.transform()
-    for kwargs, message in (({"tp_degree": 0}, "tp_degree must be a positive int"),
-                            ({"pp_degree": 2}, "needs num_micro_batches"),
-                            ({"lr_decay_style": "step"}, "lr_decay_style must be one of"),
-                            ({"lr_warmup_fraction": 2.0}, "within"),
-                            ({"return_logits": 1}, "True, False or None")):
+    for kwargs, message in (
+        ({"tp_degree": 0}, "tp_degree must be a positive int"),
+        ({"pp_degree": 2}, "needs num_micro_batches"),
+        ({"lr_decay_style": "step"}, "lr_decay_style must be one of"),
+        ({"lr_warmup_fraction": 2.0}, "within"),
+        ({"return_logits": 1}, "True, False or None"),
+    ):
         with pytest.raises(fa.ConfigError, match=message):
             MegatronLMPlugin(**kwargs)  # type: ignore[arg-type]
