@@ -91,7 +91,7 @@ _PUBLIC = MappingProxyType(
         "fp16": "fnaccel.transforms",
         "bf16": "fnaccel.transforms",
         "fp32": "fnaccel.transforms",
-        "fp8": "fnaccel.transforms.precision",
+        "fp8": "fnaccel.transforms.mixed_precision",
         "local_sgd": "fnaccel.transforms.local_sgd",
         "pp": "fnaccel.transforms",
         # Collective transforms

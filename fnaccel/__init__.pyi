@@ -180,7 +180,7 @@ from fnaccel.transforms.nonfinite import (
     NonFiniteUpdateError as NonFiniteUpdateError,
     skip_nonfinite as skip_nonfinite,
 )
-from fnaccel.transforms.precision import (
+from fnaccel.transforms.mixed_precision import (
     fp8 as fp8,
 )
 from fnaccel.transforms.profile import (

@@ -1,6 +1,6 @@
 """The run's mixed precision for code outside the pipeline: `autocast_context`, and Accelerate's helpers.
 
-`fa.autocast` (`fnaccel.transforms.precision`) wraps the model's ``forward`` at
+`fa.autocast` (`fnaccel.transforms.mixed_precision`) wraps the model's ``forward`` at
 `fa.prepare`; a loss computed outside it, a second model called by hand, or an
 evaluation helper runs in full precision unless it enters `autocast_context`
 (Accelerate's ``accelerator.autocast()``). The precision is the pipeline's
@@ -23,7 +23,7 @@ from fnaccel.constants import DistributedType, PrecisionType
 from fnaccel.kwargs import AutocastKwargs, GradScalerKwargs
 from fnaccel.state import RunState
 from fnaccel.transforms.base import Pipeline, Precision
-from fnaccel.transforms.precision import precision_dtype
+from fnaccel.transforms.mixed_precision import precision_dtype
 
 __all__ = ["autocast_context", "get_grad_scaler", "get_mixed_precision_context_manager"]
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from fnaccel.checks import check_value, is_int
 from fnaccel.constants import FINISHED_MARK, LAUNCH_DIR_ENV, PREEMPTED_MARK
-from fnaccel.kwargs.base import KwargsHandler
+from fnaccel.kwargs.mixin import KwargsHandler
 from fnaccel.resources import Resources, exception_in_flight
 
 __all__ = ["PreemptionKwargs", "SignalWatch", "install"]

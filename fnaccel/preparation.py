@@ -43,7 +43,7 @@ from fnaccel.transforms.fp8 import recipe_from_config
 from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin
-from fnaccel.transforms.precision import autocast, fp8, grad_scaler
+from fnaccel.transforms.mixed_precision import autocast, fp8, grad_scaler
 
 __all__ = ["default_pipeline", "prepare"]
 

@@ -27,7 +27,7 @@ from fnaccel.config.parallelism import ParallelismConfig, build_mesh
 from fnaccel.constants import DistributedType, PrecisionType
 from fnaccel.dist import DistContext
 from fnaccel.kwargs import InitProcessGroupKwargs
-from fnaccel.kwargs.base import KwargsHandler
+from fnaccel.kwargs.mixin import KwargsHandler
 from fnaccel.preemption import PreemptionKwargs, check_main_thread, install
 from fnaccel.resources import GroupOwner, Resources
 from fnaccel.rng import RNGState

@@ -40,7 +40,7 @@ from torch import nn
 
 from fnaccel.calls import failure_of
 from fnaccel.dist import DistContext, data_parallel
-from fnaccel.kwargs.base import KwargsHandler
+from fnaccel.kwargs.mixin import KwargsHandler
 from fnaccel.rng import put_back, swap_in, swap_out
 from fnaccel.state import DataPosition, RunState
 from fnaccel.transforms.base import (

@@ -146,12 +146,12 @@ NOT_YET_MIRRORED: dict[str, tuple[str, str]] = {
     ),
     "transforms/compile.py": ("tests/test_train.py", "in the step's tests: tests/transforms/test_compile.py"),
     "transforms/profile.py": ("tests/test_train.py", "in the step's tests: tests/transforms/test_profile.py"),
-    "transforms/precision.py": ("tests/test_train.py", "in the step's tests and test_fp8.py"),
+    "transforms/mixed_precision.py": ("tests/test_train.py", "in the step's tests and test_fp8.py"),
     "transforms/parallel.py": (
         "tests/test_train_dist.py",
         "fa.ddp / fa.fsdp: tests/transforms/test_parallel.py",
     ),
-    "transforms/collectives.py": ("tests/ops/test_collectives.py", "the collective transforms, with ops/"),
+    "transforms/collective_steps.py": ("tests/ops/test_collectives.py", "the collective transforms, with ops/"),
     "transforms/tensor_parallel.py": (
         "tests/transforms/test_mesh.py",
         "fa.tp: tests/transforms/test_tensor_parallel.py",

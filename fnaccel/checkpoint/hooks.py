@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from fnaccel.kwargs.base import KwargsHandler
+from fnaccel.kwargs.mixin import KwargsHandler
 
 __all__ = [
     "CheckpointHooks",

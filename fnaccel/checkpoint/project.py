@@ -20,7 +20,7 @@ from typing import Any
 
 from fnaccel.checkpoint.files import discard, remove_leftovers
 from fnaccel.checkpoint.manifest import MANIFEST
-from fnaccel.kwargs.base import KwargsHandler
+from fnaccel.kwargs.mixin import KwargsHandler
 
 __all__ = ["ProjectConfiguration", "next_checkpoint", "project_of", "rotate"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fnaccel.checks import check_value, is_int, require
-from fnaccel.kwargs.base import KwargsHandler
+from fnaccel.kwargs.mixin import KwargsHandler
 
 __all__ = ["DataLoaderConfiguration"]
 

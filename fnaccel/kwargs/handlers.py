@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fnaccel.checks import check_choice, check_value, is_int, is_number, require
 from fnaccel.constants import PROFILE_PATTERN_NAME, DDPCommunicationHookType
-from fnaccel.kwargs.base import KwargsHandler
+from fnaccel.kwargs.mixin import KwargsHandler
 
 __all__ = [
     "AutocastKwargs",

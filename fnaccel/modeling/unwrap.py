@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from fnaccel.transforms.parallel import unwrap_model
-from fnaccel.transforms.precision import AutocastForward
+from fnaccel.transforms.mixed_precision import AutocastForward
 
 __all__ = ["extract_model_from_parallel"]
 

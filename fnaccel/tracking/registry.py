@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from fnaccel.constants import LoggerType
-from fnaccel.kwargs.base import KwargsHandler
+from fnaccel.kwargs.mixin import KwargsHandler
 
 __all__ = ["TrackerClasses", "register_tracker", "register_tracker_class", "registered_trackers"]
 

@@ -12,7 +12,7 @@ from fnaccel.transforms.base import (
 )
 from fnaccel.transforms.checkpointing import checkpoint_activations
 from fnaccel.transforms.clip import clip_grad_norm, clip_grad_value
-from fnaccel.transforms.collectives import (
+from fnaccel.transforms.collective_steps import (
     broadcast,
     broadcast_object_list,
     gather,
@@ -28,7 +28,7 @@ from fnaccel.transforms.nonfinite import skip_nonfinite
 from fnaccel.transforms.parallel import ddp, fsdp
 from fnaccel.transforms.phases import Phase
 from fnaccel.transforms.pipelining import pp
-from fnaccel.transforms.precision import autocast, bf16, fp8, fp16, fp32, grad_scaler
+from fnaccel.transforms.mixed_precision import autocast, bf16, fp8, fp16, fp32, grad_scaler
 from fnaccel.transforms.profile import profile
 from fnaccel.transforms.tensor_parallel import tp
 

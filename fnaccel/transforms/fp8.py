@@ -1,6 +1,6 @@
 """fp8 training through torchao's float8 linear layers (``fa.autocast(fa.fp8)``).
 
-`autocast(fa.fp8)` (fnaccel.transforms.precision) calls `convert_to_fp8` at
+`autocast(fa.fp8)` (fnaccel.transforms.mixed_precision) calls `convert_to_fp8` at
 `fa.prepare`: the model's ``nn.Linear`` layers become torchao ``Float8Linear``
 layers (`convert_to_float8_training`), whose matmuls cast their inputs,
 weights and output gradients to float8 with dynamic per-tensor scales, and

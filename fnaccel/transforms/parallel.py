@@ -193,7 +193,7 @@ def fsdp(
         raise ValueError(f"fsdp: min_num_params must be positive, got {min_num_params}")
 
     def prepare_model(ctx: DistContext, model: nn.Module, state: Any) -> nn.Module:
-        from fnaccel.transforms.precision import AutocastForward
+        from fnaccel.transforms.mixed_precision import AutocastForward
 
         if data_parallel(ctx)[1] == 1:
             return model

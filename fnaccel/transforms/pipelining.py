@@ -42,7 +42,7 @@ from fnaccel.dist import DistContext, data_parallel, mesh_dim
 from fnaccel.transforms.base import Capability, Pipeline, Transform, options
 from fnaccel.transforms.parallel import unwrap_compiled
 from fnaccel.transforms.phases import Phase
-from fnaccel.transforms.precision import AutocastForward
+from fnaccel.transforms.mixed_precision import AutocastForward
 
 __all__ = ["InOrder", "PipelinedModel", "SCHEDULES", "pp", "reduce_norm", "split_stages", "stage_group"]
 

@@ -13,7 +13,7 @@ from fnaccel.config.environment import is_torchao_available
 from fnaccel.kwargs import FP8RecipeKwargs
 from fnaccel.preparation import default_pipeline
 from fnaccel.transforms.fp8 import convert_to_fp8, float8_linear_config, keep_first_and_last_linear
-from fnaccel.transforms.precision import fp8
+from fnaccel.transforms.mixed_precision import fp8
 
 needs_torchao = pytest.mark.skipif(
     not is_torchao_available(), reason="torchao is not installed (pip install 'fnaccel[fp8]')"

@@ -14,7 +14,7 @@ from typing import Any
 from fnaccel._errors import ConfigError
 from fnaccel.checks import config_bool, config_choice, require_bools
 from fnaccel.constants import DynamoBackend
-from fnaccel.kwargs.base import KwargsHandler
+from fnaccel.kwargs.mixin import KwargsHandler
 from fnaccel.transforms.plugins.sections import refuse, section_record
 
 __all__ = ["TorchDynamoPlugin"]
