@@ -168,7 +168,9 @@ class RunState:
     @property
     def trackers(self) -> tuple[Any, ...]:
         """The experiment trackers `fnaccel.tracking.init_trackers` opened (main process only)."""
-        return self.resources.get("trackers", ())
+        trackers = self.resources.get("trackers", ())
+        assert isinstance(trackers, tuple), "fnaccel.tracking registers its trackers as a tuple"
+        return trackers
 
     @property
     def preempted(self) -> str | None:

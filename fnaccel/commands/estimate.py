@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fnaccel.checkpoint.storage.weightfiles import index_files, read_dtypes_and_shapes
 from fnaccel.commands.main import CommandError
-from fnaccel.modeling.checkpoint_files import index_files, read_dtypes_and_shapes
 from fnaccel.modeling.empty import init_empty_weights
 from fnaccel.modeling.sizes import compute_module_sizes, largest_layer, named_module_tensors
 
@@ -223,7 +223,8 @@ def _transformers_model(path: Path, trust_remote_code: bool) -> nn.Module:
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         with init_empty_weights():
-            return transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+            model: nn.Module = transformers.AutoModel.from_config(config, trust_remote_code=trust_remote_code)
+        return model
     except (OSError, ValueError, KeyError) as exc:
         raise CommandError(f"transformers cannot build a model from {path}: {exc}") from None
 
@@ -235,7 +236,8 @@ def _timm_model(name: str) -> nn.Module:
         raise CommandError(f"--library_name timm needs timm to build {name!r}: pip install timm") from None
     try:
         with init_empty_weights():
-            return timm.create_model(name, pretrained=False)
+            model: nn.Module = timm.create_model(name, pretrained=False)
+        return model
     except RuntimeError as exc:
         raise CommandError(f"timm cannot build {name!r}: {exc}") from None
 

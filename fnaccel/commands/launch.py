@@ -44,13 +44,13 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
-from types import MappingProxyType
+from types import FrameType, MappingProxyType
 from typing import Any
 
 import torch.distributed.run as torchrun
 from torch.distributed import DistNetworkError, TCPStore
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from fnaccel._errors import ConfigError
 from fnaccel.commands.launch_flags import (
@@ -588,7 +588,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(launch_dir, ignore_errors=True)
 
 
-def _failed_at_ns(failure: Any) -> int:
+def _failed_at_ns(failure: ProcessFailure) -> int:
     """When a worker failed: its own record (ns) where it wrote one, else torchrun's (seconds)."""
     recorded = _recorded_ns(failure)
     return recorded if recorded is not None else int(failure.timestamp) * 1_000_000_000
@@ -653,7 +653,7 @@ class _Machines:
     store operation every `HEARTBEAT_S` per machine.
     """
 
-    def __init__(self, store: Any, config: LaunchConfig, launch_dir: Path, local: int) -> None:
+    def __init__(self, store: TCPStore, config: LaunchConfig, launch_dir: Path, local: int) -> None:
         self._store = store
         self._rank = config.machine_rank
         self._total = config.num_machines
@@ -790,12 +790,12 @@ class _Machines:
 
 
 @contextlib.contextmanager
-def _signals_raise(exception: Any) -> Iterator[None]:
+def _signals_raise(exception: type[SignalException]) -> Iterator[None]:
     """While the launch runs, each forwarded signal raises ``exception(message, signal)``
     (torch's `SignalException`) in the main thread, as torchrun's agent makes it do once
     the workers run: one path ends the launch whenever the signal comes."""
 
-    def handler(signum: int, _frame: Any) -> None:
+    def handler(signum: int, _frame: FrameType | None) -> None:
         raise exception(f"fnaccel launch got {signal.Signals(signum).name}", signal.Signals(signum))
 
     previous = {sig: signal.signal(sig, handler) for sig in _FORWARDED}
@@ -823,7 +823,7 @@ def rendezvous_timeout(args: argparse.Namespace, config: LaunchConfig) -> float:
 
 
 @contextlib.contextmanager
-def _machines_met(args: argparse.Namespace, config: LaunchConfig) -> Iterator[Any]:
+def _machines_met(args: argparse.Namespace, config: LaunchConfig) -> Iterator[TCPStore | None]:
     """Before the agent starts: the machine of rank 0 holds the rendezvous port (a port in
     use is refused here, before any worker starts) and, with several machines, every
     launcher waits until all have joined, on fnaccel's own keys in that same store; yields
@@ -839,7 +839,7 @@ def _machines_met(args: argparse.Namespace, config: LaunchConfig) -> Iterator[An
         return
     host = config.main_process_ip or "127.0.0.1"
     timeout = rendezvous_timeout(args, config)
-    store: Any = None
+    store: TCPStore | None = None
     if config.machine_rank == 0:
         try:
             store = TCPStore(
@@ -860,7 +860,7 @@ def _machines_met(args: argparse.Namespace, config: LaunchConfig) -> Iterator[An
         del store  # the agent's store (multi-tenant) keeps the server while the run needs it
 
 
-def _join(store: Any, host: str, port: int, config: LaunchConfig, timeout: float) -> Any:
+def _join(store: TCPStore | None, host: str, port: int, config: LaunchConfig, timeout: float) -> TCPStore:
     """Announce this machine on the rendezvous store and wait until every machine has;
     return the store (the server's owner must keep it). Prints a line at the start and
     every `REPORT_INTERVAL_S`; a timeout or a forwarded signal raises `_Ended`."""
@@ -923,11 +923,11 @@ def _answers(host: str, port: int) -> bool:
     return True
 
 
-def _client_store(host: str, port: int, timeout: float) -> Any:
+def _client_store(host: str, port: int, timeout: float) -> TCPStore:
     return TCPStore(host, port, None, False, timedelta(seconds=max(timeout, 1.0)), wait_for_workers=False)
 
 
-def first_failure(exc: Any) -> tuple[int, Any]:
+def first_failure(exc: ChildFailedError) -> tuple[int, ProcessFailure]:
     """The rank of a failed launch that failed first, and its failure.
 
     torchrun orders failures by whole seconds, so a rank whose collective broke
@@ -937,12 +937,13 @@ def first_failure(exc: Any) -> tuple[int, Any]:
     """
     timed = {rank: at for rank, failure in exc.failures.items() if (at := _recorded_ns(failure)) is not None}
     if not timed:
-        return exc.get_first_failure()
+        first: tuple[int, ProcessFailure] = exc.get_first_failure()
+        return first
     rank = min(timed, key=timed.__getitem__)
     return rank, exc.failures[rank]
 
 
-def _recorded_ns(failure: Any) -> int | None:
+def _recorded_ns(failure: ProcessFailure) -> int | None:
     """When a worker recorded it failed (ns, `fnaccel.resources`), if it did."""
     message = failure.error_file_data.get("message")
     extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}

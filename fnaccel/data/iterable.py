@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful
@@ -35,10 +35,19 @@ __all__ = ["IterableShard", "StatefulIterableShard", "shard_iterable"]
 Step = tuple[list[Any], int]
 
 
+@runtime_checkable
+class _StatefulIterator(Iterator[object], Protocol):
+    """An iterator that saves and restores its position (torchdata's `Stateful`)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 class _ShardIterator(Iterator[Step]):
     """One pass over the dataset, yielding this rank's chunk of each global batch."""
 
-    def __init__(self, shard: IterableShard, source: Iterator[Any]) -> None:
+    def __init__(self, shard: IterableShard, source: Iterator[object]) -> None:
         self._shard = shard
         self._source = source
         self._done = False
@@ -60,11 +69,15 @@ class _ShardIterator(Iterator[Step]):
 class _StatefulShardIterator(_ShardIterator):
     """A `_ShardIterator` over a stateful iterator: its state is the source's."""
 
+    def __init__(self, shard: IterableShard, source: _StatefulIterator) -> None:
+        super().__init__(shard, source)
+        self._stateful = source
+
     def state_dict(self) -> dict[str, Any]:
-        return self._source.state_dict()  # type: ignore[attr-defined]
+        return self._stateful.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._source.load_state_dict(state_dict)  # type: ignore[attr-defined]
+        self._stateful.load_state_dict(state_dict)
 
 
 class IterableShard(IterableDataset[Step]):
@@ -106,7 +119,7 @@ class IterableShard(IterableDataset[Step]):
 
     def __iter__(self) -> Iterator[Step]:
         source = iter(self.dataset)
-        if isinstance(source, Stateful) and source is not self.dataset:
+        if isinstance(source, _StatefulIterator) and source is not self.dataset:
             return _StatefulShardIterator(self, source)
         return _ShardIterator(self, source)
 
@@ -115,7 +128,8 @@ class StatefulIterableShard(IterableShard):
     """An `IterableShard` over a dataset with ``state_dict``: its state is the dataset's."""
 
     def state_dict(self) -> dict[str, Any]:
-        return self.dataset.state_dict()
+        state: dict[str, Any] = self.dataset.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state_dict)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sized
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
@@ -23,14 +23,16 @@ from fnaccel.checks import is_int
 
 __all__ = ["skip_first_batches"]
 
+T = TypeVar("T")
 
-class _SkipFirst(Sampler[Any]):
+
+class _SkipFirst(Sampler[T]):
     """``sampler``'s items without the first ``num_skipped`` (all of them still drawn)."""
 
-    def __init__(self, sampler: Iterable[Any], num_skipped: int) -> None:
+    def __init__(self, sampler: Iterable[T], num_skipped: int) -> None:
         self.sampler, self.num_skipped = sampler, num_skipped
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[T]:
         return itertools.islice(iter(self.sampler), self.num_skipped, None)
 
     def __len__(self) -> int:
@@ -39,19 +41,19 @@ class _SkipFirst(Sampler[Any]):
         return max(len(self.sampler) - self.num_skipped, 0)
 
 
-class _SkipFirstLoader(DataLoader):
+class _SkipFirstLoader(DataLoader[T]):
     """An iterable dataset's loader that reads and drops its first ``num_skipped`` batches."""
 
     num_skipped: int
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # an iterator, not torch's own class
+    def __iter__(self) -> Iterator[T]:  # type: ignore[override]  # an iterator, not torch's own class
         return itertools.islice(super().__iter__(), self.num_skipped, None)
 
     def __len__(self) -> int:
         return max(super().__len__() - self.num_skipped, 0)
 
 
-def _settings(loader: DataLoader) -> dict[str, Any]:
+def _settings(loader: DataLoader[T]) -> dict[str, Any]:
     """The constructor arguments ``loader`` was built with, but for its sampling."""
     settings = {
         "num_workers": loader.num_workers,
@@ -71,7 +73,7 @@ def _settings(loader: DataLoader) -> dict[str, Any]:
     return settings
 
 
-def skip_first_batches(loader: DataLoader, num_batches: int = 0) -> DataLoader:
+def skip_first_batches(loader: DataLoader[T], num_batches: int = 0) -> DataLoader[T]:
     """A new `DataLoader` yielding ``loader``'s batches from batch ``num_batches`` on.
 
     Args:

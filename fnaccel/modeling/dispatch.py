@@ -28,7 +28,7 @@ from torch import nn
 
 from fnaccel.modeling.device_map import check_device_map, resolve_device_map
 from fnaccel.modeling.hooks import AlignDevicesHook, add_hook_to_module
-from fnaccel.modeling.loading import DeviceMap, load_checkpoint_in_model
+from fnaccel.modeling.loading import load_checkpoint_in_model
 from fnaccel.modeling.offload import (
     OffloadedWeightsLoader,
     PrefixedDataset,
@@ -38,6 +38,7 @@ from fnaccel.modeling.offload import (
 )
 from fnaccel.modeling.sizes import named_module_tensors
 from fnaccel.modeling.tensors import (
+    DeviceMap,
     Placement,
     as_device,
     device_for,

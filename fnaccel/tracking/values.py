@@ -4,18 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from numbers import Integral, Real
-from typing import Any
+from typing import TypeAlias
 
 import torch
+
+#: A logged number or string, as a tracker receives it.
+Scalar: TypeAlias = bool | int | float | str
+#: What `read_values` returns: scalars, nested under names.
+Values: TypeAlias = dict[str, "Scalar | Values"]
 
 __all__ = ["read_values"]
 
 
-def read_values(values: Mapping[str, Any]) -> dict[str, Any]:
+def read_values(values: Mapping[str, object]) -> Values:
     """``values`` as plain Python: each tensor replaced by its number, all tensors on a
     device read with one stack and one ``tolist`` (one device-to-host transfer)."""
     tensors: list[torch.Tensor] = []
     tree = _collect(values, "", tensors)
+    assert isinstance(tree, dict)
     return _fill(tree, _to_host(tensors))
 
 
@@ -28,10 +34,15 @@ class _Pending:
         self.index = index
 
 
-def _collect(value: Any, key: str, tensors: list[torch.Tensor]) -> Any:
+# `_collect`'s tree: a `_Pending` where a tensor's number will go
+_Tree: TypeAlias = "Scalar | _Pending | _Branch"
+_Branch: TypeAlias = dict[str, _Tree]
+
+
+def _collect(value: object, key: str, tensors: list[torch.Tensor]) -> _Tree:
     """``value`` with each tensor replaced by a `_Pending` (checked, not read yet)."""
     if isinstance(value, Mapping):
-        out = {}
+        out: _Branch = {}
         for name, item in value.items():
             if not isinstance(name, str):
                 raise TypeError(f"fa.log: metric names are strings, got {name!r} under {key or 'values'!r}")
@@ -57,12 +68,12 @@ def _collect(value: Any, key: str, tensors: list[torch.Tensor]) -> Any:
     )
 
 
-def _to_host(tensors: list[torch.Tensor]) -> list[Any]:
+def _to_host(tensors: list[torch.Tensor]) -> list[Scalar]:
     """Every tensor's value, with one transfer per device (one stack, one tolist)."""
     by_device: dict[torch.device, list[int]] = {}
     for index, tensor in enumerate(tensors):
         by_device.setdefault(tensor.device, []).append(index)
-    numbers: list[Any] = [None] * len(tensors)
+    numbers: list[Scalar] = [0] * len(tensors)
     for device, indices in by_device.items():
         values = [tensors[i].detach().reshape(()) for i in indices]
         if device.type == "mps":  # MPS has no float64: bring the values over first, in one transfer
@@ -89,9 +100,12 @@ def _to_cpu_at_once(values: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _fill(tree: Any, numbers: list[Any]) -> Any:
-    if isinstance(tree, _Pending):
-        return numbers[tree.index]
-    if isinstance(tree, dict):
-        return {key: _fill(value, numbers) for key, value in tree.items()}
-    return tree
+def _fill(tree: _Branch, numbers: list[Scalar]) -> Values:
+    return {
+        key: numbers[value.index]
+        if isinstance(value, _Pending)
+        else _fill(value, numbers)
+        if isinstance(value, dict)
+        else value
+        for key, value in tree.items()
+    }
