@@ -40,6 +40,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from fnaccel._errors import FnaccelError
+from fnaccel.calls import calls_of
 from fnaccel.debug.divergence import Divergence, StepDivergence, find_divergence
 from fnaccel.debug.resume import verify_resume
 from fnaccel.resources import Resources
@@ -126,6 +127,12 @@ def _worker(rank: int, num_processes: int, port: int, conn: Connection, env: Map
             conn.send(("ok", function(state, *args, **kwargs)))
         except BaseException as exc:
             _report(conn, exc)
+    # The world's own end is agreed afresh too, as each task's calls are: the last task may
+    # have left the ranks' records apart (fa.shutdown on rank 0 and an exit on rank 1), and
+    # agreeing from there matched one rank with an old call while the other waited.
+    calls = calls_of(base.dist.group_owner)
+    if calls is not None:
+        calls.renew()
     shutdown(base)
     conn.close()
 
@@ -263,8 +270,15 @@ class World:
             first.add_note(note)
         return first
 
-    def close(self, force: bool = False) -> None:
-        """Stop the workers (politely unless ``force``); idempotent."""
+    def close(self, force: bool = False) -> list[int | None]:
+        """Stop the workers (politely unless ``force``); idempotent.
+
+        Returns:
+            The workers' exit codes in rank order (0: the rank shut its run down
+            cleanly; negative: killed, as one still running 30 s after the
+            request is); empty once closed.
+        """
+        procs = self._procs
         for conn, proc in zip(self._conns, self._procs, strict=False):
             if not force and proc.is_alive():
                 with contextlib.suppress(BrokenPipeError, OSError):
@@ -277,6 +291,7 @@ class World:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        return [proc.exitcode for proc in procs]
 
     def __enter__(self) -> World:
         return self

@@ -1,0 +1,59 @@
+"""A world's ranks end promptly, whatever they went through.
+
+The tests share one 2-rank `World` whose task timeout (20 s) is below
+`fnaccel.resources.SETTLE_SECONDS` (60 s), so a rank left waiting in a settle
+shows as a world torn down, not as a slow pass; the last test closes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import fnaccel as fa
+from fnaccel.testing import World
+
+pytestmark = pytest.mark.multiprocess
+
+_TASK_SECONDS = 20.0
+
+
+class _World:
+    """This file's world, started at its first use and again if a test broke it."""
+
+    world: World | None = None
+
+    def get(self) -> World:
+        if self.world is None or not self.world.alive:
+            self.world = World(2, timeout=_TASK_SECONDS)
+        return self.world
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[_World]:
+    holder = _World()
+    yield holder
+    if holder.world is not None:
+        holder.world.close()
+
+
+def _shutdown_on_rank0_rank1_exits(state: fa.RunState) -> str:
+    """tests/test_calls.py's last task: fa.shutdown on rank 0; rank 1 runs what
+    interpreter exit runs for a script that ends without fa.shutdown."""
+    if state.dist.rank == 0:
+        fa.shutdown(state)
+        return "shut down"
+    state.dist.group_owner.calls._exiting()
+    return "exited"
+
+
+def test_a_world_whose_ranks_agreed_apart_ends_cleanly(shared: _World) -> None:
+    """After a task that left the ranks' call records apart (rank 0 agreed on one more
+    call than rank 1), the world's own fa.shutdown still ends both ranks cleanly.
+    Before: rank 1 matched rank 0's old entry and went on into the settle, while rank 0
+    waited for rank 1's entry until its question went unanswered (over 30 s); the
+    close killed it (exit code -9) and rank 1 tore down alone."""
+    world = shared.get()
+    assert world.run(_shutdown_on_rank0_rank1_exits) == ["shut down", "exited"]
+    assert world.close() == [0, 0]
