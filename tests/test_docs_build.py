@@ -76,7 +76,7 @@ def test_a_public_function_without_a_docstring_is_reported(
     spec.loader.exec_module(reference)
     module = types.ModuleType("planted")
     exec("def documented():\n    'Says what it does.'\n\ndef bare():\n    pass\n", module.__dict__)
-    module.__all__ = ["documented", "bare"]
+    module.__dict__["__all__"] = ["documented", "bare"]
     monkeypatch.setitem(sys.modules, "planted", module)
     with caplog.at_level(logging.WARNING):
         text = reference.page("planted", {})

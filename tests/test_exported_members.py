@@ -43,8 +43,9 @@ def test_one_table_is_the_surface_in_the_documented_order() -> None:
     `__all__` is that table's names, and docs/api.md documents them in the same order, so the
     table reads as the page does. It listed about 80 names three times (type-checking imports,
     the lazy table, `__all__`), and the first two disagreed on where 7 of them came from."""
-    assert fnaccel.__all__ == list(fnaccel._PUBLIC)
-    assert fnaccel.utils.__all__ == list(fnaccel.utils._PUBLIC)
+    # the stubs type-checkers read list the public names only, not the table
+    assert fnaccel.__all__ == list(getattr(fnaccel, "_PUBLIC"))
+    assert fnaccel.utils.__all__ == list(getattr(fnaccel.utils, "_PUBLIC"))
     documented = _documented("fnaccel")
     assert fnaccel.__all__ == documented, next(
         f"docs/api.md lists {d!r} where _PUBLIC has {t!r}: keep the two in the same order"

@@ -12,7 +12,8 @@ import torch
 
 import fnaccel as fa
 from fnaccel.launchers import ProcessFailedError, debug_launcher, notebook_launcher
-from tests.test_train_dist import global_batches, loss_fn, make_model, my_part, single_process_reference
+from tests.test_train import loss_fn, make_model
+from tests.test_train_dist import global_batches, my_part, single_process_reference
 
 FREE_PORT = {"rdzv_backend": "c10d", "rdzv_endpoint": "127.0.0.1:0"}  # the agent picks the port
 NUM_STEPS = 3

@@ -109,7 +109,7 @@ def imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, str, tuple[str,
     tree = ast.parse(path.read_text(), str(path))
     here = module_name(path, root)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
-    found = []
+    found: list[tuple[int, str, tuple[str, ...]]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name, ()) for a in node.names if a.name.split(".")[0] == "fnaccel"]
@@ -209,7 +209,7 @@ def cycles(edges: dict[str, dict[str, str]], allowed: frozenset[tuple[str, str]]
             elif nxt in stack:
                 low[node] = min(low[node], index[nxt])
         if low[node] == index[node]:
-            members = []
+            members: list[str] = []
             while not members or members[-1] != node:
                 members.append(stack.pop())
             if len(members) > 1:

@@ -55,14 +55,16 @@ OTHER_NAMESPACES = frozenset({"mesh_dim", "find_spec", "modules.get"})
 
 def transform_names() -> frozenset[str]:
     """The names fnaccel's factories give their transforms."""
-    names = set()
+    names: set[str] = set()
     for path in (PACKAGE / "transforms").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and _callee(node).endswith("Transform"):
                 names.update(
                     kw.value.value
                     for kw in node.keywords
-                    if kw.arg == "name" and isinstance(kw.value, ast.Constant)
+                    if kw.arg == "name"
+                    and isinstance(kw.value, ast.Constant)
+                    and isinstance(kw.value.value, str)
                 )
     return frozenset(names)
 

@@ -136,7 +136,11 @@ def _dropout_run(state: fa.RunState, directory: str, device_specific: bool) -> d
         model = torch.nn.Sequential(torch.nn.Linear(1, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 1))
         masks: list[list[bool]] = []
         model[1].register_forward_hook(lambda module, args, out: masks.append((out != 0).view(-1).tolist()))
-        data = torch.utils.data.DataLoader(torch.arange(48.0).view(48, 1) / 48, batch_size=2, shuffle=True)
+        data: torch.utils.data.DataLoader[torch.Tensor] = torch.utils.data.DataLoader(
+            torch.arange(48.0).view(48, 1) / 48,  # type: ignore[arg-type]  # a tensor is a map-style dataset
+            batch_size=2,
+            shuffle=True,
+        )
         run = fa.prepare(
             run,
             model,

@@ -68,7 +68,7 @@ def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 def fnaccel_rates(state: fa.RunState, case: str, handlers: tuple[Any, ...] = ()) -> dict[str, Any]:
     """The rate of every update of the fnaccel port, and where the scheduler ends."""
-    _, _, num_steps, split = CASES[case]
+    _kind, _num_samples, num_steps, split = CASES[case]
     model, optimizer, loader, scheduler = _objects(case)
     kwargs_handlers = {
         type(h).__name__: h for h in (fa.DataLoaderConfiguration(split_batches=split), *handlers)
@@ -99,7 +99,7 @@ def accelerate_rates(_: fa.RunState, case: str) -> dict[str, Any]:
 
     AcceleratorState._reset_state(True)  # a fresh Accelerator per case in these workers
     GradientState._reset_state()
-    _, _, num_steps, split = CASES[case]
+    _kind, _num_samples, num_steps, split = CASES[case]
     model, optimizer, loader, scheduler = _objects(case)
     accelerator = Accelerator(
         cpu=True,

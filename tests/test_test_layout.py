@@ -315,9 +315,7 @@ def test_an_unmarked_test_starting_a_group_fails_and_the_fast_loop_skips_marked_
     # the two marked tests (one by its world fixture) are deselected; the unmarked ones run, and
     # those that started a group fail at teardown
     assert "3 passed, 2 deselected, 2 errors" in out, out
-    assert (
-        "this test started the command [" in out
-        and "'fnaccel', 'launch'] but is not marked: add @pytest.mark.multiprocess"
-    ) in out, out
+    assert "this test started the command [" in out, out
+    assert "'fnaccel', 'launch'] but is not marked: add @pytest.mark.multiprocess" in out, out
     assert "this test started a process running posix.getpid but is not marked" in out, out
     assert "ERROR test_planted.py::test_unmarked_plain_subprocess" not in out, out

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import fnaccel as fa
+from fnaccel.train import StepPlan
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -241,7 +242,9 @@ def test_the_plan_says_when_backward_and_update_are_pytorchs_alone(
         pipeline=pipeline,
     )
     assert state.plan is not None
-    assert (state.plan.plain_backward, state.plan.plain_update) == (plain_backward, plain_update)
+    plan = state.plan
+    assert isinstance(plan, StepPlan)
+    assert (plan.plain_backward, plan.plain_update) == (plain_backward, plain_update)
 
 
 def test_reusing_a_consumed_state_raises() -> None:

@@ -60,7 +60,8 @@ def train_ddp(state: fa.RunState, num: int, accumulate: int) -> dict[str, Any]:
     parts = [fa.ddp()] + ([fa.accumulate(accumulate)] if accumulate > 1 else [])
     state = fa.prepare(state, model, opt, loss_fn=loss_fn, pipeline=fa.compose(*parts))
     counter = [0]
-    state.model.register_comm_hook(counter, _count_allreduce)  # type: ignore[union-attr]
+    assert isinstance(state.model, torch.nn.parallel.DistributedDataParallel)
+    state.model.register_comm_hook(counter, _count_allreduce)
     reductions_per_micro_step = []
     for batch in global_batches(num):
         before = counter[0]
@@ -268,6 +269,7 @@ def train_fsdp_variant(state: fa.RunState, variant: str) -> dict[str, Any]:
         except ValueError as exc:
             return {"error": str(exc)}
         return {"error": None}
+    parts: list[fa.Transform]
     if variant == "min_size":
         parts = [fa.fsdp(min_num_params=50)]
     elif variant == "sync":  # only rank 0 holds the real weights; the others hold noise

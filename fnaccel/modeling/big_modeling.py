@@ -33,7 +33,7 @@ from fnaccel.modeling.hooks import (
 )
 from fnaccel.modeling.memory import clear_device_cache
 from fnaccel.modeling.offload import OffloadedWeightsLoader, offload_state_dict, read_offload_index
-from fnaccel.modeling.tensors import DeviceLike, as_device, set_module_tensor_to_device
+from fnaccel.modeling.tensors import DeviceLike, ModuleT, as_device, set_module_tensor_to_device
 from fnaccel.ops.tree import send_to_device
 
 __all__ = [
@@ -130,10 +130,10 @@ class UserCpuOffloadHook:
 
 
 def cpu_offload_with_hook(
-    model: nn.Module,
+    model: ModuleT,
     execution_device: DeviceLike | None = None,
     prev_module_hook: UserCpuOffloadHook | None = None,
-) -> tuple[nn.Module, UserCpuOffloadHook]:
+) -> tuple[ModuleT, UserCpuOffloadHook]:
     """Keep ``model`` on the CPU until it runs; it stays on the device until the next model of a chain starts.
 
     Chain models that run in turn by passing each one the previous one's hook:
@@ -166,12 +166,12 @@ def _io_hook(model: nn.Module) -> None:
 
 
 def cpu_offload(
-    model: nn.Module,
+    model: ModuleT,
     execution_device: DeviceLike | None = None,
     offload_buffers: bool = False,
     state_dict: Mapping[str, torch.Tensor] | None = None,
     preload_module_classes: Sequence[str] | None = None,
-) -> nn.Module:
+) -> ModuleT:
     """Keep every weight of ``model`` in CPU memory; each module loads its own onto the device for its forward.
 
     Args:
@@ -206,12 +206,12 @@ def cpu_offload(
 
 
 def disk_offload(
-    model: nn.Module,
+    model: ModuleT,
     offload_dir: str | os.PathLike[str],
     execution_device: DeviceLike | None = None,
     offload_buffers: bool = False,
     preload_module_classes: Sequence[str] | None = None,
-) -> nn.Module:
+) -> ModuleT:
     """Keep every weight of ``model`` in ``offload_dir`` (memory-mapped); each module reads its own for its forward.
 
     Where ``offload_dir`` has no ``index.json`` yet, the model's weights are

@@ -39,6 +39,7 @@ from fnaccel.modeling.offload import (
 from fnaccel.modeling.sizes import named_module_tensors
 from fnaccel.modeling.tensors import (
     DeviceMap,
+    ModuleT,
     Placement,
     as_device,
     device_for,
@@ -58,7 +59,7 @@ def _main_device(places: Sequence[Placement]) -> torch.device:
 
 
 def dispatch_model(
-    model: nn.Module,
+    model: ModuleT,
     device_map: DeviceMap,
     main_device: int | str | torch.device | None = None,
     state_dict: Mapping[str, torch.Tensor] | None = None,
@@ -68,7 +69,7 @@ def dispatch_model(
     skip_keys: str | Sequence[str] | None = None,
     preload_module_classes: Sequence[str] | None = None,
     force_hooks: bool = False,
-) -> nn.Module:
+) -> ModuleT:
     """Spread ``model`` over devices as ``device_map`` says, with hooks that make it run.
 
     Args:
@@ -268,7 +269,7 @@ def _check_offloaded(
 
 
 def load_checkpoint_and_dispatch(
-    model: nn.Module,
+    model: ModuleT,
     checkpoint: str | os.PathLike[str],
     device_map: DeviceMap | str | None = None,
     max_memory: Mapping[int | str, int | str] | None = None,
@@ -281,7 +282,7 @@ def load_checkpoint_and_dispatch(
     preload_module_classes: Sequence[str] | None = None,
     force_hooks: bool = False,
     strict: bool = False,
-) -> nn.Module:
+) -> ModuleT:
     """Load a checkpoint into ``model`` (typically built with `init_empty_weights`) and dispatch it.
 
     Args:

@@ -23,6 +23,7 @@ from torch import nn
 from fnaccel.checks import is_number
 from fnaccel.config.environment import is_bnb_available
 from fnaccel.modeling.sizes import as_torch_dtype
+from fnaccel.modeling.tensors import ModuleT
 
 __all__ = ["BnbQuantizationConfig", "load_and_quantize_model"]
 
@@ -273,7 +274,7 @@ def _replace_linear_layers(
 
 
 def load_and_quantize_model(
-    model: nn.Module,
+    model: ModuleT,
     bnb_quantization_config: BnbQuantizationConfig,
     weights_location: str | os.PathLike[str] | None = None,
     device_map: Mapping[str, int | str | torch.device] | str | None = None,
@@ -281,7 +282,7 @@ def load_and_quantize_model(
     max_memory: Mapping[int | str, int | str] | None = None,
     offload_folder: str | os.PathLike[str] | None = None,
     offload_state_dict: bool = False,
-) -> nn.Module:
+) -> ModuleT:
     """Quantize ``model``'s linear layers with bitsandbytes, in place, on one GPU.
 
     Loads the weights first when ``weights_location`` is given (then the

@@ -11,7 +11,7 @@ disk offload and dispatching over devices all go through it.
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -24,6 +24,8 @@ DeviceLike = int | str | torch.device
 DeviceMap = Mapping[str, DeviceLike]
 Placement = torch.device | str  # a device, or "disk"
 TiedParamsMap = MutableMapping[int, MutableMapping[torch.device, torch.Tensor]]
+# a function that hooks, offloads or loads into the model it was given returns it as typed
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 
 def as_device(device: DeviceLike, what: str = "device") -> torch.device:

@@ -16,6 +16,7 @@ SCRIPT = Path(__file__).with_name("_launched.py")
 
 def one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     """Run ``fnaccel argv`` in this process; it must exit 2 with one line on stderr."""
+    status: int | str | None
     try:
         status = main(argv)
     except SystemExit as exit:  # argparse's own errors

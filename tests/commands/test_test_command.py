@@ -107,7 +107,7 @@ def _resume_checks_with_a_summed_loss(state: fa.RunState) -> list[CheckResult]:
     """Runs on each rank: both resume checks, with a loss summed over the local batch planted
     (its gradients change with the world size; the run on its own number of processes resumes fine)."""
     mean = torch.nn.functional.cross_entropy
-    torch.nn.functional.cross_entropy = lambda *a, **k: mean(*a, **k, reduction="sum")  # type: ignore[assignment]
+    torch.nn.functional.cross_entropy = lambda *a, **k: mean(*a, **{**k, "reduction": "sum"})  # type: ignore[assignment]
     try:
         return run_checks(
             state,

@@ -211,7 +211,7 @@ def iterable_batches(state: Any, num_samples: int, batch_size: int) -> list[list
 def distributed_sampler_batches(state: Any, num_samples: int, batch_size: int) -> dict[str, Any]:
     """A `DistributedSampler` loader, prepared: its batches over two epochs, and the sampler's own."""
     dist = state.dist
-    sampler = DistributedSampler(
+    sampler: DistributedSampler[int] = DistributedSampler(
         Indices(num_samples), num_replicas=dist.num_processes, rank=dist.rank, shuffle=True, seed=3
     )
     loader = DataLoader(Indices(num_samples), batch_size=batch_size, sampler=sampler)
@@ -219,7 +219,7 @@ def distributed_sampler_batches(state: Any, num_samples: int, batch_size: int) -
     got = [batch.tolist() for batch in batches(state, epochs=2)]
     expected = []
     for epoch in range(2):
-        reference = DistributedSampler(
+        reference: DistributedSampler[int] = DistributedSampler(
             Indices(num_samples), num_replicas=dist.num_processes, rank=dist.rank, shuffle=True, seed=3
         )
         reference.set_epoch(epoch)

@@ -566,7 +566,7 @@ def test_batches_are_placed_on_the_device_with_the_configured_non_blocking(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls = []
-    real = prepared_module.send_to_device
+    real = getattr(prepared_module, "send_to_device")  # the name the prepared loader moves batches with
 
     def recording(batch: Any, device: Any, non_blocking: bool = False) -> Any:
         calls.append((device, non_blocking))

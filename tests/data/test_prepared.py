@@ -209,9 +209,9 @@ def test_tensor_datasets_of_every_dtype_equal_the_plain_loader(
 
 def test_a_plain_tensor_as_dataset_equals_the_plain_loader() -> None:
     data = torch.arange(30, dtype=torch.int16).view(10, 3)
-    loader = DataLoader(data, batch_size=4)
+    loader: DataLoader[torch.Tensor] = DataLoader(data, batch_size=4)  # type: ignore[arg-type]  # a tensor as dataset
     _assert_same(_read(_prepare(loader)), list(loader))
-    scalars = DataLoader(torch.arange(7.0), batch_size=3)
+    scalars: DataLoader[torch.Tensor] = DataLoader(torch.arange(7.0), batch_size=3)  # type: ignore[arg-type]
     _assert_same(_read(_prepare(scalars)), list(scalars))
 
 

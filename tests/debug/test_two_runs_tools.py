@@ -45,7 +45,9 @@ def test_an_injected_bug_is_found_at_its_step_and_parameter() -> None:
     calls = {"n": 0}
     buggy[3].register_forward_pre_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
     # the bug: from the 4th batch on, layer 3's weight gradient is 1% too large
-    buggy[3].weight.register_hook(lambda g: g * 1.01 if calls["n"] >= 4 else g)
+    layer = buggy[3]
+    assert isinstance(layer, nn.Linear)
+    layer.weight.register_hook(lambda g: g * 1.01 if calls["n"] >= 4 else g)
     report = find_divergence(run(model()), run(buggy), batches(8), stop_at_first=True)
     assert [s.diverged for s in report.steps] == [False, False, False, True], str(report)
     first = report.first
@@ -244,9 +246,9 @@ class WarmupState:
         pass  # the bug: self.count = state["count"]
 
 
-def warmup() -> fa.Transform:
+def warmup() -> fa.StepTransform:
     """Scales the loss up over the first updates (a user-written transform with state)."""
-    return fa.Transform(
+    return fa.StepTransform(
         name="warmup",
         init=lambda ctx: WarmupState(),
         scale_loss=lambda loss, s: loss * min(1.0, (s.count + 1) / 8),

@@ -122,11 +122,11 @@ def test_max_memory_rejects_unknown_devices(key: object) -> None:
 
 def test_balanced_memory_by_hand() -> None:
     model = TinyLM()
-    budget = {0: 10_000, 1: 10_000, "cpu": 10_000}
+    budget: dict[int | str, int] = {0: 10_000, 1: 10_000, "cpu": 10_000}
     # 3216 // 2 GPUs, plus 1.25 x the larger of a Block (976) and the mean leaf (3216 / 26 leaves = 123)
     assert get_balanced_memory(model, budget, ["Block"]) == {0: 1608 + 1220, 1: 10_000, "cpu": 10_000}
     assert get_balanced_memory(model, budget) == {0: 1608 + 153, 1: 10_000, "cpu": 10_000}
-    three = {0: 10_000, 1: 10_000, 2: 10_000}
+    three: dict[int | str, int] = {0: 10_000, 1: 10_000, 2: 10_000}
     # low_zero: GPUs 1 and 2 share the model (3216 // 2 + 1220); GPU 0 gets what they leave, nothing
     assert get_balanced_memory(model, three, ["Block"], low_zero=True) == {0: 0, 1: 2828, 2: 10_000}
     assert get_balanced_memory(model, {0: 5000, "cpu": 10}) == {0: 5000, "cpu": 10}
@@ -142,7 +142,7 @@ def test_balanced_memory_is_a_good_max_memory() -> None:
 
 def test_strategy_names_resolve_to_balanced_or_sequential_maps() -> None:
     model = TinyLM(num_layers=8)
-    budget = {0: 100_000, 1: 100_000, 2: 100_000}
+    budget: dict[int | str, int] = {0: 100_000, 1: 100_000, 2: 100_000}
     assert resolve_device_map(model, "sequential", budget, ["Block"]) == {"": 0}
     for strategy in ("auto", "balanced"):
         balanced = get_balanced_memory(model, budget, ["Block"])
@@ -421,7 +421,7 @@ def test_invariants_hold_for_random_budgets(seed: int) -> None:
 def test_fallback_allocation_puts_a_later_module_that_fits_on_a_device_left_empty() -> None:
     # 0 (30400 B) does not fit beside the room kept for 1 (40400 B): without the fallback, GPU 0 stays empty
     model = nn.Sequential(nn.Linear(75, 100), nn.Linear(100, 100), nn.Linear(10, 10))
-    budget = {0: 60000, "cpu": 10**6}
+    budget: dict[int | str, int] = {0: 60000, "cpu": 10**6}
     assert infer_auto_device_map(model, budget) == {"": "cpu"}
     placed = infer_auto_device_map(model, budget, fallback_allocation=True)
     assert placed == {"2": 0, "0": "cpu", "1": "cpu"}
@@ -443,7 +443,7 @@ def test_fallback_allocation_searches_inside_modules_breadth_first() -> None:
 
 def test_fallback_allocation_changes_nothing_when_regular_allocation_succeeds() -> None:
     model = nn.Sequential(*[nn.Linear(10, 10) for _ in range(4)])
-    budget = {0: 1000, "cpu": 1000}
+    budget: dict[int | str, int] = {0: 1000, "cpu": 1000}
     assert infer_auto_device_map(model, budget, fallback_allocation=True) == infer_auto_device_map(
         model, budget
     )

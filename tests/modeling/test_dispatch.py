@@ -80,7 +80,7 @@ def test_a_model_split_over_cpu_and_disk_runs_like_the_whole_model(checkpoint: P
         no_split_module_classes=["Block"],
         offload_folder=tmp_path / "off",
     )
-    places = set(model.hf_device_map.values())
+    places = set(getattr(model, "hf_device_map").values())
     assert places == {"cpu", "disk"}
     with torch.no_grad():
         expected = make_net(0)(TOKENS, scale=0.5)
@@ -172,7 +172,9 @@ def test_preload_module_classes_load_a_whole_subtree_for_modules_that_use_weight
 def test_offload_buffers(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)).eval()
-    model[1].running_mean += 1.0
+    norm = model[1]
+    assert isinstance(norm, nn.BatchNorm1d) and norm.running_mean is not None
+    norm.running_mean += 1.0
     expected = model(torch.randn(3, 4, generator=torch.Generator().manual_seed(1)))
     dispatch_model(
         model, {"0": "cpu", "1": "disk", "2": "cpu"}, offload_dir=tmp_path / "off", offload_buffers=True
@@ -247,7 +249,9 @@ def test_under_another_main_device_cpu_layers_are_offloaded_too(tmp_path: Path) 
     # "meta" stands in for a GPU here: the path is the one a CUDA main device takes
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
-    weight = model[1].weight.detach().clone()
+    middle = model[1]
+    assert isinstance(middle, nn.Linear)
+    weight = middle.weight.detach().clone()
     dispatch_model(model, {"0": "meta", "1": "cpu", "2": "disk"}, main_device="meta", offload_dir=tmp_path)
     assert all(layer.weight.is_meta for layer in model)
     seen: list[tuple[str, str]] = []

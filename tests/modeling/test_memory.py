@@ -178,9 +178,9 @@ def test_passing_the_batch_size_is_a_type_error() -> None:
 
     assert train("mlp", lr=0.5) == (8, "mlp", 0.5)
     with pytest.raises(TypeError, match=r"Batch size was passed into `train`.*`train\('mlp', 0.5\)`"):
-        train(16, "mlp", 0.5)
+        train(16, "mlp", 0.5)  # type: ignore[call-arg, arg-type]  # the misuse under test
     with pytest.raises(TypeError, match=r"Batch size was passed into `train`.*`train\('mlp'\)`"):
-        train("mlp", batch_size=16)
+        train("mlp", batch_size=16)  # type: ignore[call-arg]  # the misuse under test
 
     @find_executable_batch_size(starting_batch_size=8)
     def anything(*args: Any) -> tuple[Any, ...]:
@@ -188,7 +188,7 @@ def test_passing_the_batch_size_is_a_type_error() -> None:
 
     assert anything(1, 2) == (8, 1, 2)
     with pytest.raises(TypeError, match="must take the batch size as its first parameter"):
-        find_executable_batch_size(lambda: None)
+        find_executable_batch_size(lambda: None)  # type: ignore[arg-type, misc]  # the misuse under test
     for bad in (-4, 2.0, True):
         with pytest.raises(ValueError, match="starting_batch_size must be a non-negative int"):
             find_executable_batch_size(starting_batch_size=bad)  # type: ignore[arg-type]
@@ -242,7 +242,8 @@ def test_should_reduce_batch_size(exception: BaseException, expected: bool) -> N
 
 
 def test_release_memory() -> None:
-    tensor, model = torch.ones(4), torch.nn.Linear(2, 2)
+    tensor: torch.Tensor | None = torch.ones(4)
+    model: torch.nn.Module | None = torch.nn.Linear(2, 2)
     ref = weakref.ref(tensor)
     tensor, model = release_memory(tensor, model)
     assert (tensor, model) == (None, None) and ref() is None

@@ -212,13 +212,13 @@ def test_linear_layers_are_swapped_outside_the_kept_modules() -> None:
     assert model.blocks[2][0].weight.data is weight.data or torch.equal(model.blocks[2][0].weight, weight)
     assert not any(p.requires_grad for p in model.blocks.parameters())
 
-    model = _mlp()
+    mlp = _mlp()
     config = BnbQuantizationConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True
     )
-    assert quantization._replace_linear_layers(model, config, ["2"], fake) == 2
-    assert [type(m).__name__ for m in model] == ["_Fake4bit", "ReLU", "Linear", "ReLU", "_Fake4bit"]
-    assert model[0].options == {
+    assert quantization._replace_linear_layers(mlp, config, ["2"], fake) == 2
+    assert [type(m).__name__ for m in mlp] == ["_Fake4bit", "ReLU", "Linear", "ReLU", "_Fake4bit"]
+    assert mlp[0].options == {
         "compute_dtype": torch.float16,
         "compress_statistics": True,
         "quant_type": "nf4",

@@ -22,6 +22,7 @@ def test_a_plain_module_is_its_own_model() -> None:
 def test_compiled_kept_or_removed() -> None:
     model = nn.Linear(2, 2)
     compiled = torch.compile(model, backend="eager")
+    assert isinstance(compiled, OptimizedModule)
     assert extract_model_from_parallel(compiled) is compiled
     assert extract_model_from_parallel(compiled, keep_torch_compile=False) is model
 
@@ -30,6 +31,7 @@ def test_a_compiled_container_is_rewrapped_without_touching_the_original() -> No
     model = nn.Linear(2, 2)
     container = nn.DataParallel(model)  # on a CPU-only machine: a plain container
     compiled = torch.compile(container, backend="eager")
+    assert isinstance(compiled, OptimizedModule)
     out = extract_model_from_parallel(compiled)
     assert isinstance(out, OptimizedModule) and out is not compiled
     assert out._orig_mod is model and compiled._orig_mod is container  # the prepared one is intact
@@ -43,12 +45,16 @@ def test_recursive_unwraps_wrapped_submodules_in_place() -> None:
     first, second = nn.Linear(2, 2), nn.Linear(2, 2)
     holder = nn.Module()
     holder.module = nn.Linear(2, 2)  # a submodule that happens to be called "module": not a wrapper
-    model = nn.Sequential(nn.DataParallel(first), torch.compile(second, backend="eager"), holder)
+    compiled = torch.compile(second, backend="eager")
+    assert isinstance(compiled, OptimizedModule)
+    model = nn.Sequential(nn.DataParallel(first), compiled, holder)
     assert extract_model_from_parallel(model) is model and isinstance(model[0], nn.DataParallel)
     assert extract_model_from_parallel(model, recursive=True) is model
-    assert model[0] is first and isinstance(model[1], OptimizedModule) and model[2] is holder
+    inner = list(model)
+    assert inner[0] is first and isinstance(inner[1], OptimizedModule) and inner[2] is holder
     extract_model_from_parallel(model, keep_torch_compile=False, recursive=True)
-    assert model[1] is second and model[2] is holder
+    inner = list(model)
+    assert inner[1] is second and inner[2] is holder
 
 
 def _hooked(model: nn.Sequential) -> list[torch.dtype]:

@@ -304,7 +304,9 @@ def test_reduce_nested_tree(world: Any, reduction: str, scale: float) -> None:
             if reduction == "none":
                 value = leaf(rank, shape, dtype, transpose=transpose)
             else:
-                value = sum(leaf(r, shape, dtype, transpose=transpose) for r in range(n))
+                value = leaf(0, shape, dtype, transpose=transpose)
+                for r in range(1, n):
+                    value = value + leaf(r, shape, dtype, transpose=transpose)
             if reduction == "mean":
                 value = value / n
             return value * scale if scale != 1.0 else value
@@ -335,8 +337,13 @@ def test_pad_across_processes_ragged_tree(world: Any, dim: int, pad_index: int, 
     n = world.num_processes
     # every rank's leaf shapes, in the order ragged_tree builds its leaves
     shapes: list[list[tuple[int, ...]]] = [[] for _ in range(n)]
+
+    def record(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        shapes[rank].append(shape)
+        return torch.empty(0)
+
     for r in range(n):
-        fns.ragged_tree(r, n, make=lambda rank, shape, dtype: shapes[rank].append(shape))
+        fns.ragged_tree(r, n, make=record)
 
     def expected_for(rank: int) -> Any:
         index = iter(range(len(shapes[0])))

@@ -201,7 +201,7 @@ def test_listify_nested_and_bf16() -> None:
 
 def test_convert_to_fp32_casts_only_half_precision() -> None:
     f64, ids = torch.ones(1, dtype=torch.float64), torch.arange(2)
-    tree = {
+    tree: dict[str, Any] = {
         "f16": torch.tensor([1.5], dtype=torch.float16),
         "pair": Pair(x=torch.tensor(2.0, dtype=torch.bfloat16), y=[f64, ids, "s"]),
         "box": Box(value=torch.zeros(1)),

@@ -3,6 +3,7 @@ and the one-process reference they are compared with."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,7 +94,7 @@ def train_on_mesh(
     """Train on the layout's mesh; evaluate; save, perturb, load; report what rank 0 needs."""
     state = fa.init(cpu=True, seed=0, parallelism=fa.ParallelismConfig(**layout))
     try:
-        transforms = {
+        layouts: dict[str, Callable[[], list[fa.Transform]]] = {
             "tp": lambda: [fa.tp(tp_plan())],
             "fsdp+tp": lambda: [
                 fa.tp(tp_plan()),
@@ -101,7 +102,8 @@ def train_on_mesh(
                 fa.fsdp(transformer_cls_names_to_wrap=["Block"]),
             ],
             "hsdp": lambda: [fa.fsdp(transformer_cls_names_to_wrap=["Block"])],
-        }[pipeline]()
+        }
+        transforms = layouts[pipeline]()
         model = make_model()
         state = fa.prepare(
             state,

@@ -309,7 +309,7 @@ def resume(
 def refusals(base: fa.RunState) -> list[str]:
     """The errors of a 2-rank sp run: each message, in order."""
     messages = []
-    cases = [
+    cases: list[tuple[dict[str, Any], Tokens, list[fa.Transform]]] = [
         ({"heads": 1}, Tokens(), [fa.sp()]),  # one head over sp 2
         ({}, Tokens(length=LENGTH - 1), [fa.sp()]),  # a sequence of 15 over sp 2
         ({"mask": True}, Tokens(), [fa.sp()]),  # a sliding-window mask
@@ -326,7 +326,7 @@ def refusals(base: fa.RunState) -> list[str]:
             recompute = attention.pop("recompute", False)
             model = make_model(**attention)
             if recompute:
-                model.lm.gradient_checkpointing_enable()
+                getattr(model.lm, "gradient_checkpointing_enable")()  # transformers' own method
             state = fa.prepare(
                 state,
                 model,

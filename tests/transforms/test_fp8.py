@@ -100,6 +100,7 @@ def test_a_float8_layer_computes_the_hand_written_scaled_float8_matmul() -> None
         return (t * scale).clamp(-top, top).to(torch.float8_e4m3fn).float() / scale
 
     layer = model[1]
+    assert isinstance(layer, nn.Linear)
     hand = (to_float8(x) @ to_float8(layer.weight).T).to(torch.bfloat16) + layer.bias.to(torch.bfloat16)
     torch.testing.assert_close(out, hand, rtol=0, atol=0)
     plain_bf16 = x.to(torch.bfloat16) @ layer.weight.to(torch.bfloat16).T + layer.bias.to(torch.bfloat16)
@@ -140,7 +141,9 @@ def resume_lm(state: fa.RunState, sharded: bool, directory: str) -> dict[str, An
     torch.manual_seed(0)
     model = TinyLM()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    parts = [fa.autocast(fp8, recipe=FP8RecipeKwargs(enable_fsdp_float8_all_gather=sharded))]
+    parts: list[fa.Transform] = [
+        fa.autocast(fp8, recipe=FP8RecipeKwargs(enable_fsdp_float8_all_gather=sharded))
+    ]
     parts += [fa.fsdp(transformer_cls_names_to_wrap=["Block"])] if sharded else []
     state = fa.prepare(state, model, optimizer, loss_fn=lm_loss, pipeline=fa.compose(*parts))
     rank, world = state.dist.rank, state.dist.num_processes
@@ -211,7 +214,7 @@ def test_bad_layer_choices_are_refused_before_converting(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         convert_to_fp8(model, recipe)
-    assert all(type(m) is nn.Linear for m in model)  # untouched
+    assert all(type(m) is nn.Linear for m in model.children())  # untouched
 
 
 @needs_torchao

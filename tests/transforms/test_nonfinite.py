@@ -84,12 +84,13 @@ def train_with_a_nan(state: fa.RunState, variant: str) -> dict[str, Any]:
     model = make_model(dropout=0.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.9**n)
-    parts = {
+    by_variant: dict[str, list[fa.Transform]] = {
         "ddp": [fa.ddp()],
         "accumulate": [fa.ddp(), fa.accumulate(2)],
         "clip": [fa.ddp(), fa.clip_grad_norm(1.0)],
         "fp16": [fa.autocast(fa.fp16), fa.grad_scaler(), fa.ddp()],
-    }[variant]
+    }
+    parts = by_variant[variant]
     state = fa.prepare(
         state,
         model,
@@ -165,7 +166,7 @@ def train_fsdp_with_one_nan_element(state: fa.RunState) -> dict[str, Any]:
             grad.to_local().view(-1)[0] = NAN  # type: ignore[union-attr]
         state, metrics = fa.apply_gradients(state)
         skipped.append(bool(metrics["skipped"]))
-    full = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[operator]
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[attr-defined]
     return {"skipped": skipped, "params": full, "expected": expected["params"]}
 
 

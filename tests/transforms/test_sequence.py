@@ -45,7 +45,7 @@ def _assert_like(results: list[dict[str, Any]], expected: dict[str, Any]) -> Non
                     value,
                     rtol=1e-6,
                     atol=1e-7,
-                    msg=lambda m, n=name, s=step, r=rank: f"rank {r} step {s} {n}: {m}",
+                    msg=f"rank {rank} step {step} {name}: {{}}".format,
                 )
         for name, value in expected["weights"].items():
             torch.testing.assert_close(result["weights"][name], value, rtol=1e-6, atol=1e-7)
@@ -84,9 +84,10 @@ def test_sp2_equals_one_process_on_the_whole_sequence(world2: Any) -> None:
     # evaluation runs the whole sequence on every rank (the batch is not split): every sample once
     model = fns.make_model()
     model.load_state_dict(expected["weights"])
+    tokens = fns.Tokens()
     with torch.no_grad():
         whole = fns.per_row_loss(
-            model, {k: torch.stack([s[k] for s in fns.Tokens()]) for k in ("input_ids", "labels")}
+            model, {k: torch.stack([tokens[i][k] for i in range(len(tokens))]) for k in ("input_ids", "labels")}
         )
     for result in results:
         torch.testing.assert_close(result["evaluated"], whole, rtol=1e-5, atol=1e-5)
