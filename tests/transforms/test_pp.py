@@ -154,7 +154,7 @@ def test_pp_refuses_what_its_schedule_cannot_do() -> None:
     state = fa.prepare(
         fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1), pipeline=fa.compose(pp)
     )
-    x, _ = jobs.batches(1)[0]
+    x, y = jobs.batches(1)[0]
     with pytest.raises(ValueError, match="call fa.step"):
         fa.backward(state, x.sum())
     assert state.model is not None
