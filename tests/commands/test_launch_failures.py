@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests._launches import alive, end_launch, worker_pids
 
 CRASHING = Path(__file__).with_name("_crashing.py")
 
@@ -19,16 +20,8 @@ CRASHING = Path(__file__).with_name("_crashing.py")
 FAIL_FAST_BOUND_S = 30.0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
-@pytest.mark.parametrize("ending", ["plain", "finally"])
-@pytest.mark.parametrize("where", ["init", "step"])
+# ("init", "plain") is the two-machine test's case below, with the same checks (a launch fewer)
+@pytest.mark.parametrize(("where", "ending"), [("init", "finally"), ("step", "plain"), ("step", "finally")])
 @pytest.mark.multiprocess
 def test_a_raising_rank_ends_the_launch_within_seconds(tmp_path: Path, where: str, ending: str) -> None:
     """Rank 1 raises (after fa.init, or mid-step under ddp()) while rank 0 waits in a
@@ -55,14 +48,11 @@ def test_a_raising_rank_ends_the_launch_within_seconds(tmp_path: Path, where: st
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         elapsed = time.time() - float((tmp_path / "failed_at").read_text())
-        pids = [int(path.name.split(".")[1]) for path in tmp_path.glob("pid.*")]
+        pids = worker_pids(tmp_path)
         assert len(pids) == 2, result.stderr
-        assert [pid for pid in pids if _alive(pid)] == []
+        assert [pid for pid in pids if alive(pid)] == []
     finally:  # nothing left behind, even when an assertion failed
-        for path in tmp_path.glob("pid.*"):
-            pid = int(path.name.split(".")[1])
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        end_launch(tmp_path)
     assert result.returncode == 1, result.stderr
     assert elapsed < FAIL_FAST_BOUND_S, elapsed
     message = "rank 1 fails after fa.init" if where == "init" else "rank 1 fails mid-step"
@@ -74,8 +64,9 @@ def test_a_raising_rank_ends_the_launch_within_seconds(tmp_path: Path, where: st
 @pytest.mark.multiprocess
 def test_a_rank_failing_on_another_machine_is_named_by_every_machine(tmp_path: Path) -> None:
     """Two machines on the loopback address, one process each; rank 1 (machine 1) raises
-    after fa.init while rank 0 waits in a collective. Before: machine 0's last line blamed
-    its own rank 0, which had only seen the connection close."""
+    after fa.init while rank 0 waits in a collective: both launches end within seconds, and
+    no worker is left. Before: machine 0's last line blamed its own rank 0, which had only
+    seen the connection close."""
     from tests.commands.test_launch import free_port
 
     port = str(free_port())
@@ -111,15 +102,16 @@ def test_a_rank_failing_on_another_machine_is_named_by_every_machine(tmp_path: P
         for machine in (0, 1)
     ]
     try:
-        lasts = [launcher.communicate(timeout=180)[1].strip().splitlines()[-1] for launcher in launchers]
+        stderrs = [launcher.communicate(timeout=180)[1] for launcher in launchers]
+        elapsed = time.time() - float((tmp_path / "failed_at").read_text())
+        pids = worker_pids(tmp_path)
+        assert len(pids) == 2, stderrs
+        assert [pid for pid in pids if alive(pid)] == []
     finally:  # nothing left behind, even when an assertion failed
-        for launcher in launchers:
-            launcher.kill()
-            launcher.wait()
-        for path in tmp_path.glob("pid.*"):
-            pid = int(path.name.split(".")[1])
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        end_launch(tmp_path, *launchers)
+    lasts = [stderr.strip().splitlines()[-1] for stderr in stderrs]
     assert [launcher.returncode for launcher in launchers] == [1, 1], lasts
+    assert elapsed < FAIL_FAST_BOUND_S, elapsed
+    assert "rank 1 fails after fa.init" in stderrs[1], stderrs[1]
     assert "failed: rank 1 (machine 1) failed first" in lasts[0], lasts
     assert "failed: rank 1 exited with code 1" in lasts[1], lasts
