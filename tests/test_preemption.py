@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
 from fnaccel.commands.main import main
-from tests.commands.test_launch_failures import _alive
+from tests._launches import end_launch
 
 SCRIPT = Path(__file__).with_name("_preemption_script.py")
 
@@ -161,28 +161,22 @@ def _launch(out: Path, mode: str) -> subprocess.Popen[str]:
     )
 
 
-def _end(launcher: subprocess.Popen[str], out: Path) -> None:
-    """Leave nothing behind: the workers run in sessions of their own, so each by its pid."""
-    launcher.kill()
-    launcher.wait()
-    for path in out.glob("pid.*"):
-        pid = int(path.name.split(".")[1])
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    launcher.communicate(timeout=30)
-
-
 def _run(out: Path, mode: str) -> None:
     launcher = _launch(out, mode)
     try:
         _, stderr = launcher.communicate(timeout=240)
         assert launcher.returncode == 0, stderr
     finally:
-        _end(launcher, out)
+        end_launch(out, launcher)
 
 
 @pytest.mark.multiprocess
-def test_sigterm_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+def test_sigusr1_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """Slurm's ``--signal=USR1@90`` to the launcher: before, SIGUSR1's default action ended the
+    launcher and, with it, every worker unsaved; now the workers stop at one step, save, and the
+    launch ends with the one status of a preempted run, 143 (before this round: 138). The run then
+    resumes bit for bit. SIGTERM takes the same path from the launcher on (the ``finish`` case
+    below; tests/commands/test_launch_lifetime.py), and stops the loop in the other cases below."""
     cut = tmp_path / "cut"
     cut.mkdir()
     launcher = _launch(cut, "preempt")
@@ -193,19 +187,19 @@ def test_sigterm_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit
             assert time.monotonic() < deadline, "the run never reached step 3"
             time.sleep(0.05)
         sent = time.time()
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(signal.SIGUSR1)
         _, stderr = launcher.communicate(timeout=60)
     finally:
-        _end(launcher, cut)
+        end_launch(cut, launcher)
     assert launcher.returncode == 143, stderr
-    assert "preempted by SIGTERM" in stderr.strip().splitlines()[-1], stderr
+    assert "preempted by SIGUSR1" in stderr.strip().splitlines()[-1], stderr
     stops = [json.loads((cut / f"stop.{rank}.json").read_text()) for rank in (0, 1)]
     # the loop left and the checkpoint written (not the interpreters' exit, which a loaded
     # machine can stretch to several seconds more: the launch's end is bounded above)
     took = max(stop.pop("saved_at") for stop in stops) - sent
-    assert took < 10, f"the ranks had saved {took:.1f} s after SIGTERM"
+    assert took < 10, f"the ranks had saved {took:.1f} s after SIGUSR1"
     assert stops[0] == stops[1], stops  # every rank left the loop at the same step
-    assert stops[0]["preempted"] == "SIGTERM" and stops[0]["micro_step"] % 2 == 0, stops
+    assert stops[0]["preempted"] == "SIGUSR1" and stops[0]["micro_step"] % 2 == 0, stops
     assert 3 <= stops[0]["step"] < 32 and stops[0]["epoch"] == 0, stops  # mid-epoch: 32 updates an epoch
     _run(cut, "resume")  # in fresh processes; then the same processes run the uninterrupted reference
     for rank in (0, 1):
@@ -213,29 +207,6 @@ def test_sigterm_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit
         expected = torch.load(cut / f"full.{rank}.pt")
         for name, tensor in expected.items():
             assert torch.equal(resumed[name], tensor), name
-
-
-@pytest.mark.multiprocess
-def test_sigusr1_to_the_launcher_reaches_the_workers(tmp_path: Path) -> None:
-    """Slurm's ``--signal=USR1@90``: before, SIGUSR1's default action ended the launcher and,
-    with it, every worker unsaved; now the workers stop at one step, save, and the launch
-    ends with the one status of a preempted run, 143 (before this round: 138)."""
-    launcher = _launch(tmp_path, "preempt")
-    try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "running").exists():
-            assert launcher.poll() is None, launcher.communicate()[1]
-            assert time.monotonic() < deadline, "the run never reached step 3"
-            time.sleep(0.05)
-        launcher.send_signal(signal.SIGUSR1)
-        _, stderr = launcher.communicate(timeout=60)
-    finally:
-        _end(launcher, tmp_path)
-    assert launcher.returncode == 143, stderr
-    assert "preempted by SIGUSR1" in stderr.strip().splitlines()[-1], stderr
-    stops = [json.loads((tmp_path / f"stop.{rank}.json").read_text()) for rank in (0, 1)]
-    assert stops[0]["preempted"] == stops[1]["preempted"] == "SIGUSR1", stops
-    assert (tmp_path / "ckpt").is_dir()
 
 
 def _worker(out: Path, rank: int) -> int:
@@ -280,7 +251,7 @@ def test_a_signal_is_heard_wherever_it_lands_and_the_status_says_whether_to_requ
         ended = {mode: launcher.communicate(timeout=120)[1] for mode, launcher in launchers.items()}
     finally:
         for mode, launcher in launchers.items():
-            _end(launcher, outs[mode])
+            end_launch(outs[mode], launcher)
     status = {mode: launcher.returncode for mode, launcher in launchers.items()}
     assert status == {"evaluate": 143, "prepare": 143, "save": 143, "finish": 0}, ended
     assert "after the run had finished" in ended["finish"].strip().splitlines()[-1], ended["finish"]
