@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fnaccel.commands.main import main
-from tests.commands.test_launch_failures import _alive
+from tests._launches import alive, end_launch, worker_pids
 
 SCRIPT = Path(__file__).with_name("_lifetime.py")
 
@@ -29,10 +29,6 @@ def _start(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[st
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
-
-
-def _pids(out: Path) -> list[int]:
-    return [int(path.name.split(".")[1]) for path in out.glob("pid.*")]
 
 
 def _wait_for(condition, seconds: float, launcher: subprocess.Popen[str]) -> None:  # type: ignore[no-untyped-def]
@@ -57,48 +53,22 @@ def _first_line(launcher: subprocess.Popen[str], seconds: float) -> str:
     return launcher.stderr.readline()
 
 
-def _end(launcher: subprocess.Popen[str], out: Path) -> None:
-    """Leave nothing behind: the workers run in sessions of their own, so each by its pid."""
-    launcher.kill()
-    launcher.wait()
-    for pid in _pids(out):
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    launcher.communicate(timeout=30)  # the pipes close once every worker is gone
-
-
-@pytest.mark.multiprocess
-def test_a_launcher_killed_with_sigkill_leaves_no_worker(tmp_path: Path) -> None:
-    """Before: torchrun's workers, each in its own session, ran on forever as orphans."""
-    launcher = _start("--cpu", "--num_processes", "2", str(SCRIPT), str(tmp_path), "sleep")
-    try:
-        _wait_for(lambda: len(_pids(tmp_path)) == 2, 120, launcher)
-        launcher.kill()
-        launcher.wait()  # not communicate(): a worker left running would hold its pipes open
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in _pids(tmp_path)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [pid for pid in _pids(tmp_path) if _alive(pid)] == []
-    finally:
-        _end(launcher, tmp_path)
-
-
 @pytest.mark.multiprocess
 def test_sigterm_reaches_the_workers_and_ends_the_launch_with_143(tmp_path: Path) -> None:
     """Before: a 28-line traceback and exit 1. The workers exit 0 on SIGTERM, an asynchronous
     save perhaps still writing: the checkpoint left is whole."""
     launcher = _start("--cpu", "--num_processes", "2", str(SCRIPT), str(tmp_path), "save")
     try:
-        _wait_for(lambda: len(_pids(tmp_path)) == 2, 240, launcher)
+        _wait_for(lambda: len(worker_pids(tmp_path)) == 2, 240, launcher)
         launcher.send_signal(signal.SIGTERM)
         _, stderr = launcher.communicate(timeout=60)
         assert launcher.returncode == 143, stderr
         assert "Traceback" not in stderr, stderr
         assert stderr.strip().splitlines()[-1].startswith("fnaccel launch: stopped by SIGTERM"), stderr
-        assert [pid for pid in _pids(tmp_path) if _alive(pid)] == []
+        assert [pid for pid in worker_pids(tmp_path) if alive(pid)] == []
         assert sorted(path.name for path in tmp_path.glob("in_flight.*")) == ["in_flight.0", "in_flight.1"]
     finally:
-        _end(launcher, tmp_path)
+        end_launch(tmp_path, launcher)
     assert main(["checkpoint", "verify", str(tmp_path / "ckpt")]) == 0
     assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".")) == []  # no temporary
 
@@ -157,10 +127,9 @@ def test_waiting_for_machines_speaks_hears_ctrl_c_and_times_out(tmp_path: Path) 
         assert any("still waiting" in line for line in said[1:-1]), said
         assert "gave up after 4 s" in said[-1] and "missing machine_rank 1" in said[-1]
         assert "--rdzv_conf timeout=SECONDS" in said[-1]
-        assert _pids(tmp_path) == []  # no worker ever started
+        assert worker_pids(tmp_path) == []  # no worker ever started
     finally:
-        for launcher in (alone, interrupted):
-            _end(launcher, tmp_path)
+        end_launch(tmp_path, alone, interrupted)
 
 
 def test_a_port_in_use_is_one_line_and_exit_2_before_any_worker(
@@ -186,7 +155,12 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_any_worker(
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1, err
     assert f"--main_process_port {port} is already in use" in err
-    assert _pids(tmp_path) == []
+    assert worker_pids(tmp_path) == []
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(") ", 1)[1].split()[1])
 
 
 def _catches(pid: int, sig: signal.Signals) -> bool:
@@ -209,18 +183,19 @@ def test_sigterm_while_the_launcher_imports_is_one_line_and_143(tmp_path: Path) 
         launcher.send_signal(signal.SIGTERM)
         _, stderr = launcher.communicate(timeout=60)
     finally:
-        _end(launcher, tmp_path)
+        end_launch(tmp_path, launcher)
     assert launcher.returncode == 143, stderr
     assert stderr.strip().splitlines() == ["fnaccel launch: stopped by SIGTERM (exit 143)"], stderr
-    assert _pids(tmp_path) == []
+    assert worker_pids(tmp_path) == []
 
 
 @pytest.mark.multiprocess
-def test_a_machine_killed_mid_run_is_named_by_the_survivor(tmp_path: Path) -> None:
+def test_a_launcher_killed_with_sigkill_leaves_no_worker_and_the_survivor_names_it(tmp_path: Path) -> None:
     """Two launchers on the loopback address, one process each; machine 1's is SIGKILLed
-    mid-run. Before: machine 0 ended within seconds, but its last line blamed its own rank
-    (``rank 0 exited with code 1 (its traceback is above ...)``) under gloo's ``Connection
-    closed by peer``."""
+    mid-run. Its worker ends with it (before: torchrun's workers, each in its own session,
+    ran on forever as orphans). Machine 0 then ends naming the lost machine (before: it
+    ended within seconds, but its last line blamed its own rank, ``rank 0 exited with code
+    1 (its traceback is above ...)``, under gloo's ``Connection closed by peer``)."""
     machine = [
         "--cpu",
         "--num_machines",
@@ -236,16 +211,20 @@ def test_a_machine_killed_mid_run_is_named_by_the_survivor(tmp_path: Path) -> No
         _start(*machine, "--machine_rank", str(rank), str(SCRIPT), str(tmp_path), "reduce") for rank in (0, 1)
     )
     try:
-        _wait_for(lambda: len(_pids(tmp_path)) == 2, 240, survivor)
+        _wait_for(lambda: len(worker_pids(tmp_path)) == 2, 240, survivor)
         time.sleep(1)  # both ranks in their loop of all-reduces
+        (orphan,) = (pid for pid in worker_pids(tmp_path) if _parent(pid) == lost.pid)
         lost.kill()
-        lost.wait()
+        lost.wait()  # not communicate(): a worker left running would hold its pipes open
+        deadline = time.monotonic() + 10  # its all-reduces with rank 0 would go on without the signal
+        while alive(orphan) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(orphan), "machine 1's worker outlived its launcher"
         _, stderr = survivor.communicate(timeout=120)
     finally:
-        for launcher in (survivor, lost):
-            _end(launcher, tmp_path)
+        end_launch(tmp_path, survivor, lost)
     assert survivor.returncode == 1, stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("fnaccel launch: machine 1 (rank 1) was lost: connection closed"), stderr
     assert "rank 0" not in last, last
-    assert [pid for pid in _pids(tmp_path) if _alive(pid)] == []
+    assert [pid for pid in worker_pids(tmp_path) if alive(pid)] == []
