@@ -15,12 +15,20 @@ exit after an uncaught exception) nothing waits for another rank: the group is
 left to the process's exit, and under torchrun the failure is recorded with a
 fine timestamp so that ``fnaccel launch`` names the rank that failed first.
 
+Only those two calls end a group: `fa.shutdown` (every rank at the same point)
+and interpreter exit (every rank ends the groups it still holds, in the same
+order). A run dropped without `fa.shutdown` is not ended when its owner becomes
+garbage: the collector frees it at a point of one rank's run that no other rank
+shares, so a settle there would wait for ranks that never come (principle 10).
+Its group stays on the process's list of things to end at exit (`atexit`).
+
 A leaf module: it imports nothing from fnaccel.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import json
 import os
@@ -199,8 +207,9 @@ def _destroy_group(
     is_default: bool,
     users: _DefaultGroupUsers | None,
 ) -> None:
-    """End the run's groups: on a clean end, settle, let the group's C++ holders go (the
-    ``releases`` of `GroupOwner.release_before_destroy`), then destroy them while the interpreter
+    """End the run's groups, once (a second call does nothing): on a clean end, settle, let
+    the group's C++ holders go (the ``releases`` of `GroupOwner.release_before_destroy`),
+    then destroy them while the interpreter
     is fully alive (left to finalization, gloo's threads releasing tensors take
     the GIL of a dying interpreter and the process aborts); while an exception
     propagates, wait for no one: record the failure and leave the group to the
@@ -210,13 +219,15 @@ def _destroy_group(
     (``users``), whichever run that is."""
     import torch.distributed as dist
 
-    group = holder.pop() if holder else None
+    if not holder:
+        return  # ended already
+    group = holder.pop()
     mesh_groups = _mesh_groups(meshes, group)
     if meshes:
         _forget_mesh_decisions()
     meshes.clear()
     last = users is not None and users.leave()
-    if group is None or not dist.is_initialized():
+    if not dist.is_initialized():
         return
     if exception_in_flight():
         _record_failure()
@@ -278,8 +289,9 @@ def _collect_cycles_at_exit() -> None:
 
 class GroupOwner:
     """Owns a process group fnaccel started, and the run's device mesh over it, and is
-    fnaccel's only holder of them: `close` (from `fa.shutdown`, or at interpreter
-    exit) ends them (see `_destroy_group`).
+    fnaccel's only holder of them: `close` (from `fa.shutdown`), or else interpreter
+    exit, ends them (see `_destroy_group`). An owner that becomes garbage ends nothing
+    then: its group waits for the exit (see the module docstring).
 
     ``is_default``: the group is torch's default group, which this owner started.
     ``shares_default``: the group is a run's own, formed over a default group, which,
@@ -291,7 +303,7 @@ class GroupOwner:
     group or a context, which would keep the group alive).
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "_holder", "_meshes", "_releases", "agreed", "calls")
+    __slots__ = ("_end", "_holder", "_meshes", "_releases", "agreed", "calls")
 
     def __init__(self, group: Any, *, is_default: bool, shares_default: bool = False) -> None:
         import torch.distributed as dist
@@ -308,11 +320,14 @@ class GroupOwner:
             users = _DEFAULT_GROUP_USERS.get(dist.group.WORLD)  # None: the user's own default group
             if users is not None:
                 users.count += 1
-        self._finalizer = weakref.finalize(
-            self, _destroy_group, self._holder, self._meshes, self._releases, is_default, users
+        # Not a weakref.finalize: that also runs when the collector frees the owner, on one
+        # rank at a time. The exit's list holds the group's parts, never the owner.
+        self._end = functools.partial(
+            _destroy_group, self._holder, self._meshes, self._releases, is_default, users
         )
+        atexit.register(self._end)
         # once per process, however many groups: unregister first; atexit runs it before
-        # the finalizer above (handlers run last-registered first)
+        # the ends above (handlers run last-registered first)
         atexit.unregister(_collect_cycles_at_exit)
         atexit.register(_collect_cycles_at_exit)
 
@@ -344,4 +359,6 @@ class GroupOwner:
         return self._meshes.get(name)
 
     def close(self) -> None:
-        self._finalizer()
+        """End the groups now (`fa.shutdown`); they leave the exit's list."""
+        atexit.unregister(self._end)
+        self._end()

@@ -166,9 +166,18 @@ class SaveQueue:
         return handle
 
     def close(self) -> None:
-        """Wait for the last save, then release the saves' process group (from fa.shutdown)."""
-        self.wait()
+        """Wait for the last save, release the saves' process group (from fa.shutdown), then
+        raise the save's error, if any. The group is ended first, on the clean path (every
+        rank is in fa.shutdown): raised before, it was left open, and the error's traceback
+        held it until the garbage collector ran on one rank (see `fnaccel.resources`)."""
+        failure: CheckpointError | None = None
+        try:
+            self.wait()
+        except CheckpointError as exc:
+            failure = exc
         self._staging.clear()
         if self._owner is not None:
             self._owner.close()
             self._owner = self._ctx = None
+        if failure is not None:
+            raise failure
