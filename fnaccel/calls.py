@@ -322,7 +322,7 @@ class Calls:
         """Make ``message`` the run's one cause (unless another rank's was first) and
         hand it to every other rank's watcher; returns the cause."""
         store, key = self._store, self._key("abort")
-        first = store.compare_set(key, "", message).decode()
+        first: str = store.compare_set(key, "", message).decode()
         if first == message:
             for rank in range(self._size):
                 if rank != self._rank:
@@ -439,7 +439,7 @@ def _watch(calls: Calls, store: Any) -> None:
 def failure_of(owner: Any, error: BaseException) -> CollectiveCallError | None:
     """The `CollectiveCallError` to raise instead of ``error`` (torch's, from a
     collective that broke) when a rank named a mismatch; None otherwise."""
-    calls = getattr(owner, "calls", None)
+    calls: Calls | None = getattr(owner, "calls", None)
     if calls is None or not isinstance(error, RuntimeError) or isinstance(error, CollectiveCallError):
         return None
     return calls.failure()
