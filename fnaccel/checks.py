@@ -14,7 +14,7 @@ ValueError: interval must be an int >= 1, got 0: try 1
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, TypeGuard, overload
+from typing import Literal, TypeGuard, overload
 
 from fnaccel._errors import ConfigError
 
@@ -122,7 +122,7 @@ def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
 # from ("fsdp_config: key 'fsdp_version'", "DeepSpeedPlugin: zero3_init_flag").
 
 
-def config_bool(value: Any, what: str, *, optional: bool = False) -> bool | None:
+def config_bool(value: object, what: str, *, optional: bool = False) -> bool | None:
     """A yes/no value: a bool, or a yes/no string (`str_to_bool`'s); None too if ``optional``.
 
     >>> config_bool("off", "fsdp_config: key 'fsdp_cpu_offload'")
@@ -142,7 +142,7 @@ def config_bool(value: Any, what: str, *, optional: bool = False) -> bool | None
     raise ConfigError(f"{what} must be true or false, got {value!r}")
 
 
-def config_int(value: Any, what: str) -> int:
+def config_int(value: object, what: str) -> int:
     """An integer: an int (not a bool) or its decimal text."""
     if is_int(value):
         return int(value)
@@ -151,14 +151,14 @@ def config_int(value: Any, what: str) -> int:
     raise ConfigError(f"{what} must be an integer, got {value!r}")
 
 
-def config_str(value: Any, what: str) -> str:
+def config_str(value: object, what: str) -> str:
     """A string."""
     if isinstance(value, str):
         return value
     raise ConfigError(f"{what} must be a string, got {value!r}")
 
 
-def config_names(value: Any, what: str) -> tuple[str, ...]:
+def config_names(value: object, what: str) -> tuple[str, ...]:
     """Class names: a list of strings, or one comma-separated string."""
     if isinstance(value, str):
         return tuple(name.strip() for name in value.split(",") if name.strip())
@@ -167,7 +167,7 @@ def config_names(value: Any, what: str) -> tuple[str, ...]:
     raise ConfigError(f"{what} must be class names (a list or a comma-separated string), got {value!r}")
 
 
-def config_choice(value: Any, what: str, choices: tuple[str, ...]) -> str:
+def config_choice(value: object, what: str, choices: tuple[str, ...]) -> str:
     """One of ``choices``, given in any case; returned upper-cased."""
     text = config_str(value, what).upper()
     if text not in choices:
@@ -175,7 +175,7 @@ def config_choice(value: Any, what: str, choices: tuple[str, ...]) -> str:
     return text
 
 
-def require_bools(record: Any, optional: tuple[str, ...], required: tuple[str, ...]) -> None:
+def require_bools(record: object, optional: tuple[str, ...], required: tuple[str, ...]) -> None:
     """A record's yes/no fields hold real bools (None allowed for ``optional``): a
     string such as "false" would otherwise read as true."""
     for name in (*optional, *required):
@@ -185,7 +185,7 @@ def require_bools(record: Any, optional: tuple[str, ...], required: tuple[str, .
             raise ConfigError(f"{type(record).__name__}: key '{name}': must be {allowed}, got {value!r}")
 
 
-def require_count(owner: str, name: str, value: Any, least: int = 1) -> None:
+def require_count(owner: str, name: str, value: object, least: int = 1) -> None:
     """``value`` is None or an int (not a bool) of at least ``least`` (1 or 0).
 
     >>> require_count("Plugin", "steps", 0)
@@ -199,7 +199,7 @@ def require_count(owner: str, name: str, value: Any, least: int = 1) -> None:
         )
 
 
-def require_number(owner: str, name: str, value: Any) -> None:
+def require_number(owner: str, name: str, value: object) -> None:
     """``value`` is None or a non-negative int or float (not a bool)."""
     if value is not None and (not is_number(value) or value < 0):
         raise ConfigError(f"{owner}: {name} must be a non-negative number, got {value!r}")

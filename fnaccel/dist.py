@@ -14,7 +14,7 @@ data-parallel ones, for gathering metrics).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from fnaccel.config.parallelism import ParallelismConfig
 
-__all__ = ["DistContext", "as_dist", "data_parallel", "data_parallel_context", "mesh_dim"]
+__all__ = ["DistContext", "DistLike", "HasDist", "as_dist", "data_parallel", "data_parallel_context", "mesh_dim"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,8 +96,20 @@ class DistContext:
         return self.rank == self.num_processes - 1
 
 
-def as_dist(ctx: Any) -> DistContext:
-    """The `DistContext` of ``ctx``: a `RunState` or a `DistContext` itself."""
+class HasDist(Protocol):
+    """What carries a run's `DistContext`: a `RunState` (named here by what is read of it)."""
+
+    @property
+    def dist(self) -> DistContext: ...
+
+
+#: What the collectives, `progress` and the like take first: a `RunState` or its `DistContext`.
+DistLike = DistContext | HasDist
+
+
+def as_dist(ctx: object) -> DistContext:
+    """The `DistContext` of ``ctx``: a `RunState` or a `DistContext` itself (anything
+    else is refused at run time, for callers without a type checker)."""
     if isinstance(ctx, DistContext):
         return ctx
     dist = getattr(ctx, "dist", None)

@@ -28,7 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,6 +38,9 @@ from fnaccel.config.environment import patch_environment
 from fnaccel.constants import PrecisionType
 
 __all__ = ["ProcessFailedError", "debug_launcher", "notebook_launcher"]
+
+# what the launched function returns, on each rank
+R = TypeVar("R")
 
 
 class ProcessFailedError(FnaccelError):
@@ -56,8 +59,8 @@ class ProcessFailedError(FnaccelError):
 
 
 def notebook_launcher(
-    function: Callable[..., Any],
-    args: Sequence[Any] = (),
+    function: Callable[..., R],
+    args: Sequence[object] = (),
     num_processes: int | None = None,
     mixed_precision: str = "no",
     use_port: str = "29500",
@@ -66,12 +69,12 @@ def notebook_launcher(
     num_nodes: int = 1,
     rdzv_backend: str = "static",
     rdzv_endpoint: str = "",
-    rdzv_conf: Mapping[str, Any] | None = None,
+    rdzv_conf: Mapping[str, object] | None = None,
     rdzv_id: str = "none",
     max_restarts: int = 0,
     monitor_interval: float = 0.1,
     log_line_prefix_template: str | None = None,
-) -> list[Any]:
+) -> list[R]:
     """Runs ``function(*args)`` on ``num_processes`` processes of this machine (Accelerate's arguments).
 
     Each process calls ``function``, which calls `fa.init()` itself; the
@@ -158,8 +161,8 @@ def notebook_launcher(
 
 
 def debug_launcher(
-    function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2
-) -> list[Any]:
+    function: Callable[..., R], args: Sequence[object] = (), num_processes: int = 2
+) -> list[R]:
     """Runs ``function(*args)`` on ``num_processes`` CPU processes, to debug distributed code on a laptop.
 
     Like `notebook_launcher` but always on the CPU (gloo), with the
@@ -178,13 +181,13 @@ def debug_launcher(
         )
 
 
-def _fail_fast(function: Callable[..., Any], errors: Path) -> Callable[..., Any]:
+def _fail_fast(function: Callable[..., R], errors: Path) -> Callable[..., R]:
     """``function`` as a forked worker runs it: failing fast, ending at once on SIGTERM, and
     leaving in ``errors`` when and why it failed (the agent reports the rank it noticed first,
     which may be a rank that only lost its connection to the one that failed)."""
 
     @functools.wraps(function)  # the agent logs the function's name
-    def worker(*args: Any) -> Any:
+    def worker(*args: object) -> R:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -221,14 +224,14 @@ def _first_failure(errors: Path) -> dict[str, Any] | None:
     return min(records, key=lambda r: r["time"]) if records else None
 
 
-def _check_count(name: str, value: Any) -> None:
+def _check_count(name: str, value: object) -> None:
     if not is_int(value) or value < 1:
         raise ValueError(f"notebook_launcher: {name} must be an int >= 1, got {value!r}")
 
 
 def _launch(
-    launched: Callable[..., dict[int, Any]], args: Sequence[Any], env: dict[str, str], errors: Path
-) -> list[Any]:
+    launched: Callable[..., dict[int, R]], args: Sequence[object], env: dict[str, str], errors: Path
+) -> list[R]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:

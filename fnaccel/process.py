@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from fnaccel.dist import DistContext, as_dist
+from fnaccel.dist import DistContext, DistLike, as_dist
 
 __all__ = [
     "local_main_process_first",
@@ -32,7 +32,7 @@ __all__ = [
 R = TypeVar("R")
 
 
-def wait_for_everyone(ctx: DistContext | Any) -> None:
+def wait_for_everyone(ctx: DistLike) -> None:
     """Block until every process of the run reaches this point (a barrier)."""
     ctx = as_dist(ctx)
     if ctx.num_processes > 1:
@@ -48,7 +48,7 @@ def _goes_first(ctx: DistContext, first: bool) -> Iterator[None]:
         wait_for_everyone(ctx)
 
 
-def main_process_first(ctx: DistContext | Any) -> AbstractContextManager[None]:
+def main_process_first(ctx: DistLike) -> AbstractContextManager[None]:
     """A block the main process runs before the others (e.g. to download or
     preprocess a dataset once, which the others then read from its cache).
 
@@ -60,7 +60,7 @@ def main_process_first(ctx: DistContext | Any) -> AbstractContextManager[None]:
     return _goes_first(ctx, ctx.is_main_process)
 
 
-def local_main_process_first(ctx: DistContext | Any) -> AbstractContextManager[None]:
+def local_main_process_first(ctx: DistLike) -> AbstractContextManager[None]:
     """A block each machine's local main process runs before the machine's others."""
     ctx = as_dist(ctx)
     return _goes_first(ctx, ctx.is_local_main_process)
@@ -68,15 +68,13 @@ def local_main_process_first(ctx: DistContext | Any) -> AbstractContextManager[N
 
 def _only_where(run_here: bool, function: Callable[..., R]) -> Callable[..., R | None]:
     @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> R | None:
+    def wrapper(*args: object, **kwargs: object) -> R | None:
         return function(*args, **kwargs) if run_here else None
 
     return wrapper
 
 
-def on_process(
-    ctx: DistContext | Any, function: Callable[..., R], process_index: int
-) -> Callable[..., R | None]:
+def on_process(ctx: DistLike, function: Callable[..., R], process_index: int) -> Callable[..., R | None]:
     """``function`` wrapped to run only on global rank ``process_index`` (None elsewhere)."""
     ctx = as_dist(ctx)
     if not 0 <= process_index < ctx.num_processes:
@@ -86,7 +84,7 @@ def on_process(
     return _only_where(ctx.rank == process_index, function)
 
 
-def on_main_process(ctx: DistContext | Any, function: Callable[..., R]) -> Callable[..., R | None]:
+def on_main_process(ctx: DistLike, function: Callable[..., R]) -> Callable[..., R | None]:
     """``function`` wrapped to run only on the main process (None elsewhere).
 
     >>> import fnaccel as fa
@@ -96,12 +94,12 @@ def on_main_process(ctx: DistContext | Any, function: Callable[..., R]) -> Calla
     return on_process(ctx, function, 0)
 
 
-def on_local_main_process(ctx: DistContext | Any, function: Callable[..., R]) -> Callable[..., R | None]:
+def on_local_main_process(ctx: DistLike, function: Callable[..., R]) -> Callable[..., R | None]:
     """``function`` wrapped to run only on each machine's local main process."""
     return _only_where(as_dist(ctx).is_local_main_process, function)
 
 
-def print_on_main(ctx: DistContext | Any, *args: Any, **kwargs: Any) -> None:
+def print_on_main(ctx: DistLike, *args: object, **kwargs: Any) -> None:
     """`print` on the main process only: once per run (Accelerate's
     ``accelerator.print`` prints once per machine, on each local main process)."""
     if as_dist(ctx).is_main_process:
@@ -130,9 +128,7 @@ def _split(inputs: Any, num_processes: int, rank: int, apply_padding: bool) -> A
 
 
 @contextmanager
-def split_between_processes(
-    ctx: DistContext | Any, inputs: Any, apply_padding: bool = False
-) -> Iterator[Any]:
+def split_between_processes(ctx: DistLike, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
     """Yield this process's contiguous share of ``inputs`` (a list, tuple, tensor
     or a dict of them); the first ``len % num_processes`` ranks get one more.
 

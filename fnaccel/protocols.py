@@ -10,18 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["CheckpointLayout", "PipelineLike", "StepPlanLike"]
 
 
 class PipelineLike(Protocol):
-    """A composed pipeline (`fnaccel.transforms.base.Pipeline`)."""
-
-    @property
-    def names(self) -> tuple[str, ...]: ...
-
-    def get(self, name: str) -> Any: ...
+    """A composed pipeline (`fnaccel.transforms.base.Pipeline`), as the layers below the
+    transforms see it: ``==`` and ``repr``. No transform's name: code outside the transforms
+    asks what a transform does (``tests/test_no_name_checks.py``), so the names and the lookup
+    by name are the pipeline's own, not the core's."""
 
 
 class StepPlanLike(Protocol):
@@ -30,7 +31,7 @@ class StepPlanLike(Protocol):
     @property
     def micro_steps(self) -> int: ...
 
-    def set_sync_for(self, model: Any, micro_step: int) -> None: ...
+    def set_sync_for(self, model: nn.Module, micro_step: int) -> None: ...
 
 
 @runtime_checkable

@@ -34,7 +34,9 @@ def _excerpt_of(block: str, script: Path) -> bool:
 
 def _run_pipeline(names: dict[str, Any], tmp: Path) -> None:
     # "fa.autocast(fa.fp16) adds fa.grad_scaler()", before the clipping
-    assert _prepared_state(names["pipeline"]).pipeline.names == (
+    pipeline = _prepared_state(names["pipeline"]).pipeline
+    assert isinstance(pipeline, fa.Pipeline)
+    assert pipeline.names == (
         "autocast",
         "grad_scaler",
         "ddp",

@@ -146,6 +146,7 @@ def test_fp16_scaler_skips_an_inf_step_and_halves_the_scale() -> None:
         pipeline=fa.compose(fa.autocast(fa.fp16), fa.ddp(), fa.clip_grad_norm(1e3)),
     )
     assert state.pipeline is not None  # the scaler is added in its canonical place
+    assert isinstance(state.pipeline, fa.Pipeline)
     assert state.pipeline.names == ("autocast", "grad_scaler", "ddp", "clip_grad_norm")
     state, metrics = fa.step(state, make_batches(1)[0])
     assert bool(metrics["skipped"]) is True
@@ -366,6 +367,7 @@ def test_default_pipeline_nested_in_compose_adds_a_transform_and_keeps_the_launc
             pipeline=fa.compose(fa.default_pipeline(state), fa.accumulate(2)),
         )
     assert state.pipeline is not None
+    assert isinstance(state.pipeline, fa.Pipeline)
     assert state.pipeline.names == ("autocast", "grad_scaler", "accumulate", "compile")
     assert state.plan is not None and state.plan.micro_steps == 2
 

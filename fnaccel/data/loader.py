@@ -163,13 +163,13 @@ def loader_plan(loader: DataLoader[Any]) -> LoaderPlan:
     return LoaderPlan(kind, sampler, None, batch_size, drop_last)
 
 
-def dataset_length(dataset: Any) -> int | None:
+def dataset_length(dataset: object) -> int | None:
     """A map-style dataset's length; None when it has none (torch needs one only for its
     own samplers: a custom sampler may index a dataset without ``__len__``)."""
     return len(dataset) if isinstance(dataset, Sized) else None
 
 
-def _rewinds(sampler: Any) -> bool:
+def _rewinds(sampler: object) -> bool:
     """Whether a sampler fnaccel keeps gives the same batches when a position is read again
     in the same process: one that says where it stands (``load_state_dict``), or one known
     to be deterministic (a `SequentialSampler`, a `DistributedSampler` at its epoch, a

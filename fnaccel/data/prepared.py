@@ -15,7 +15,7 @@ import copy
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
@@ -29,6 +29,12 @@ from fnaccel.ops.tree import send_to_device
 from fnaccel.state import DataPosition, RunState
 
 __all__ = ["Batches", "LoaderLayout", "PreparedLoader", "batches", "end_epoch"]
+
+
+class SetsEpoch(Protocol):
+    """A sampler or dataset told each epoch before it is read (``DistributedSampler``'s rule)."""
+
+    def set_epoch(self, epoch: int) -> None: ...
 
 
 class Collated(NamedTuple):
@@ -100,7 +106,7 @@ class LoaderLayout:
         return (self.batch_size or 1) * self.num_shards
 
     def check_resume(
-        self, saved: Any, where: str, *, allow_global_batch_change: bool = False
+        self, saved: object, where: str, *, allow_global_batch_change: bool = False
     ) -> LoaderLayout:
         """``saved`` (a `to_dict`, from a checkpoint) as a layout, checked against this one.
 
@@ -169,11 +175,11 @@ _LAYOUT_TYPES = MappingProxyType(
 )
 
 
-def _parse_layout(saved: Any, where: str) -> LoaderLayout:
+def _parse_layout(saved: object, where: str) -> LoaderLayout:
     """A saved layout, each field checked for its kind and range (the file may be hostile)."""
     if not isinstance(saved, Mapping):
         raise CheckpointError(f"{where}: the data layout must be a mapping, got {saved!r}"[:300])
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {}  # each checked below, then the record's fields
     for key, kinds in _LAYOUT_TYPES.items():
         if key not in saved:
             raise CheckpointError(f"{where}: the data layout lacks {key!r}")
@@ -222,7 +228,7 @@ class PreparedLoader:
         dataloader: StatefulDataLoader,
         *,
         sampler: ShardedBatchSampler | None,
-        epoch_hooks: tuple[Any, ...],
+        epoch_hooks: tuple[SetsEpoch, ...],
         seed: int,
         device: torch.device,
         non_blocking: bool,
@@ -320,7 +326,7 @@ class PreparedLoader:
 
     def resume_position(
         self,
-        saved_layout: Any,
+        saved_layout: object,
         position: DataPosition,
         where: str,
         *,
@@ -430,7 +436,7 @@ class PreparedLoader:
             yield send_to_device(batch, self.device, non_blocking=self.non_blocking)
 
 
-def batches(state: Any, *, epochs: int | None = None) -> Batches:
+def batches(state: RunState, *, epochs: int | None = None) -> Batches:
     """Reads the state's prepared loader: its batches, on the device, from the state's data position.
 
     The position is the state's (`RunState.data_position`); `fa.step` advances
@@ -502,7 +508,7 @@ def batches(state: Any, *, epochs: int | None = None) -> Batches:
     )
 
 
-def end_epoch(state: Any) -> Any:
+def end_epoch(state: RunState) -> RunState:
     """Consumes ``state``: the rest of the epoch in progress is skipped without being
     read, so the next `fa.batches` starts the next epoch whole (early stopping).
 
@@ -549,7 +555,7 @@ def end_epoch(state: Any) -> Any:
     return state.advance(by, data_position=DataPosition(epoch=position.epoch + 1))
 
 
-def _prepared_loader(state: Any, action: str) -> PreparedLoader:
+def _prepared_loader(state: object, action: str) -> PreparedLoader:
     """The state's `PreparedLoader`, after checking that ``state`` is a fresh state holding one."""
     if not isinstance(state, RunState):
         raise TypeError(

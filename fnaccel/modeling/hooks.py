@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any
 
 import torch
 from torch import nn
@@ -65,12 +64,12 @@ class ModelHook:
         return module
 
     def pre_forward(
-        self, module: nn.Module, *args: Any, **kwargs: Any
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, module: nn.Module, *args: object, **kwargs: object
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """Called before the forward with its arguments; returns the ``(args, kwargs)`` to run it with."""
         return args, kwargs
 
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, output: object) -> object:
         """Called after the forward with its output; returns the output the caller gets."""
         return output
 
@@ -114,13 +113,13 @@ class SequentialHook(ModelHook):
         return module
 
     def pre_forward(
-        self, module: nn.Module, *args: Any, **kwargs: Any
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, module: nn.Module, *args: object, **kwargs: object
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         for hook in self.hooks:
             args, kwargs = hook.pre_forward(module, *args, **kwargs)
         return args, kwargs
 
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, output: object) -> object:
         for hook in self.hooks:
             output = hook.post_forward(module, output)
         return output
@@ -132,8 +131,12 @@ class SequentialHook(ModelHook):
 
 
 def _run_pre(
-    hook: ModelHook, grad_modes: list[bool], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    hook: ModelHook,
+    grad_modes: list[bool],
+    module: nn.Module,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+) -> tuple[tuple[object, ...], dict[str, object]]:
     args, kwargs = hook.pre_forward(module, *args, **kwargs)
     if hook.no_grad:
         grad_modes.append(torch.is_grad_enabled())
@@ -142,8 +145,8 @@ def _run_pre(
 
 
 def _run_post(
-    hook: ModelHook, grad_modes: list[bool], module: nn.Module, args: tuple[Any, ...], output: Any
-) -> Any:
+    hook: ModelHook, grad_modes: list[bool], module: nn.Module, args: tuple[object, ...], output: object
+) -> object:
     if hook.no_grad and grad_modes:
         torch.set_grad_enabled(grad_modes.pop())
     return hook.post_forward(module, output)
@@ -319,8 +322,8 @@ class AlignDevicesHook(ModelHook):
         return module
 
     def pre_forward(
-        self, module: nn.Module, *args: Any, **kwargs: Any
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, module: nn.Module, *args: object, **kwargs: object
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         """Load the offloaded weights and move the inputs to the execution device."""
         if self.io_same_device:
             leaves = tree_leaves([args, kwargs])
@@ -337,7 +340,7 @@ class AlignDevicesHook(ModelHook):
             send_to_device(kwargs, self.execution_device, skip_keys=self.skip_keys),
         )
 
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, output: object) -> object:
         """Release the offloaded weights (back to ``meta``) and move the output back."""
         for name in self.offloaded:
             set_module_tensor_to_device(module, name, "meta")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from types import MappingProxyType
-from typing import Any, Literal, get_args
+from typing import Literal, TypeVar, cast, get_args
 
 import torch
 import torch.distributed as dist
 
-from fnaccel.dist import DistContext, as_dist
+from fnaccel.dist import DistContext, DistLike, as_dist
 from fnaccel.ops._flags import Agreed, PendingFlag, call_of, flag_carrier
 from fnaccel.ops._shapes import (
     ShapeTable,
@@ -27,7 +27,7 @@ from fnaccel.ops._shapes import (
     require_same_shapes,
 )
 
-# re-exported: seeding, checkpoint.weights and the transforms import them from here
+# re-exported: seeding, modeling.weights and the transforms import them from here
 from fnaccel.ops.objects import broadcast_object_list, gather_object
 from fnaccel.ops.tree import is_other_leaf, tree_leaves, tree_paths, tree_unflatten
 
@@ -44,6 +44,11 @@ __all__ = [
     "reduce",
 ]
 
+# a tree returned with the same containers, its tensors gathered, reduced, broadcast or padded
+T = TypeVar("T")
+# what a data collective needs besides its leaves: the reduction's name, the source rank, or nothing
+Param = str | int | None
+
 _PAD_HINT = "pad them first with fa.ops.pad_across_processes, or use gather_for_metrics"
 
 
@@ -52,7 +57,7 @@ class CannotPadNestedTensorWarning(UserWarning):
 
 
 def _tensor_leaves(
-    op: str, tree: Any, nested_ok: bool = False
+    op: str, tree: object, nested_ok: bool = False
 ) -> tuple[list[torch.Tensor], TypeError | None]:
     """The tensor leaves of ``tree``, and the reason it is no tree this op takes (or None)."""
     if isinstance(tree, torch.Tensor):  # the common case, without walking a tree
@@ -76,7 +81,7 @@ def _tensor_leaves(
     return leaves, None
 
 
-def _collect(ctx: DistContext, op: str, param: Any, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _collect(ctx: DistContext, op: str, param: Param, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The data collectives of ``op`` (one per leaf), sizes already agreed."""
     group = ctx.process_group
     if op == "gather":
@@ -84,20 +89,20 @@ def _collect(ctx: DistContext, op: str, param: Any, leaves: Sequence[torch.Tenso
     if op == "reduce":
         out = [t.clone() for t in leaves]
         for value in out:
-            dist.all_reduce(value, op=_REDUCE_OPS[param], group=group)
+            dist.all_reduce(value, op=_REDUCE_OPS[cast(str, param)], group=group)
         return out
     assert op == "broadcast", op
     out = []
     for t in leaves:
         # a contiguous buffer: as_wire would copy a strided one, and receive into the copy
         received = t if ctx.rank == param else t.new_empty(t.shape)
-        dist.broadcast(as_wire(received), group=group, group_src=param)
+        dist.broadcast(as_wire(received), group=group, group_src=cast(int, param))
         out.append(received)
     return out
 
 
 def _checked_collect(
-    ctx: DistContext, signature: Signature, param: Any, hint: str, problem: BaseException | None
+    ctx: DistContext, signature: Signature, param: Param, hint: str, problem: BaseException | None
 ) -> list[torch.Tensor]:
     """Check that every rank makes this call with the same tree, and run its data
     collectives; otherwise raise on every rank (``ctx.num_processes > 1``).
@@ -115,7 +120,7 @@ def _checked_collect(
 
 
 def _checked_collect_now(
-    ctx: DistContext, signature: Signature, param: Any, hint: str, problem: BaseException | None
+    ctx: DistContext, signature: Signature, param: Param, hint: str, problem: BaseException | None
 ) -> list[torch.Tensor]:
     owner = ctx.group_owner
     agreed: Agreed | None = owner.agreed
@@ -134,12 +139,12 @@ def _checked_collect_now(
             return out
         owner.agreed = None
     require_same_shapes(ctx, signature, hint, problem)
-    reduce_op = _REDUCE_OPS[param] if signature.op == "reduce" else None
+    reduce_op = _REDUCE_OPS[cast(str, param)] if signature.op == "reduce" else None
     owner.agreed = Agreed(call=call, param=param, carrier=flag_carrier(call, ctx, reduce_op))
     return _collect(ctx, signature.op, param, signature.leaves)
 
 
-def gather(ctx: DistContext | Any, tree: Any) -> Any:
+def gather(ctx: DistLike, tree: T) -> T:
     """Gather every tensor of ``tree`` from all processes, concatenated along dim 0.
 
     Each rank must pass the same tree (keys, dtypes, shapes: pad with
@@ -176,15 +181,15 @@ def gather(ctx: DistContext | Any, tree: Any) -> Any:
     )
     # Python run right after a collective competes with gloo's threads finishing it:
     # a bare tensor comes back as it is (see gather_leaves)
-    return out[0] if isinstance(tree, torch.Tensor) else tree_unflatten(tree, out)
+    return cast(T, out[0]) if isinstance(tree, torch.Tensor) else tree_unflatten(tree, out)
 
 
-def gather_leaves(ctx: DistContext, tree: Any, leaves: Sequence[torch.Tensor]) -> Any:
+def gather_leaves(ctx: DistContext, tree: T, leaves: Sequence[torch.Tensor]) -> T:
     # Python run right after a collective competes with gloo's threads finishing it
     # (measured: 1.6 us of tree rebuilding cost 40 us there), so a bare tensor
     # comes back as it is.
     if isinstance(tree, torch.Tensor) and ctx.num_processes > 1:
-        return all_gather_rows(ctx, tree)
+        return cast(T, all_gather_rows(ctx, tree))
     if ctx.num_processes == 1:
         return tree_unflatten(tree, [t.reshape(1) if t.ndim == 0 else t for t in leaves])
     return tree_unflatten(tree, [all_gather_rows(ctx, t) for t in leaves])
@@ -225,7 +230,7 @@ def _reduce_problem(t: torch.Tensor, reduction: str, scale: float) -> TypeError 
     return None
 
 
-def reduce(ctx: DistContext | Any, tree: Any, reduction: Reduction = "mean", scale: float = 1.0) -> Any:
+def reduce(ctx: DistLike, tree: T, reduction: Reduction = "mean", scale: float = 1.0) -> T:
     """Reduce every tensor of ``tree`` across processes; the inputs are left untouched.
 
     Every rank's tree (keys, dtypes, shapes) is checked on every call:
@@ -274,7 +279,7 @@ def reduce(ctx: DistContext | Any, tree: Any, reduction: Reduction = "mean", sca
     return tree_unflatten(tree, out)
 
 
-def broadcast(ctx: DistContext | Any, tree: Any, from_process: int = 0) -> Any:
+def broadcast(ctx: DistLike, tree: T, from_process: int = 0) -> T:
     """Every rank receives ``from_process``'s tensors; each rank passes the same
     tree (keys, dtypes, shapes; the values only matter on ``from_process``),
     checked on every call (a repeated layout beside the data, a new one before
@@ -302,8 +307,8 @@ def broadcast(ctx: DistContext | Any, tree: Any, from_process: int = 0) -> Any:
 
 
 def pad_across_processes(
-    ctx: DistContext | Any, tree: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
-) -> Any:
+    ctx: DistLike, tree: T, dim: int = 0, pad_index: int = 0, pad_first: bool = False
+) -> T:
     """Pad every tensor of ``tree`` along ``dim`` to the largest size any rank has.
 
     Each leaf is padded independently; dtypes (bool included) are kept, and a
@@ -328,8 +333,8 @@ def pad_across_processes(
 
 
 def pad_with_table(
-    ctx: DistContext, tree: Any, dim: int, pad_index: int, pad_first: bool
-) -> tuple[Any, ShapeTable | None]:
+    ctx: DistContext, tree: T, dim: int, pad_index: int, pad_first: bool
+) -> tuple[T, ShapeTable | None]:
     """`pad_across_processes`, also returning the shape table it exchanged
     (the shapes after padding), so a following gather needs no check of its own."""
     op = "pad_across_processes"

@@ -13,21 +13,24 @@ both are handled, and they combine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar, cast
 
 import torch
 from einops import rearrange
 
 from fnaccel._errors import CollectiveMismatchError
-from fnaccel.dist import DistContext, as_dist, data_parallel_context
+from fnaccel.dist import DistLike, as_dist, data_parallel_context
 from fnaccel.ops._shapes import Signature, all_gather_rows, exchange_shapes
 from fnaccel.ops.objects import gather_object
 from fnaccel.ops.tree import is_torch_tensor, recursively_apply, tree_leaves, tree_unflatten
 
 __all__ = ["gather_for_metrics"]
 
+# the outputs, gathered: the same containers, each tensor holding every rank's real samples
+T = TypeVar("T")
 
-def _all_tensors(data: Any) -> bool:
+
+def _all_tensors(data: object) -> bool:
     try:
         recursively_apply(lambda t: t, data, error_on_other_type=True)
     except TypeError:
@@ -59,12 +62,12 @@ def _check_input(leaves: list[torch.Tensor], num_valid: int | None) -> tuple[int
 
 
 def gather_for_metrics(
-    ctx: DistContext | Any,
-    input_data: Any,
+    ctx: DistLike,
+    input_data: T,
     use_gather_object: bool = False,
     *,
     num_valid: int | None = None,
-) -> Any:
+) -> T:
     """Gather per-sample outputs from all ranks, dropping the padding samples.
 
     Over the data-parallel ranks (`fnaccel.dist.data_parallel_context`): the
@@ -102,7 +105,8 @@ def gather_for_metrics(
                 "gather_for_metrics: non-tensor outputs must be a list with one entry "
                 f"per sample, got {type(input_data).__name__}"
             )
-        return gather_object(ctx, list(input_data[:num_valid]))
+        # one entry per sample, every rank's, as a list (a tuple given comes back a list)
+        return cast(T, gather_object(ctx, list(input_data[:num_valid])))
     leaves = tree_leaves(input_data)
     valid, problem = _check_input(leaves, num_valid)
     if ctx.num_processes == 1:
@@ -110,7 +114,8 @@ def gather_for_metrics(
             raise problem
         if valid == leaves[0].shape[0]:
             return input_data
-        return recursively_apply(lambda t: t[:valid], input_data)
+        trimmed: T = recursively_apply(lambda t: t[:valid], input_data)
+        return trimmed
 
     # A rank with bad input still takes part in the exchange: every rank then raises.
     signature = Signature.of("gather_for_metrics", input_data, leaves)

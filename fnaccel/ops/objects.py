@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from fnaccel._errors import CollectiveMismatchError
-from fnaccel.dist import DistContext, as_dist
+from fnaccel.dist import DistContext, DistLike, as_dist
 from fnaccel.ops._shapes import Signature, all_gather_rows, exchange_shapes, naming_timeouts
 
 __all__ = ["broadcast_object_list", "gather_object"]
 
+# the objects of every rank: what each rank passed, unpickled
+T = TypeVar("T")
 
-def _not_a_list(op: str, objects: Any) -> TypeError | None:
+
+def _not_a_list(op: str, objects: object) -> TypeError | None:
     if isinstance(objects, (list, tuple)):
         return None
     return TypeError(
@@ -31,7 +34,7 @@ def _not_a_list(op: str, objects: Any) -> TypeError | None:
     )
 
 
-def _alone(op: str, objects: Any) -> list[Any]:
+def _alone(op: str, objects: Sequence[T]) -> list[T]:
     """A world of one: the list itself, once checked."""
     problem = _not_a_list(op, objects)
     if problem is not None:
@@ -39,7 +42,7 @@ def _alone(op: str, objects: Any) -> list[Any]:
     return list(objects)
 
 
-def _pickle(op: str, objects: Any) -> tuple[bytes, TypeError | None]:
+def _pickle(op: str, objects: Sequence[object]) -> tuple[bytes, TypeError | None]:
     """``objects`` as one pickled list, or why it cannot travel."""
     problem = _not_a_list(op, objects)
     if problem is not None:
@@ -58,9 +61,7 @@ def _byte_buffer(ctx: DistContext, payload: bytes, size: int) -> torch.Tensor:
     return buffer.to(ctx.device)
 
 
-def broadcast_object_list(
-    ctx: DistContext | Any, object_list: Sequence[Any], from_process: int = 0
-) -> list[Any]:
+def broadcast_object_list(ctx: DistLike, object_list: Sequence[T], from_process: int = 0) -> list[T]:
     """``from_process``'s list of picklable objects, on every rank.
 
     Unlike `torch.distributed.broadcast_object_list` the argument is not
@@ -106,7 +107,7 @@ def broadcast_object_list(
         dist.broadcast(buffer, group=ctx.process_group, group_src=from_process)
     if ctx.rank == from_process:
         return list(object_list)
-    received: list[Any] = pickle.loads(_as_bytes(buffer))
+    received: list[T] = pickle.loads(_as_bytes(buffer))
     return received
 
 
@@ -118,7 +119,7 @@ def _as_bytes(buffer: torch.Tensor) -> bytes:
     return bytes(out)
 
 
-def gather_object(ctx: DistContext | Any, object: Sequence[Any]) -> list[Any]:
+def gather_object(ctx: DistLike, object: Sequence[T]) -> list[T]:
     """Gather a list of picklable objects from every rank into one list, in rank order.
 
     Ranks may pass lists of different lengths (that is what it is for). Two

@@ -12,11 +12,14 @@ import dataclasses
 import enum
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeGuard, TypeVar, overload
 
 import torch
 
 from fnaccel.checks import is_int
+
+# a tree returned with the same containers and leaves of the same kinds (moved, cast, padded, sliced)
+T = TypeVar("T")
 
 __all__ = [
     "concatenate",
@@ -36,19 +39,19 @@ __all__ = [
 ]
 
 
-def is_torch_tensor(value: Any) -> bool:
+def is_torch_tensor(value: object) -> bool:
     """True for a `torch.Tensor`."""
     return isinstance(value, torch.Tensor)
 
 
-def _rebuild_mapping(data: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
-    rebuild: Any = type(data)  # a concrete mapping type, whose constructor takes the items
+def _rebuild_mapping(data: Mapping[object, object], items: dict[object, object]) -> object:
+    rebuild: Callable[..., object] = type(data)  # a concrete mapping type, whose constructor takes the items
     if isinstance(data, defaultdict):
         return rebuild(data.default_factory, items)
     return rebuild(items)
 
 
-def is_namedtuple(data: Any) -> bool:
+def is_namedtuple(data: object) -> TypeGuard[tuple[object, ...]]:
     """Whether ``data`` is a named tuple (`collections.namedtuple`, `typing.NamedTuple`, or a
     subclass of one): a tuple with ``_fields`` and ``_asdict``, as Accelerate tells them.
 
@@ -63,12 +66,12 @@ def is_namedtuple(data: Any) -> bool:
 
 
 def recursively_apply(
-    func: Callable[..., Any],
-    data: Any,
-    *args: Any,
-    test_type: Callable[[Any], bool] = is_torch_tensor,
+    func: Callable[..., object],
+    data: object,
+    *args: object,
+    test_type: Callable[[object], bool] = is_torch_tensor,
     error_on_other_type: bool = False,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> Any:
     """Apply ``func`` to every leaf of ``data`` that passes ``test_type``.
 
@@ -86,11 +89,12 @@ def recursively_apply(
     {'a': [tensor(2), 'x']}
     """
 
-    def apply(node: Any) -> Any:
+    def apply(node: object) -> object:
         if test_type(node):
             return func(node, *args, **kwargs)
         if is_namedtuple(node):
-            return type(node)(*(apply(v) for v in node))
+            rebuild: Callable[..., object] = type(node)  # the named tuple's own fields, in order
+            return rebuild(*(apply(v) for v in node))
         if isinstance(node, (list, tuple)):
             return type(node)(apply(v) for v in node)
         if isinstance(node, Mapping):
@@ -110,14 +114,24 @@ def recursively_apply(
     return apply(data)
 
 
-def tree_leaves(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) -> list[Any]:
-    """The leaves of ``data`` passing ``test_type``, in a fixed traversal order."""
-    leaves: list[Any] = []
+@overload
+def tree_leaves(data: object) -> list[torch.Tensor]: ...
+
+
+@overload
+def tree_leaves(data: object, test_type: Callable[[object], bool]) -> list[object]: ...
+
+
+def tree_leaves(
+    data: object, test_type: Callable[[object], bool] = is_torch_tensor
+) -> list[torch.Tensor] | list[object]:
+    """The leaves of ``data`` passing ``test_type`` (tensors by default), in a fixed traversal order."""
+    leaves: list[object] = []
     recursively_apply(leaves.append, data, test_type=test_type)
     return leaves
 
 
-def tree_paths(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) -> list[str]:
+def tree_paths(data: object, test_type: Callable[[object], bool] = is_torch_tensor) -> list[str]:
     """The path of each leaf `tree_leaves` returns, in the same order.
 
     >>> tree_paths({"x": [torch.ones(1), "s"], "y": torch.ones(1)})
@@ -125,11 +139,11 @@ def tree_paths(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) ->
     """
     paths: list[str] = []
 
-    def walk(node: Any, path: str) -> None:
+    def walk(node: object, path: str) -> None:
         if test_type(node):
             paths.append(path)
         elif is_namedtuple(node):
-            for name, value in zip(node._fields, node, strict=False):
+            for name, value in zip(getattr(node, "_fields"), node, strict=False):
                 walk(value, f"{path}.{name}")
         elif isinstance(node, (list, tuple)):
             for i, value in enumerate(node):
@@ -146,7 +160,7 @@ def tree_paths(data: Any, test_type: Callable[[Any], bool] = is_torch_tensor) ->
     return paths
 
 
-def _key_text(key: Any) -> str:
+def _key_text(key: object) -> str:
     """A mapping key as every process writes it: the repr of a plain value, the type
     of anything else (whose repr may hold a memory address)."""
     if isinstance(key, (str, int, float, bool, enum.Enum)) or key is None:
@@ -155,19 +169,21 @@ def _key_text(key: Any) -> str:
 
 
 def tree_unflatten(
-    data: Any, leaves: Sequence[Any], test_type: Callable[[Any], bool] = is_torch_tensor
-) -> Any:
-    """``data`` with its leaves replaced, in `tree_leaves` order, by ``leaves``."""
-    replacements: Iterator[Any] = iter(leaves)
-    return recursively_apply(lambda _: next(replacements), data, test_type=test_type)
+    data: T, leaves: Sequence[object], test_type: Callable[[object], bool] = is_torch_tensor
+) -> T:
+    """``data`` with its leaves replaced, in `tree_leaves` order, by ``leaves`` (of the
+    kinds they replace: the collectives put tensors where tensors were)."""
+    replacements: Iterator[object] = iter(leaves)
+    rebuilt: T = recursively_apply(lambda _: next(replacements), data, test_type=test_type)
+    return rebuilt
 
 
 def send_to_device(
-    tensor: Any,
+    tensor: T,
     device: torch.device | str | int,
     non_blocking: bool = False,
     skip_keys: str | Sequence[str] | None = None,
-) -> Any:
+) -> T:
     """Move every tensor of a tree to ``device``.
 
     Args:
@@ -182,7 +198,7 @@ def send_to_device(
     """
     skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
 
-    def is_target(node: Any) -> bool:
+    def is_target(node: object) -> bool:
         if isinstance(node, torch.Tensor):
             return True
         if isinstance(node, Mapping):
@@ -197,7 +213,7 @@ def send_to_device(
             return False
         return callable(getattr(node, "to", None))
 
-    def move(node: Any) -> Any:
+    def move(node: Any) -> object:  # a tensor, a dataclass, a mapping, or anything with .to
         if isinstance(node, torch.Tensor):
             return node.to(device, non_blocking=non_blocking)
         if dataclasses.is_dataclass(node):
@@ -220,10 +236,11 @@ def send_to_device(
             )
         return node.to(device)
 
-    return recursively_apply(move, tensor, test_type=is_target)
+    moved: T = recursively_apply(move, tensor, test_type=is_target)
+    return moved
 
 
-def find_device(data: Any) -> torch.device | None:
+def find_device(data: object) -> torch.device | None:
     """The device of the first tensor in ``data`` (a tensor or a tree of them), or None
     when it holds none; the other tensors are assumed to be on the same device.
 
@@ -236,7 +253,7 @@ def find_device(data: Any) -> torch.device | None:
     return None if first is None else first.device
 
 
-def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:
+def pad_input_tensors(tensor: T, batch_size: int, num_processes: int, dim: int = 0) -> T:
     """Pad every tensor of a tree along ``dim`` with zeros, from ``batch_size`` to the next
     multiple of ``num_processes`` (at least ``num_processes``), so the batch splits evenly.
 
@@ -275,62 +292,65 @@ def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int
         shape[dim] = target - length
         return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
-    return recursively_apply(pad, tensor, error_on_other_type=True)
+    padded: T = recursively_apply(pad, tensor, error_on_other_type=True)
+    return padded
 
 
-def listify(data: Any) -> Any:
+def listify(data: object) -> Any:
     """Turn every tensor of a tree into nested Python lists (``tensor.tolist()``)."""
 
-    def to_list(t: torch.Tensor) -> Any:
+    def to_list(t: torch.Tensor) -> object:
         return (t.float() if t.dtype == torch.bfloat16 else t).tolist()
 
     return recursively_apply(to_list, data)
 
 
-def convert_to_fp32(tensor: Any) -> Any:
+def convert_to_fp32(tensor: T) -> T:
     """Cast the fp16 and bf16 tensors of a tree to fp32; others are left alone.
 
     >>> convert_to_fp32({"y": torch.ones(1, dtype=torch.float16)})["y"].dtype
     torch.float32
     """
 
-    def is_half(t: Any) -> bool:
+    def is_half(t: object) -> bool:
         return isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16)
 
-    return recursively_apply(lambda t: t.float(), tensor, test_type=is_half)
+    cast: T = recursively_apply(torch.Tensor.float, tensor, test_type=is_half)
+    return cast
 
 
-class ConvertOutputsToFp32:
+class ConvertOutputsToFp32(Generic[T]):
     """A forward function whose outputs are cast to fp32 (picklable, unlike a closure)."""
 
-    def __init__(self, model_forward: Callable[..., Any]) -> None:
+    def __init__(self, model_forward: Callable[..., T]) -> None:
         self.model_forward = model_forward
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> T:
         return convert_to_fp32(self.model_forward(*args, **kwargs))
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, Callable[..., T]]:
         return {"model_forward": self.model_forward}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Callable[..., T]]) -> None:
         self.model_forward = state["model_forward"]
 
 
-def convert_outputs_to_fp32(model_forward: Callable[..., Any]) -> Callable[..., Any]:
+def convert_outputs_to_fp32(model_forward: Callable[..., T]) -> Callable[..., T]:
     """Wrap a forward function so that its fp16 / bf16 outputs come back in fp32."""
     return ConvertOutputsToFp32(model_forward)
 
 
-def slice_tensors(data: Any, tensor_slice: slice | int | tuple[Any, ...]) -> Any:
+def slice_tensors(data: T, tensor_slice: slice | int | tuple[slice | int | None, ...]) -> T:
     """Index every tensor of a tree with ``tensor_slice``.
 
     >>> slice_tensors({"x": torch.arange(4)}, slice(1, 3))
     {'x': tensor([1, 2])}
     """
-    return recursively_apply(lambda t: t[tensor_slice], data)
+    sliced: T = recursively_apply(lambda t: t[tensor_slice], data)
+    return sliced
 
 
-def _structure(node: Any) -> Any:
+def _structure(node: object) -> object:
     """The containers, keys (in order) and tensor positions of a tree, comparable with ``==``.
 
     Leaves are matched by position, so two dicts with the same keys in another
@@ -347,7 +367,7 @@ def _structure(node: Any) -> Any:
     return None
 
 
-def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
+def concatenate(data: Sequence[T], dim: int = 0) -> T:
     """Concatenate a list of trees of the same shape, leaf by leaf, along ``dim``.
 
     Tensor leaves are concatenated; a non-tensor leaf must be equal in every
@@ -379,10 +399,13 @@ def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
                     f"tree {i} ({theirs!r}); make it a tensor or equal in every tree"
                 )
     columns = [tree_leaves(tree) for tree in data]
-    return tree_unflatten(data[0], [torch.cat(list(parts), dim=dim) for parts in zip(*columns, strict=False)])
+    joined: T = tree_unflatten(
+        data[0], [torch.cat(list(parts), dim=dim) for parts in zip(*columns, strict=False)]
+    )
+    return joined
 
 
-def is_other_leaf(node: Any) -> bool:
+def is_other_leaf(node: object) -> bool:
     """A leaf that is not a tensor (nor a container `recursively_apply` walks into)."""
     return not (
         isinstance(node, (torch.Tensor, list, tuple, Mapping))
@@ -390,7 +413,7 @@ def is_other_leaf(node: Any) -> bool:
     )
 
 
-def _same_value(a: Any, b: Any) -> bool:
+def _same_value(a: object, b: object) -> bool:
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:

@@ -47,9 +47,9 @@ def is_installed(name: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(values: Mapping[str, object], prefix: str = "") -> dict[str, object]:
     """Nested dicts as ``"a/b"`` keys (for trackers whose metrics are a flat namespace)."""
-    flat: dict[str, Any] = {}
+    flat: dict[str, object] = {}
     for key, value in values.items():
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
@@ -59,7 +59,7 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def numbers_and_text(values: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+def numbers_and_text(values: Mapping[str, object]) -> tuple[dict[str, float], dict[str, str]]:
     """Flattened ``values`` split into numbers (bools as 0/1) and strings."""
     numbers: dict[str, float] = {}
     text: dict[str, str] = {}

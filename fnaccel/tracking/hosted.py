@@ -16,7 +16,7 @@ Accelerate's trackers do: ``fa.get_tracker(state, "wandb").log_images({...}, ste
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ class WandBTracker:
 
     name = "wandb"
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: object) -> None:
         self._wandb = require(self.name)
         Path(logging_dir).mkdir(parents=True, exist_ok=True)
         self.run = self._wandb.init(project=run_name, dir=str(logging_dir), **kwargs)
@@ -44,13 +44,13 @@ class WandBTracker:
         """The ``wandb`` run."""
         return self.run
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
         self.run.config.update(dict(values), allow_val_change=True)
 
-    def log(self, values: Mapping[str, Any], step: int) -> None:
+    def log(self, values: Mapping[str, object], step: int) -> None:
         self.run.log(dict(values), step=step)
 
-    def log_images(self, values: Mapping[str, Any], step: int, **kwargs: Any) -> None:
+    def log_images(self, values: Mapping[str, object], step: int, **kwargs: object) -> None:
         """Images (arrays, PIL images) or lists of them, as ``wandb.Image``."""
         self.run.log(
             {k: _each(v, lambda i: self._wandb.Image(i, **kwargs)) for k, v in values.items()}, step=step
@@ -60,8 +60,8 @@ class WandBTracker:
         self,
         table_name: str,
         columns: Sequence[str] | None = None,
-        data: Sequence[Sequence[Any]] | None = None,
-        dataframe: Any = None,
+        data: Sequence[Sequence[object]] | None = None,
+        dataframe: object = None,
         step: int | None = None,
     ) -> None:
         """A ``wandb.Table`` from ``columns`` and ``data``, or from a pandas ``dataframe``."""
@@ -90,16 +90,16 @@ class CometMLTracker:
         """The Comet experiment."""
         return self.experiment
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
         self.experiment.log_parameters(flatten(values))
 
-    def log(self, values: Mapping[str, Any], step: int) -> None:
+    def log(self, values: Mapping[str, object], step: int) -> None:
         numbers, text = numbers_and_text(values)
         self.experiment.log_metrics(numbers, step=step)
         for key, value in text.items():
             self.experiment.log_other(key, value)
 
-    def log_images(self, values: Mapping[str, Any], step: int, **kwargs: Any) -> None:
+    def log_images(self, values: Mapping[str, object], step: int, **kwargs: object) -> None:
         for key, value in values.items():
             self.experiment.log_image(value, name=key, step=step, **kwargs)
 
@@ -107,8 +107,8 @@ class CometMLTracker:
         self,
         table_name: str,
         columns: Sequence[str] | None = None,
-        data: Sequence[Sequence[Any]] | None = None,
-        dataframe: Any = None,
+        data: Sequence[Sequence[object]] | None = None,
+        dataframe: object = None,
         step: int | None = None,
     ) -> None:
         """A CSV table named ``table_name`` (with ``.csv`` added when it has no suffix)."""
@@ -129,7 +129,7 @@ class ClearMLTracker:
 
     name = "clearml"
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: object) -> None:
         clearml = require(self.name)
         kwargs.setdefault("task_name", run_name)
         self.task = clearml.Task.init(project_name=run_name, **kwargs)
@@ -139,10 +139,10 @@ class ClearMLTracker:
         """The ClearML task."""
         return self.task
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
         self.task.connect_configuration(dict(values), name="config")
 
-    def log(self, values: Mapping[str, Any], step: int) -> None:
+    def log(self, values: Mapping[str, object], step: int) -> None:
         logger = self.task.get_logger()
         numbers, text = numbers_and_text(values)
         for key, value in numbers.items():
@@ -151,7 +151,7 @@ class ClearMLTracker:
         for key, line in text.items():
             logger.report_text(f"{key}: {line}", print_console=False)
 
-    def log_images(self, values: Mapping[str, Any], step: int, **kwargs: Any) -> None:
+    def log_images(self, values: Mapping[str, object], step: int, **kwargs: object) -> None:
         logger = self.task.get_logger()
         for key, value in values.items():
             logger.report_image(title=key, series=key, iteration=step, image=value, **kwargs)
@@ -160,8 +160,8 @@ class ClearMLTracker:
         self,
         table_name: str,
         columns: Sequence[str] | None = None,
-        data: Sequence[Sequence[Any]] | None = None,
-        dataframe: Any = None,
+        data: Sequence[Sequence[object]] | None = None,
+        dataframe: object = None,
         step: int | None = None,
     ) -> None:
         table = dataframe if dataframe is not None else [list(columns or []), *map(list, data or [])]
@@ -179,7 +179,7 @@ class SwanLabTracker:
 
     name = "swanlab"
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: object) -> None:
         self._swanlab = require(self.name)
         self.run = self._swanlab.init(project=run_name, logdir=str(logging_dir), **kwargs)
 
@@ -188,14 +188,14 @@ class SwanLabTracker:
         """The SwanLab run."""
         return self.run
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
         self._swanlab.config.update(dict(values))
 
-    def log(self, values: Mapping[str, Any], step: int) -> None:
+    def log(self, values: Mapping[str, object], step: int) -> None:
         numbers, text = numbers_and_text(values)
         self.run.log({**numbers, **{k: self._swanlab.Text(v) for k, v in text.items()}}, step=step)
 
-    def log_images(self, values: Mapping[str, Any], step: int, **kwargs: Any) -> None:
+    def log_images(self, values: Mapping[str, object], step: int, **kwargs: object) -> None:
         self.run.log(
             {k: _each(v, lambda i: self._swanlab.Image(i, **kwargs)) for k, v in values.items()}, step=step
         )
@@ -210,7 +210,7 @@ class TrackioTracker:
 
     name = "trackio"
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: object) -> None:
         self._trackio = require(self.name)
         self.run = self._trackio.init(project=run_name, **kwargs)
 
@@ -219,13 +219,13 @@ class TrackioTracker:
         """The Trackio run."""
         return self.run
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
         self.run.config.update(dict(values))
 
-    def log(self, values: Mapping[str, Any], step: int) -> None:
+    def log(self, values: Mapping[str, object], step: int) -> None:
         self.run.log(flatten(values), step=step)
 
-    def log_images(self, values: Mapping[str, Any], step: int, **kwargs: Any) -> None:
+    def log_images(self, values: Mapping[str, object], step: int, **kwargs: object) -> None:
         self.run.log(
             {k: _each(v, lambda i: self._trackio.Image(i, **kwargs)) for k, v in values.items()}, step=step
         )
@@ -234,8 +234,8 @@ class TrackioTracker:
         self,
         table_name: str,
         columns: Sequence[str] | None = None,
-        data: Sequence[Sequence[Any]] | None = None,
-        dataframe: Any = None,
+        data: Sequence[Sequence[object]] | None = None,
+        dataframe: object = None,
         step: int | None = None,
     ) -> None:
         table = self._trackio.Table(columns=columns, data=data, dataframe=dataframe)
@@ -245,5 +245,5 @@ class TrackioTracker:
         self.run.finish()
 
 
-def _each(value: Any, make: Any) -> Any:
+def _each(value: object, make: Callable[[object], object]) -> object:
     return [make(v) for v in value] if isinstance(value, (list, tuple)) else make(value)

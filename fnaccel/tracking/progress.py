@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sized
-from typing import Any, TextIO, TypeVar
+from typing import TextIO, TypeVar
 
-from fnaccel.dist import as_dist
+from fnaccel.dist import DistLike, as_dist
 
 __all__ = ["progress"]
 
@@ -22,7 +22,7 @@ T = TypeVar("T")
 
 
 def progress(
-    state: Any,
+    state: DistLike,
     iterable: Iterable[T],
     *,
     total: int | None = None,

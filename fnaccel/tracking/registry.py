@@ -11,10 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fnaccel.constants import LoggerType
 from fnaccel.kwargs.mixin import KwargsHandler
+
+if TYPE_CHECKING:
+    from fnaccel.state import RunState
 
 __all__ = ["TrackerClasses", "register_tracker", "register_tracker_class", "registered_trackers"]
 
@@ -34,13 +37,13 @@ class TrackerClasses(KwargsHandler):
         object.__setattr__(self, "classes", MappingProxyType(dict(self.classes)))
 
 
-def registered_trackers(state: Any) -> Mapping[str, type]:
+def registered_trackers(state: RunState) -> Mapping[str, type]:
     """The tracker classes registered on ``state``."""
     found = state.kwargs_handlers.get("TrackerClasses")
     return found.classes if found is not None else MappingProxyType({})
 
 
-def register_tracker(state: Any, name: str, tracker_class: type) -> Any:
+def register_tracker(state: RunState, name: str, tracker_class: type) -> RunState:
     """Returns ``state`` knowing ``tracker_class`` as ``log_with=name``; consumes nothing.
 
     Args:
@@ -82,7 +85,7 @@ def register_tracker(state: Any, name: str, tracker_class: type) -> Any:
     )
 
 
-def register_tracker_class(state: Any, tracker_class: type) -> Any:
+def register_tracker_class(state: RunState, tracker_class: type) -> RunState:
     """Returns ``state`` knowing ``tracker_class`` as ``log_with=tracker_class.name``; consumes nothing.
 
     Accelerate 1.15's ``accelerate.tracking.register_tracker_class``, with the

@@ -22,10 +22,10 @@ __all__ = ["end_training", "get_tracker", "init_trackers", "log"]
 def init_trackers(
     state: RunState,
     project_name: str,
-    config: Mapping[str, Any] | None = None,
+    config: Mapping[str, object] | None = None,
     *,
     log_with: str | GeneralTracker | Iterable[str | GeneralTracker] = "jsonl",
-    init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    init_kwargs: Mapping[str, Mapping[str, object]] | None = None,
     logging_dir: str | os.PathLike[str] | None = None,
 ) -> RunState:
     """Opens the run's trackers; consumes nothing and returns the state holding them.
@@ -129,7 +129,7 @@ def _logging_root(state: RunState, logging_dir: str | os.PathLike[str] | None) -
     return Path(project_dir or ".") / (chosen or "")
 
 
-def log(state: RunState, values: Mapping[str, Any], *, step: int | None = None) -> None:
+def log(state: RunState, values: Mapping[str, object], *, step: int | None = None) -> None:
     """Records ``values`` with every tracker of the run, on the main process; consumes nothing.
 
     Tensors (one element each, on any device) are read with a single

@@ -44,7 +44,7 @@ class MLflowTracker:
         run_id: str | None = None,
         tags: Mapping[str, str] | None = None,
         description: str | None = None,
-        **run_kwargs: Any,
+        **run_kwargs: object,
     ) -> None:
         mlflow = require(self.name)
         if tracking_uri is None:
@@ -74,13 +74,13 @@ class MLflowTracker:
         """The ``MlflowClient``; the run is ``self.run_id``."""
         return self.client
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
         """Parameters, as strings (MLflow's limit: 6000 characters each)."""
         params = [self._entities.Param(k, str(v)[:6000]) for k, v in flatten(values).items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=params[start : start + 100])
 
-    def log(self, values: Mapping[str, Any], step: int) -> None:
+    def log(self, values: Mapping[str, object], step: int) -> None:
         """Numbers as metrics; strings as tags (MLflow metrics are numbers only)."""
         numbers, text = numbers_and_text(values)
         now = int(time.time() * 1000)
@@ -88,7 +88,7 @@ class MLflowTracker:
         tags = [self._entities.RunTag(k, v) for k, v in text.items()]
         self.client.log_batch(self.run_id, metrics=metrics, tags=tags)
 
-    def log_images(self, values: Mapping[str, Any], step: int) -> None:
+    def log_images(self, values: Mapping[str, object], step: int) -> None:
         """Images as MLflow image artifacts at ``step``."""
         for key, value in values.items():
             self.client.log_image(self.run_id, value, key=key, step=step)
@@ -104,7 +104,7 @@ class AimTracker:
 
     name = "aim"
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: object) -> None:
         self._aim = require(self.name)
         Path(logging_dir).mkdir(parents=True, exist_ok=True)
         self.run = self._aim.Run(repo=str(logging_dir), experiment=run_name, **kwargs)
@@ -114,19 +114,19 @@ class AimTracker:
         """The Aim run."""
         return self.run
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
         """Under ``run["hparams"]``, merged with what a continued run had."""
         current = self.run.get("hparams") or {}
         self.run["hparams"] = {**current, **dict(values)}
 
-    def log(self, values: Mapping[str, Any], step: int) -> None:
+    def log(self, values: Mapping[str, object], step: int) -> None:
         numbers, text = numbers_and_text(values)
         for key, value in numbers.items():
             self.run.track(value, name=key, step=step)
         for key, line in text.items():
             self.run.track(self._aim.Text(line), name=key, step=step)
 
-    def log_images(self, values: Mapping[str, Any], step: int, **kwargs: Any) -> None:
+    def log_images(self, values: Mapping[str, object], step: int, **kwargs: object) -> None:
         for key, value in values.items():
             self.run.track(self._aim.Image(value, **kwargs), name=key, step=step)
 
@@ -140,7 +140,7 @@ class DVCLiveTracker:
 
     name = "dvclive"
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: object) -> None:
         dvclive = require(self.name)
         kwargs.setdefault("save_dvc_exp", False)
         kwargs.setdefault("dvcyaml", str(Path(logging_dir) / run_name / "dvc.yaml"))
@@ -152,10 +152,10 @@ class DVCLiveTracker:
         """The ``dvclive.Live`` object."""
         return self.live
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
         self.live.log_params(dict(values))
 
-    def log(self, values: Mapping[str, Any], step: int) -> None:
+    def log(self, values: Mapping[str, object], step: int) -> None:
         """Numbers as metrics at ``step`` (DVCLive's metrics are numbers only; strings go to params)."""
         numbers, text = numbers_and_text(values)
         self.live.step = step
@@ -165,7 +165,7 @@ class DVCLiveTracker:
             self.live.log_params(text)
         self.live.next_step()
 
-    def log_images(self, values: Mapping[str, Any], step: int) -> None:
+    def log_images(self, values: Mapping[str, object], step: int) -> None:
         """Images as ``plots/images/<name>.png`` (DVCLive keeps the latest of each)."""
         self.live.step = step
         for key, value in values.items():

@@ -47,10 +47,10 @@ class GeneralTracker(Protocol):
     @property
     def tracker(self) -> Any: ...
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
         """Record the run's hyperparameters, once, at `init_trackers`."""
 
-    def log(self, values: Mapping[str, Any], step: int) -> None:
+    def log(self, values: Mapping[str, object], step: int) -> None:
         """Record ``values`` at ``step``."""
 
     def finish(self) -> None:
@@ -92,10 +92,10 @@ class JSONLTracker:
         """The open metrics file."""
         return self._file
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
         """Write ``config.json``, merged into an existing one; a value JSON cannot hold is written as its ``str()``."""
         path = self.directory / "config.json"
-        merged: dict[str, Any] = {}
+        merged: dict[str, object] = {}
         if path.is_file():
             try:
                 merged = json.loads(path.read_text(encoding="utf-8"))
@@ -111,7 +111,7 @@ class JSONLTracker:
         partial.write_text(text + "\n", encoding="utf-8")
         partial.replace(path)  # whole or absent, the old one kept until the new one is written
 
-    def log(self, values: Mapping[str, Any], step: int) -> None:
+    def log(self, values: Mapping[str, object], step: int) -> None:
         """Append one line; non-finite floats are written as Python's json writes them (NaN)."""
         if self._file.closed:
             raise ValueError(
@@ -141,7 +141,7 @@ class TensorBoardTracker:
     __slots__ = ("directory", "writer")
     name = LoggerType.TENSORBOARD.value
 
-    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, run_name: str, logging_dir: str | os.PathLike[str], **kwargs: object) -> None:
         writer_class = _summary_writer_class()
         self.directory = Path(logging_dir) / run_name
         self.writer = writer_class(str(self.directory), **kwargs)
@@ -151,7 +151,7 @@ class TensorBoardTracker:
         """The ``SummaryWriter``."""
         return self.writer
 
-    def store_init_configuration(self, values: Mapping[str, Any]) -> None:
+    def store_init_configuration(self, values: Mapping[str, object]) -> None:
         """Record the values as hyperparameters; those TensorBoard cannot hold go in as ``str()``."""
         hparams = {
             key: value if isinstance(value, (bool, int, float, str, torch.Tensor)) else str(value)
@@ -160,7 +160,7 @@ class TensorBoardTracker:
         self.writer.add_hparams(hparams, metric_dict={})
         self.writer.flush()
 
-    def log(self, values: Mapping[str, Any], step: int) -> None:
+    def log(self, values: Mapping[str, object], step: int) -> None:
         """Add each value at ``step`` and flush."""
         for key, value in values.items():
             if isinstance(value, Real):

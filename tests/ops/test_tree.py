@@ -128,7 +128,7 @@ def test_send_to_device_moves_every_tensor_and_keeps_containers() -> None:
 
 
 def test_send_to_device_moves_objects_with_a_to_method() -> None:
-    out = send_to_device({"enc": Movable(), "n": 3}, torch.device("meta"))
+    out: dict[str, Any] = send_to_device({"enc": Movable(), "n": 3}, torch.device("meta"))
     assert out["enc"].device == "meta" and out["n"] == 3
 
 
@@ -142,7 +142,7 @@ def test_send_to_device_skip_keys(skip_keys: str | list[str]) -> None:
         "box": Box(value={"labels": labels, "y": x}),
         "default": defaultdict[str, Any](int, labels=labels, y=x),
     }
-    out = send_to_device(tree, "meta", skip_keys=skip_keys)
+    out: dict[str, Any] = send_to_device(tree, "meta", skip_keys=skip_keys)
     meta_x = x.to("meta")
     skipped_ids = ids if isinstance(skip_keys, list) else ids.to("meta")
     assert_tree_equal(

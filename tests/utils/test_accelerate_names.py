@@ -95,7 +95,7 @@ def test_named_tuples_are_rebuilt_with_their_own_type(tree: Any) -> None:
     assert type(joined) is type(tree) and torch.equal(joined[0], torch.cat([tree[0], tree[0]]))
     moved = send_to_device(tree, "cpu")
     assert type(moved) is type(tree)
-    assert is_namedtuple(joined) and joined._fields == tree._fields
+    assert joined._fields == tree._fields and is_namedtuple(joined)
 
 
 # recursively_apply(error_on_other_type=True)
@@ -172,7 +172,7 @@ def test_pad_input_tensors_pads_to_a_multiple_of_the_processes(
 
 
 def test_pad_input_tensors_pads_every_tensor_of_a_tree_along_dim() -> None:
-    tree = {"ids": torch.ones(2, 3), "mask": [torch.ones(2, 3, dtype=torch.bool)]}
+    tree: dict[str, Any] = {"ids": torch.ones(2, 3), "mask": [torch.ones(2, 3, dtype=torch.bool)]}
     result = pad_input_tensors(tree, 3, 2, dim=1)
     assert result["ids"].shape == (2, 4) and result["mask"][0].shape == (2, 4)
     assert result["mask"][0].dtype == torch.bool and not result["mask"][0][:, 3].any()
