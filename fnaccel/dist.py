@@ -26,7 +26,15 @@ if TYPE_CHECKING:
 
     from fnaccel.config.parallelism import ParallelismConfig
 
-__all__ = ["DistContext", "DistLike", "HasDist", "as_dist", "data_parallel", "data_parallel_context", "mesh_dim"]
+__all__ = [
+    "DistContext",
+    "DistLike",
+    "HasDist",
+    "as_dist",
+    "data_parallel",
+    "data_parallel_context",
+    "mesh_dim",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

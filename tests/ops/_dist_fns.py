@@ -483,7 +483,8 @@ def changing_layouts(state: Any) -> list[tuple[Any, Any, Any, Any]]:
         for _ in range(2):
             summed = fa.ops.reduce(state, value[:, 0], "sum")
         for _ in range(2):
-            empty: dict[str, torch.Tensor] = fa.ops.reduce(state, {}, "sum")  # no leaves: nothing to carry a flag
+            # no leaves: nothing to carry a flag
+            empty: dict[str, torch.Tensor] = fa.ops.reduce(state, {}, "sum")
         assert empty == {}
         for _ in range(2):
             low = fa.ops.reduce(state, {"v": value[:, 1], "n": torch.full((rows,), rank + i)}, "min")
