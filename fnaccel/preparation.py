@@ -212,7 +212,10 @@ def prepare(
             `default_loss_fn`.
 
     Returns:
-        The prepared state.
+        The prepared state. Under a dry run (``fnaccel launch --dry_run``, which sets
+        ``FNACCEL_DRY_RUN=1``) the first call that leaves the state holding both a
+        model and an optimizer does not return: it runs one step, prints this
+        rank's figures and exits the process (``SystemExit(0)``).
 
     Raises:
         TypeError: ``pipeline`` is neither a transform nor ``fa.compose(...)``'s value.
