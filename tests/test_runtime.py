@@ -179,51 +179,6 @@ def test_a_second_run_in_the_same_processes_gets_its_own_group(world2: Any) -> N
     assert world2.run(_second_run_gets_its_own_group) == [(42.0, 2.0, 4.0)] * 2
 
 
-_SCRIPT = """
-import sys, torch, fnaccel as fa
-import torch.distributed.checkpoint as dcp
-state = fa.init(seed=0)
-total = fa.ops.reduce(state, torch.tensor(float(state.dist.rank + 1)), "sum")
-dcp.save({"w": torch.arange(4.0) + state.dist.rank}, checkpoint_id=sys.argv[1])
-# one write per line (print's separate arguments could interleave between ranks)
-print(f"rank {state.dist.rank} of {state.dist.num_processes} total {total.item()}", flush=True)
-if sys.argv[2] == "shutdown":
-    fa.shutdown(state)
-"""
-
-
-@pytest.mark.parametrize("ending", ["shutdown", "exit"])
-@pytest.mark.multiprocess
-def test_under_torchrun_a_run_ends_without_abort(tmp_path: Path, ending: str) -> None:
-    """Real torchrun, a DCP save, then a clean end whether or not shutdown is called."""
-    script = tmp_path / "job.py"
-    script.write_text(_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        # --standalone: the agent binds a free port itself (no port guessed here)
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(script),
-            str(tmp_path / "ckpt"),
-            ending,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    # nor a traceback from the exit hook (one importing a torch module there found its ops gone)
-    assert "terminate called" not in output and "Traceback" not in output, output
-    assert "rank 0 of 2 total 3.0" in result.stdout and "rank 1 of 2 total 3.0" in result.stdout
-
-
 def _init_with_file_rendezvous(rank: int, rendezvous: str, results: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     handler = fa.InitProcessGroupKwargs(backend="gloo", init_method=rendezvous, timeout=timedelta(seconds=33))
@@ -290,11 +245,17 @@ def test_a_world_runs_under_the_default_collective_timeout(world2: Any) -> None:
     assert world2.run(_group_timeout) == [600.0, 600.0]
 
 
-_FSDP_SCRIPT = """\
+_SCRIPT = """\
 import sys, torch, fnaccel as fa
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+out, ending = sys.argv[1], sys.argv[2]
 state = fa.init(seed=0)
+total = fa.ops.reduce(state, torch.tensor(float(state.dist.rank + 1)), "sum")
+dcp.save({"w": torch.arange(4.0) + state.dist.rank}, checkpoint_id=out + "/dcp")
+# one write per line (print's separate arguments could interleave between ranks)
+print(f"rank {state.dist.rank} of {state.dist.num_processes} total {total.item()}", flush=True)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
 data = TensorDataset(torch.randn(32, 8), torch.randn(32, 2))
 state = fa.prepare(state, model, torch.optim.AdamW(model.parameters(), lr=1e-2),
@@ -302,34 +263,30 @@ state = fa.prepare(state, model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                    loss_fn=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
 for batch in fa.batches(state, epochs=1):
     state, _ = fa.step(state, batch)
-fa.save(state, sys.argv[1])
+fa.save(state, out + "/ckpt")
 print(f"rank {state.dist.rank} saved at step {state.step}", flush=True)
-if sys.argv[2] == "shutdown":
+if ending == "shutdown":
     fa.shutdown(state)
 """
 
 
-@pytest.mark.parametrize("ending", ["shutdown", "exit"])
+@pytest.mark.parametrize(
+    "launcher, ending",
+    [(["torch.distributed.run", "--standalone"], "exit"), (["fnaccel", "launch", "-q", "--cpu"], "shutdown")],
+    ids=["torchrun-exit", "fnaccel_launch-shutdown"],
+)
 @pytest.mark.multiprocess
-def test_an_fsdp_run_with_a_save_ends_without_abort(tmp_path: Path, ending: str) -> None:
-    """The clean end still settles before the group goes (the loop of 60 such launches
-    in the fail-fast work aborted 0 times; one of each ending here)."""
+def test_a_run_with_saves_ends_without_abort(tmp_path: Path, launcher: list[str], ending: str) -> None:
+    """A DCP save, then an fsdp() run's fa.save, then a clean end whether or not shutdown is
+    called, under real torchrun (--standalone: the agent binds a free port itself) and under
+    fnaccel launch. The clean end still settles before the group goes (the loop of 60 such
+    launches in the fail-fast work aborted 0 times). Each ending once: the worker's end is the
+    same under either launcher (fnaccel launch's worker execs the script as torchrun would)."""
     script = tmp_path / "job.py"
-    script.write_text(_FSDP_SCRIPT)
+    script.write_text(_SCRIPT)
+    nproc = ["--nproc_per_node"] if launcher[0] == "torch.distributed.run" else ["--num_processes"]
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fnaccel",
-            "launch",
-            "-q",
-            "--cpu",
-            "--num_processes",
-            "2",
-            str(script),
-            str(tmp_path / "ckpt"),
-            ending,
-        ],
+        [sys.executable, "-m", *launcher, *nproc, "2", str(script), str(tmp_path), ending],
         capture_output=True,
         text=True,
         timeout=240,
@@ -337,6 +294,8 @@ def test_an_fsdp_run_with_a_save_ends_without_abort(tmp_path: Path, ending: str)
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    assert "terminate called" not in output and "not every rank reached" not in output
+    # nor a traceback from the exit hook (one importing a torch module there found its ops gone)
+    assert "terminate called" not in output and "not every rank reached" not in output, output
     assert "Traceback" not in output, output
+    assert "rank 0 of 2 total 3.0" in result.stdout and "rank 1 of 2 total 3.0" in result.stdout
     assert "rank 0 saved at step 4" in result.stdout and "rank 1 saved at step 4" in result.stdout
