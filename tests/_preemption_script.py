@@ -1,16 +1,15 @@
 """A script that `fnaccel launch` runs in tests/test_preemption.py.
 
-    _preemption_script.py OUT (full|preempt|resume|evaluate|prepare|save|finish)
+    _preemption_script.py OUT (preempt|resume|evaluate|prepare|save|finish)
 
 Two epochs of a small DDP model under ``accumulate(2)`` with `fa.PreemptionKwargs`.
 Every worker leaves OUT/pid.<pid> holding its rank (the test signals workers, and ends
 them, by their pids).
 
-``full``: uninterrupted, writes OUT/full.<rank>.pt (the weights). ``preempt``: steps
-slowly and touches OUT/running once past step 3 (the test then sends SIGTERM to the
-launcher). ``resume``: loads OUT/ckpt, finishes the two epochs and writes
+``preempt``: steps slowly and touches OUT/running once past step 3 (the test then
+signals the launcher). ``resume``: loads OUT/ckpt, finishes the two epochs and writes
 OUT/resumed.<rank>.pt; then, in the same processes (a launch fewer: its imports are most
-of a launch's seconds), runs ``full`` from a new `fa.init`.
+of a launch's seconds), runs ``finish`` from a new `fa.init`: the uninterrupted reference.
 
 Where the signal lands (the test sends it, except in ``save``):
 
@@ -21,7 +20,7 @@ Where the signal lands (the test sends it, except in ``save``):
 - ``save``: at step 3, rank 1 sends itself SIGTERM from a thread as soon as the save of
   OUT/mid has started writing (its hidden temporary exists);
 - ``finish``: after the loop, touches OUT/finished.<rank> and waits for OUT/go before its
-  final save and `fa.shutdown`.
+  final save (OUT/final), writing OUT/full.<rank>.pt (the weights), and `fa.shutdown`.
 
 When `fa.batches` ends early each of these saves OUT/ckpt; each rank writes
 OUT/stop.<rank>.json (micro-step, step, epoch, `state.preempted`, when it had saved, and
@@ -109,7 +108,8 @@ def main(out: Path, mode: str) -> None:
         (out / f"finished.{rank}").touch()
         _wait_for(out / "go")
         fa.save(state, out / "final")
-    elif mode not in ("full", "resume"):
+        torch.save(model.state_dict(), out / f"full.{rank}.pt")
+    elif mode != "resume":
         if state.preempted:
             fa.save(state, out / "ckpt")
         (out / f"stop.{rank}.json").write_text(
@@ -125,10 +125,10 @@ def main(out: Path, mode: str) -> None:
             )
         )
     else:
-        torch.save(model.state_dict(), out / f"{'full' if mode == 'full' else 'resumed'}.{rank}.pt")
+        torch.save(model.state_dict(), out / f"resumed.{rank}.pt")
     fa.shutdown(state)
     if mode == "resume":  # the resumed run came first, in fresh processes; the reference after it
-        main(out, "full")
+        main(out, "finish")
 
 
 if __name__ == "__main__":  # a script: importing it (doctest collection) must not run it

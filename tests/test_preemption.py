@@ -161,22 +161,14 @@ def _launch(out: Path, mode: str) -> subprocess.Popen[str]:
     )
 
 
-def _run(out: Path, mode: str) -> None:
-    launcher = _launch(out, mode)
-    try:
-        _, stderr = launcher.communicate(timeout=240)
-        assert launcher.returncode == 0, stderr
-    finally:
-        end_launch(out, launcher)
-
-
 @pytest.mark.multiprocess
 def test_sigusr1_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     """Slurm's ``--signal=USR1@90`` to the launcher: before, SIGUSR1's default action ended the
     launcher and, with it, every worker unsaved; now the workers stop at one step, save, and the
     launch ends with the one status of a preempted run, 143 (before this round: 138). The run then
-    resumes bit for bit. SIGTERM takes the same path from the launcher on (the ``finish`` case
-    below; tests/commands/test_launch_lifetime.py), and stops the loop in the other cases below."""
+    resumes bit for bit; the same launch's uninterrupted reference gets SIGTERM after its loop and
+    exits 0 (before: 143, and a finished run was requeued). SIGTERM stops the loop in the cases
+    of the next test, and a launch with 143 in tests/commands/test_launch_lifetime.py."""
     cut = tmp_path / "cut"
     cut.mkdir()
     launcher = _launch(cut, "preempt")
@@ -201,7 +193,23 @@ def test_sigusr1_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit
     assert stops[0] == stops[1], stops  # every rank left the loop at the same step
     assert stops[0]["preempted"] == "SIGUSR1" and stops[0]["micro_step"] % 2 == 0, stops
     assert 3 <= stops[0]["step"] < 32 and stops[0]["epoch"] == 0, stops  # mid-epoch: 32 updates an epoch
-    _run(cut, "resume")  # in fresh processes; then the same processes run the uninterrupted reference
+    # in fresh processes; then the same processes run the uninterrupted reference, whose
+    # launcher gets SIGTERM once its loop has finished
+    launcher = _launch(cut, "resume")
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(cut.glob("finished.*"))) < 2:
+            assert launcher.poll() is None, launcher.communicate()[1]
+            assert time.monotonic() < deadline, "the reference run never finished its loop"
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        (cut / "go").touch()
+        _, stderr = launcher.communicate(timeout=120)
+    finally:
+        end_launch(cut, launcher)
+    assert launcher.returncode == 0, stderr
+    assert "after the run had finished" in stderr.strip().splitlines()[-1], stderr
+    assert (cut / "final").is_dir()
     for rank in (0, 1):
         resumed = torch.load(cut / f"resumed.{rank}.pt")
         expected = torch.load(cut / f"full.{rank}.pt")
@@ -216,13 +224,13 @@ def _worker(out: Path, rank: int) -> int:
 
 @pytest.mark.multiprocess
 def test_a_signal_is_heard_wherever_it_lands_and_the_status_says_whether_to_requeue(tmp_path: Path) -> None:
-    """Four 2-process launches side by side (docs/training.md, "Preemption"). Before:
+    """Three 2-process launches side by side (docs/training.md, "Preemption"). Before:
     ``evaluate``, SIGTERM to rank 1 during fa.evaluate: the evaluation ran to its end (64 of
     64 samples) and the launch exited 0, so it was never requeued; ``prepare``, SIGTERM to
     both workers before fa.prepare: the run took its first update first (step 1), exit 0;
-    ``save``, rank 1 signalled during a save: exit 0; ``finish``, SIGTERM to the launcher
-    after the loop had finished: exit 143, and a finished run was requeued."""
-    modes = ("evaluate", "prepare", "save", "finish")
+    ``save``, rank 1 signalled during a save: exit 0. (SIGTERM to the launcher after the loop
+    had finished, which exited 143: the previous test's reference run.)"""
+    modes = ("evaluate", "prepare", "save")
     outs = {mode: tmp_path / mode for mode in modes}
     for out in outs.values():
         out.mkdir()
@@ -240,9 +248,6 @@ def test_a_signal_is_heard_wherever_it_lands_and_the_status_says_whether_to_requ
                     for rank in (0, 1):
                         os.kill(_worker(out, rank), signal.SIGTERM)
                     (out / "go").touch()
-                elif mode == "finish" and len(list(out.glob("finished.*"))) == 2:
-                    launcher.send_signal(signal.SIGTERM)
-                    (out / "go").touch()
                 else:
                     continue
                 pending.discard(mode)
@@ -253,9 +258,7 @@ def test_a_signal_is_heard_wherever_it_lands_and_the_status_says_whether_to_requ
         for mode, launcher in launchers.items():
             end_launch(outs[mode], launcher)
     status = {mode: launcher.returncode for mode, launcher in launchers.items()}
-    assert status == {"evaluate": 143, "prepare": 143, "save": 143, "finish": 0}, ended
-    assert "after the run had finished" in ended["finish"].strip().splitlines()[-1], ended["finish"]
-    assert (outs["finish"] / "final").is_dir()
+    assert status == {"evaluate": 143, "prepare": 143, "save": 143}, ended
     for mode in ("evaluate", "prepare", "save"):
         assert "preempted by SIGTERM" in ended[mode].strip().splitlines()[-1], ended[mode]
         stops = [json.loads((outs[mode] / f"stop.{rank}.json").read_text()) for rank in (0, 1)]
