@@ -40,17 +40,22 @@ import os
 import signal
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from types import FrameType
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from fnaccel.checks import check_value, is_int
 from fnaccel.constants import FINISHED_MARK, LAUNCH_DIR_ENV, PREEMPTED_MARK
+from fnaccel.dist import DistContext
 from fnaccel.kwargs.mixin import KwargsHandler
 from fnaccel.resources import Resources, exception_in_flight
 
 __all__ = ["PreemptionKwargs", "SignalWatch", "install"]
+
+# a batch, passed through as the loop reads it
+T = TypeVar("T")
 
 # The resource name under which a run holds its watch (`state.resources`).
 RESOURCE = "preemption"
@@ -179,7 +184,7 @@ class SignalWatch:
             received), set on every rank at the same micro-step; None until then.
     """
 
-    def __init__(self, handler: PreemptionKwargs, ctx: Any) -> None:
+    def __init__(self, handler: PreemptionKwargs, ctx: DistContext) -> None:
         self.received: int | None = None
         self.reason: str | None = None
         self._check_every = handler.check_every if ctx.num_processes > 1 else 1
@@ -191,12 +196,12 @@ class SignalWatch:
         for sig in handler.signal_numbers:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum: int, _frame: Any) -> None:
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         # Only a store: Python runs this between two bytecodes of the main thread.
         if self.received is None:
             self.received = signum
 
-    def guard(self, batches: Iterable[Any], micro_step: int, window: int) -> Iterator[Any]:
+    def guard(self, batches: Iterable[T], micro_step: int, window: int) -> Iterator[T]:
         """``batches`` until the ranks agree to stop, ending at an update boundary.
 
         Args:
@@ -301,7 +306,7 @@ class SignalWatch:
             pending[0].wait()  # every rank started it: let it finish before the group ends
 
 
-def install(resources: Resources, handler: PreemptionKwargs, ctx: Any) -> SignalWatch:
+def install(resources: Resources, handler: PreemptionKwargs, ctx: DistContext) -> SignalWatch:
     """Install ``handler``'s signal handlers for the run owning ``resources``; `fa.init` calls it.
 
     Raises:

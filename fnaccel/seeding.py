@@ -13,7 +13,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from types import MappingProxyType
-from typing import Any, TypeVar, overload
+from typing import Any, ParamSpec, TypeVar, overload
 
 import torch
 
@@ -26,6 +26,7 @@ from fnaccel.state import RunState
 __all__ = ["set_seed", "synchronize_rng_states", "with_rng"]
 
 R = TypeVar("R")
+P = ParamSpec("P")
 
 # RNGType member -> RNGState field it synchronises
 _FIELDS = MappingProxyType(
@@ -148,7 +149,9 @@ def synchronize_rng_states(
     return state.replace(rng=dataclasses.replace(state.rng, **changes))
 
 
-def with_rng(state: RunState, function: Callable[..., R], *args: Any, **kwargs: Any) -> tuple[RunState, R]:
+def with_rng(
+    state: RunState, function: Callable[P, R], *args: P.args, **kwargs: P.kwargs
+) -> tuple[RunState, R]:
     """Consumes ``state``: run ``function`` with the run's generators installed.
 
     The generators' values after the call go into the returned state; the

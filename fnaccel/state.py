@@ -201,7 +201,7 @@ class RunState:
                 "rebinds it); an old state's fields can still be read."
             )
 
-    def advance(self, by: str, **changes: Any) -> RunState:
+    def advance(self, by: str, **changes: object) -> RunState:
         """Spend this state and return its successor with ``changes`` applied.
 
         Args:

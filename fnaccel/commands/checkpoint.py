@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any
 
-from fnaccel.commands.main import CommandError
+from fnaccel.commands.main import CommandError, Subcommands
 
 __all__ = ["register", "run_diff", "run_inspect", "run_verify"]
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``fnaccel checkpoint`` and its three subcommands to the command line."""
     parser = subparsers.add_parser(
         "checkpoint",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 from fnaccel.checks import str_to_bool
-from fnaccel.commands.main import CommandError
+from fnaccel.commands.main import CommandError, Subcommands
 from fnaccel.config.launch import (
     basic_config,
     config_from_mapping,
@@ -39,7 +39,7 @@ _CONFIG_FILE_HELP = (
 )
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     parser = subparsers.add_parser(
         "config",
         help="Create the launch config file (questions, defaults, or update).",

@@ -15,13 +15,13 @@ import shutil
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import fnaccel
 from fnaccel.commands.launch import check_launchable
+from fnaccel.commands.main import Subcommands
 from fnaccel.config.launch import CONFIG_FILE_ENV, default_config_file, load_config
 
 __all__ = ["environment_report", "register", "run"]
@@ -38,7 +38,7 @@ _PACKAGES = (
 )
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``fnaccel env`` to the command line."""
     parser = subparsers.add_parser(
         "env",

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from fnaccel.checkpoint.storage.weightfiles import index_files, read_dtypes_and_shapes
-from fnaccel.commands.main import CommandError
+from fnaccel.commands.main import CommandError, Subcommands
 from fnaccel.modeling.empty import init_empty_weights
 from fnaccel.modeling.sizes import compute_module_sizes, largest_layer, named_module_tensors
 
@@ -54,7 +54,7 @@ _ADAM_PEAK = MappingProxyType({"float32": 4, "float16": 2})
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``fnaccel estimate-memory`` to the command line."""
     parser = subparsers.add_parser(
         "estimate-memory",

@@ -62,7 +62,7 @@ from fnaccel.commands.launch_flags import (
     add_launch_arguments,
     refused_flags,
 )
-from fnaccel.commands.main import CommandError, main
+from fnaccel.commands.main import CommandError, Subcommands, main
 from fnaccel.config.environment import patch_environment as _patched_environment
 from fnaccel.config.launch import LaunchConfig, default_config_file, launch_env, load_config
 from fnaccel.config.parallelism import ParallelismConfig
@@ -119,7 +119,7 @@ LOST_AFTER_S = 5.0
 _FSDP_ALIASES = MappingProxyType({"fsdp_backward_prefetch_policy": "fsdp_backward_prefetch"})
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     parser = subparsers.add_parser(
         "launch",
         help="Launch a training script on every process of a run (torchrun's agent).",

@@ -10,8 +10,8 @@ import re
 import signal
 import sys
 from collections.abc import Iterable, Sequence
-from types import MappingProxyType
-from typing import Any, NoReturn
+from types import FrameType, MappingProxyType
+from typing import Any, NoReturn, TypeAlias
 
 from fnaccel._errors import FnaccelError
 
@@ -37,6 +37,11 @@ USAGE_ERROR = 2  # argparse's exit status for bad usage; a bad config file is ba
 # its own handlers (fnaccel launch forwards them to its workers).
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 _BROKEN_PIPE = 128 + 13  # a shell's status for a process ended by SIGPIPE
+
+
+# What each command module's `register(subparsers)` is given: argparse's action of sub-parsers
+# (typeshed's name for what `add_subparsers` returns; argparse documents no public one).
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 class CommandError(FnaccelError):
@@ -124,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USAGE_ERROR
 
 
-def _stopped(signum: int, _frame: Any) -> None:
+def _stopped(signum: int, _frame: FrameType | None) -> None:
     """End the command at once, with one line: while it is still importing (torch alone takes
     seconds), no state is worth a traceback, and a scheduler reads the status."""
     command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in _COMMANDS else ""

@@ -6,14 +6,13 @@ Accelerate's ``--unsafe_serialization`` (write a pickled ``.bin``) is refused.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from fnaccel.commands.main import CommandError
+from fnaccel.commands.main import CommandError, Subcommands
 
 __all__ = ["register", "run"]
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``merge-weights`` to the ``fnaccel`` parser (``accelerate merge-weights``' flags)."""
     parser = subparsers.add_parser(
         "merge-weights",

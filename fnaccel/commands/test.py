@@ -12,10 +12,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from fnaccel.commands import launch
-from fnaccel.commands.main import USAGE_ERROR
+from fnaccel.commands.main import USAGE_ERROR, Subcommands
 
 __all__ = ["SCRIPT", "launch_argv", "register", "run"]
 
@@ -37,7 +36,7 @@ class _LaunchFlagsParser(argparse.ArgumentParser):
         return parsed, []
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``fnaccel test`` to the command line."""
     # argparse has no public way to choose one subparser's class: swap it for this one call
     default_class = subparsers._parser_class

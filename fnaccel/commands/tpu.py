@@ -9,14 +9,13 @@ for ``accelerate tpu-config`` fail with a sentence saying so instead of
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from fnaccel.commands.main import CommandError
+from fnaccel.commands.main import CommandError, Subcommands
 
 __all__ = ["register", "run"]
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Subcommands) -> None:
     """Add ``fnaccel tpu-config`` to the command line."""
     parser = subparsers.add_parser(
         "tpu-config",

@@ -75,14 +75,14 @@ class LaunchConfig:
     tpu_use_sudo: bool = False
     command_file: str | None = None
     commands: list[str] = field(default_factory=list)
-    fsdp_config: dict[str, Any] = field(default_factory=dict)
-    deepspeed_config: dict[str, Any] = field(default_factory=dict)
-    megatron_lm_config: dict[str, Any] = field(default_factory=dict)
-    dynamo_config: dict[str, Any] = field(default_factory=dict)
-    fp8_config: dict[str, Any] = field(default_factory=dict)
-    ipex_config: dict[str, Any] = field(default_factory=dict)
-    mpirun_config: dict[str, Any] = field(default_factory=dict)
-    parallelism_config: dict[str, Any] = field(default_factory=dict)
+    fsdp_config: dict[str, object] = field(default_factory=dict)
+    deepspeed_config: dict[str, object] = field(default_factory=dict)
+    megatron_lm_config: dict[str, object] = field(default_factory=dict)
+    dynamo_config: dict[str, object] = field(default_factory=dict)
+    fp8_config: dict[str, object] = field(default_factory=dict)
+    ipex_config: dict[str, object] = field(default_factory=dict)
+    mpirun_config: dict[str, object] = field(default_factory=dict)
+    parallelism_config: dict[str, object] = field(default_factory=dict)
     source: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -129,7 +129,7 @@ def _choices() -> Mapping[str, tuple[str, ...]]:
 _CHOICES = _choices()
 
 
-def check_config_value(key: str, value: Any, source: str) -> Any:
+def check_config_value(key: str, value: object, source: str) -> Any:
     """The value of the known config key ``key``, checked against its type, choices and range.
 
     An int ``gpu_ids`` becomes a string and a null ``mixed_precision`` "no",
@@ -169,6 +169,7 @@ def check_config_value(key: str, value: Any, source: str) -> Any:
         raise ConfigError(f"{source}: key '{key}' must be one of {', '.join(_CHOICES[key])}, got {value!r}")
     if key in _INT_RANGES:
         low, high = _INT_RANGES[key]
+        assert isinstance(value, int)  # its expected type, checked above
         if not low <= value <= high:
             shown = value if abs(value) < 10**18 else f"a {len(str(abs(value)))}-digit number"
             raise ConfigError(f"{source}: key '{key}' must be from {low} to {high}, got {shown}")
@@ -194,7 +195,7 @@ _INT_RANGES: Mapping[str, tuple[int, int]] = MappingProxyType(
 _FP16_KEY = "fp16"
 
 
-def config_from_mapping(data: Mapping[str, Any], source: str = "<config>") -> LaunchConfig:
+def config_from_mapping(data: Mapping[str, object], source: str = "<config>") -> LaunchConfig:
     """Validate a parsed config mapping into a `LaunchConfig`.
 
     Raises:
@@ -218,7 +219,7 @@ def config_from_mapping(data: Mapping[str, Any], source: str = "<config>") -> La
     return LaunchConfig(**values, source=source)
 
 
-def _upgrade(data: Mapping[str, Any]) -> dict[str, Any]:
+def _upgrade(data: Mapping[str, object]) -> dict[str, object]:
     """Older Accelerate files spell the compile backend as a top-level ``dynamo_backend``
     and, before ``mixed_precision`` existed, fp16 training as ``fp16: true``."""
     data = dict(data)
@@ -328,7 +329,7 @@ _SECTIONS = (
 _USE_FSDP = "FNACCEL_USE_FSDP"  # Accelerate's ACCELERATE_USE_FSDP; read when no distributed type is
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
@@ -378,7 +379,7 @@ def with_launch_env(config: LaunchConfig, environ: Mapping[str, str]) -> LaunchC
         text = environ.get(name)
         if text is None or (text == "" and key == "distributed_type"):
             continue
-        value: Any = _flag(name, text) if KEY_TYPES[key] == (bool,) else text
+        value: bool | str = _flag(name, text) if KEY_TYPES[key] == (bool,) else text
         changes[key] = check_config_value(key, value, name)
     if "distributed_type" not in changes and _flag(_USE_FSDP, environ.get(_USE_FSDP, "")):
         changes["distributed_type"] = "FSDP"

@@ -25,7 +25,7 @@ from fnaccel.data.iterable import shard_iterable
 from fnaccel.data.loader import Collate, CollateSteps, loader_plan
 from fnaccel.data.prepared import Batches, Collated
 from fnaccel.data.sharding import eval_shards, num_steps
-from fnaccel.dist import as_dist, data_parallel_context
+from fnaccel.dist import DistLike, as_dist, data_parallel_context
 from fnaccel.ops.tree import send_to_device, tree_leaves
 
 __all__ = ["eval_batches"]
@@ -46,7 +46,7 @@ def _reader(loader: DataLoader[Any]) -> dict[str, Any]:
     return kwargs
 
 
-def eval_batches(state: Any, loader: DataLoader[Any]) -> Batches:
+def eval_batches(state: DistLike, loader: DataLoader[Any]) -> Batches:
     """Reads ``state`` (a `RunState` or its `DistContext`, not consumed): this rank's share
     of ``loader``'s dataset as ``(batch, num_valid)`` pairs, on the device.
 
@@ -150,7 +150,7 @@ _UNKNOWN = (
 )
 
 
-def _length(sized: Any) -> int | None:
+def _length(sized: Any) -> int | None:  # anything; a __len__ may raise TypeError itself
     """``len(sized)``, or None for an object without a length."""
     try:
         return len(sized)
@@ -158,7 +158,7 @@ def _length(sized: Any) -> int | None:
         return None
 
 
-def _num_samples(batch: Any) -> int:
+def _num_samples(batch: object) -> int:
     """A batch's sample count (dim 0 of its first tensor), for loaders fnaccel does not split."""
     leaves = tree_leaves(batch)
     return int(leaves[0].shape[0]) if leaves and leaves[0].ndim else 1

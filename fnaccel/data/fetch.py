@@ -109,7 +109,7 @@ class IndexFetch:
         return tensor.to(self._device, non_blocking=self._non_blocking)
 
 
-def _indexable(dataset: Any) -> tuple[tuple[torch.Tensor, ...], bool] | None:
+def _indexable(dataset: object) -> tuple[tuple[torch.Tensor, ...], bool] | None:
     """The tensors of a dataset whose samples default_collate stacks exactly as
     indexing them would: a `TensorDataset` or a tensor, of plain dense tensors
     (no subclass, view bits, autograd history or sparse/nested/quantized layout)."""
@@ -139,7 +139,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     """Bit for bit, so that NaN compares equal to itself and a dtype without ``torch.equal``
     (complex32) is compared at all. The probe's tensors are contiguous, so the views are free."""
     if isinstance(a, torch.Tensor):
@@ -153,7 +153,7 @@ def _same(a: Any, b: Any) -> bool:
             and b.is_contiguous()
             and torch.equal(_bits(a), _bits(b))
         )
-    if type(a) is not type(b) or not isinstance(a, list) or len(a) != len(b):
+    if type(a) is not type(b) or not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b):
         return False
     return all(_same(x, y) for x, y in zip(a, b, strict=False))
 

@@ -14,7 +14,7 @@ import functools
 import gc
 import inspect
 from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar, overload
+from typing import Concatenate, ParamSpec, TypeVar, overload
 
 import torch
 
@@ -62,7 +62,7 @@ def clear_device_cache(garbage_collection: bool = False) -> None:
         torch.mps.empty_cache()
 
 
-def release_memory(*objects: Any) -> list[None]:
+def release_memory(*objects: object) -> list[None]:
     """Drop references to ``objects`` and free the memory they held.
 
     Python cannot clear the caller's variables, so rebind them to the
@@ -238,8 +238,8 @@ def _refuse_batch_size_argument(
     name: str,
     positional: list[inspect.Parameter],
     takes_varargs: bool,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
 ) -> None:
     """TypeError when a call passes the batch size that the decorator passes itself."""
     first = positional[0].name if positional else None
