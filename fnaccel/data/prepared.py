@@ -25,6 +25,7 @@ from fnaccel.checks import is_int
 from fnaccel.data.fetch import BatchFetch
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.data.sharding import num_steps
+from fnaccel.data.snapshot import loader_snapshot, new_cache
 from fnaccel.ops.tree import send_to_device
 from fnaccel.state import DataPosition, RunState
 
@@ -259,6 +260,7 @@ class PreparedLoader:
         self._fresh_dataset_state = (
             copy.deepcopy(dataset.state_dict()) if sampler is None and isinstance(dataset, Stateful) else None
         )
+        self._snapshots = new_cache()  # what `loader_snapshot` found in the live iterator
         self._iter_epoch = 0
         self._at = DataPosition()  # where the live iterator continues
         self._start: DataPosition | None = None  # where the current reading began
@@ -409,7 +411,7 @@ class PreparedLoader:
         num_batches = before.num_batches + 1
         if num_batches == self._num_batches:
             return DataPosition(epoch=before.epoch + 1)
-        snapshot = None if self.sampler is not None else copy.deepcopy(self.dataloader.state_dict())
+        snapshot = None if self.sampler is not None else loader_snapshot(self.dataloader, self._snapshots)
         return DataPosition(epoch=before.epoch, num_batches=num_batches, loader_state=snapshot)
 
     def read(self, end_epoch: int) -> Iterator[Any]:
