@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from fnaccel.commands.main import main
+from tests._launches import alive
 from tests.commands import _dry_run_script as script
 
 pytestmark = pytest.mark.multiprocess
@@ -135,14 +137,6 @@ time.sleep(300)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
-
-
 def _worker_pids(directory: Path, launcher: subprocess.Popen[str], ranks: tuple[int, ...]) -> list[int]:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -203,19 +197,22 @@ def test_a_dry_run_ends_its_ranks_with_itself_and_on_its_signals(tmp_path: Path)
                     f"fnaccel launch --dry_run: stopped by {sig.name}; its simulated ranks were ended"
                 ], err
         deadline = time.monotonic() + 30
-        while any(map(_alive, pids)) and time.monotonic() < deadline:
+        while any(map(alive, pids)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not [pid for pid in pids if _alive(pid)]
+        assert not [pid for pid in pids if alive(pid)]
     finally:
         for _, launcher in runs.values():
             launcher.kill()
             launcher.wait()
         for pid in pids:
-            if _alive(pid) and "hang.py" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+            if alive(pid) and "hang.py" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_an_impossible_mesh_is_refused_as_the_real_launch_refuses_it() -> None:
+def test_an_impossible_mesh_is_refused_as_the_real_launch_refuses_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Both are refused before any process starts, so in this process."""
     mesh = [
         "--cpu",
         "--num_machines",
@@ -226,29 +223,13 @@ def test_an_impossible_mesh_is_refused_as_the_real_launch_refuses_it() -> None:
         "3",
         str(SCRIPT),
     ]
-    # side by side: each is refused in its launcher, one process each
-    started = [
-        subprocess.Popen(
-            [sys.executable, "-m", "fnaccel", "launch", "-q", *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for argv in (["--dry_run", *mesh], mesh)
-    ]
-    try:
-        outputs = [process.communicate(timeout=240) for process in started]
-    finally:
-        for process in started:
-            process.kill()
-            process.wait()
-    dry, real = (
-        subprocess.CompletedProcess(p.args, p.returncode, out, err)
-        for p, (out, err) in zip(started, outputs, strict=False)
-    )
-    assert dry.returncode == real.returncode != 0
-    assert "tp_size=3 = 3 does not divide the 64 processes" in dry.stderr
-    assert dry.stderr == real.stderr
+    dry_status = main(["launch", "-q", "--dry_run", *mesh])
+    dry = capsys.readouterr().err
+    real_status = main(["launch", "-q", *mesh])
+    real = capsys.readouterr().err
+    assert dry_status == real_status != 0
+    assert "tp_size=3 = 3 does not divide the 64 processes" in dry
+    assert dry == real
 
 
 def test_a_script_without_a_prepare_is_said_to_be_checked_up_to_its_init(tmp_path: Path) -> None:
