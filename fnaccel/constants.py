@@ -14,7 +14,6 @@ True
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 __all__ = [
     "ComputeEnvironment",
@@ -92,7 +91,7 @@ class _StrEnum(enum.StrEnum, metaclass=_ValueContainsMeta):
         return [str(member.value) for member in cls]
 
     @classmethod
-    def _missing_(cls, value: Any) -> None:
+    def _missing_(cls, value: object) -> None:
         raise ValueError(f"{value!r} is not a valid {cls.__name__}: use one of {', '.join(cls.list())}")
 
 

@@ -12,7 +12,7 @@ evaluation at a batch boundary on every rank alike (docs/training.md, "Preemptio
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -29,12 +29,12 @@ __all__ = ["evaluate"]
 _CONTAINERS = (Mapping, list, tuple, torch.Tensor)
 
 
-def _is_objects(node: Any) -> bool:
+def _is_objects(node: object) -> TypeGuard[list[object]]:
     """A list of per-sample Python objects (strings, numbers, ...): gathered by pickling."""
     return isinstance(node, list) and not any(isinstance(x, _CONTAINERS) for x in node)
 
 
-def _gather(state: RunState, node: Any, num_valid: int) -> Any:
+def _gather(state: RunState, node: object, num_valid: int) -> object:
     if isinstance(node, torch.Tensor):
         return gather_for_metrics(state, node, num_valid=num_valid)
     if isinstance(node, Mapping):

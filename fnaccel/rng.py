@@ -122,7 +122,7 @@ class RNGState:
                 np.random.set_state(self.numpy)
 
 
-def swap_in(rng: RNGState, kinds: Collection[str]) -> Any:
+def swap_in(rng: RNGState, kinds: Collection[str]) -> Tensor | RNGState:
     """Put ``rng``'s generators of ``kinds`` into the process's; return what those held,
     for `swap_out` (or `put_back` when the block between raised).
 
@@ -138,7 +138,7 @@ def swap_in(rng: RNGState, kinds: Collection[str]) -> Any:
     return held
 
 
-def swap_out(rng: RNGState, kinds: Collection[str], held: Any) -> RNGState:
+def swap_out(rng: RNGState, kinds: Collection[str], held: Tensor | RNGState) -> RNGState:
     """``rng`` with ``kinds`` replaced by the process generators' current states, and the
     process's own (``held``, from `swap_in`) put back.
 
@@ -157,16 +157,17 @@ def swap_out(rng: RNGState, kinds: Collection[str], held: Any) -> RNGState:
         _CPU.set_state(held)
         return new
     new = rng.recapture(kinds)
+    assert isinstance(held, RNGState)  # swap_in's record (only torch's CPU state comes back bare)
     held.install(kinds)
     return new
 
 
-def put_back(kinds: Collection[str], held: Any) -> None:
+def put_back(kinds: Collection[str], held: Tensor | RNGState) -> None:
     """The process's own states (``held``, from `swap_in`) back, the run's discarded."""
-    if type(held) is Tensor:
-        _CPU.set_state(held)
-    else:
+    if isinstance(held, RNGState):
         held.install(kinds)
+    else:
+        _CPU.set_state(held)
 
 
 def _numpy_state() -> tuple[Any, ...] | None:

@@ -144,7 +144,7 @@ def register(subparsers: Subcommands) -> None:
     parser.set_defaults(handler=run, command_name="launch")
 
 
-def _given(args: argparse.Namespace, name: str) -> Any:
+def _given(args: argparse.Namespace, name: str) -> object:
     return getattr(args, name, None)
 
 

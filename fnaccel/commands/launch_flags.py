@@ -22,7 +22,7 @@ __all__ = [
     "FSDP_FLAGS",
 ]
 
-Flag = tuple[str, "Callable[[str], Any] | None", str]  # (flag, value type or None for a switch, help)
+Flag = tuple[str, "Callable[[str], object] | None", str]  # (flag, value type or None for a switch, help)
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -224,7 +224,7 @@ _REFUSED: tuple[tuple[str, str, tuple[Flag, ...]], ...] = (
 )
 
 
-def _add(group: Any, flag: str, kind: Callable[[str], Any] | None, text: str) -> None:
+def _add(group: Any, flag: str, kind: Callable[[str], object] | None, text: str) -> None:
     if kind is None:
         group.add_argument(flag, action="store_true", default=None, help=text)
     else:

@@ -154,7 +154,7 @@ def console_main() -> None:
         signal.signal(sig, _stopped)
     try:
         try:
-            status: Any = main()
+            status: int = main()
         finally:
             sys.stdout.flush()  # what is still buffered meets the closed pipe here, not at exit
     except BrokenPipeError:

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import fnaccel as fa
 from fnaccel.checkpoint.project import ProjectConfiguration
 from fnaccel.constants import PrecisionType
+from fnaccel.kwargs.mixin import KwargsHandler
 from fnaccel.testing import verify_resume
 
 __all__ = [
@@ -80,7 +81,7 @@ def _same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     )
 
 
-def kwargs_handlers(project: ProjectConfiguration | None = None) -> tuple[Any, ...]:
+def kwargs_handlers(project: ProjectConfiguration | None = None) -> tuple[KwargsHandler, ...]:
     """The ``kwargs_handlers`` of every run the check makes: a collective timeout, and ``project``."""
     timeout = fa.InitProcessGroupKwargs(timeout=COLLECTIVE_TIMEOUT)
     return (timeout,) if project is None else (timeout, project)

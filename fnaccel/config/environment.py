@@ -267,7 +267,7 @@ def is_torchao_available() -> bool:
 
 
 @contextmanager
-def patch_environment(**kwargs: Any) -> Iterator[None]:
+def patch_environment(**kwargs: object) -> Iterator[None]:
     """Sets environment variables for the duration of a `with` block.
 
     Keys are upper-cased and values converted with `str`. On exit, even by an

@@ -26,6 +26,7 @@ from fnaccel._errors import ConfigError
 from fnaccel.checks import is_int
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["DATA_PARALLEL_DIMS", "MESH_DIMS", "ParallelismConfig", "TRANSFORM_FOR_DIM", "build_mesh"]
@@ -93,7 +94,9 @@ class ParallelismConfig:
             )
 
     @classmethod
-    def from_config(cls, section: Mapping[str, Any], source: str = "parallelism_config") -> ParallelismConfig:
+    def from_config(
+        cls, section: Mapping[str, object], source: str = "parallelism_config"
+    ) -> ParallelismConfig:
         """Read a config file's ``parallelism_config`` section (Accelerate's keys,
         ``parallelism_config_dp_replicate_size`` and so on; ``sp_size`` and ``pp_size`` too).
 
@@ -205,7 +208,7 @@ class ParallelismConfig:
         return {name: out[name] for name in MESH_DIMS}
 
 
-def build_mesh(config: ParallelismConfig, device_type: str, group: Any) -> dict[str, DeviceMesh]:
+def build_mesh(config: ParallelismConfig, device_type: str, group: ProcessGroup) -> dict[str, DeviceMesh]:
     """The run's mesh and the sub-meshes fnaccel uses, keyed by name.
 
     ``"mesh"`` is the whole mesh over the dimensions of size > 1; each such

@@ -141,7 +141,7 @@ def compare_tensors(
     )
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = "absent" if value is _ABSENT else repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 
@@ -162,7 +162,7 @@ def _compare_values(item: str, x: Any, y: Any, atol: float, rtol: float) -> Diff
     return Difference(item=item, a=_short(x), b=_short(y))
 
 
-def _describe(source: Any) -> str:
+def _describe(source: object) -> str:
     if isinstance(source, RunState):
         return f"the RunState at step {source.step} (micro step {source.micro_step})"
     return str(source)
@@ -216,7 +216,7 @@ def diff(
     states = [s for s in (a, b) if isinstance(s, RunState)]
     ranks = {states[0].dist.rank} if states else None
 
-    def items(source: Any) -> dict[str, Any]:
+    def items(source: object) -> dict[str, Any]:
         if isinstance(source, RunState):
             return items_of_state(source)
         if isinstance(source, (str, os.PathLike)):
@@ -242,7 +242,7 @@ def diff(
     return Diff(a=_describe(a), b=_describe(b), differences=tuple(found), atol=atol, rtol=rtol)
 
 
-def _tensor_or(value: Any) -> str:
+def _tensor_or(value: object) -> str:
     if isinstance(value, TensorItem):
         return f"{value.shape} {str(value.dtype).removeprefix('torch.')}"
     return _short(value)

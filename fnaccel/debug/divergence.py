@@ -74,8 +74,8 @@ class Divergence:
     steps: tuple[StepDivergence, ...]
     atol: float
     rtol: float
-    a: Any = field(repr=False, compare=False)
-    b: Any = field(repr=False, compare=False)
+    a: RunState = field(repr=False, compare=False)
+    b: RunState = field(repr=False, compare=False)
 
     @property
     def first(self) -> StepDivergence | None:
@@ -94,13 +94,13 @@ class Divergence:
         )
 
 
-def _parameters(state: RunState) -> dict[str, Any]:
+def _parameters(state: RunState) -> dict[str, torch.nn.Parameter]:
     if state.model is None:
         raise ValueError("find_divergence: both states must be prepared with a model (fa.prepare)")
     return dict(unwrap_model(state.model).named_parameters())
 
 
-def _full(tensor: Any) -> Any:
+def _full(tensor: torch.Tensor) -> torch.Tensor:
     full = getattr(tensor, "full_tensor", None)  # a sharded parameter: gathered alone
     return (full() if full is not None else tensor).detach().cpu()
 

@@ -8,10 +8,14 @@ with the value checks of `fnaccel.checks`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from types import MappingProxyType
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from fnaccel.checks import check_value
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = ["KwargsHandler"]
 
@@ -38,7 +42,7 @@ class KwargsHandler:
     _not_kwargs: ClassVar[frozenset[str]] = frozenset()
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(cast(Any, self)):
+        for f in dataclasses.fields(cast("DataclassInstance", self)):
             # Annotations are strings under `from __future__ import annotations`, types otherwise.
             if f.type in ("bool", "bool | None", bool, bool | None):
                 value, optional = getattr(self, f.name), f.type not in ("bool", bool)
@@ -50,9 +54,11 @@ class KwargsHandler:
                 )
         self._validate()
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(
+        self,
+    ) -> tuple[Callable[..., KwargsHandler], tuple[type[KwargsHandler], dict[str, object]]]:
         # Rebuild through __init__: the read-only mapping proxies cannot be pickled or deep-copied.
-        fields = dataclasses.fields(cast(Any, self))
+        fields = dataclasses.fields(cast("DataclassInstance", self))
         return (_rebuild, (type(self), {f.name: _plain(getattr(self, f.name)) for f in fields}))
 
     def _validate(self) -> None:
@@ -74,9 +80,9 @@ class KwargsHandler:
         return changed
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     return dict(value) if isinstance(value, MappingProxyType) else value
 
 
-def _rebuild(cls: type[KwargsHandler], fields: dict[str, Any]) -> KwargsHandler:
+def _rebuild(cls: type[KwargsHandler], fields: dict[str, object]) -> KwargsHandler:
     return cls(**fields)

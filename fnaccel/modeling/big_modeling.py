@@ -18,7 +18,6 @@ import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
@@ -97,8 +96,8 @@ class CpuOffload(ModelHook):
         return module.to("cpu")
 
     def pre_forward(
-        self, module: nn.Module, *args: Any, **kwargs: Any
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, module: nn.Module, *args: object, **kwargs: object
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         if self.prev_module_hook is not None:
             self.prev_module_hook.offload()
             clear_device_cache()

@@ -21,7 +21,6 @@ from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -170,7 +169,7 @@ class Signature:
     leaves: tuple[torch.Tensor, ...]
 
     @classmethod
-    def of(cls, op: str, tree: Any, leaves: Sequence[torch.Tensor], key: str = "") -> Signature:
+    def of(cls, op: str, tree: object, leaves: Sequence[torch.Tensor], key: str = "") -> Signature:
         """The signature of ``tree`` whose tensor leaves are ``leaves``."""
         paths = ("",) if isinstance(tree, torch.Tensor) else tuple(tree_paths(tree))
         return cls(op=op, key=key, paths=paths, leaves=tuple(leaves))
@@ -223,7 +222,8 @@ def _differences(everyone: Sequence[tuple[str, list[tuple[str, tuple[int, ...], 
 def _raise_mismatch(ctx: DistContext, signature: Signature, hint: str) -> None:
     """Collect every rank's signature (all ranks are here together) and raise."""
     mine = (f"{signature.op}({signature.key}) ", signature.describe())
-    everyone: list[Any] = [None] * ctx.num_processes
+    # every rank's `mine`; all_gather_object fills each slot
+    everyone: list[tuple[str, list[tuple[str, tuple[int, ...], str]]]] = [("", [])] * ctx.num_processes
     dist.all_gather_object(everyone, mine, group=ctx.process_group)
     same_call = len({call for call, _ in everyone}) == 1
     lines = [
