@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -231,8 +232,35 @@ def test_two_models_each_with_its_own_engine_train_as_each_would_alone(worlds: A
     )
 
 
+def _launched_under(state: fa.RunState, env: dict[str, str], out: str) -> None:
+    """tests/commands/_launched.py's run in this world's processes, under a launch's variables
+    (its own `fa.init` beside the world's run); the variables and the process's generator after."""
+    from tests.commands import _launched
+
+    before = {name: os.environ.get(name) for name in env}
+    generator = torch.random.get_rng_state()
+    os.environ.update(env)
+    try:
+        _launched.main(Path(out), kill=False)
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        torch.random.set_rng_state(generator)
+
+
 @pytest.mark.multiprocess
-def test_an_accelerate_deepspeed_yaml_launches_trains_and_resumes_in_fresh_processes(tmp_path: Path) -> None:
+def test_an_accelerate_deepspeed_yaml_launches_trains_and_resumes_in_fresh_processes(
+    tmp_path: Path, worlds: Any
+) -> None:
+    """The yaml launched for real trains and saves at step 6; the world's processes (fresh to that
+    checkpoint), under the variables the same launch gives its workers, resume from it and end with
+    the launched run's weights. (The world instead of a second launch: DeepSpeed is imported there.)"""
+    from fnaccel.commands.launch import launch_environment, resolve
+    from fnaccel.commands.main import build_parser
+
     config = tmp_path / "ds.yaml"
     config.write_text(
         "compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nuse_cpu: true\nnum_processes: 2\n"
@@ -241,39 +269,42 @@ def test_an_accelerate_deepspeed_yaml_launches_trains_and_resumes_in_fresh_proce
         "  zero3_init_flag: false\n"
     )
     script = Path(__file__).parents[1] / "commands" / "_launched.py"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    runs = []
-    for name in ("straight", "resumed"):
-        out = tmp_path / name
-        out.mkdir()
-        if name == "resumed":  # the first run's checkpoint at step 6: fresh processes pick it up
-            subprocess.run(["cp", "-r", str(tmp_path / "straight" / "ckpt"), str(out / "ckpt")], check=True)
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "fnaccel",
-                "launch",
-                "-q",
-                "--config_file",
-                str(config),
-                str(script),
-                str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs.append(json.loads((out / "report.json").read_text()))
-    straight, resumed = runs
-    assert straight[0]["pipeline"] == (
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fnaccel",
+            "launch",
+            "-q",
+            "--config_file",
+            str(config),
+            str(script),
+            str(straight),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed.mkdir()
+    shutil.copytree(straight / "ckpt", resumed / "ckpt")  # the launched run's checkpoint at step 6
+    args = build_parser().parse_args(["launch", "--config_file", str(config), str(script)])
+    env = {k: v for k, v in launch_environment(args, resolve(args)).items() if k.startswith("FNACCEL_")}
+    worlds.get(2).run(_launched_under, env, str(resumed))
+    runs = [json.loads((out / "report.json").read_text()) for out in (straight, resumed)]
+    assert [run[0]["pipeline"] for run in runs] == [
         "compose(deepspeed(gradient_accumulation_steps=2, gradient_clipping=1.0, "
         "zero_stage=2, offload_optimizer_device='cpu', zero3_init_flag=False))"
+    ] * 2
+    assert (
+        runs[0][0]["steps"] == runs[1][0]["steps"] == 8
+        and not runs[0][0]["resumed"]
+        and runs[1][0]["resumed"]
     )
-    assert straight[0]["steps"] == 8 and not straight[0]["resumed"] and resumed[0]["resumed"]
-    first, second = (load_file(tmp_path / n / "final" / "model.safetensors") for n in ("straight", "resumed"))
+    first, second = (load_file(out / "final" / "model.safetensors") for out in (straight, resumed))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
