@@ -1,8 +1,10 @@
 """A plain PyTorch DDP script and its fnaccel port train the same weights, bit for bit, and the
 port resumes exactly (docs/from-pytorch.md; issue 37 point 5).
 
-plain_train.py is launched with torchrun (`python -m torch.distributed.run`), fnaccel_train.py
-with `fnaccel launch`, each on 1 and on 2 processes: four launches, started together. Both use
+Each runs on 1 process as nanoGPT's single-device `python train.py` (no launcher: a launcher of
+one process adds only its own imports), and on 2 processes launched, plain_train.py with torchrun
+(`python -m torch.distributed.run`), fnaccel_train.py with `fnaccel launch`: four runs, started
+together. Both use
 AdamW with decay and no-decay groups (the optimizer's parameter order is not the model's),
 clipping that acts at every update, gradient accumulation (`no_sync` in the plain script,
 `fa.accumulate` in the port), a learning rate set by hand on the live optimizer before each
@@ -77,25 +79,26 @@ def _runs(out: Path) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, str]]]:
-    """The four launches, side by side; each one's output by name. Every process they started
+    """The four runs, side by side; each one's output by name. Every process they started
     is killed (by process group) when the fixture ends, however it ends."""
     tmp = tmp_path_factory.mktemp("ports")
     driver = tmp / "driver.py"
     driver.write_text(_DRIVER)
-    commands = {}
-    for n in (1, 2):
-        commands[f"plain{n}"] = [
+    commands = {
+        "plain1": [sys.executable, str(PLAIN), "--out", str(tmp / "plain1")],
+        "port1": [sys.executable, str(driver), str(PORT), json.dumps(_runs(tmp / "port1"))],
+        "plain2": [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
             "--nproc_per_node",
-            str(n),
+            "2",
             str(PLAIN),
             "--out",
-            str(tmp / f"plain{n}"),
-        ]
-        commands[f"port{n}"] = [
+            str(tmp / "plain2"),
+        ],
+        "port2": [
             sys.executable,
             "-m",
             "fnaccel",
@@ -103,19 +106,24 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, d
             "-q",
             "--cpu",
             "--num_processes",
-            str(n),
+            "2",
             "--num_cpu_threads_per_process",
             "1",
             str(driver),
             str(PORT),
-            json.dumps(_runs(tmp / f"port{n}")),
-        ]
+            json.dumps(_runs(tmp / "port2")),
+        ],
+    }
     started = {}
     try:
         for name, command in commands.items():
             with open(tmp / f"{name}.log", "w") as log:  # files: a full pipe would block a launch
                 started[name] = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=_environment(), start_new_session=True
+                    command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**_environment(), "FNACCEL_USE_CPU": "true"},  # what the launch's --cpu sets
+                    start_new_session=True,
                 )
         outputs = {}
         for name, process in started.items():
