@@ -57,7 +57,7 @@ def active() -> bool:
     return os.environ.get(DRY_RUN_ENV) == "1"
 
 
-def start_fake_group(rank: int, num_processes: int) -> tuple[Any, GroupOwner]:
+def start_fake_group(rank: int, num_processes: int) -> tuple[dist.ProcessGroup | None, GroupOwner]:
     """The default group of a dry-run worker: torch's fake backend, as rank ``rank`` of ``num_processes``."""
     dist.init_process_group("fake", rank=rank, world_size=num_processes)  # torch gives it its FakeStore
     return dist.group.WORLD, GroupOwner(dist.group.WORLD, is_default=True)

@@ -65,7 +65,7 @@ def _join(parts: list[Any]) -> Any:
 
 @collective("fa.evaluate")
 def evaluate(
-    state: RunState, loader: torch.utils.data.DataLoader[Any], fn: Callable[[torch.nn.Module, Any], Any]
+    state: RunState, loader: torch.utils.data.DataLoader[object], fn: Callable[[torch.nn.Module, Any], Any]
 ) -> Any:
     """Reads ``state`` (not consumed): ``fn(model, batch)`` over ``loader``'s dataset,
     split across the ranks, gathered on every rank, each sample exactly once, in

@@ -94,7 +94,7 @@ def _pin_to_cpus(local_rank: int, num_local: int) -> None:
 
 def _start_process_group(
     handler: InitProcessGroupKwargs, backend: str, device: torch.device, env: Mapping[str, int]
-) -> tuple[Any, GroupOwner]:
+) -> tuple[dist.ProcessGroup | None, GroupOwner]:
     options = handler.to_kwargs()
     timeout = options.get("timeout") or COLLECTIVE_TIMEOUT
     if dist.is_initialized():
@@ -129,7 +129,7 @@ def _start_process_group(
     return group, GroupOwner(group, is_default=True)
 
 
-def _group_store(init_method: str, rank: int, num_processes: int, timeout: timedelta) -> Any:
+def _group_store(init_method: str, rank: int, num_processes: int, timeout: timedelta) -> dist.Store:
     """The rendezvous store of a new default group, seen under keys no earlier group used.
 
     A store outlives the groups formed on it: torchrun's agent keeps one for the
@@ -261,7 +261,7 @@ def init(
         device = torch.device("cpu")
 
     layout = _resolve_parallelism(parallelism, launch_config, env, device)
-    group: Any = None
+    group: dist.ProcessGroup | None = None
     owner: GroupOwner | None = None
     backend: str | None = None
     distributed_type = DistributedType.NO
@@ -288,6 +288,7 @@ def init(
 
     resources = Resources()
     if owner is not None:
+        assert group is not None  # formed with its owner
         resources.register("process_group", owner)
         # the mesh is the owner's too: fa.shutdown ends its groups with the run's
         owner.hold_meshes(build_mesh(layout, device.type, group))

@@ -100,7 +100,7 @@ class SchedulerRuleWarning(UserWarning):
     given, it is not shown."""
 
 
-def scheduler_steps(ctx: DistContext, loader: Any, kwargs_handlers: Mapping[str, Any]) -> int:
+def scheduler_steps(ctx: DistContext, loader: object, kwargs_handlers: Mapping[str, Any]) -> int:
     """The scheduler steps one optimizer update takes (`SchedulerConfiguration`).
 
     With a prepared loader, the ranks each global batch is cut across (its layout's
@@ -126,7 +126,7 @@ def scheduler_steps(ctx: DistContext, loader: Any, kwargs_handlers: Mapping[str,
     return 1 if data_config is not None and data_config.split_batches else data_parallel(ctx)[1]
 
 
-def default_loss_fn(model: nn.Module, batch: Any) -> Any:
+def default_loss_fn(model: nn.Module, batch: object) -> Any:
     """The model called on the batch (``model(**batch)`` for a mapping,
     ``model(*batch)`` for a tuple or list); its output if that is a scalar
     tensor, else its ``loss`` (attribute or key)."""
@@ -165,20 +165,20 @@ class StepPlan:
     scheduler_steps: int = 1  # per optimizer update (`scheduler_steps`)
     sync_each_batch: bool = False
     divide_loss: bool = True
-    # Each hook with its transform's state (`fnaccel.transforms.base` documents the hooks).
-    scale_loss: tuple[tuple[ScaleLossFn, Any], ...] = ()
-    before_update: tuple[tuple[BeforeUpdateFn, Any], ...] = ()
-    optimizer_step: tuple[OptimizerStepFn, Any] | None = None
-    check_update: tuple[UpdateCheckFn, Any] | None = None
-    after_backward: tuple[tuple[AfterBackwardFn, Any], ...] = ()
+    # Each hook with its transform's state (`fnaccel.transforms.hooks` documents the hooks).
+    scale_loss: tuple[tuple[ScaleLossFn, object], ...] = ()
+    before_update: tuple[tuple[BeforeUpdateFn, object], ...] = ()
+    optimizer_step: tuple[OptimizerStepFn, object] | None = None
+    check_update: tuple[UpdateCheckFn, object] | None = None
+    after_backward: tuple[tuple[AfterBackwardFn, object], ...] = ()
     set_sync: tuple[SetSyncFn, ...] = ()
-    after_step: tuple[tuple[AfterStepFn, Any], ...] = ()
-    forward_backward: tuple[ForwardBackwardFn, Any] | None = None
-    split_batch: tuple[tuple[SplitBatchFn, Any], ...] = ()
+    after_step: tuple[tuple[AfterStepFn, object], ...] = ()
+    forward_backward: tuple[ForwardBackwardFn, object] | None = None
+    split_batch: tuple[tuple[SplitBatchFn, object], ...] = ()
     # The parameters this run's backward writes gradients to (its optimizer's), so that
     # a loss that flows through another run's model leaves nothing on it; None: all.
     backward_inputs: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
-    backward: tuple[BackwardFn, Any] | None = None
+    backward: tuple[BackwardFn, object] | None = None
     # Derived from the fields above: which halves of a step are PyTorch's alone, so
     # that a step without hooks there runs them without looping over empty tuples.
     plain_backward: bool = field(init=False, repr=False, compare=False)
@@ -201,13 +201,14 @@ class StepPlan:
 
     @classmethod
     def of(
-        cls, pipeline: Pipeline, transform_states: Mapping[str, Any], scheduler_steps: int = 1
+        cls, pipeline: Pipeline, transform_states: Mapping[str, object], scheduler_steps: int = 1
     ) -> StepPlan:
         ts = training_transforms(pipeline)
 
-        def bound(hook: str) -> tuple[tuple[Callable[..., Any], Any], ...]:
+        def bound(hook: str) -> tuple[tuple[Callable[..., Any], object], ...]:
+            # a hook lives on the kinds of transform that have it (`fnaccel.transforms.kinds`)
             return tuple(
-                (getattr(t, hook), transform_states.get(t.name)) for t in ts if getattr(t, hook) is not None
+                (fn, transform_states.get(t.name)) for t in ts if (fn := getattr(t, hook, None)) is not None
             )
 
         steppers = bound("optimizer_step")
@@ -241,7 +242,7 @@ class StepPlan:
             split_batch=bound("split_batch"),
         )
 
-    def set_sync_for(self, model: Any, micro_step: int) -> None:
+    def set_sync_for(self, model: nn.Module, micro_step: int) -> None:
         """Gradient communication on for micro-step ``micro_step`` only if it ends
         an accumulation (or the pipeline syncs every batch)."""
         if self.set_sync:

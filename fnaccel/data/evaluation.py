@@ -31,7 +31,7 @@ from fnaccel.ops.tree import send_to_device, tree_leaves
 __all__ = ["eval_batches"]
 
 
-def _reader(loader: DataLoader[Any]) -> dict[str, Any]:
+def _reader(loader: DataLoader[object]) -> dict[str, Any]:
     """How the user's loader reads; its workers are seeded without drawing from the process."""
     kwargs: dict[str, Any] = {
         "num_workers": loader.num_workers,
@@ -46,7 +46,7 @@ def _reader(loader: DataLoader[Any]) -> dict[str, Any]:
     return kwargs
 
 
-def eval_batches(state: DistLike, loader: DataLoader[Any]) -> Batches:
+def eval_batches(state: DistLike, loader: DataLoader[object]) -> Batches:
     """Reads ``state`` (a `RunState` or its `DistContext`, not consumed): this rank's share
     of ``loader``'s dataset as ``(batch, num_valid)`` pairs, on the device.
 

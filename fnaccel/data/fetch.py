@@ -159,7 +159,7 @@ def _same(a: object, b: object) -> bool:
 
 
 def batch_fetch(
-    loader: DataLoader[Any],
+    loader: DataLoader[object],
     collate: Callable[[list[Any]], Any],
     device: torch.device | str,
     *,

@@ -128,13 +128,13 @@ class LoaderPlan(NamedTuple):
     """What orders a user's loader, and how it batches."""
 
     kind: str  # "random", "sequential", "distributed", "custom" or "iterable"
-    sampler: Any  # the user's sampler (None for an iterable dataset)
-    batch_sampler: Any  # a custom batch sampler, kept whole; None otherwise
+    sampler: object  # the user's sampler (None for an iterable dataset)
+    batch_sampler: object  # a custom batch sampler, kept whole; None otherwise
     batch_size: int | None  # None: the loader does not batch
     drop_last: bool
 
 
-def loader_plan(loader: DataLoader[Any]) -> LoaderPlan:
+def loader_plan(loader: DataLoader[object]) -> LoaderPlan:
     if isinstance(loader.dataset, IterableDataset):
         return LoaderPlan("iterable", None, None, loader.batch_size, loader.drop_last)
     batch_sampler = loader.batch_sampler
@@ -204,7 +204,7 @@ def _resolve_shard(shard: bool | None, plan: LoaderPlan, num_processes: int) -> 
     return shard
 
 
-def _reader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
+def _reader_kwargs(loader: DataLoader[object]) -> dict[str, Any]:
     """How the user's loader reads data, for the rebuilt loader."""
     if not getattr(loader, "in_order", True):
         raise ValueError(
@@ -228,7 +228,7 @@ def _reader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
 
 
 def prepare_loader(
-    loader: DataLoader[Any], ctx: DistContext, *, seed: int, config: DataLoaderConfiguration | None = None
+    loader: DataLoader[object], ctx: DistContext, *, seed: int, config: DataLoaderConfiguration | None = None
 ) -> PreparedLoader:
     """Rebuild ``loader`` as a sharded, seeded, resumable `PreparedLoader`.
 
