@@ -96,6 +96,12 @@ _PUBLIC = MappingProxyType(
         "pp": "fnaccel.transforms",
         # Collective transforms
         "Transform": "fnaccel.transforms",
+        "StepTransform": "fnaccel.transforms",
+        "PrecisionTransform": "fnaccel.transforms",
+        "ParallelismTransform": "fnaccel.transforms",
+        "EngineTransform": "fnaccel.transforms",
+        "PrepareRequest": "fnaccel.transforms",
+        "EngineRequest": "fnaccel.transforms",
         "Capability": "fnaccel.transforms",
         "Phase": "fnaccel.transforms",
         "Collective": "fnaccel.transforms",

@@ -140,8 +140,14 @@ from fnaccel.train import (
 from fnaccel.transforms import (
     Capability as Capability,
     Collective as Collective,
+    EngineRequest as EngineRequest,
+    EngineTransform as EngineTransform,
+    ParallelismTransform as ParallelismTransform,
     Phase as Phase,
     Pipeline as Pipeline,
+    PrecisionTransform as PrecisionTransform,
+    PrepareRequest as PrepareRequest,
+    StepTransform as StepTransform,
     Transform as Transform,
     autocast as autocast,
     bf16 as bf16,
@@ -176,12 +182,12 @@ from fnaccel.transforms.deepspeed import (
 from fnaccel.transforms.local_sgd import (
     local_sgd as local_sgd,
 )
+from fnaccel.transforms.mixed_precision import (
+    fp8 as fp8,
+)
 from fnaccel.transforms.nonfinite import (
     NonFiniteUpdateError as NonFiniteUpdateError,
     skip_nonfinite as skip_nonfinite,
-)
-from fnaccel.transforms.mixed_precision import (
-    fp8 as fp8,
 )
 from fnaccel.transforms.profile import (
     profile as profile,

@@ -22,8 +22,9 @@ import torch
 from fnaccel.constants import DistributedType, PrecisionType
 from fnaccel.kwargs import AutocastKwargs, GradScalerKwargs
 from fnaccel.state import RunState
-from fnaccel.transforms.base import Pipeline, Precision
+from fnaccel.transforms.declared import Precision
 from fnaccel.transforms.mixed_precision import precision_dtype
+from fnaccel.transforms.pipeline import Pipeline
 
 __all__ = ["autocast_context", "get_grad_scaler", "get_mixed_precision_context_manager"]
 

@@ -30,20 +30,15 @@ from fnaccel.constants import PrecisionType
 from fnaccel.dist import data_parallel
 from fnaccel.state import RunState
 from fnaccel.train import SchedulerRuleWarning, StepPlan, scheduler_steps, training_transforms
-from fnaccel.transforms.base import (
-    Capability,
-    Collective,
-    EngineRequest,
-    Pipeline,
-    Precision,
-    Transform,
-    compose,
-)
+from fnaccel.transforms.declared import Capability, Precision
 from fnaccel.transforms.fp8 import recipe_from_config
+from fnaccel.transforms.hooks import EngineRequest, PrepareRequest
+from fnaccel.transforms.kinds import ParallelismTransform, Transform
+from fnaccel.transforms.mixed_precision import autocast, fp8, grad_scaler
 from fnaccel.transforms.parallel import ddp, unwrap_model
+from fnaccel.transforms.pipeline import Collective, Pipeline, compose
 from fnaccel.transforms.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin
-from fnaccel.transforms.mixed_precision import autocast, fp8, grad_scaler
 
 __all__ = ["default_pipeline", "prepare"]
 
@@ -75,7 +70,7 @@ def default_pipeline(state: RunState) -> Pipeline:
     compose(autocast(dtype=torch.bfloat16), accumulate(num_steps=4))
     """
     handlers = state.kwargs_handlers
-    parts = []
+    parts: list[Transform] = []
     cast = handlers.get("AutocastKwargs")
     if state.mixed_precision in (PrecisionType.FP16, PrecisionType.BF16) and (cast is None or cast.enabled):
         parts.append(
@@ -122,9 +117,11 @@ def _section(config: Any, key: str) -> str:
     return f"{config.source}: {key}" if config.source else key
 
 
-def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
-    """Check a training pipeline against the run's world and mesh, then let each
-    transform check its own place in it and add what it implies (the fp16 scaler)."""
+def _complete(pipeline: Pipeline, request: PrepareRequest, state: RunState) -> Pipeline:
+    """Check a training pipeline against the run's world and mesh (what concerns every
+    pipeline), then let each transform check its whole contract with what this call
+    passes (`PrepareRequest`, whose pipeline is completed as it goes) and add what it
+    implies (the fp16 scaler)."""
     collectives = [t for t in pipeline.transforms if isinstance(t, Collective)]
     if collectives:
         raise ValueError(
@@ -152,8 +149,14 @@ def _complete(pipeline: Pipeline, state: RunState) -> Pipeline:
                 f"{dim} dimension; add {fix} to the pipeline, or set {dim}_size=1"
             )
     for t in training_transforms(pipeline):
-        if t.check_pipeline is not None:
-            pipeline = t.check_pipeline(pipeline, state.dist)
+        if t.check is not None:
+            completed = t.check(dataclasses.replace(request, pipeline=pipeline))
+            if not isinstance(completed, Pipeline):
+                raise TypeError(
+                    f"fa.prepare: {t!r}'s check returned {type(completed).__name__} {completed!r:.80}; a check "
+                    "returns the pipeline it was given (request.pipeline), or fa.compose(request.pipeline, ...)"
+                )
+            pipeline = completed
     return pipeline
 
 
@@ -219,6 +222,8 @@ def prepare(
 
     Raises:
         TypeError: ``pipeline`` is neither a transform nor ``fa.compose(...)``'s value.
+        ValueError: the pipeline does not fit the run or what is passed (each
+            transform's ``check`` says what to change).
 
     >>> import fnaccel as fa, torch
     >>> model = torch.nn.Linear(2, 1)
@@ -239,7 +244,25 @@ def prepare(
         _warn_if_launch_ignored(pipeline, state)
     if state.pipeline is not None and state.model is not None and pipeline != state.pipeline:
         raise ValueError("fa.prepare: this state's model was prepared with another pipeline")
-    pipeline = _complete(pipeline, state)
+    config = state.kwargs_handlers.get("DataLoaderConfiguration")
+    pipeline = _complete(
+        pipeline,
+        PrepareRequest(
+            pipeline=pipeline,
+            ctx=ctx,
+            loss_fn_given=loss_fn is not None,
+            # the loader shards over the data-parallel ranks (all of them without a mesh), unless told not to
+            loader_shards=None
+            if loader is None
+            else (1 if config is not None and config.shard is False else data_parallel(ctx)[1]),
+            optimizer_params=None
+            if optimizer is None
+            else tuple(p for group in optimizer.param_groups for p in group["params"]),
+            model=model,
+            prepared_model=state.model,
+        ),
+        state,
+    )
     transform_states = pipeline.init(ctx, state.transform_states)
     for name, value in transform_states.items():
         if callable(getattr(value, "close", None)) and state.resources.get(f"transform:{name}") is None:
@@ -279,12 +302,6 @@ def prepare(
             "together; pass both in the same fa.prepare call"
         )
     if optimizer is not None:
-        if (
-            model is None
-            and state.model is not None
-            and {Capability.SHARDS_PARAMETERS, Capability.SPLITS_MODEL} & pipeline.capabilities
-        ):
-            _check_optimizer_params(optimizer, state.model)
         changes["optimizer"] = optimizer
     if scheduler is not None:
         held_optimizer = changes.get("optimizer", state.optimizer)
@@ -292,28 +309,10 @@ def prepare(
             _check_scheduler_groups(scheduler, held_optimizer)
         changes["scheduler"] = scheduler
     if loss_fn is not None:
-        if Capability.RUNS_FORWARD_BACKWARD in pipeline.capabilities:  # fa.pp computes its loss itself
-            raise ValueError(
-                "fa.prepare: under fa.pp the loss is computed at the last stage by "
-                "fa.pp(loss_fn=lambda output, target: ...); drop fa.prepare's loss_fn"
-            )
         changes["loss_fn"] = loss_fn
     if loader is not None:
         from fnaccel.data.loader import prepare_loader  # the data path's own module
 
-        config = state.kwargs_handlers.get("DataLoaderConfiguration")
-        # the loader shards over the data-parallel ranks: all of them without a mesh
-        if (
-            Capability.SAME_BATCH_ACROSS_RANKS in pipeline.capabilities
-            and data_parallel(ctx)[1] > 1
-            and (config is None or config.shard is not False)
-        ):
-            raise ValueError(
-                "fa.prepare: every stage of fa.pp must read the same batches, but the loader would be "
-                "sharded over the processes; give fa.init(parallelism=fa.ParallelismConfig(pp_size=N)) "
-                "(the data is then split over the data-parallel ranks only) or pass "
-                "kwargs_handlers=[DataLoaderConfiguration(shard=False)] to fa.init"
-            )
         changes["loader"] = prepare_loader(loader, ctx, seed=state.seed or 0, config=config)
     changes["transform_states"] = transform_states
     plan = StepPlan.of(
@@ -324,10 +323,10 @@ def prepare(
     held = changes.get("optimizer", state.optimizer)
     if (
         held is not None
-        and Capability.SHARDS_PARAMETERS not in pipeline.capabilities
         and plan.backward is None
+        # a parallelism whose gradients land on tensors of its own (FSDP2's unsharded copies) opts out
+        and all(t.backward_inputs for t in pipeline.transforms if isinstance(t, ParallelismTransform))
     ):
-        # FSDP2 computes gradients on unsharded copies of the parameters, not on these
         plan = dataclasses.replace(
             plan,
             backward_inputs=tuple(
@@ -384,7 +383,7 @@ def _warn_if_launch_ignored(pipeline: Pipeline, state: RunState) -> None:
         )
     capabilities = pipeline.capabilities
     # what the launch's engine (fa.deepspeed) and sharding (fa.fsdp) declare, as default_pipeline builds them
-    if state.config.distributed_type == "DEEPSPEED" and Capability.OWNS_OPTIMIZER_STEP not in capabilities:
+    if state.config.distributed_type == "DEEPSPEED" and pipeline.engine is None:
         warnings.warn(
             f"fa.prepare: the launch asked for DeepSpeed but the pipeline passed in is {pipeline!r}; the "
             "pipeline wins. Leave pipeline out to follow the launch, or add fa.deepspeed to it",
@@ -473,21 +472,6 @@ def _check_scheduler_groups(scheduler: Any, optimizer: torch.optim.Optimizer) ->
             f"fa.prepare: the scheduler has {len(rates)} learning rates but the optimizer has "
             f"{len(optimizer.param_groups)} parameter groups (fa.deepspeed drops empty groups when fa.prepare "
             "builds its engine); build the scheduler after fa.prepare, from state.optimizer"
-        )
-
-
-def _check_optimizer_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """Under fsdp() or pp(), an optimizer passed after its model was prepared must hold
-    the prepared model's parameters: FSDP2 replaced the ones it may have been built on,
-    and pp() keeps this rank's stages only. (An optimizer that also holds parameters
-    of its own, outside the model, is fine when passed together with the model.)"""
-    current = {id(p) for p in model.parameters()}
-    if any(id(p) not in current for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError(
-            "fa.prepare: the optimizer holds parameters that are not the prepared model's: fa.fsdp "
-            "replaced the model's parameters with sharded ones (fa.pp keeps this rank's stages "
-            "only); pass the optimizer in the same fa.prepare call as the model, or build it from "
-            "state.model.parameters()"
         )
 
 

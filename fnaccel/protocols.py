@@ -19,7 +19,7 @@ __all__ = ["CheckpointLayout", "PipelineLike", "StepPlanLike"]
 
 
 class PipelineLike(Protocol):
-    """A composed pipeline (`fnaccel.transforms.base.Pipeline`), as the layers below the
+    """A composed pipeline (`fnaccel.transforms.pipeline.Pipeline`), as the layers below the
     transforms see it: ``==`` and ``repr``. No transform's name: code outside the transforms
     asks what a transform does (``tests/test_no_name_checks.py``), so the names and the lookup
     by name are the pipeline's own, not the core's."""

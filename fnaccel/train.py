@@ -5,24 +5,8 @@ This module is the per-iteration path; preparing a run (moving, wrapping and
 sharding the model, the default pipeline, the checks on what is passed in)
 happens once and lives in fnaccel/preparation.py, which imports the plan from here.
 
-A step is a fixed sequence; transforms contribute through named hooks
-(`fnaccel.transforms.base`):
-
-    split:     split_batch hooks (fa.sp keeps this rank's part of the sequence)
-    forward:   loss_fn(model, batch) under the run's RNG (autocast already
-               wraps model.forward; DDP/FSDP's sync switch is already set)
-    backward:  loss / micro_steps -> scale_loss hooks -> .backward();
-               then set_sync hooks for the *next* micro-step
-    window:    zero_grad(set_to_none=True) at an accumulation window's first
-               micro-step (gradients from another run never count)
-    boundary:  before_update hooks (unscale, clip) -> optimizer_step hook ->
-               check_update hook (may hold the update back) -> optimizer.step()
-               unless a hook stepped or held it -> scheduler.step() unless
-               skipped -> after_step hooks
-    position:  the data position moves past the batch `fa.batches` fetched last
-
-A transform with a forward_backward hook (`pp`'s pipeline schedule) replaces
-forward and backward with one call.
+A step is a fixed sequence; transforms contribute through named hooks, whose
+order is described once, in `fnaccel.transforms.hooks`.
 
 Metrics are detached tensors on the device: nothing here reads a tensor on
 the host, so there is no host-device sync beyond what torch's GradScaler does
@@ -43,21 +27,21 @@ from fnaccel.dist import DistContext, data_parallel
 from fnaccel.kwargs.mixin import KwargsHandler
 from fnaccel.rng import put_back, swap_in, swap_out
 from fnaccel.state import DataPosition, RunState
-from fnaccel.transforms.base import (
-    Accumulation,
+from fnaccel.transforms.declared import Accumulation
+from fnaccel.transforms.hooks import (
     AfterBackwardFn,
     AfterStepFn,
     BackwardFn,
     BeforeUpdateFn,
     ForwardBackwardFn,
     OptimizerStepFn,
-    Pipeline,
     ScaleLossFn,
     SetSyncFn,
     SplitBatchFn,
-    Transform,
     UpdateCheckFn,
 )
+from fnaccel.transforms.kinds import Transform
+from fnaccel.transforms.pipeline import Pipeline
 
 __all__ = [
     "SchedulerConfiguration",
@@ -227,16 +211,16 @@ class StepPlan:
             after_backward=bound("after_backward"),
             scale_loss=bound("scale_loss"),
             before_update=tuple(
-                (t.before_update, transform_states.get(t.name))
+                (fn, transform_states.get(t.name))
                 for t in ts
-                if t.before_update is not None and not t.capabilities & taken
+                if (fn := getattr(t, "before_update", None)) is not None and not t.capabilities & taken
             ),
             backward=None
             if engine is None or engine.backward is None
             else (engine.backward, transform_states.get(engine.name)),
             optimizer_step=steppers[0] if steppers else None,
             check_update=checkers[0] if checkers else None,
-            set_sync=tuple(t.set_sync for t in ts if t.set_sync is not None),
+            set_sync=tuple(fn for t in ts if (fn := getattr(t, "set_sync", None)) is not None),
             after_step=bound("after_step"),
             forward_backward=runners[0] if runners else None,
             split_batch=bound("split_batch"),

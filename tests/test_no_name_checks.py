@@ -1,9 +1,9 @@
 """`fa.prepare`, `fa.step` and the checkpoint layer ask what a transform does, never its name.
 
-A transform declares what it is (`fnaccel.transforms.base`): its
+A transform declares what it is (`fnaccel.transforms.kinds`): its
 ``capabilities`` (`Capability`), a typed ``settings`` record (`Precision`,
 `GradientClipping`, `Accumulation`, found with `Pipeline.settings`) and a
-``check_pipeline`` hook. The modules that decide behaviour from a pipeline
+``check`` hook that owns its contract at `fa.prepare`. The modules that decide behaviour from a pipeline
 (the ones in `CORE` below) must use those, so that a transform written outside
 fnaccel takes part as fnaccel's own do. This test parses them and fails on:
 
@@ -190,7 +190,7 @@ PLANTED = [
     ("transforms/deepspeed.py", 'max_norm = float(dict(clip.options)["max_norm"])\n'),
     ("checkpoint/runinfo.py", 'autocast = next((e for e in pipeline if e["name"] == "autocast"), None)\n'),
     ("checkpoint/runinfo.py", '_LAYOUT_ITEMS = frozenset({"pipeline/ddp", "pipeline/fsdp"})\n'),
-    ("checkpoint/run.py", 'def f(state):\n    return "fsdp" in state.pipeline.names\n'),
+    ("checkpoint/saveload.py", 'def f(state):\n    return "fsdp" in state.pipeline.names\n'),
 ]
 
 

@@ -1,7 +1,7 @@
 """A data-parallel transform written outside fnaccel takes part as `fa.ddp()` does.
 
 `allreduce_gradients` below is built from the public records only
-(`fa.Transform`, `fa.Capability`): rank 0's weights to every rank at
+(`fa.ParallelismTransform`, `fa.Capability`): rank 0's weights to every rank at
 `fa.prepare`, then, before each update, every gradient averaged over the
 ranks. It declares `Capability.AVERAGES_GRADIENTS`, which is all `fa.prepare`
 asks of a pipeline on several processes (it never looks for the name
@@ -28,7 +28,7 @@ from fnaccel.checkpoint.files import read_json, read_tensors
 NUM_SAMPLES, BATCH = 40, 4  # 5 batches per epoch on each of 2 processes
 
 
-def allreduce_gradients(layout: Any = None) -> fa.Transform:
+def allreduce_gradients(layout: Any = None) -> fa.ParallelismTransform:
     """Data parallel in a few lines: the replicas start equal and average their gradients."""
 
     def prepare_model(ctx: Any, model: nn.Module, state: Any) -> nn.Module:
@@ -46,7 +46,7 @@ def allreduce_gradients(layout: Any = None) -> fa.Transform:
                     dist.all_reduce(p.grad, group=ctx.process_group)
         return {}
 
-    return fa.Transform(
+    return fa.ParallelismTransform(
         name="allreduce_gradients",
         capabilities=frozenset({fa.Capability.AVERAGES_GRADIENTS}),
         init=lambda ctx: ctx,  # its state: the run's context (nothing to save)

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
 from fnaccel.testing import World
-from fnaccel.transforms.base import EngineRequest, EngineTransform
+from fnaccel.transforms.hooks import EngineRequest
+from fnaccel.transforms.kinds import EngineTransform
 from fnaccel.transforms.phases import Phase
 
 EPOCHS, WARMUP, BATCH_SIZE = 2, 3, 2

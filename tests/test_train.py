@@ -561,16 +561,18 @@ def test_an_explicit_pipeline_that_drops_the_launch_precision_warns(monkeypatch:
 
 
 def test_the_launch_warning_asks_what_the_pipeline_declares_not_its_names() -> None:
-    """A launch for DeepSpeed is satisfied by any transform owning the optimizer step, an
+    """A launch for DeepSpeed is satisfied by any engine (`fa.EngineTransform`), an
     fp16 launch by any transform declaring fp16 `Precision`: no name is looked for."""
     import warnings
 
-    from fnaccel.transforms.base import Precision
+    from fnaccel.transforms.declared import Precision
 
     deepspeed_launch = fa.LaunchConfig(distributed_type="DEEPSPEED")
     with pytest.warns(UserWarning, match="the launch asked for DeepSpeed"):
         fa.prepare(fa.init(seed=0, cpu=True, config=deepspeed_launch), nn.Linear(2, 2), pipeline=fa.compose())
-    engine = fa.Transform(name="my_engine", capabilities=frozenset({fa.Capability.OWNS_OPTIMIZER_STEP}))
+    engine = fa.EngineTransform(
+        name="my_engine", prepare_engine=lambda request: (request.model, request.optimizer)
+    )
     fp16 = fa.Transform(
         name="my_half",
         settings=Precision(precision=fa.PrecisionType.FP16, dtype=torch.float16),

@@ -1,15 +1,6 @@
 """Transforms and collectives: small named records of hooks, combined by `compose`."""
 
 from fnaccel.transforms.accumulate import accumulate
-from fnaccel.transforms.base import (
-    CallInfo,
-    Capability,
-    Collective,
-    EngineTransform,
-    Pipeline,
-    Transform,
-    compose,
-)
 from fnaccel.transforms.checkpointing import checkpoint_activations
 from fnaccel.transforms.clip import clip_grad_norm, clip_grad_value
 from fnaccel.transforms.collective_steps import (
@@ -22,13 +13,23 @@ from fnaccel.transforms.collective_steps import (
     reduce,
 )
 from fnaccel.transforms.compile import compile
+from fnaccel.transforms.declared import Capability
 from fnaccel.transforms.deepspeed import deepspeed
+from fnaccel.transforms.hooks import EngineRequest, PrepareRequest
+from fnaccel.transforms.kinds import (
+    EngineTransform,
+    ParallelismTransform,
+    PrecisionTransform,
+    StepTransform,
+    Transform,
+)
 from fnaccel.transforms.local_sgd import local_sgd
+from fnaccel.transforms.mixed_precision import autocast, bf16, fp8, fp16, fp32, grad_scaler
 from fnaccel.transforms.nonfinite import skip_nonfinite
 from fnaccel.transforms.parallel import ddp, fsdp
 from fnaccel.transforms.phases import Phase
+from fnaccel.transforms.pipeline import CallInfo, Collective, Pipeline, compose
 from fnaccel.transforms.pipelining import pp
-from fnaccel.transforms.mixed_precision import autocast, bf16, fp8, fp16, fp32, grad_scaler
 from fnaccel.transforms.profile import profile
 from fnaccel.transforms.tensor_parallel import tp
 
@@ -55,7 +56,12 @@ __all__ = [
     "CallInfo",
     "Capability",
     "Collective",
+    "EngineRequest",
     "EngineTransform",
+    "ParallelismTransform",
+    "PrecisionTransform",
+    "PrepareRequest",
+    "StepTransform",
     "Phase",
     "Pipeline",
     "Transform",

@@ -32,10 +32,12 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fnaccel.checks import is_int, is_number
 from fnaccel.dist import DistContext, data_parallel_context
-from fnaccel.transforms.base import Accumulation, Transform, options
+from fnaccel.transforms.declared import Accumulation
+from fnaccel.transforms.kinds import StepTransform, options
 from fnaccel.transforms.phases import Phase
 
 __all__ = ["ItemCount", "accumulate"]
@@ -93,7 +95,7 @@ class ItemCount:
             for key in ("total", "loss_sum")
         )
 
-    def scale_gradients(self, optimizer: Any) -> None:
+    def scale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.total is not None, "an update boundary without a counted micro-step"
         total, self.total, self.loss_sum = self.total, None, None
         if self.ctx.num_processes > 1:
@@ -112,7 +114,7 @@ class ItemCount:
 
 def accumulate(
     num_steps: int, sync_each_batch: bool = False, normalize: Literal["mean", "items"] = "mean"
-) -> Transform:
+) -> StepTransform:
     """Step the optimizer once every ``num_steps`` batches (see the module docstring).
 
     >>> import fnaccel as fa
@@ -132,21 +134,23 @@ def accumulate(
         + (options(normalize=normalize) if normalize != "mean" else ())
     )
     if normalize == "mean":
-        return Transform(
+        return StepTransform(
             name="accumulate",
             options=opts,
             phase=Phase.ACCUMULATE,
             settings=Accumulation(micro_steps=num_steps, sync_each_batch=sync_each_batch),
         )
 
-    def count(loss: Any, aux: Any, state: ItemCount) -> dict[str, Any]:
+    def count(loss: torch.Tensor, aux: object, state: ItemCount) -> dict[str, torch.Tensor]:
         return state.add(loss, aux)
 
-    def before_update(model: Any, optimizer: Any, state: ItemCount) -> dict[str, Any]:
+    def before_update(
+        model: nn.Module, optimizer: torch.optim.Optimizer, state: ItemCount
+    ) -> dict[str, torch.Tensor]:
         state.scale_gradients(optimizer)
         return {}
 
-    return Transform(
+    return StepTransform(
         name="accumulate",
         options=opts,
         phase=Phase.ACCUMULATE,

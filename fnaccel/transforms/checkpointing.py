@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fnaccel.dist import DistContext
-from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.kinds import Transform, options
 from fnaccel.transforms.phases import Phase
 
 __all__ = ["checkpoint_activations"]
@@ -105,7 +105,7 @@ def checkpoint_activations(*classes: str | type, offload: bool = False) -> Trans
     if not isinstance(offload, bool):
         raise TypeError(f"checkpoint_activations: offload must be True or False, got {offload!r}")
 
-    def prepare_model(ctx: DistContext, model: nn.Module, state: Any) -> nn.Module:
+    def prepare_model(ctx: DistContext, model: nn.Module, state: object) -> nn.Module:
         for block in _blocks(model, classes):
             if not isinstance(block.__dict__.get("forward"), CheckpointedForward):
                 block.forward = CheckpointedForward(block.forward, offload)

@@ -11,15 +11,17 @@ import sys
 from typing import Any
 
 import torch
+from torch import nn
 
-from fnaccel.transforms.base import Capability, GradientClipping, Transform, options
+from fnaccel.transforms.declared import Capability, GradientClipping
+from fnaccel.transforms.kinds import StepTransform, options
 from fnaccel.transforms.phases import Phase
 from fnaccel.transforms.pipelining import reduce_norm
 
 __all__ = ["clip_grad_norm", "clip_grad_value", "global_grad_norm"]
 
 
-def _parameters(model: Any, optimizer: Any) -> list[torch.Tensor]:
+def _parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's parameters that have a gradient, in the model's order (then any
     the model does not hold): a floating-point sum depends on its order, and a hand
     loop clips ``model.parameters()``, whatever the optimizer's groups (decay/no-decay)."""
@@ -59,7 +61,7 @@ def global_grad_norm(grads: list[Any], norm_type: float = 2.0) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(norms, norm_type)
 
 
-def _clip(model: Any, params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+def _clip(model: nn.Module, params: list[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
     """Clip in place; the norm before clipping. One sharding (plain tensors, or DTensors
     of one mesh as under fsdp()) goes through torch's norm and clipping, with the norm
     taken over every stage of a `pp` pipeline; a mix (tp(), fsdp() + tp()) scales each
@@ -81,7 +83,7 @@ def _clip(model: Any, params: list[torch.Tensor], max_norm: float, norm_type: fl
     return norm
 
 
-def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> Transform:
+def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> StepTransform:
     """Clip the gradients' global norm to ``max_norm``; metrics gain ``grad_norm``
     (the norm before clipping, a tensor). Under `pp` the norm is over every
     stage's gradients.
@@ -99,11 +101,13 @@ def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> Transform:
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm: max_norm must be positive, got {max_norm}")
 
-    def before_update(model: Any, optimizer: Any, state: Any) -> dict[str, Any]:
+    def before_update(
+        model: nn.Module, optimizer: torch.optim.Optimizer, state: object
+    ) -> dict[str, torch.Tensor]:
         return {"grad_norm": _clip(model, _parameters(model, optimizer), max_norm, norm_type).detach()}
 
     opts = options(max_norm=max_norm) + (options(norm_type=norm_type) if norm_type != 2.0 else ())
-    return Transform(
+    return StepTransform(
         name="clip_grad_norm",
         options=opts,
         phase=Phase.CLIP,
@@ -114,7 +118,7 @@ def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> Transform:
     )
 
 
-def clip_grad_value(value: float) -> Transform:
+def clip_grad_value(value: float) -> StepTransform:
     """Clamp every gradient element to ``[-value, value]``, as
     ``torch.nn.utils.clip_grad_value_(model.parameters(), value)``.
 
@@ -125,11 +129,13 @@ def clip_grad_value(value: float) -> Transform:
     if not value > 0:
         raise ValueError(f"clip_grad_value: value must be positive, got {value}")
 
-    def before_update(model: Any, optimizer: Any, state: Any) -> dict[str, Any]:
+    def before_update(
+        model: nn.Module, optimizer: torch.optim.Optimizer, state: object
+    ) -> dict[str, torch.Tensor]:
         torch.nn.utils.clip_grad_value_(_parameters(model, optimizer), value)
         return {}
 
-    return Transform(
+    return StepTransform(
         name="clip_grad_value",
         options=options(value=value),
         phase=Phase.CLIP,

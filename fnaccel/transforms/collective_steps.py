@@ -17,8 +17,9 @@ from fnaccel.dist import DistContext
 from fnaccel.ops import collectives as ops
 from fnaccel.ops.metrics import gather_for_metrics as _gather_for_metrics
 from fnaccel.ops.tree import tree_leaves
-from fnaccel.transforms.base import CallInfo, Collective, options
+from fnaccel.transforms.kinds import options
 from fnaccel.transforms.phases import Phase
+from fnaccel.transforms.pipeline import CallInfo, Collective
 
 __all__ = [
     "broadcast",

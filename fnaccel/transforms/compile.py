@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
 import torch
+from torch import nn
 
 from fnaccel.constants import DynamoBackend
 from fnaccel.dist import DistContext
-from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.kinds import Transform, options
 from fnaccel.transforms.phases import Phase
 
 __all__ = ["compile"]
@@ -40,8 +41,9 @@ def compile(
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile: unknown mode {mode!r}; use one of {COMPILE_MODES[1:]}")
 
-    def prepare_model(ctx: DistContext, model: Any, state: Any) -> Any:
-        return torch.compile(model, backend=name, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+    def prepare_model(ctx: DistContext, model: nn.Module, state: object) -> nn.Module:
+        compiled = torch.compile(model, backend=name, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
+        return cast(nn.Module, compiled)  # a module compiles to its OptimizedModule, typed as a callable
 
     opts = (
         (options(backend=name) if name != "inductor" else ())

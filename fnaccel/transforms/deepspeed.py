@@ -33,15 +33,9 @@ import torch.distributed as dist
 from fnaccel.checks import is_int
 from fnaccel.constants import PrecisionType
 from fnaccel.dist import DistContext
-from fnaccel.transforms.base import (
-    Accumulation,
-    Capability,
-    EngineRequest,
-    EngineTransform,
-    GradientClipping,
-    Precision,
-    options,
-)
+from fnaccel.transforms.declared import Accumulation, Capability, GradientClipping, Precision
+from fnaccel.transforms.hooks import EngineRequest
+from fnaccel.transforms.kinds import EngineTransform, options
 from fnaccel.transforms.phases import Phase
 from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin, EngineSettings, resolve_ds_config
 
@@ -273,9 +267,7 @@ def deepspeed(**settings: Any) -> EngineTransform:
         options=options(**shown),
         phase=Phase.DATA_PARALLEL,
         conflicts=frozenset({"ddp", "fsdp", "grad_scaler", "clip_grad_value", "local_sgd", "compile"}),
-        capabilities=frozenset(
-            {Capability.AVERAGES_GRADIENTS, Capability.SCALES_LOSS, Capability.OWNS_OPTIMIZER_STEP}
-        ),
+        capabilities=frozenset({Capability.AVERAGES_GRADIENTS, Capability.SCALES_LOSS}),
         init=DeepSpeedState,
         optimizer_step=_optimizer_step,
         prepare_engine=lambda request: _prepare_engine(plugin, request),

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fnaccel.checks import is_int
 from fnaccel.dist import DistContext
-from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.kinds import Transform, options
 from fnaccel.transforms.parallel import unwrap_compiled
 from fnaccel.transforms.phases import Phase
 

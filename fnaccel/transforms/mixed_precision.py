@@ -21,14 +21,18 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+from torch import nn
 
 from fnaccel.constants import PrecisionType
 from fnaccel.dist import DistContext
 from fnaccel.kwargs import FP8RecipeKwargs, GradScalerKwargs
 from fnaccel.ops.tree import convert_to_fp32
-from fnaccel.transforms.base import Capability, Pipeline, Precision, Transform, compose, options
+from fnaccel.transforms.declared import Capability, Precision
 from fnaccel.transforms.fp8 import check_fp8_recipe, convert_to_fp8
+from fnaccel.transforms.hooks import PipelineView, PrepareRequest
+from fnaccel.transforms.kinds import PrecisionTransform, StepTransform, options
 from fnaccel.transforms.phases import Phase
+from fnaccel.transforms.pipeline import Pipeline, compose
 
 __all__ = ["autocast", "bf16", "fp8", "fp16", "fp32", "grad_scaler", "precision_dtype"]
 
@@ -89,7 +93,7 @@ class AutocastForward:
 
 def autocast(
     dtype: torch.dtype | str, cache_enabled: bool | None = None, *, recipe: FP8RecipeKwargs | None = None
-) -> Transform:
+) -> PrecisionTransform:
     """Run the model's forward under ``torch.autocast(dtype)`` (AutocastKwargs' options).
 
     With ``fa.fp8``, the model's linear layers train in float8 (torchao's
@@ -127,7 +131,7 @@ def autocast(
     if is_fp8:
         check_fp8_recipe(fp8_recipe)  # refuse TE/MS-AMP or a missing torchao now, not at prepare
 
-    def prepare_model(ctx: DistContext, model: Any, state: Any) -> Any:
+    def prepare_model(ctx: DistContext, model: nn.Module, state: object) -> nn.Module:
         if resolved is fp32:
             return model
         if is_fp8:
@@ -141,31 +145,34 @@ def autocast(
         + (options(recipe=recipe) if recipe is not None else ())
     )
 
-    def check_pipeline(pipeline: Pipeline, ctx: DistContext) -> Pipeline:
+    def check(request: PrepareRequest) -> PipelineView:
+        pipeline = request.pipeline
         if resolved is not fp16 or Capability.SCALES_LOSS in pipeline.capabilities:
             return pipeline  # only fp16 needs scaling; DeepSpeed scales fp16 losses itself
-        # in its canonical place: after autocast, before ddp/fsdp and the rest
-        return compose(*sorted([*pipeline.transforms, grad_scaler()], key=lambda t: t.phase))
+        # nested, compose puts it in its canonical place: after autocast, before ddp/fsdp and the rest
+        assert isinstance(pipeline, Pipeline), "fa.prepare hands the checks its Pipeline"
+        return compose(pipeline, grad_scaler())
 
     precision = fp8 if is_fp8 else _PRECISION_OF[resolved]
-    return Transform(
+    return PrecisionTransform(
         name="autocast",
         options=opts,
         phase=Phase.AUTOCAST,
         prepare_model=prepare_model,
         settings=Precision(precision=precision, dtype=resolved, cache_enabled=cache_enabled),
-        check_pipeline=check_pipeline,
+        check=check,
     )
 
 
-def _check_scaled_precision(pipeline: Pipeline, ctx: DistContext) -> Pipeline:
+def _check_scaled_precision(request: PrepareRequest) -> PipelineView:
+    pipeline = request.pipeline
     precision = pipeline.settings(Precision)
     if precision is None or precision.precision is not PrecisionType.FP16:
         raise ValueError("fa.prepare: grad_scaler() only makes sense with autocast(fa.fp16)")
     return pipeline
 
 
-def grad_scaler(**kwargs: Any) -> Transform:
+def grad_scaler(**kwargs: Any) -> StepTransform:
     """Dynamic loss scaling for fp16, with `GradScalerKwargs`' options.
 
     Metrics at an update: ``scale`` (the scale from now on) and ``skipped``
@@ -183,11 +190,15 @@ def grad_scaler(**kwargs: Any) -> Transform:
     def scale_loss(loss: torch.Tensor, scaler: torch.amp.GradScaler) -> torch.Tensor:
         return scaler.scale(loss)
 
-    def before_update(model: Any, optimizer: Any, scaler: torch.amp.GradScaler) -> dict[str, Any]:
+    def before_update(
+        model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+    ) -> dict[str, torch.Tensor]:
         scaler.unscale_(optimizer)  # clipping, which comes next, sees true gradients
         return {}
 
-    def optimizer_step(optimizer: Any, scaler: torch.amp.GradScaler) -> dict[str, torch.Tensor]:
+    def optimizer_step(
+        optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler
+    ) -> dict[str, torch.Tensor]:
         scaler.step(optimizer)
         # torch keeps the per-device inf flags of this step here until update()
         flags = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
@@ -197,12 +208,12 @@ def grad_scaler(**kwargs: Any) -> Transform:
         assert scale is not None, "the scaler scaled this step's loss"
         return {"skipped": skipped, "scale": scale.detach().clone()}
 
-    return Transform(
+    return StepTransform(
         name="grad_scaler",
         options=options(**handler.to_kwargs()),
         phase=Phase.GRAD_SCALER,
         capabilities=frozenset({Capability.SCALES_LOSS}),
-        check_pipeline=_check_scaled_precision,
+        check=_check_scaled_precision,
         init=init,
         scale_loss=scale_loss,
         before_update=before_update,

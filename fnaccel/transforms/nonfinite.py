@@ -44,8 +44,8 @@ import torch
 from fnaccel._errors import FnaccelError
 from fnaccel.checks import is_int
 from fnaccel.dist import DistContext
-from fnaccel.transforms.base import Transform, options
 from fnaccel.transforms.clip import dtensor_class, global_grad_norm
+from fnaccel.transforms.kinds import StepTransform, options
 from fnaccel.transforms.phases import Phase
 
 __all__ = ["NonFiniteUpdateError", "SkipNonfiniteState", "skip_nonfinite"]
@@ -122,7 +122,7 @@ def _nonfinite(optimizer: Any, metrics: dict[str, Any]) -> torch.Tensor:
     return first.bool()
 
 
-def skip_nonfinite(max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> Transform:
+def skip_nonfinite(max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> StepTransform:
     """Skip, on every rank, an update whose loss or gradients are NaN or inf.
 
     A skipped update takes no optimizer or scheduler step and its gradients are
@@ -191,7 +191,7 @@ def skip_nonfinite(max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> Transform:
         state.num_consecutive += 1
         return True
 
-    return Transform(
+    return StepTransform(
         name="skip_nonfinite",
         options=options(max_consecutive=max_consecutive)
         if max_consecutive != DEFAULT_MAX_CONSECUTIVE

@@ -25,10 +25,19 @@ from torch.nn.parallel import DistributedDataParallel
 from fnaccel.dist import DistContext, data_parallel, data_parallel_context
 from fnaccel.kwargs import DistributedDataParallelKwargs
 from fnaccel.resources import GroupOwner
-from fnaccel.transforms.base import Capability, Transform, options
+from fnaccel.transforms.declared import Capability
+from fnaccel.transforms.hooks import PipelineView, PrepareRequest
+from fnaccel.transforms.kinds import ParallelismTransform, options
 from fnaccel.transforms.phases import Phase
 
-__all__ = ["broadcast_from_first_rank", "ddp", "fsdp", "unwrap_compiled", "unwrap_model"]
+__all__ = [
+    "broadcast_from_first_rank",
+    "check_optimizer_holds_model",
+    "ddp",
+    "fsdp",
+    "unwrap_compiled",
+    "unwrap_model",
+]
 
 
 def unwrap_compiled(model: Any) -> Any:
@@ -46,7 +55,7 @@ def unwrap_model(model: Any) -> nn.Module:
     return inner.module if ds is not None and isinstance(inner, ds.DeepSpeedEngine) else inner
 
 
-def ddp(*, find_unused: bool | None = None, **kwargs: Any) -> Transform:
+def ddp(*, find_unused: bool | None = None, **kwargs: Any) -> ParallelismTransform:
     """Wrap the model in `DistributedDataParallel` (`DistributedDataParallelKwargs`' options).
 
     Args:
@@ -64,7 +73,7 @@ def ddp(*, find_unused: bool | None = None, **kwargs: Any) -> Transform:
         kwargs["find_unused_parameters"] = find_unused
     handler = DistributedDataParallelKwargs(**kwargs)
 
-    def prepare_model(ctx: DistContext, model: nn.Module, state: Any) -> nn.Module:
+    def prepare_model(ctx: DistContext, model: nn.Module, state: object) -> nn.Module:
         _, size = data_parallel(ctx)
         if size == 1:
             return model
@@ -79,7 +88,7 @@ def ddp(*, find_unused: bool | None = None, **kwargs: Any) -> Transform:
             ctx.group_owner.release_before_destroy(partial(_release_reducer, weakref.ref(wrapped)))
         return wrapped
 
-    def set_sync(model: Any, enabled: bool) -> None:
+    def set_sync(model: nn.Module, enabled: bool) -> None:
         inner = unwrap_compiled(model)
         if isinstance(inner, DistributedDataParallel):
             inner.require_backward_grad_sync = enabled
@@ -88,7 +97,7 @@ def ddp(*, find_unused: bool | None = None, **kwargs: Any) -> Transform:
     for key in ("comm_hook", "comm_wrapper"):
         if getattr(handler, key) != "no":
             shown[key] = str(getattr(handler, key))
-    return Transform(
+    return ParallelismTransform(
         name="ddp",
         options=options(**shown),
         phase=Phase.DATA_PARALLEL,
@@ -163,7 +172,7 @@ def fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     sync_module_states: bool = False,
-) -> Transform:
+) -> ParallelismTransform:
     """Shard the model over the data-parallel ranks with FSDP2's `fully_shard`
     (HSDP when the mesh has ``dp_replicate_size > 1``).
 
@@ -192,7 +201,7 @@ def fsdp(
     if min_num_params is not None and min_num_params < 1:
         raise ValueError(f"fsdp: min_num_params must be positive, got {min_num_params}")
 
-    def prepare_model(ctx: DistContext, model: nn.Module, state: Any) -> nn.Module:
+    def prepare_model(ctx: DistContext, model: nn.Module, state: object) -> nn.Module:
         from fnaccel.transforms.mixed_precision import AutocastForward
 
         if data_parallel(ctx)[1] == 1:
@@ -225,7 +234,7 @@ def fsdp(
         fully_shard(model, mp_policy=root_policy, **shard_options)
         return model
 
-    def set_sync(model: Any, enabled: bool) -> None:
+    def set_sync(model: nn.Module, enabled: bool) -> None:
         inner = unwrap_compiled(model)
         if isinstance(inner, FSDPModule):
             inner.set_requires_gradient_sync(enabled)
@@ -237,12 +246,32 @@ def fsdp(
         + (options(cpu_offload=True) if cpu_offload else ())
         + (options(sync_module_states=True) if sync_module_states else ())
     )
-    return Transform(
+    return ParallelismTransform(
         name="fsdp",
         options=opts,
         phase=Phase.DATA_PARALLEL,
         conflicts=frozenset({"ddp"}),
         capabilities=frozenset({Capability.AVERAGES_GRADIENTS, Capability.SHARDS_PARAMETERS}),
+        backward_inputs=False,  # FSDP2 computes gradients on unsharded copies, not on the shards
+        check=check_optimizer_holds_model,
         prepare_model=prepare_model,
         set_sync=set_sync,
     )
+
+
+def check_optimizer_holds_model(request: PrepareRequest) -> PipelineView:
+    """`fa.fsdp`'s and `fa.pp`'s check: an optimizer passed after its model was prepared
+    must hold the prepared model's parameters: FSDP2 replaced the ones it may have been
+    built on, and pp() keeps this rank's stages only. (An optimizer that also holds
+    parameters of its own, outside the model, is fine when passed together with the model.)"""
+    held, params = request.prepared_model, request.optimizer_params
+    if request.model is None and held is not None and params is not None:
+        current = {id(p) for p in held.parameters()}
+        if any(id(p) not in current for p in params):
+            raise ValueError(
+                "fa.prepare: the optimizer holds parameters that are not the prepared model's: fa.fsdp "
+                "replaced the model's parameters with sharded ones (fa.pp keeps this rank's stages "
+                "only); pass the optimizer in the same fa.prepare call as the model, or build it from "
+                "state.model.parameters()"
+            )
+    return request.pipeline

@@ -39,17 +39,19 @@ from torch import nn
 
 from fnaccel.checks import is_int
 from fnaccel.dist import DistContext, data_parallel, mesh_dim
-from fnaccel.transforms.base import Capability, Pipeline, Transform, options
-from fnaccel.transforms.parallel import unwrap_compiled
-from fnaccel.transforms.phases import Phase
+from fnaccel.transforms.declared import Accumulation, Capability
+from fnaccel.transforms.hooks import PipelineView, PrepareRequest
+from fnaccel.transforms.kinds import ParallelismTransform, options
 from fnaccel.transforms.mixed_precision import AutocastForward
+from fnaccel.transforms.parallel import check_optimizer_holds_model, unwrap_compiled
+from fnaccel.transforms.phases import Phase
 
 __all__ = ["InOrder", "PipelinedModel", "SCHEDULES", "pp", "reduce_norm", "split_stages", "stage_group"]
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
 
-def stage_group(ctx: DistContext) -> tuple[Any, list[int]]:
+def stage_group(ctx: DistContext) -> tuple[dist.ProcessGroup | None, list[int]]:
     """``(process group, its global ranks in stage order)`` that the pipeline runs over:
     the mesh's ``"pp"`` dimension (``fa.ParallelismConfig(pp_size=...)``), or the
     whole world when the run's mesh has none."""
@@ -122,13 +124,13 @@ class PipelinedModel(nn.Module):
         self,
         children: OrderedDict[str, nn.Module],
         *,
-        group: Any,
+        group: dist.ProcessGroup | None,
         last_rank: int,
         is_first: bool,
         is_last: bool,
         device: torch.device,
         num_microbatches: int,
-        loss_fn: Callable[..., Any],
+        loss_fn: Callable[..., torch.Tensor],
     ) -> None:
         super().__init__()
         for name, child in children.items():
@@ -149,7 +151,7 @@ class PipelinedModel(nn.Module):
 
     def scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
         """The schedule's loss function: the user's, kept for the metrics, scaled for backward."""
-        loss = self.loss_fn(output, target)
+        loss: torch.Tensor = self.loss_fn(output, target)
         self.losses.append(loss.detach())
         return loss * self.loss_factor
 
@@ -192,7 +194,7 @@ class InOrder:
     """What every schedule computes, in a world of one: each micro-batch's forward
     and backward in turn, through all the stages (torch's schedules need a group)."""
 
-    def __init__(self, body: nn.Module, num_microbatches: int, loss_fn: Callable[..., Any]) -> None:
+    def __init__(self, body: nn.Module, num_microbatches: int, loss_fn: Callable[..., torch.Tensor]) -> None:
         self.body, self.num_microbatches, self.loss_fn = body, num_microbatches, loss_fn
 
     def step(self, *args: torch.Tensor, target: torch.Tensor) -> None:
@@ -201,7 +203,7 @@ class InOrder:
             self.loss_fn(self.body(*(c[i] for c in chunks)), part).backward()
 
 
-def reduce_norm(model: Any, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+def reduce_norm(model: nn.Module, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
     """``norm`` (of this rank's gradients) made the norm over every pipeline stage's
     gradients for a model split by `pp` (one all-reduce); ``norm`` itself otherwise."""
     inner = unwrap_compiled(model)
@@ -223,7 +225,7 @@ def _build_schedule(
     num_microbatches: int,
     num_stages: int | None,
     split_points: tuple[str, ...],
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., torch.Tensor],
 ) -> PipelinedModel:
     group, ranks = stage_group(ctx)
     size = len(ranks)
@@ -311,7 +313,7 @@ def pp(
     schedule: str = "1F1B",
     num_stages: int | None = None,
     split_points: Sequence[str] = (),
-) -> Transform:
+) -> ParallelismTransform:
     """Pipeline parallel: split an `nn.Sequential` into stages over the processes and
     run a `torch.distributed.pipelining` schedule in `fa.step`.
 
@@ -360,20 +362,21 @@ def pp(
     if not callable(loss_fn):
         raise TypeError(f"fa.pp: loss_fn must be callable (output, target) -> loss, got {loss_fn!r}")
 
-    def prepare_model(ctx: DistContext, model: nn.Module, state: Any) -> nn.Module:
+    def prepare_model(ctx: DistContext, model: nn.Module, state: object) -> nn.Module:
         return _build_schedule(ctx, model, schedule, num_microbatches, num_stages, points, loss_fn)
 
-    def forward_backward(model: Any, batch: Any, divisor: int | None, state: Any) -> tuple[Any, Any]:
-        if divisor is None:
-            raise ValueError(
-                "fa.pp: accumulate(normalize='items') is not supported under fa.pp (the "
-                "schedule averages micro-batch losses); use accumulate(k) with a mean loss"
-            )
+    def forward_backward(
+        model: nn.Module, batch: Any, divisor: int | None, state: object
+    ) -> tuple[torch.Tensor, None]:
+        assert divisor is not None, "check refused accumulate(normalize='items')"
         inner = unwrap_compiled(model)
         assert isinstance(inner, PipelinedModel), "fa.pp's prepare_model built it"
         return inner.run(batch, divisor), None
 
-    def check_pipeline(pipeline: Pipeline, ctx: DistContext) -> Pipeline:
+    def check(request: PrepareRequest) -> PipelineView:
+        """fa.pp's whole contract at fa.prepare: no replicas beside the stages, its own loss
+        function only, mean losses, one batch for every stage, an optimizer over its stages."""
+        ctx, pipeline = request.ctx, request.pipeline
         num_replicas = data_parallel(ctx)[1]
         if num_replicas > 1 and mesh_dim(ctx, "pp") is not None:
             raise ValueError(
@@ -381,14 +384,32 @@ def pp(
                 "gradients would need averaging over its replicas); use pp_size equal to the number of "
                 "processes (dp_replicate_size=dp_shard_size=1)"
             )
-        return pipeline
+        if request.loss_fn_given:  # the schedule computes the loss at the last stage
+            raise ValueError(
+                "fa.prepare: under fa.pp the loss is computed at the last stage by "
+                "fa.pp(loss_fn=lambda output, target: ...); drop fa.prepare's loss_fn"
+            )
+        accumulation = pipeline.settings(Accumulation)
+        if accumulation is not None and accumulation.sums_items:
+            raise ValueError(
+                "fa.pp: accumulate(normalize='items') is not supported under fa.pp (the "
+                "schedule averages micro-batch losses); use accumulate(k) with a mean loss"
+            )
+        if request.loader_shards is not None and request.loader_shards > 1:
+            raise ValueError(
+                "fa.prepare: every stage of fa.pp must read the same batches, but the loader would be "
+                "sharded over the processes; give fa.init(parallelism=fa.ParallelismConfig(pp_size=N)) "
+                "(the data is then split over the data-parallel ranks only) or pass "
+                "kwargs_handlers=[DataLoaderConfiguration(shard=False)] to fa.init"
+            )
+        return check_optimizer_holds_model(request)
 
     opts = (
         options(schedule=schedule, num_microbatches=num_microbatches)
         + (options(num_stages=num_stages) if num_stages is not None else ())
         + (options(split_points=points) if points else ())
     )
-    return Transform(
+    return ParallelismTransform(
         name="pp",
         options=opts,
         phase=Phase.PIPELINE_PARALLEL,
@@ -398,11 +419,9 @@ def pp(
             "dimension for ddp/fsdp/local_sgd to average over, and its schedule runs the stages "
             "itself (no compile of the whole model, no fp16 loss scaling); drop the other transform"
         ),
-        capabilities=frozenset(
-            {Capability.SPLITS_MODEL, Capability.RUNS_FORWARD_BACKWARD, Capability.SAME_BATCH_ACROSS_RANKS}
-        ),
+        capabilities=frozenset({Capability.SPLITS_MODEL}),
         mesh_dims=frozenset({"pp"}),
-        check_pipeline=check_pipeline,
+        check=check,
         prepare_model=prepare_model,
         forward_backward=forward_backward,
     )

@@ -13,7 +13,7 @@ import torch
 
 from fnaccel.dist import DistContext
 from fnaccel.kwargs import ProfileKwargs
-from fnaccel.transforms.base import Transform, options
+from fnaccel.transforms.kinds import Transform, options
 from fnaccel.transforms.phases import Phase
 
 __all__ = ["profile"]

@@ -35,7 +35,9 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 
 from fnaccel.checks import is_int
 from fnaccel.dist import DistContext, mesh_dim
-from fnaccel.transforms.base import Accumulation, Capability, Pipeline, Transform, options
+from fnaccel.transforms.declared import Accumulation
+from fnaccel.transforms.hooks import PipelineView, PrepareRequest
+from fnaccel.transforms.kinds import ParallelismTransform, options
 from fnaccel.transforms.phases import Phase
 
 __all__ = ["SequenceShard", "sp", "ulysses_attention"]
@@ -193,7 +195,7 @@ def _to_heads(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     b, h, part, d = x.shape
     p = shard.size
     send = x.reshape(b, p, h // p, part, d).transpose(0, 1).contiguous()
-    got = _AllToAll.apply(send, shard.group)
+    got: torch.Tensor = _AllToAll.apply(send, shard.group)  # type: ignore[no-untyped-call]  # torch's Function.apply
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // p, p * part, d)
 
 
@@ -202,7 +204,7 @@ def _to_sequence(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     b, h_part, length, d = x.shape
     p = shard.size
     send = x.reshape(b, h_part, p, length // p, d).permute(2, 0, 1, 3, 4).contiguous()
-    got = _AllToAll.apply(send, shard.group)
+    got: torch.Tensor = _AllToAll.apply(send, shard.group)  # type: ignore[no-untyped-call]  # torch's Function.apply
     return got.transpose(0, 1).reshape(b, p * h_part, length // p, d)
 
 
@@ -290,7 +292,7 @@ def sp(
     labels: str | int = "labels",
     ignore_index: int = -100,
     position_ids: str | None = "position_ids",
-) -> Transform:
+) -> ParallelismTransform:
     """Split each batch's sequence over the mesh's ``sp`` dimension (Ulysses; see the module docstring).
 
     Args:
@@ -356,7 +358,9 @@ def sp(
         kept = torch.where(shard.num_local > 0, loss, torch.zeros_like(loss))
         return kept * shard.weight.to(loss.dtype)
 
-    def after_backward(loss: torch.Tensor, aux: Any, shard: SequenceShard) -> dict[str, torch.Tensor] | None:
+    def after_backward(
+        loss: torch.Tensor, aux: object, shard: SequenceShard
+    ) -> dict[str, torch.Tensor] | None:
         shard.armed = False  # the step's forwards are done: a later one (evaluation) sees whole sequences
         if shard.size == 1 or shard.num_local is None or shard.num_total is None:
             return None
@@ -368,12 +372,13 @@ def sp(
 
     def before_update(
         model: nn.Module, optimizer: torch.optim.Optimizer, shard: SequenceShard
-    ) -> dict[str, Any]:
+    ) -> dict[str, torch.Tensor]:
         if shard.size > 1:
             _sum_gradients(optimizer, shard)
         return {}
 
-    def check_pipeline(pipeline: Pipeline, ctx: DistContext) -> Pipeline:
+    def check(request: PrepareRequest) -> PipelineView:
+        pipeline = request.pipeline
         accumulation = pipeline.settings(Accumulation)
         if accumulation is not None and accumulation.sums_items:
             raise ValueError(
@@ -381,7 +386,7 @@ def sp(
                 "accumulate(normalize='items') expects summed losses; use accumulate(k) (normalize='mean') "
                 "with fa.sp()"
             )
-        if Capability.RUNS_FORWARD_BACKWARD in pipeline.capabilities:
+        if pipeline.forward_backward is not None:
             raise ValueError(
                 "fa.prepare: fa.sp() splits the batch before the loss function, which a transform "
                 "running its own forward and backward (fa.pp) does not call; set sp_size=1 or "
@@ -395,7 +400,7 @@ def sp(
         + (options(ignore_index=ignore_index) if ignore_index != -100 else ())
         + (options(position_ids=position_ids) if position_ids != "position_ids" else ())
     )
-    return Transform(
+    return ParallelismTransform(
         name="sp",
         options=opts,
         phase=Phase.SEQUENCE_PARALLEL,
@@ -403,7 +408,7 @@ def sp(
         conflicts=frozenset({"checkpoint_activations"}),
         conflict_fix="a recomputed block would attend over one rank's part of the sequence only; "
         "drop fa.checkpoint_activations() or set sp_size=1",
-        check_pipeline=check_pipeline,
+        check=check,
         init=SequenceShard,
         prepare_model=prepare_model,
         split_batch=split_batch,

@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from fnaccel.dist import DistContext, mesh_dim
-from fnaccel.transforms.base import Capability, Transform, options
+from fnaccel.transforms.kinds import ParallelismTransform, options
 from fnaccel.transforms.phases import Phase
 
 __all__ = ["tp"]
@@ -57,7 +57,7 @@ def _check_names(model: nn.Module, plan: Mapping[str, Any]) -> None:
         )
 
 
-def tp(plan: Plan) -> Transform:
+def tp(plan: Plan) -> ParallelismTransform:
     """Split the model's weights over the mesh's ``tp`` dimension by ``plan``.
 
     Args:
@@ -76,7 +76,7 @@ def tp(plan: Plan) -> Transform:
     """
     _check_plan(plan)
 
-    def prepare_model(ctx: DistContext, model: nn.Module, state: Any) -> nn.Module:
+    def prepare_model(ctx: DistContext, model: nn.Module, state: object) -> nn.Module:
         if isinstance(plan, Mapping):
             _check_names(model, plan)  # in a world of one too: the plan is wrong everywhere
         tp_mesh = mesh_dim(ctx, "tp")
@@ -95,13 +95,12 @@ def tp(plan: Plan) -> Transform:
         return out
 
     shown = list(plan) if isinstance(plan, Mapping) else getattr(plan, "__name__", repr(plan))
-    return Transform(
+    return ParallelismTransform(
         name="tp",
         options=options(plan=shown),
         phase=Phase.TENSOR_PARALLEL,
         conflicts=frozenset({"ddp"}),
         prepare_model=prepare_model,
-        capabilities=frozenset({Capability.TENSOR_PARALLEL}),
         mesh_dims=frozenset({"tp"}),
         conflict_fix="ddp() replicates whole parameters; use fa.fsdp() with fa.tp() (FSDP + TP)",
     )

@@ -1,7 +1,8 @@
-"""The training record: hooks typed one by one, and the engine subtype, `EngineTransform`."""
+"""The kinds of training transform: each hook on the kind that has it, and the engine, `EngineTransform`."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,8 +10,9 @@ import torch
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.transforms import EngineTransform, Transform
-from fnaccel.transforms.base import Capability, EngineRequest
+from fnaccel.transforms import EngineTransform, StepTransform, Transform
+from fnaccel.transforms.declared import Capability
+from fnaccel.transforms.hooks import EngineRequest
 from fnaccel.transforms.phases import Phase
 
 
@@ -87,7 +89,7 @@ def test_an_engine_of_ones_own_is_built_by_prepare_and_steps_as_it_declares() ->
         phase=Phase.CHECKPOINT_ACTIVATIONS,
         prepare_model=lambda ctx, model, state: _Marked(model),
     )
-    clipper = Transform(
+    clipper = StepTransform(
         name="clipper",
         phase=Phase.CLIP,
         before_update=clip,
@@ -150,3 +152,48 @@ def test_the_pipelines_accumulation_wins_over_the_engines_default() -> None:
         loss_fn=_loss,
     )
     assert state.plan is not None and state.plan.micro_steps == 3
+
+
+def test_a_transforms_check_gets_what_each_prepare_call_passes() -> None:
+    """The check hook receives one `PrepareRequest` (it saw only the pipeline and the context),
+    so a transform can own its whole contract: the loss function, the loader's sharding, the
+    optimizer's parameters and the models are there."""
+    seen: list[fa.PrepareRequest] = []
+
+    def check(request: fa.PrepareRequest) -> fa.Pipeline:
+        seen.append(request)
+        return request.pipeline
+
+    mine = Transform(name="mine", check=check)
+    model = nn.Linear(2, 2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, pipeline=fa.compose(mine), loss_fn=_loss)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = fa.prepare(state, optimizer=optimizer, loader=loader)
+    first, second = seen
+    assert first.pipeline == fa.compose(mine) and first.ctx.num_processes == 1
+    assert first.loss_fn_given and first.model is model and first.prepared_model is None
+    assert first.optimizer_params is None and first.loader_shards is None
+    assert not second.loss_fn_given and second.model is None and second.prepared_model is state.model
+    assert second.optimizer_params == tuple(model.parameters()) and second.loader_shards == 1
+
+
+PACKAGE = Path(fa.__file__).parent
+# each rule of fa.pp and fa.fsdp, by a piece of its message, and the one module that holds it
+RULES = {
+    "drop fa.prepare's loss_fn": "transforms/pipelining.py",
+    "every stage of fa.pp must read the same batches": "transforms/pipelining.py",
+    "is not supported under fa.pp": "transforms/pipelining.py",
+    "data-parallel replicas is not built": "transforms/pipelining.py",
+    "the optimizer holds parameters that are not the prepared model's": "transforms/parallel.py",
+}
+
+
+@pytest.mark.parametrize("message", sorted(RULES))
+def test_pp_and_fsdp_rules_live_in_their_own_transform_only(message: str) -> None:
+    """fa.prepare's module held pp's loss, loader and optimizer rules and fsdp's optimizer rule
+    (and the first fa.step pp's accumulation rule); each is now in one place, its transform."""
+    holders = sorted(
+        str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if message in path.read_text()
+    )
+    assert holders == [RULES[message]], holders
