@@ -30,6 +30,8 @@ __all__ = [
 ]
 
 R = TypeVar("R")
+# what split_between_processes yields: a share of the same kind as the whole
+T = TypeVar("T")
 
 
 def wait_for_everyone(ctx: DistLike) -> None:
@@ -106,7 +108,9 @@ def print_on_main(ctx: DistLike, *args: object, **kwargs: Any) -> None:
         builtins.print(*args, **kwargs)
 
 
-def _split(inputs: Any, num_processes: int, rank: int, apply_padding: bool) -> Any:
+def _split(
+    inputs: Any, num_processes: int, rank: int, apply_padding: bool
+) -> Any:  # a list, tuple, tensor or dict
     if isinstance(inputs, Mapping):
         lengths = {len(v) for v in inputs.values()}
         if len(lengths) > 1:
@@ -128,7 +132,7 @@ def _split(inputs: Any, num_processes: int, rank: int, apply_padding: bool) -> A
 
 
 @contextmanager
-def split_between_processes(ctx: DistLike, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+def split_between_processes(ctx: DistLike, inputs: T, apply_padding: bool = False) -> Iterator[T]:
     """Yield this process's contiguous share of ``inputs`` (a list, tuple, tensor
     or a dict of them); the first ``len % num_processes`` ranks get one more.
 

@@ -10,12 +10,14 @@ import functools
 import os
 import unittest
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 __all__ = ["purge_accelerate_environment", "purge_fnaccel_environment"]
 
 _PURGED_PREFIX = "FNACCEL_"
 _Decorated = TypeVar("_Decorated", bound=Callable[..., Any] | type)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _restore_fnaccel_variables(before: Mapping[str, str]) -> None:
@@ -24,9 +26,9 @@ def _restore_fnaccel_variables(before: Mapping[str, str]) -> None:
     os.environ.update(before)
 
 
-def _purging(function: Callable[..., Any]) -> Callable[..., Any]:
+def _purging(function: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(function)
-    def purged(*args: Any, **kwargs: Any) -> Any:
+    def purged(*args: P.args, **kwargs: P.kwargs) -> R:
         before = {k: v for k, v in os.environ.items() if k.startswith(_PURGED_PREFIX)}
         try:
             return function(*args, **kwargs)

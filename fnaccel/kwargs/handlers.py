@@ -415,7 +415,7 @@ class ProfileKwargs(KwargsHandler):
 
     activities: Sequence[str] | None = None
     schedule_option: Mapping[str, int] | None = None
-    on_trace_ready: Callable[[torch.profiler.profile], Any] | None = None
+    on_trace_ready: Callable[[torch.profiler.profile], object] | None = None
     record_shapes: bool = False
     profile_memory: bool = False
     with_stack: bool = False
@@ -503,7 +503,7 @@ def _profiler_activities() -> dict[str, torch.profiler.ProfilerActivity]:
 
 
 def _chrome_trace_writer(
-    path: str, *, then: Callable[[torch.profiler.profile], Any] | None
+    path: str, *, then: Callable[[torch.profiler.profile], object] | None
 ) -> Callable[[torch.profiler.profile], None]:
     def on_trace_ready(prof: torch.profiler.profile) -> None:
         if then is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -67,12 +66,12 @@ class LayerwiseCastingHook(ModelHook):
         return module.to(dtype=self.storage_dtype, non_blocking=self.non_blocking)
 
     def pre_forward(
-        self, module: nn.Module, *args: Any, **kwargs: Any
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, module: nn.Module, *args: object, **kwargs: object
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         module.to(dtype=self.compute_dtype, non_blocking=self.non_blocking)
         return args, kwargs
 
-    def post_forward(self, module: nn.Module, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, output: object) -> object:
         module.to(dtype=self.storage_dtype, non_blocking=self.non_blocking)
         return output
 

@@ -34,7 +34,7 @@ _DEFAULT_THRESHOLD = 6.0
 MISSING_BNB = "bitsandbytes is not installed: pip install bitsandbytes"
 
 
-def _as_dtype(value: Any, field_name: str) -> torch.dtype:
+def _as_dtype(value: object, field_name: str) -> torch.dtype:
     dtype = as_torch_dtype(_SHORT_DTYPE_NAMES.get(value, value) if isinstance(value, str) else value)
     if dtype is not None and dtype.is_floating_point:
         return dtype
@@ -44,7 +44,7 @@ def _as_dtype(value: Any, field_name: str) -> torch.dtype:
     )
 
 
-def _as_names(value: Any, field_name: str) -> tuple[str, ...] | None:
+def _as_names(value: object, field_name: str) -> tuple[str, ...] | None:
     if value is None:
         return None
     if (

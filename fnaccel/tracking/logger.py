@@ -43,7 +43,7 @@ class MultiProcessAdapter(logging.LoggerAdapter[logging.Logger]):
 
     def __init__(self, logger: logging.Logger) -> None:
         super().__init__(logger, {})
-        self._warned: set[tuple[Any, ...]] = set()  # warning_once's, per adapter
+        self._warned: set[tuple[object, ...]] = set()  # warning_once's, per adapter
 
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
         """Log ``msg`` at ``level`` on the main process (``main_process_only=True``),
