@@ -1,13 +1,12 @@
 """A script that `fnaccel launch` runs in tests/test_preemption.py.
 
-    _preemption_script.py OUT (preempt|resume|evaluate|prepare|save|finish)
+    _preemption_script.py OUT (evaluate|resume|prepare|save|finish)
 
 Two epochs of a small DDP model under ``accumulate(2)`` with `fa.PreemptionKwargs`.
 Every worker leaves OUT/pid.<pid> holding its rank (the test signals workers, and ends
 them, by their pids).
 
-``preempt``: steps slowly and touches OUT/running once past step 3 (the test then
-signals the launcher). ``resume``: loads OUT/ckpt, finishes the two epochs and writes
+``resume``: loads OUT/ckpt, finishes the two epochs and writes
 OUT/resumed.<rank>.pt; then, in the same processes (a launch fewer: its imports are most
 of a launch's seconds), runs ``finish`` from a new `fa.init`: the uninterrupted reference.
 
@@ -87,11 +86,7 @@ def main(out: Path, mode: str) -> None:
     evaluated = None
     for batch in fa.batches(state, epochs=2):
         state, _ = fa.step(state, batch)
-        if mode == "preempt":
-            time.sleep(0.02)
-            if state.step == 3 and rank == 0:
-                (out / "running").touch()
-        elif mode == "evaluate" and state.step == 2 and evaluated is None:
+        if mode == "evaluate" and state.step == 2 and evaluated is None:
 
             def slowly(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
                 (out / "evaluating").touch()

@@ -162,21 +162,25 @@ def _launch(out: Path, mode: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.multiprocess
-def test_sigusr1_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit(tmp_path: Path) -> None:
-    """Slurm's ``--signal=USR1@90`` to the launcher: before, SIGUSR1's default action ended the
-    launcher and, with it, every worker unsaved; now the workers stop at one step, save, and the
-    launch ends with the one status of a preempted run, 143 (before this round: 138). The run then
-    resumes bit for bit; the same launch's uninterrupted reference gets SIGTERM after its loop and
-    exits 0 (before: 143, and a finished run was requeued). SIGTERM stops the loop in the cases
-    of the next test, and a launch with 143 in tests/commands/test_launch_lifetime.py."""
+def test_sigusr1_to_a_2_process_launch_during_evaluate_saves_at_one_step_and_resumes_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    """Slurm's ``--signal=USR1@90`` to the launcher while the run is in fa.evaluate, mid-epoch.
+    Before: SIGUSR1's default action ended the launcher and, with it, every worker unsaved (and a
+    signal during fa.evaluate let the evaluation run to its end, 64 of 64 samples, exit 0); now
+    the evaluation stops at the batch after it, the workers stop at one step, save, and the
+    launch ends with the one status of a preempted run, 143 (before this round: 138). The run
+    then resumes bit for bit; the same launch's uninterrupted reference gets SIGTERM after its
+    loop and exits 0 (before: 143, and a finished run was requeued). SIGTERM stops the loop in
+    the cases of the next test, and a launch with 143 in tests/commands/test_launch_lifetime.py."""
     cut = tmp_path / "cut"
     cut.mkdir()
-    launcher = _launch(cut, "preempt")
+    launcher = _launch(cut, "evaluate")
     try:
         deadline = time.monotonic() + 240
-        while not (cut / "running").exists():
+        while not (cut / "evaluating").exists():
             assert launcher.poll() is None, launcher.communicate()[1]
-            assert time.monotonic() < deadline, "the run never reached step 3"
+            assert time.monotonic() < deadline, "the run never reached its evaluation"
             time.sleep(0.05)
         sent = time.time()
         launcher.send_signal(signal.SIGUSR1)
@@ -191,8 +195,11 @@ def test_sigusr1_to_a_2_process_launch_saves_at_one_step_and_resumes_bit_for_bit
     took = max(stop.pop("saved_at") for stop in stops) - sent
     assert took < 10, f"the ranks had saved {took:.1f} s after SIGUSR1"
     assert stops[0] == stops[1], stops  # every rank left the loop at the same step
-    assert stops[0]["preempted"] == "SIGUSR1" and stops[0]["micro_step"] % 2 == 0, stops
-    assert 3 <= stops[0]["step"] < 32 and stops[0]["epoch"] == 0, stops  # mid-epoch: 32 updates an epoch
+    # evaluation stopped at a batch boundary (4 samples a step), well before its 64 samples,
+    # and the loop at the update it had reached, mid-epoch (32 updates an epoch)
+    assert stops[0]["preempted"] == "SIGUSR1" and stops[0]["epoch"] == 0, stops
+    assert 0 < stops[0]["evaluated"] < 64 and stops[0]["evaluated"] % 4 == 0, stops
+    assert stops[0]["micro_step"] == 4 and stops[0]["step"] == 2, stops
     # in fresh processes; then the same processes run the uninterrupted reference, whose
     # launcher gets SIGTERM once its loop has finished
     launcher = _launch(cut, "resume")
@@ -224,55 +231,39 @@ def _worker(out: Path, rank: int) -> int:
 
 @pytest.mark.multiprocess
 def test_a_signal_is_heard_wherever_it_lands_and_the_status_says_whether_to_requeue(tmp_path: Path) -> None:
-    """Three 2-process launches side by side (docs/training.md, "Preemption"). Before:
-    ``evaluate``, SIGTERM to rank 1 during fa.evaluate: the evaluation ran to its end (64 of
-    64 samples) and the launch exited 0, so it was never requeued; ``prepare``, SIGTERM to
-    both workers before fa.prepare: the run took its first update first (step 1), exit 0;
-    ``save``, rank 1 signalled during a save: exit 0. (SIGTERM to the launcher after the loop
-    had finished, which exited 143: the previous test's reference run.)"""
-    modes = ("evaluate", "prepare", "save")
+    """Two 2-process launches side by side (docs/training.md, "Preemption"). Before:
+    ``prepare``, SIGTERM to both workers before fa.prepare: the run took its first update first
+    (step 1), exit 0; ``save``, rank 1 signalled during a save: exit 0. (A signal during
+    fa.evaluate, and SIGTERM to the launcher after the loop had finished, which exited 143: the
+    previous test's launches.)"""
+    modes = ("prepare", "save")
     outs = {mode: tmp_path / mode for mode in modes}
     for out in outs.values():
         out.mkdir()
     launchers = {mode: _launch(outs[mode], mode) for mode in modes}
     try:
-        pending = set(modes) - {"save"}  # that one signals itself
-        deadline = time.monotonic() + 240
-        while pending:
-            for mode in sorted(pending):
-                out, launcher = outs[mode], launchers[mode]
-                assert launcher.poll() is None, (mode, launcher.communicate()[1])
-                if mode == "evaluate" and (out / "evaluating").exists():
-                    os.kill(_worker(out, 1), signal.SIGTERM)
-                elif mode == "prepare" and len(list(out.glob("preparing.*"))) == 2:
-                    for rank in (0, 1):
-                        os.kill(_worker(out, rank), signal.SIGTERM)
-                    (out / "go").touch()
-                else:
-                    continue
-                pending.discard(mode)
-            assert time.monotonic() < deadline, f"{sorted(pending)} never reached the point to signal"
+        deadline = time.monotonic() + 240  # "save" signals itself
+        while len(list(outs["prepare"].glob("preparing.*"))) < 2:
+            assert launchers["prepare"].poll() is None, launchers["prepare"].communicate()[1]
+            assert time.monotonic() < deadline, "prepare never reached the point to signal"
             time.sleep(0.05)
+        for rank in (0, 1):
+            os.kill(_worker(outs["prepare"], rank), signal.SIGTERM)
+        (outs["prepare"] / "go").touch()
         ended = {mode: launcher.communicate(timeout=120)[1] for mode, launcher in launchers.items()}
     finally:
         for mode, launcher in launchers.items():
             end_launch(outs[mode], launcher)
     status = {mode: launcher.returncode for mode, launcher in launchers.items()}
-    assert status == {"evaluate": 143, "prepare": 143, "save": 143}, ended
-    for mode in ("evaluate", "prepare", "save"):
+    assert status == {"prepare": 143, "save": 143}, ended
+    for mode in modes:
         assert "preempted by SIGTERM" in ended[mode].strip().splitlines()[-1], ended[mode]
         stops = [json.loads((outs[mode] / f"stop.{rank}.json").read_text()) for rank in (0, 1)]
         for stop in stops:
             stop.pop("saved_at")
         assert stops[0] == stops[1] and stops[0]["preempted"] == "SIGTERM", (mode, stops)
         assert main(["checkpoint", "verify", str(outs[mode] / "ckpt")]) == 0
-    evaluate, prepare, save = (
-        json.loads((outs[mode] / "stop.0.json").read_text()) for mode in ("evaluate", "prepare", "save")
-    )
-    # evaluation stopped at a batch boundary (4 samples a step), well before its 64 samples,
-    # and the loop at the update it had reached
-    assert 0 < evaluate["evaluated"] < 64 and evaluate["evaluated"] % 4 == 0, evaluate
-    assert evaluate["micro_step"] == 4 and evaluate["step"] == 2, evaluate
+    prepare, save = (json.loads((outs[mode] / "stop.0.json").read_text()) for mode in modes)
     assert prepare["micro_step"] == 0 and prepare["step"] == 0, prepare  # before the first batch
     # the save in flight completed (whole), then the run stopped within 2 * check_every + a window
     assert (outs["save"] / "in_flight").read_text() == "True"
