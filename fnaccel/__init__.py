@@ -53,13 +53,17 @@ _PUBLIC = MappingProxyType(
         "notebook_launcher": "fnaccel.launchers",
         "debug_launcher": "fnaccel.launchers",
         # Checkpoints
-        "save": "fnaccel.checkpoint.run",
-        "load": "fnaccel.checkpoint.run",
+        "save": "fnaccel.checkpoint.saveload",
+        "load": "fnaccel.checkpoint.saveload",
         "ProjectConfiguration": "fnaccel.checkpoint.project",
         "latest_checkpoint": "fnaccel.checkpoint.latest",
         "save_policy": "fnaccel.checkpoint.policy",
         "autosave": "fnaccel.checkpoint.policy",
-        "save_model": "fnaccel.checkpoint.weights",
+        "save_model": "fnaccel.modeling.weights",
+        "CheckpointLayout": "fnaccel.checkpoint.storage.layout",
+        "CheckpointFiles": "fnaccel.checkpoint.storage.layout",
+        "read_checkpoint_tensors": "fnaccel.checkpoint.storage.layout",
+        "read_checkpoint_json": "fnaccel.checkpoint.storage.layout",
         # Debugging
         "diff": "fnaccel.debug.diff",
         # Tracking and progress

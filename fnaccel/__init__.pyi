@@ -26,15 +26,18 @@ from fnaccel.checkpoint.policy import (
 from fnaccel.checkpoint.project import (
     ProjectConfiguration as ProjectConfiguration,
 )
-from fnaccel.checkpoint.run import (
-    load as load,
-    save as save,
-)
 from fnaccel.checkpoint.runinfo import (
     ResumeDriftWarning as ResumeDriftWarning,
 )
-from fnaccel.checkpoint.weights import (
-    save_model as save_model,
+from fnaccel.checkpoint.saveload import (
+    load as load,
+    save as save,
+)
+from fnaccel.checkpoint.storage.layout import (
+    CheckpointFiles as CheckpointFiles,
+    CheckpointLayout as CheckpointLayout,
+    read_checkpoint_json as read_checkpoint_json,
+    read_checkpoint_tensors as read_checkpoint_tensors,
 )
 from fnaccel.config.launch import (
     LaunchConfig as LaunchConfig,
@@ -79,6 +82,9 @@ from fnaccel.kwargs import (
 from fnaccel.launchers import (
     debug_launcher as debug_launcher,
     notebook_launcher as notebook_launcher,
+)
+from fnaccel.modeling.weights import (
+    save_model as save_model,
 )
 from fnaccel.precision import (
     autocast_context as autocast_context,

@@ -87,7 +87,7 @@ def test_import_fnaccel_leaves_the_heavy_layers_for_first_use() -> None:
 
     code = (
         "import sys, fnaccel, fnaccel.utils\n"
-        "heavy = ('fnaccel.checkpoint.run', 'fnaccel.checkpoint.writer', 'fnaccel.checkpoint.weights', "
+        "heavy = ('fnaccel.checkpoint.saveload', 'fnaccel.checkpoint.writer', 'fnaccel.checkpoint.storage', "
         "'fnaccel.tracking', 'fnaccel.transforms.plugins', 'fnaccel.modeling', "
         "'fnaccel.commands', 'yaml')\n"
         "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"

@@ -4,7 +4,7 @@
   each time, cannot be named, imported or pickled, and hides from type checkers;
   defining one inside a function to defer a heavy import is what this forbids. The
   heavy import moves instead to a module that imports it at its top and is itself
-  imported lazily (``fnaccel.checkpoint.dcpstore`` holds everything that needs
+  imported lazily (``fnaccel.checkpoint.storage.dcpstore`` holds everything that needs
   ``torch.distributed.checkpoint``).
 - **A function makes at most one deferred import** (one ``import`` statement in
   its own body; a nested function counts its own). Two mean the function reaches
@@ -141,7 +141,7 @@ def test_a_planted_breach_is_named(source: str, expected: str) -> None:
     "allowed",
     [
         "def f():\n    import deepspeed\n\n"
-        "def g():\n    from fnaccel.checkpoint import dcpstore\n\n"
+        "def g():\n    from fnaccel.checkpoint.storage import dcpstore\n\n"
         "    def inner():\n        import transformers\n\n"  # a nested function counts its own
         "class A:\n    def m(self):\n        import torchao\n",
         "def h():\n    import torch.distributed\n",  # in a module without torch: torch itself is deferred

@@ -8,8 +8,11 @@ asks of a pipeline on several processes (it never looks for the name
 ``ddp``). On 2 processes it prepares, steps, saves and resumes bit for bit
 like `fa.ddp()`, with no change to fnaccel (issue 27, point 1); given a
 checkpoint layout of its own (`ReplicaLayout`: torch's state_dicts in files
-named after it, written from the `fnaccel.protocols.CheckpointLayout` hooks),
-it saves and resumes through that layout, bit for bit too (point 3).
+named after it, through the public storage half: `fa.CheckpointLayout`,
+`fa.CheckpointFiles`, `fa.read_checkpoint_tensors` / `fa.read_checkpoint_json`),
+it saves and resumes through that layout, bit for bit too (issue 27 point 3,
+issue 34 point 1). Only public names are imported here (tests/checkpoint/storage/test_layout.py
+checks it).
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
-from fnaccel.checkpoint.files import read_json, read_tensors
 
 NUM_SAMPLES, BATCH = 40, 4  # 5 batches per epoch on each of 2 processes
 
 
-def allreduce_gradients(layout: Any = None) -> fa.ParallelismTransform:
+def allreduce_gradients(layout: fa.CheckpointLayout | None = None) -> fa.ParallelismTransform:
     """Data parallel in a few lines: the replicas start equal and average their gradients."""
 
     def prepare_model(ctx: Any, model: nn.Module, state: Any) -> nn.Module:
@@ -61,7 +63,10 @@ class ReplicaLayout:
     ``state_dict()`` as torch gives them (the optimizer's parameters by index), each
     rank its gradients when the save falls inside an accumulation window."""
 
-    def snapshot(self, state: fa.RunState, files: Any) -> None:
+    def holds(self, state: fa.RunState) -> bool:
+        return True  # every run of this transform: its replicas are whole
+
+    def snapshot(self, state: fa.RunState, files: fa.CheckpointFiles) -> None:
         model, optimizer = state.model, state.optimizer
         if any(p.grad is not None for p in model.parameters()):
             files.add_tensors(
@@ -81,7 +86,7 @@ class ReplicaLayout:
             )
             files.add_json("replica_optimizer.json", {"param_groups": saved["param_groups"]})
 
-    def write(self, captured: None, ctx: Any, directory: Path) -> dict[str, Any]:
+    def write(self, captured: None, ctx: fa.DistContext, directory: Path) -> dict[str, Any]:
         return {}  # every file is in the snapshot
 
     def read(
@@ -91,14 +96,14 @@ class ReplicaLayout:
         manifest: dict[str, Any],
         gradients: dict[str, torch.Tensor],
     ) -> dict[str, Any]:
-        tensors = read_tensors(directory, "replica_optimizer.safetensors", manifest)
+        tensors = fa.read_checkpoint_tensors(directory, "replica_optimizer.safetensors", manifest)
         by_param: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in tensors.items():
             index, name = key.split("/")
             by_param.setdefault(int(index), {})[name] = value
-        groups = read_json(directory, "replica_optimizer.json", manifest)["param_groups"]
+        groups = fa.read_checkpoint_json(directory, "replica_optimizer.json", manifest)["param_groups"]
         return {
-            "model": read_tensors(directory, "replica_model.safetensors", manifest),
+            "model": fa.read_checkpoint_tensors(directory, "replica_model.safetensors", manifest),
             "optimizer": {"state": by_param, "param_groups": groups},
             "gradients": gradients,
         }

@@ -37,7 +37,7 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     ),
     "atomic.py": ("tests/checkpoint/test_crash.py", "fa.save's commit step: SIGKILL mid-save keeps the last"),
     "protocols.py": ("tests/test_state.py", "two Protocols (no code) the state names its pipeline by; mypy"),
-    "checkpoint/run.py": (
+    "checkpoint/saveload.py": (
         "tests/checkpoint/test_resume.py",
         "fa.save / fa.load: every checkpoint test's entry",
     ),
@@ -45,25 +45,57 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/checkpoint/test_crash.py",
         "fa.save's snapshot and write, reached only by it",
     ),
-    "checkpoint/codec.py": (
+    "checkpoint/storage/codec.py": (
         "tests/checkpoint/test_resume.py",
         "optimizer and RNG payloads, proven by the bit-for-bit resume",
     ),
-    "checkpoint/checks.py": ("tests/checkpoint/test_hostile.py", "fa.load's validation of what it reads"),
-    "checkpoint/headers.py": ("tests/checkpoint/test_files.py", "the tensor file format, with tensorfile.py"),
-    "checkpoint/tensorfile.py": ("tests/checkpoint/test_files.py", "the tensor file format, with headers.py"),
-    "checkpoint/tied.py": ("tests/checkpoint/test_weights.py", "tied weights stored once by fa.save_model"),
-    "checkpoint/layouts/plain.py": (
+    "checkpoint/storage/schema.py": (
+        "tests/checkpoint/test_hostile.py",
+        "fa.load's validation of what it reads",
+    ),
+    "checkpoint/headers.py": (
+        "tests/checkpoint/storage/test_files.py",
+        "the tensor file format, with tensorfile.py",
+    ),
+    "checkpoint/storage/tensorfile.py": (
+        "tests/checkpoint/storage/test_files.py",
+        "the tensor file format, with headers.py",
+    ),
+    "checkpoint/storage/aliases.py": (
+        "tests/modeling/test_weights.py",
+        "tied weights stored once by fa.save_model",
+    ),
+    "checkpoint/storage/choice.py": (
+        "tests/checkpoint/storage/test_layout.py",
+        "which declared layout stores a run, with the storage half's protocol",
+    ),
+    "checkpoint/storage/modules.py": (
+        "tests/checkpoint/test_resume.py",
+        "the user's module inside ddp/compile wrappers, which every replicated resume stores",
+    ),
+    "checkpoint/storage/reshard.py": (
+        "tests/checkpoint/test_reshard.py",
+        "loading on another number of processes",
+    ),
+    "checkpoint/storage/weight_hooks.py": (
+        "tests/checkpoint/test_hooks.py",
+        "the save and load hooks on the weights",
+    ),
+    "checkpoint/storage/weightfiles.py": (
+        "tests/modeling/test_weights.py",
+        "the weights files fa.save_model writes and load_checkpoint_in_model reads; also test_loading.py",
+    ),
+    "modeling/placement.py": (
+        "tests/checkpoint/test_sharded.py",
+        "is_sharded needs fsdp() on several processes",
+    ),
+    "checkpoint/storage/plain.py": (
         "tests/checkpoint/test_resume.py",
         "the plain layout: every replicated resume",
     ),
-    "checkpoint/layouts/sharded.py": (
+    "checkpoint/storage/sharded.py": (
         "tests/checkpoint/test_reshard.py",
         "the sharded layout needs fsdp() on several processes; also test_sharded.py",
-    ),
-    "checkpoint/layouts/zero.py": (
-        "tests/transforms/test_deepspeed.py",
-        "the ZeRO layout needs a DeepSpeed engine",
     ),
     "checkpoint/extras.py": ("tests/checkpoint/test_registered.py", "registered objects' state"),
     "checkpoint/manifest.py": (
@@ -75,11 +107,14 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
         "asynchronous saves and their failures",
     ),
     "checkpoint/runinfo.py": ("tests/debug/test_drift.py", "what fa.load compares on resume"),
-    "checkpoint/shardindex.py": ("tests/checkpoint/test_sharded.py", "the DCP index, also read by merge"),
-    "checkpoint/summary.py": ("tests/debug/test_diff.py", "what `fnaccel checkpoint` prints and diffs"),
-    "checkpoint/dcpstore.py": (
+    "checkpoint/storage/shardindex.py": (
         "tests/checkpoint/test_sharded.py",
-        "the sharded layout's DCP storage; also test_merge.py",
+        "the DCP index, also read by merge",
+    ),
+    "checkpoint/summary.py": ("tests/debug/test_diff.py", "what `fnaccel checkpoint` prints and diffs"),
+    "checkpoint/storage/dcpstore.py": (
+        "tests/checkpoint/test_sharded.py",
+        "the sharded layout's DCP storage; also test_consolidate.py",
     ),
     "commands/launch_flags.py": ("tests/commands/test_cli_errors.py", "the flags of `fnaccel launch`"),
     "commands/launch_worker.py": (
@@ -87,8 +122,8 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
         "workers end with their launcher",
     ),
     "commands/merge.py": (
-        "tests/checkpoint/test_merge.py",
-        "parses and prints; its tests share checkpoint/merge.py's 2-process fixture",
+        "tests/checkpoint/test_consolidate.py",
+        "parses and prints; its tests share checkpoint/consolidate.py's 2-process fixture",
     ),
     "commands/main.py": ("tests/commands/test_cli_errors.py", "the parser every command goes through"),
     "commands/test_checks.py": ("tests/commands/test_test_command.py", "the checks `fnaccel test` runs"),
@@ -109,7 +144,6 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     "debug/items.py": ("tests/debug/test_diff.py", "the tensors `fnaccel checkpoint diff` compares"),
     "dist.py": ("tests/transforms/test_mesh.py", "data-parallel rank and mesh groups need a mesh"),
     "modeling/attach.py": ("tests/modeling/test_hooks.py", "attaching the hooks of hooks.py"),
-    "modeling/checkpoint_files.py": ("tests/modeling/test_loading.py", "the files loading.py reads"),
     "modeling/layerwise_casting.py": ("tests/modeling/test_big_modeling.py", "a big_modeling entry point"),
     "modeling/memory_budget.py": ("tests/modeling/test_device_map.py", "the budgets a device map fills"),
     "ops/_flags.py": ("tests/ops/test_collectives.py", "the collectives' agreement, private to ops/"),
@@ -151,7 +185,10 @@ NOT_YET_MIRRORED: dict[str, tuple[str, str]] = {
         "tests/test_train_dist.py",
         "fa.ddp / fa.fsdp: tests/transforms/test_parallel.py",
     ),
-    "transforms/collective_steps.py": ("tests/ops/test_collectives.py", "the collective transforms, with ops/"),
+    "transforms/collective_steps.py": (
+        "tests/ops/test_collectives.py",
+        "the collective transforms, with ops/",
+    ),
     "transforms/tensor_parallel.py": (
         "tests/transforms/test_mesh.py",
         "fa.tp: tests/transforms/test_tensor_parallel.py",

@@ -34,18 +34,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fnaccel._errors import CheckpointError
+
+if TYPE_CHECKING:
+    from fnaccel.state import RunState
 
 __all__ = ["join", "register_for_checkpointing", "split"]
 
 _SCALARS = (type(None), bool, int, float, str)
 
 
-def register_for_checkpointing(state: Any, **objects: Any) -> Any:
+def register_for_checkpointing(state: RunState, **objects: Any) -> RunState:
     """The state with ``objects`` saved and loaded with it, under their names
     (the state is not consumed). Each object's ``state_dict()`` comes back to its
     ``load_state_dict`` with the same types (int keys, tuples, tensors, nesting);

@@ -17,23 +17,28 @@ element by element, which also names the first bad tensor.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from fnaccel.transforms.clip import dtensor_class
-from fnaccel.transforms.parallel import unwrap_model
+from fnaccel.checkpoint.storage.modules import unwrap_model
+
+if TYPE_CHECKING:
+    from fnaccel.state import RunState
 
 __all__ = ["first_nonfinite", "saved_tensors"]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (the tensor itself otherwise)."""
-    return tensor.to_local() if isinstance(tensor, dtensor_class()) else tensor
+    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless it was loaded
+    kind: Any = getattr(dtensor, "DTensor", ())
+    return cast(torch.Tensor, tensor.to_local()) if isinstance(tensor, kind) else tensor
 
 
-def saved_tensors(state: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def saved_tensors(state: RunState) -> Iterator[tuple[str, torch.Tensor]]:
     """``(what, tensor)`` for each tensor of ``state`` that the updates compute and a save
     writes, as this rank holds it: the parameters and the optimizer's state (its moments).
     Not the gradients a save between accumulation micro-steps writes: a NaN there is
@@ -48,14 +53,14 @@ def saved_tensors(state: Any) -> Iterator[tuple[str, torch.Tensor]]:
     if optimizer is None:
         return
     names = {id(param): name for name, param in named}
-    for index, (param, per_param) in enumerate(optimizer.state.items()):
-        owner = names.get(id(param), f"#{index}")
+    for index, (moved, per_param) in enumerate(optimizer.state.items()):
+        owner = names.get(id(moved), f"#{index}")
         for key, value in per_param.items():
             if isinstance(value, torch.Tensor):
                 yield f"optimizer state {key!r} of {owner!r}", _local(value)
 
 
-def first_nonfinite(state: Any) -> str | None:
+def first_nonfinite(state: RunState) -> str | None:
     """The first tensor of `saved_tensors` that holds a NaN or inf (named), or None.
 
     >>> import fnaccel as fa, torch

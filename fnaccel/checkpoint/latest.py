@@ -20,8 +20,8 @@ import warnings
 from pathlib import Path
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import LEFTOVER_MARKER, locked, sibling_stem
 from fnaccel.checkpoint.manifest import MANIFEST, read_manifest
+from fnaccel.checkpoint.storage.files import LEFTOVER_MARKER, locked, sibling_stem
 from fnaccel.checkpoint.summary import verify
 
 __all__ = ["SkippedCheckpointWarning", "latest_checkpoint"]

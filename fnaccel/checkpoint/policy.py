@@ -46,7 +46,7 @@ time: with a large model on a slow disk the commit decides, with a small
 model on ``/dev/shm`` the pace.
 
 Rotation runs on the save's own thread right after the commit, on the ranks
-that wrote the shared files (`fnaccel.checkpoint.run.start_save`). It deletes
+that wrote the shared files (`fnaccel.checkpoint.saveload.start_save`). It deletes
 only ``step_<n>`` children of the policy's directory that are fnaccel
 checkpoints holding nothing but the files their manifest lists (what
 `fa.save` may replace), never one a live save holds, never anything else in
@@ -65,10 +65,10 @@ from typing import Any
 
 from fnaccel import ops
 from fnaccel.calls import collective
-from fnaccel.checkpoint.files import discard, locked, remove_leftovers, sibling_stem
 from fnaccel.checkpoint.manifest import MANIFEST, target_problem
 from fnaccel.checkpoint.queue import SaveHandle
-from fnaccel.checkpoint.run import start_save
+from fnaccel.checkpoint.saveload import start_save
+from fnaccel.checkpoint.storage.files import discard, locked, remove_leftovers, sibling_stem
 from fnaccel.checks import check_value, is_int, is_number, require
 from fnaccel.state import RunState
 

@@ -16,11 +16,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from fnaccel.checkpoint.files import discard, remove_leftovers
 from fnaccel.checkpoint.manifest import MANIFEST
+from fnaccel.checkpoint.storage.files import discard, remove_leftovers
 from fnaccel.kwargs.mixin import KwargsHandler
+
+if TYPE_CHECKING:
+    from fnaccel.state import RunState
 
 __all__ = ["ProjectConfiguration", "next_checkpoint", "project_of", "rotate"]
 
@@ -89,7 +92,7 @@ def rotate(project_dir: Path, total_limit: int, newest: Path) -> None:
     remove_leftovers(root, _NAMES)
 
 
-def project_of(state: Any) -> tuple[ProjectConfiguration, Path | None]:
+def project_of(state: RunState) -> tuple[ProjectConfiguration, Path | None]:
     """A run's `ProjectConfiguration` (its kwargs handler, else the defaults) and its
     project directory (the handler's, else ``fa.init(project_dir=...)``), absolute."""
     config = state.kwargs_handlers.get("ProjectConfiguration") or ProjectConfiguration()

@@ -29,11 +29,14 @@ import json
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import read_json, read_verified
+from fnaccel.checkpoint.storage.files import read_json, read_verified
 from fnaccel.constants import PrecisionType
+
+if TYPE_CHECKING:
+    from fnaccel.state import RunState
 
 __all__ = ["RUN_FILE", "Drift", "ResumeDriftWarning", "describe_run", "resume_drift", "saved_config"]
 
@@ -57,7 +60,7 @@ def _version() -> str:
         return "unknown"
 
 
-def describe_run(state: Any) -> dict[str, Any]:
+def describe_run(state: RunState) -> dict[str, Any]:
     """What ``run.json`` records for ``state``: plain JSON (options as their ``repr``).
 
     >>> import fnaccel as fa
@@ -70,12 +73,10 @@ def describe_run(state: Any) -> dict[str, Any]:
     return {**_setup(state), "fnaccel_version": _version(), "torch_version": str(torch.__version__)}
 
 
-def _setup(state: Any) -> dict[str, Any]:
+def _setup(state: RunState) -> dict[str, Any]:
     """The part of `describe_run` a load compares (the versions are only recorded)."""
-    from fnaccel.transforms.base import Pipeline, Precision, Transform  # with torch: a run is live here
-
-    held = state.pipeline.transforms if isinstance(state.pipeline, Pipeline) else ()
-    transforms = [t for t in held if isinstance(t, Transform)]  # fa.prepare refuses collectives
+    held = () if state.pipeline is None else state.pipeline.transforms
+    transforms = [t for t in held if hasattr(t, "capabilities")]  # fa.prepare refuses collectives
     pipeline = [
         {
             "name": t.name,
@@ -84,7 +85,11 @@ def _setup(state: Any) -> dict[str, Any]:
         }
         for t in transforms
     ]
-    cast = state.pipeline.settings(Precision) if isinstance(state.pipeline, Pipeline) else None
+    # the precision a transform declares in its settings record (`Precision`: autocast's)
+    cast = next(
+        (t.settings for t in transforms if isinstance(getattr(t.settings, "precision", None), PrecisionType)),
+        None,
+    )
     precision = "fp32" if cast is None or cast.precision is PrecisionType.NO else cast.precision.value
     return {
         "pipeline": pipeline,
@@ -135,10 +140,8 @@ def _pipeline_drift(saved: list[dict[str, Any]], now: list[dict[str, Any]]) -> l
 
 def _averages_gradients(entry: dict[str, Any]) -> bool:
     """Whether a recorded transform declared `Capability.AVERAGES_GRADIENTS`."""
-    from fnaccel.transforms.base import Capability  # with torch: a run is live here
-
     recorded = entry.get("capabilities")
-    return isinstance(recorded, list) and Capability.AVERAGES_GRADIENTS.name in recorded
+    return isinstance(recorded, list) and "AVERAGES_GRADIENTS" in recorded
 
 
 def saved_config(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -155,7 +158,7 @@ def saved_config(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def resume_drift(state: Any, directory: Path, manifest: dict[str, Any]) -> list[Drift]:
+def resume_drift(state: RunState, directory: Path, manifest: dict[str, Any]) -> list[Drift]:
     """Every difference between the run that saved ``directory`` and ``state``, which loads it."""
     now = _setup(state)
     out: list[Drift] = []

@@ -4,7 +4,7 @@
 world size and layout, pipeline, precision, the model's size by dtype and by
 top-level module, files and sizes, versions. It reads the manifest, the small
 JSON files, the safetensors *headers* (`fnaccel.checkpoint.headers`) and a
-sharded checkpoint's index (`fnaccel.checkpoint.shardindex`), never a tensor,
+sharded checkpoint's index (`fnaccel.checkpoint.storage.shardindex`), never a tensor,
 so it costs the same for 6 MB and 600 GB; and it imports no torch, so a new
 ``fnaccel checkpoint inspect`` process answers in a fraction of a second
 (`tests/commands/test_checkpoint_command.py` checks that torch stays out).
@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import read_json, read_tensors, verify_file
 from fnaccel.checkpoint.headers import TensorFile
 from fnaccel.checkpoint.manifest import read_manifest
 from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
-from fnaccel.checkpoint.shardindex import METADATA, read_index
-from fnaccel.checkpoint.tensorfile import ITEMSIZES
+from fnaccel.checkpoint.storage.files import read_json, read_tensors, verify_file
+from fnaccel.checkpoint.storage.shardindex import METADATA, read_index
+from fnaccel.checkpoint.storage.tensorfile import ITEMSIZES
 
 __all__ = ["CheckpointSummary", "summarize", "verify"]
 

@@ -3,7 +3,7 @@
 `take_snapshot` captures, on the calling thread, everything a checkpoint holds
 as tensors and JSON values (JSON parts are round-tripped through the encoder,
 which both copies them and rejects what cannot be stored without pickle); the
-run's checkpoint layout (`fnaccel.checkpoint.layouts`) adds the model and the
+run's checkpoint layout (`fnaccel.checkpoint.storage.layout`) adds the model and the
 optimizer.
 `write_snapshot` writes it and moves it into place. A blocking save runs both
 on the caller's thread; an asynchronous one copies the snapshot's tensors to
@@ -24,7 +24,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,9 +32,11 @@ import torch.distributed as dist
 from fnaccel import ops
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint import extras as extras_codec
-from fnaccel.checkpoint.checks import kind_of
-from fnaccel.checkpoint.codec import rng_payload
-from fnaccel.checkpoint.files import (
+from fnaccel.checkpoint.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, manifest_hash
+from fnaccel.checkpoint.queue import SaveQueue
+from fnaccel.checkpoint.runinfo import RUN_FILE, describe_run
+from fnaccel.checkpoint.storage.codec import rng_payload
+from fnaccel.checkpoint.storage.files import (
     SaveLock,
     commit,
     json_copy,
@@ -47,12 +49,13 @@ from fnaccel.checkpoint.files import (
     write_json,
     write_tensors,
 )
-from fnaccel.checkpoint.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, manifest_hash
-from fnaccel.checkpoint.queue import SaveQueue
-from fnaccel.checkpoint.runinfo import RUN_FILE, describe_run
+from fnaccel.checkpoint.storage.layout import CheckpointLayout
+from fnaccel.checkpoint.storage.schema import kind_of
 from fnaccel.dist import DistContext
 from fnaccel.process import wait_for_everyone
-from fnaccel.protocols import CheckpointLayout
+
+if TYPE_CHECKING:
+    from fnaccel.state import RunState
 
 __all__ = ["Snapshot", "take_snapshot", "write_snapshot"]
 
@@ -75,6 +78,11 @@ class Snapshot:
     captured: Any = None  # the layout's snapshot, for its write (an fsdp() run's shards)
     manifest: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def background(self) -> bool:
+        """Whether the files are written on a background thread (tensors are copies)."""
+        return self.staging is not None
+
     def add_tensors(self, file: str, tensors: Mapping[str, torch.Tensor], *, transient: bool = False) -> None:
         """Add ``tensors`` to ``file``'s: copied to the CPU now for an asynchronous save,
         and also for a blocking one when ``transient`` (valid only until the caller
@@ -90,7 +98,7 @@ class Snapshot:
         self.json_files[file] = json_copy(value, file)
 
 
-def data_payload(state: Any) -> dict[str, Any]:
+def data_payload(state: RunState) -> dict[str, Any]:
     """The data position past the epoch (the manifest has the epoch), and the layout
     of the loader it belongs to (None without a loader)."""
     position = state.data_position
@@ -102,7 +110,7 @@ def data_payload(state: Any) -> dict[str, Any]:
 
 
 def take_snapshot(
-    state: Any, layout: CheckpointLayout, writer: bool, per_node: bool, staging: SaveQueue | None
+    state: RunState, layout: CheckpointLayout, writer: bool, per_node: bool, staging: SaveQueue | None
 ) -> Snapshot:
     """Everything ``state``'s checkpoint holds, captured now, the model and optimizer
     by ``layout`` (with ``staging``: the tensors copied to the CPU, into the buffers

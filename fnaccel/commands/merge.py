@@ -1,5 +1,5 @@
 """``fnaccel merge-weights``: Accelerate's flags, parsed and answered; the merge itself is
-`fnaccel.checkpoint.merge` (imported when the command runs: it loads torch.distributed.checkpoint).
+`fnaccel.checkpoint.consolidate` (imported when the command runs: it loads torch.distributed.checkpoint).
 Accelerate's ``--unsafe_serialization`` (write a pickled ``.bin``) is refused.
 """
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             "--unsafe_serialization writes a pickled .bin, which fnaccel never does (loading one "
             "runs arbitrary code); drop the flag to write safetensors"
         )
-    from fnaccel.checkpoint.merge import merge_weights
+    from fnaccel.checkpoint.consolidate import merge_weights
 
     try:
         merged = merge_weights(args.checkpoint_directory, args.output_path, args.remove_checkpoint_dir)

@@ -32,14 +32,14 @@ import torch
 import yaml
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import read_json
 from fnaccel.checkpoint.headers import TensorFile
-from fnaccel.checkpoint.layouts import layout_for
-from fnaccel.checkpoint.layouts.sharded import ShardedSnapshot
 from fnaccel.checkpoint.manifest import read_manifest
 from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
-from fnaccel.checkpoint.shardindex import METADATA, VALUES
-from fnaccel.checkpoint.tensorfile import torch_dtype
+from fnaccel.checkpoint.storage.choice import layout_for
+from fnaccel.checkpoint.storage.files import read_json
+from fnaccel.checkpoint.storage.sharded import ShardedSnapshot
+from fnaccel.checkpoint.storage.shardindex import METADATA, VALUES
+from fnaccel.checkpoint.storage.tensorfile import torch_dtype
 from fnaccel.checkpoint.writer import take_snapshot
 
 __all__ = ["TensorItem", "items_of_directory", "items_of_state"]
@@ -216,7 +216,9 @@ def items_of_directory(directory: Path, ranks: set[int] | None = None) -> dict[s
     if "config.yaml" in files:
         _flatten("config", saved_config(directory, manifest), out)
     if METADATA in files:
-        from fnaccel.checkpoint import dcpstore  # imports DCP: only a sharded checkpoint's items need it
+        from fnaccel.checkpoint.storage import (
+            dcpstore,  # imports DCP: only a sharded checkpoint's items need it
+        )
 
         metadata, storage = dcpstore.metadata_from(
             read_json(directory, METADATA, manifest), files, str(directory / METADATA)

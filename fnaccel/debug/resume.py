@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from fnaccel import ops
-from fnaccel.checkpoint.run import load, save
+from fnaccel.checkpoint.saveload import load, save
 from fnaccel.checks import is_int
 from fnaccel.data.prepared import batches
 from fnaccel.debug.diff import Diff, diff

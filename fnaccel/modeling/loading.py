@@ -4,7 +4,7 @@
 Accelerate, transformers and ``safetensors.torch.save_model`` write):
 ``model.safetensors``, or shards and ``model.safetensors.index.json``. Pickles
 (``.bin``, ``.pt``) are refused, never unpickled. Finding the files and
-reading their headers is `fnaccel.modeling.checkpoint_files`.
+reading their headers is `fnaccel.checkpoint.storage.weightfiles`.
 
 Memory: a file is never read whole. Its tensors are memory-mapped a few at a
 time (a new mapping every ``64 MiB``, the previous one released) and each is
@@ -30,9 +30,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.layouts.sharded import is_sharded
-from fnaccel.checkpoint.tied import retie
-from fnaccel.modeling.checkpoint_files import (
+from fnaccel.checkpoint.storage.aliases import retie
+from fnaccel.checkpoint.storage.weightfiles import (
     PICKLE_SUFFIXES,
     checkpoint_files,
     read_header,
@@ -46,6 +45,7 @@ from fnaccel.modeling.offload import (
     offload_weight,
     save_offload_index,
 )
+from fnaccel.modeling.placement import is_sharded
 from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.modeling.tensors import DeviceMap, device_for, parse_device_map, set_module_tensor_to_device
 from fnaccel.modeling.tied import find_tied_parameters, retie_parameters

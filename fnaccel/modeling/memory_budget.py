@@ -14,52 +14,22 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
+from fnaccel.checkpoint.storage.weightfiles import convert_file_size_to_int
 from fnaccel.checks import is_int
 from fnaccel.modeling.sizes import DTypeLike, compute_module_sizes
 
-__all__ = ["convert_file_size_to_int", "get_balanced_memory", "get_max_memory"]
+__all__ = ["convert_file_size_to_int", "get_balanced_memory", "get_max_memory"]  # the first: weightfiles'
 
 _LOG = logging.getLogger(__name__)
 
 Device = int | str
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B)\s*$", re.IGNORECASE)
 _NAMED_DEVICES = ("mps", "cpu", "disk")  # after the GPUs, in this order
-
-
-def convert_file_size_to_int(size: int | str) -> int:
-    """A size in bytes, from an int or a string such as ``"10GiB"`` or ``"256MB"``.
-
-    KiB/MiB/GiB/TiB are powers of 2, KB/MB/GB/TB powers of 10, whatever the
-    case; a lowercase ``b`` ending a decimal unit (``"8Gb"``) means bits, as
-    in Accelerate and transformers (``"1kib"`` is still 1024 bytes).
-    `fa.save_model`'s ``max_shard_size`` is read the same way.
-
-    Raises:
-        ValueError: ``size`` is negative or not a size.
-
-    >>> convert_file_size_to_int("1GiB"), convert_file_size_to_int("256MB"), convert_file_size_to_int("8kb")
-    (1073741824, 256000000, 1000)
-    """
-    if is_int(size) and size >= 0:
-        return size
-    match = _SIZE.match(size) if isinstance(size, str) else None
-    if match is None:
-        raise ValueError(
-            f"{size!r} is not a size: pass a number of bytes or a string such as '10GiB' or '256MB' "
-            "(KiB/MiB/GiB/TiB: powers of 2; KB/MB/GB/TB: powers of 10)"
-        )
-    number, unit = float(match.group(1)), match.group(2)
-    power = "KMGT".index(unit[0].upper()) + 1
-    binary = unit[1] in "iI"
-    nbytes = int(number * (2 ** (10 * power) if binary else 10 ** (3 * power)))
-    return nbytes // 8 if unit.endswith("b") and not binary else nbytes
 
 
 def _available_cpu_memory() -> int:

@@ -23,13 +23,22 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
-from dataclasses import fields
-from typing import Any
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from fnaccel._errors import CheckpointError
+from fnaccel.checkpoint.storage.aliases import untie
+from fnaccel.checkpoint.storage.codec import optimizer_payload, optimizer_state
+from fnaccel.checkpoint.storage.files import read_json, read_tensors, verify_file
+from fnaccel.checkpoint.storage.layout import CheckpointFiles
+from fnaccel.checkpoint.storage.modules import unwrap_compiled, unwrap_model
+from fnaccel.checkpoint.storage.schema import check_tensors
+from fnaccel.checkpoint.storage.weight_hooks import saved_weights
 from fnaccel.checks import is_int
 from fnaccel.constants import PrecisionType
 from fnaccel.dist import DistContext
@@ -39,8 +48,12 @@ from fnaccel.transforms.kinds import EngineTransform, options
 from fnaccel.transforms.phases import Phase
 from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin, EngineSettings, resolve_ds_config
 
+if TYPE_CHECKING:
+    from fnaccel.state import RunState
+
 __all__ = [
     "DeepSpeedState",
+    "ZeroLayout",
     "deepspeed",
     "deepspeed_engine",
     "gathered_parameters",
@@ -274,6 +287,7 @@ def deepspeed(**settings: Any) -> EngineTransform:
         backward=_backward,
         takes_over=frozenset({Capability.CLIPS_GRADIENTS}),
         micro_steps=steps if is_int(steps) and steps > 1 else 1,
+        layout=ZeroLayout(),
     )
 
 
@@ -328,3 +342,125 @@ def gathered_parameters(module: torch.nn.Module) -> Iterator[None]:
 
     with ds.zero.GatheredParameters(params, modifier_rank=None):
         yield
+
+
+# -- its checkpoint layout: DeepSpeed's own save_checkpoint pickles (torch.save), so each rank
+# writes the optimizer partitions it holds in safetensors, and rank 0 the consolidated weights.
+
+
+def zero_engine(model: Any) -> Any:
+    """The DeepSpeed engine of a run whose optimizer steps master partitions, or None."""
+    engine = None if model is None else deepspeed_engine(unwrap_compiled(model))
+    return engine if engine is not None and master_partitions(engine) is not None else None
+
+
+def _names(masters: list[torch.Tensor]) -> dict[int, str]:
+    return {id(m): f"partition{i}" for i, m in enumerate(masters)}
+
+
+def snapshot_zero(state: RunState, engine: Any) -> tuple[str, dict[str, torch.Tensor], str, dict[str, Any]]:
+    """``(tensor file, tensors, json file, json)`` of this rank's ZeRO files."""
+    if state.plan is not None and state.micro_step % state.plan.micro_steps != 0:
+        raise CheckpointError(
+            f"fa.save: micro-step {state.micro_step} falls inside an accumulation of "
+            f"{state.plan.micro_steps}, and DeepSpeed keeps the partial gradients in buffers of its own; "
+            "save after the update (when state.micro_step is a multiple of the accumulation)"
+        )
+    masters = master_partitions(engine)
+    assert masters is not None, "ZeroLayout.holds found this engine"
+    with optimizer_over_partitions(engine) as base:
+        tensors, saved = optimizer_payload(base, _names(masters))
+    tensors.update({f"master/{i}": m.detach() for i, m in enumerate(masters)})
+    rank = state.dist.rank
+    return f"rank{rank}.zero.safetensors", tensors, f"rank{rank}.zero.json", saved
+
+
+def read_zero(state: RunState, engine: Any, directory: Path, manifest: dict[str, Any]) -> tuple[Any, Any]:
+    """This rank's ZeRO files, checked against the live engine: ``(masters, optimizer state_dict)``."""
+    rank = state.dist.rank
+    name = f"rank{rank}.zero.safetensors"
+    tensors = read_tensors(directory, name, manifest)
+    saved = read_json(directory, f"rank{rank}.zero.json", manifest)
+    live = master_partitions(engine)
+    assert live is not None, "ZeroLayout.holds found this engine"
+    masters = {key: t for key, t in tensors.items() if key.startswith("master/")}
+    check_tensors(
+        masters,
+        {f"master/{i}": m for i, m in enumerate(live)},
+        str(directory / name),
+        "this rank's master partitions (same model, stage and world size?)",
+    )
+    rest = {key: t for key, t in tensors.items() if not key.startswith("master/")}
+    names = _names(live)
+    with optimizer_over_partitions(engine) as base:
+        state_dict = optimizer_state(
+            base, {names[id(m)]: m for m in live}, rest, saved, str(directory / f"rank{rank}.zero.json")
+        )
+    return [masters[f"master/{i}"] for i in range(len(live))], state_dict
+
+
+def load_zero(engine: Any, masters: list[torch.Tensor], state_dict: Any) -> None:
+    """Restore what `read_zero` read, then the model's parameters from the masters."""
+    live = master_partitions(engine)
+    assert live is not None and len(live) == len(masters)
+    with torch.no_grad():
+        for now, saved in zip(live, masters, strict=False):
+            now.copy_(saved)
+    with optimizer_over_partitions(engine) as base:
+        base.load_state_dict(state_dict)
+    refresh_parameters(engine)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroRead:
+    """What `ZeroLayout.read` checked, for `ZeroLayout.restore`."""
+
+    engine: Any
+    masters: list[torch.Tensor]
+    optimizer: Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroLayout:
+    """Each rank's master partitions and optimizer state in ``rank<r>.zero.*``, the
+    consolidated weights in ``model.safetensors``: `deepspeed`'s checkpoint layout
+    (`fnaccel.checkpoint.storage.layout.CheckpointLayout`). A ZeRO-0 engine in fp32
+    steps the model's own parameters and is stored plainly."""
+
+    def holds(self, state: RunState) -> bool:
+        return zero_engine(state.model) is not None
+
+    def snapshot(self, state: RunState, files: CheckpointFiles) -> None:
+        tensor_file, tensors, json_file, values = snapshot_zero(state, zero_engine(state.model))
+        files.add_tensors(tensor_file, tensors)
+        files.add_json(json_file, values)
+        module = unwrap_model(state.model)
+        with gathered_parameters(module):  # ZeRO-3: a collective, every rank takes part
+            weights, files.tied = untie(saved_weights(state, module))
+            if files.writer:  # ZeRO-3's gathered data goes when the block ends: copied now
+                files.add_tensors("model.safetensors", weights, transient=True)
+
+    def write(self, captured: None, ctx: DistContext, directory: Path) -> dict[str, Any]:
+        return {}  # every file is in the snapshot's own
+
+    def read(
+        self,
+        state: RunState,
+        directory: Path,
+        manifest: dict[str, Any],
+        gradients: Mapping[str, torch.Tensor],
+    ) -> ZeroRead:
+        if gradients:
+            raise CheckpointError(
+                f"{directory}: holds gradients saved between accumulation micro-steps; a "
+                "DeepSpeed ZeRO run keeps them in buffers of its own and cannot take them"
+            )
+        engine = zero_engine(state.model)
+        verify_file(
+            directory, "model.safetensors", manifest
+        )  # the masters hold the weights: checked, not used
+        masters, optimizer = read_zero(state, engine, directory, manifest)
+        return ZeroRead(engine=engine, masters=masters, optimizer=optimizer)
+
+    def restore(self, state: RunState, read: ZeroRead) -> None:
+        load_zero(read.engine, read.masters, read.optimizer)

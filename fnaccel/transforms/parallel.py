@@ -12,7 +12,6 @@ it: a hand-written forward runs with the right setting too.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from functools import partial
 from typing import Any
@@ -22,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fnaccel.checkpoint.storage.modules import unwrap_compiled, unwrap_model
+from fnaccel.checkpoint.storage.sharded import ShardedLayout
 from fnaccel.dist import DistContext, data_parallel, data_parallel_context
 from fnaccel.kwargs import DistributedDataParallelKwargs
 from fnaccel.resources import GroupOwner
@@ -38,21 +39,6 @@ __all__ = [
     "unwrap_compiled",
     "unwrap_model",
 ]
-
-
-def unwrap_compiled(model: Any) -> Any:
-    """The module inside a `torch.compile` wrapper (the model itself otherwise)."""
-    return getattr(model, "_orig_mod", model)
-
-
-def unwrap_model(model: Any) -> nn.Module:
-    """The user's module inside `torch.compile`, `DistributedDataParallel` and DeepSpeed
-    engine wrappers (FSDP2 shards in place, so a sharded model is its own module)."""
-    inner = unwrap_compiled(model)
-    if isinstance(inner, DistributedDataParallel):
-        return inner.module
-    ds = sys.modules.get("deepspeed")  # only a run that built an engine has imported it
-    return inner.module if ds is not None and isinstance(inner, ds.DeepSpeedEngine) else inner
 
 
 def ddp(*, find_unused: bool | None = None, **kwargs: Any) -> ParallelismTransform:
@@ -252,6 +238,7 @@ def fsdp(
         phase=Phase.DATA_PARALLEL,
         conflicts=frozenset({"ddp"}),
         capabilities=frozenset({Capability.AVERAGES_GRADIENTS, Capability.SHARDS_PARAMETERS}),
+        layout=ShardedLayout(splits=_shards),
         backward_inputs=False,  # FSDP2 computes gradients on unsharded copies, not on the shards
         check=check_optimizer_holds_model,
         prepare_model=prepare_model,
@@ -275,3 +262,8 @@ def check_optimizer_holds_model(request: PrepareRequest) -> PipelineView:
                 "state.model.parameters()"
             )
     return request.pipeline
+
+
+def _shards(ctx: DistContext) -> bool:
+    """Whether `fsdp` shards the model in this run (as its prepare_model decides)."""
+    return data_parallel(ctx)[1] > 1

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fnaccel.checkpoint.storage.sharded import ShardedLayout
 from fnaccel.checks import is_int
 from fnaccel.dist import DistContext, data_parallel, mesh_dim
 from fnaccel.transforms.declared import Accumulation, Capability
@@ -59,6 +60,12 @@ def stage_group(ctx: DistContext) -> tuple[dist.ProcessGroup | None, list[int]]:
     if mesh is not None:
         return mesh.get_group(), [int(r) for r in mesh.mesh.flatten().tolist()]
     return ctx.process_group, list(range(ctx.num_processes))
+
+
+def _splits(ctx: DistContext) -> bool:
+    """Whether `pp` splits the model over processes in this run (in a world of one its
+    stages run in order in one process, and the model is stored whole)."""
+    return stage_group(ctx)[0] is not None
 
 
 def split_stages(model: nn.Module, num_stages: int | None, split_points: Sequence[str]) -> list[list[str]]:
@@ -420,6 +427,7 @@ def pp(
             "itself (no compile of the whole model, no fp16 loss scaling); drop the other transform"
         ),
         capabilities=frozenset({Capability.SPLITS_MODEL}),
+        layout=ShardedLayout(splits=_splits, pipelined=True),
         mesh_dims=frozenset({"pp"}),
         check=check,
         prepare_model=prepare_model,

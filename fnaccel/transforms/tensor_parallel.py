@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from fnaccel.checkpoint.storage.sharded import ShardedLayout
 from fnaccel.dist import DistContext, mesh_dim
 from fnaccel.transforms.kinds import ParallelismTransform, options
 from fnaccel.transforms.phases import Phase
@@ -101,6 +102,12 @@ def tp(plan: Plan) -> ParallelismTransform:
         phase=Phase.TENSOR_PARALLEL,
         conflicts=frozenset({"ddp"}),
         prepare_model=prepare_model,
+        layout=ShardedLayout(splits=_splits),
         mesh_dims=frozenset({"tp"}),
         conflict_fix="ddp() replicates whole parameters; use fa.fsdp() with fa.tp() (FSDP + TP)",
     )
+
+
+def _splits(ctx: DistContext) -> bool:
+    """Whether `tp` splits the model's weights in this run (as its prepare_model decides)."""
+    return mesh_dim(ctx, "tp") is not None

@@ -136,7 +136,8 @@ _PUBLIC = MappingProxyType(
         "TorchDynamoPlugin": "fnaccel.transforms.plugins.dynamo",
         **dict.fromkeys(("load", "save"), "fnaccel.checkpoint.single"),
         "register_for_checkpointing": "fnaccel.checkpoint.extras",
-        **dict.fromkeys(("save_model", "shard_checkpoint"), "fnaccel.checkpoint.weights"),
+        "save_model": "fnaccel.modeling.weights",
+        "shard_checkpoint": "fnaccel.checkpoint.storage.weightfiles",
         **dict.fromkeys(
             (
                 "calculate_maximum_sizes",
@@ -153,10 +154,8 @@ _PUBLIC = MappingProxyType(
         **dict.fromkeys(
             ("check_device_map", "clean_device_map", "infer_auto_device_map"), "fnaccel.modeling.device_map"
         ),
-        **dict.fromkeys(
-            ("convert_file_size_to_int", "get_balanced_memory", "get_max_memory"),
-            "fnaccel.modeling.memory_budget",
-        ),
+        "convert_file_size_to_int": "fnaccel.checkpoint.storage.weightfiles",
+        **dict.fromkeys(("get_balanced_memory", "get_max_memory"), "fnaccel.modeling.memory_budget"),
         "set_module_tensor_to_device": "fnaccel.modeling.tensors",
         **dict.fromkeys(
             (
@@ -228,7 +227,7 @@ _PUBLIC = MappingProxyType(
         **dict.fromkeys(
             ("BnbQuantizationConfig", "load_and_quantize_model"), "fnaccel.modeling.quantization"
         ),
-        "merge_fsdp_weights": "fnaccel.checkpoint.merge",
+        "merge_fsdp_weights": "fnaccel.checkpoint.consolidate",
         **dict.fromkeys(("get_grad_scaler", "get_mixed_precision_context_manager"), "fnaccel.precision"),
         **dict.fromkeys(("override_numa_affinity", "set_numa_affinity"), "fnaccel.config.numa"),
         **dict.fromkeys(
@@ -240,7 +239,7 @@ _PUBLIC = MappingProxyType(
         "autocast_context": "fnaccel.precision",
         **dict.fromkeys(
             ("CheckpointHooks", "register_load_state_pre_hook", "register_save_state_pre_hook"),
-            "fnaccel.checkpoint.hooks",
+            "fnaccel.checkpoint.storage.weight_hooks",
         ),
         "skip_first_batches": "fnaccel.data.skip",
         **dict.fromkeys(("LocalSGDState", "local_sgd"), "fnaccel.transforms.local_sgd"),

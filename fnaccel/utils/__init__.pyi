@@ -5,16 +5,11 @@
 from fnaccel._errors import (
     DistributedOperationException as DistributedOperationException,
 )
+from fnaccel.checkpoint.consolidate import (
+    merge_fsdp_weights as merge_fsdp_weights,
+)
 from fnaccel.checkpoint.extras import (
     register_for_checkpointing as register_for_checkpointing,
-)
-from fnaccel.checkpoint.hooks import (
-    CheckpointHooks as CheckpointHooks,
-    register_load_state_pre_hook as register_load_state_pre_hook,
-    register_save_state_pre_hook as register_save_state_pre_hook,
-)
-from fnaccel.checkpoint.merge import (
-    merge_fsdp_weights as merge_fsdp_weights,
 )
 from fnaccel.checkpoint.project import (
     ProjectConfiguration as ProjectConfiguration,
@@ -23,8 +18,13 @@ from fnaccel.checkpoint.single import (
     load as load,
     save as save,
 )
-from fnaccel.checkpoint.weights import (
-    save_model as save_model,
+from fnaccel.checkpoint.storage.weight_hooks import (
+    CheckpointHooks as CheckpointHooks,
+    register_load_state_pre_hook as register_load_state_pre_hook,
+    register_save_state_pre_hook as register_save_state_pre_hook,
+)
+from fnaccel.checkpoint.storage.weightfiles import (
+    convert_file_size_to_int as convert_file_size_to_int,
     shard_checkpoint as shard_checkpoint,
 )
 from fnaccel.checks import (
@@ -159,7 +159,6 @@ from fnaccel.modeling.memory import (
     should_reduce_batch_size as should_reduce_batch_size,
 )
 from fnaccel.modeling.memory_budget import (
-    convert_file_size_to_int as convert_file_size_to_int,
     get_balanced_memory as get_balanced_memory,
     get_max_memory as get_max_memory,
 )
@@ -198,6 +197,9 @@ from fnaccel.modeling.tp_size import (
 )
 from fnaccel.modeling.unwrap import (
     extract_model_from_parallel as extract_model_from_parallel,
+)
+from fnaccel.modeling.weights import (
+    save_model as save_model,
 )
 from fnaccel.ops import (
     CannotPadNestedTensorWarning as CannotPadNestedTensorWarning,

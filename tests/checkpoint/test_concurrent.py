@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.checkpoint.files import LOCK_MARKER, SaveLock
+from fnaccel.checkpoint.storage.files import LOCK_MARKER, SaveLock
 from tests.checkpoint.test_resume import fresh_run, train
 
 SAVE_LOOP = Path(__file__).with_name("_save_loop.py")

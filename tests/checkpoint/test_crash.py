@@ -204,7 +204,8 @@ def test_sigkill_between_a_commit_and_the_replaced_checkpoints_removal_leaves_th
 def test_the_replaced_checkpoint_is_removed_beside_the_run_and_wait_or_shutdown_waits_for_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fnaccel.checkpoint import files, writer
+    from fnaccel.checkpoint import writer
+    from fnaccel.checkpoint.storage import files
 
     go, started = threading.Event(), threading.Event()
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fnaccel as fa
-from fnaccel.checkpoint.files import SaveLock
+from fnaccel.checkpoint.storage.files import SaveLock
 from tests.checkpoint.test_resume import fresh_run, train
 
 

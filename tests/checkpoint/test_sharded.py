@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.checkpoint.dcpstore import metadata_from, metadata_json
-from fnaccel.checkpoint.layouts.sharded import is_sharded
+from fnaccel.checkpoint.storage.dcpstore import metadata_from, metadata_json
+from fnaccel.modeling.placement import is_sharded
 from tests.checkpoint.test_resume import BATCH, fresh_run, train
 
 

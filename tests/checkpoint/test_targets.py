@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import fnaccel as fa
-from fnaccel.checkpoint import files
-from fnaccel.checkpoint.files import LEFTOVER_MARKER
 from fnaccel.checkpoint.manifest import target_problem
+from fnaccel.checkpoint.storage import files
+from fnaccel.checkpoint.storage.files import LEFTOVER_MARKER
 from tests.checkpoint.test_resume import fresh_run, train
 
 DISK_FULL_JOB = Path(__file__).with_name("_disk_full.py")

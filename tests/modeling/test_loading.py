@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.modeling import checkpoint_files, loading
+from fnaccel.checkpoint.storage import weightfiles as checkpoint_files
+from fnaccel.modeling import loading
 from fnaccel.modeling.empty import init_empty_weights
 from fnaccel.modeling.loading import IncompatibleKeys, load_checkpoint_in_model, load_state_dict
 from fnaccel.modeling.offload import OffloadedWeightsLoader, read_offload_index

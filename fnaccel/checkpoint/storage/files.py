@@ -14,14 +14,14 @@ Reading trusts nothing: a file is opened only if it is a regular file inside
 the checkpoint directory (no symbolic link, FIFO or device, no ``..``), its
 size is compared with the manifest's before a byte is read, the read is
 bounded by that size, and its checksum (blocksum,
-`fnaccel.checkpoint.tensorfile.Checksum`) is checked, so a flipped byte names
+`fnaccel.checkpoint.storage.tensorfile.Checksum`) is checked, so a flipped byte names
 its file. `verify_file` checks one file without
 loading it; `check_checksum` is the one comparison every read goes through.
 
 Speed: safetensors files are written from each tensor's own memory, their
 checksum computed on a helper thread while the writes go on, and read back as
 a private mapping whose tensors are views of it
-(`fnaccel.checkpoint.tensorfile`); no whole-checkpoint ``bytes`` is built.
+(`fnaccel.checkpoint.storage.tensorfile`); no whole-checkpoint ``bytes`` is built.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ import stat
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fnaccel._errors import CheckpointError
 from fnaccel.atomic import fsync_dir
-from fnaccel.checkpoint.tensorfile import (
+from fnaccel.checkpoint.storage.tensorfile import (
     CHECKSUM,
     Checksum,
     layout,
@@ -303,7 +303,7 @@ def json_copy(value: Any, where: str) -> Any:
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Write ``tensors`` as a safetensors file straight from their memory (see
-    `fnaccel.checkpoint.tensorfile`); return its manifest entry (checksum, size)."""
+    `fnaccel.checkpoint.storage.tensorfile`); return its manifest entry (checksum, size)."""
     pieces, keep_alive = safetensors_pieces(path, tensors)
     entry = write_hashed(path, pieces)
     del keep_alive  # the views in ``pieces`` read these tensors' memory until written
@@ -412,7 +412,7 @@ def _entry(directory: Path, name: str, manifest: dict[str, Any]) -> dict[str, An
     entry = manifest["files"].get(name)
     if entry is None:
         raise CheckpointError(f"{directory}: the manifest lists no file {name!r}")
-    return entry
+    return cast(dict[str, Any], entry)  # read_manifest checked every entry's fields
 
 
 def _checked_size(fd: int, path: Path, entry: dict[str, Any]) -> int:

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from fnaccel.kwargs.mixin import KwargsHandler
+
+if TYPE_CHECKING:
+    from fnaccel.state import RunState
 
 __all__ = [
     "CheckpointHooks",
@@ -61,12 +64,12 @@ class CheckpointHooks(KwargsHandler):
                 raise TypeError(f"CheckpointHooks.{name} must be a tuple of callables, got {hooks!r}")
 
 
-def _hooks(state: Any) -> CheckpointHooks:
+def _hooks(state: RunState) -> CheckpointHooks:
     found = state.kwargs_handlers.get("CheckpointHooks")
     return found if found is not None else CheckpointHooks()
 
 
-def _with(state: Any, kind: str, hook: StateDictHook) -> Any:
+def _with(state: RunState, kind: str, hook: StateDictHook) -> RunState:
     if not callable(hook):
         raise TypeError(
             f"register_{kind}_hook takes a callable hook(model, state_dict), got {type(hook).__name__}"
@@ -82,7 +85,7 @@ def _with(state: Any, kind: str, hook: StateDictHook) -> Any:
     return state.replace(kwargs_handlers={**state.kwargs_handlers, "CheckpointHooks": updated})
 
 
-def register_save_state_pre_hook(state: Any, hook: StateDictHook) -> Any:
+def register_save_state_pre_hook(state: RunState, hook: StateDictHook) -> RunState:
     """Returns ``state`` with ``hook`` run on the model's state dict before `fa.save` writes it; consumes nothing.
 
     Args:
@@ -95,7 +98,7 @@ def register_save_state_pre_hook(state: Any, hook: StateDictHook) -> Any:
         TypeError: ``hook`` is not callable.
 
     >>> import torch, fnaccel as fa
-    >>> from fnaccel.checkpoint.hooks import register_save_state_pre_hook, saved_weights
+    >>> from fnaccel.checkpoint.storage.weight_hooks import register_save_state_pre_hook, saved_weights
     >>> model = torch.nn.Linear(1, 1)
     >>> half = lambda model, sd: {k: v.half() for k, v in sd.items()}
     >>> state = register_save_state_pre_hook(fa.init(cpu=True), half)
@@ -105,7 +108,7 @@ def register_save_state_pre_hook(state: Any, hook: StateDictHook) -> Any:
     return _with(state, "save_state_pre", hook)
 
 
-def register_load_state_pre_hook(state: Any, hook: StateDictHook) -> Any:
+def register_load_state_pre_hook(state: RunState, hook: StateDictHook) -> RunState:
     """Returns ``state`` with ``hook`` run on the weights `fa.load` read before they reach the model; consumes nothing.
 
     Args:
@@ -117,7 +120,7 @@ def register_load_state_pre_hook(state: Any, hook: StateDictHook) -> Any:
         TypeError: ``hook`` is not callable.
 
     >>> import torch, fnaccel as fa
-    >>> from fnaccel.checkpoint.hooks import register_load_state_pre_hook, loaded_weights
+    >>> from fnaccel.checkpoint.storage.weight_hooks import register_load_state_pre_hook, loaded_weights
     >>> model = torch.nn.Linear(1, 1)
     >>> to_float = lambda model, sd: {k: v.float() for k, v in sd.items()}
     >>> state = register_load_state_pre_hook(fa.init(cpu=True), to_float)
@@ -143,19 +146,19 @@ def _run(
     return current
 
 
-def saved_weights(state: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def saved_weights(state: RunState, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model``'s state dict as the run's save hooks transform it (what `fa.save` writes)."""
     return _run(_hooks(state).save_state_pre, model, model.state_dict(), "save_state_pre")
 
 
 def loaded_weights(
-    state: Any, model: torch.nn.Module, weights: Mapping[str, torch.Tensor]
+    state: RunState, model: torch.nn.Module, weights: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """``weights`` read from a checkpoint as the run's load hooks transform them (what the model gets)."""
     return _run(_hooks(state).load_state_pre, model, weights, "load_state_pre")
 
 
-def check_unsharded(state: Any) -> None:
+def check_unsharded(state: RunState) -> None:
     """Raise if the run has state-dict hooks but its weights are sharded (they would not run)."""
     hooks = _hooks(state)
     if hooks.save_state_pre or hooks.load_state_pre:

@@ -1,5 +1,5 @@
 """Safetensors files streamed to disk and mapped back, hashed on the way: the speed
-half of checkpoint/files.py (which keeps the safety half: where files may be
+half of checkpoint/storage/files.py (which keeps the safety half: where files may be
 opened, atomic commit).
 
 A file is written from each tensor's own memory (an 8-byte header length, the

@@ -6,8 +6,8 @@ DCP's stock `FileSystemWriter` pickles its ``.metadata`` file and stores
 non-tensor values with ``torch.save``; `ShardWriter` stores the same Metadata
 as JSON (``sharded/metadata.json``) and each rank's chunks in one safetensors
 file (``sharded/rank<r>.safetensors``), written and read through
-`fnaccel.checkpoint.files` (fsynced writes, checksum-verified reads). See
-`fnaccel.checkpoint.layouts.sharded` for the checkpoint they make up.
+`fnaccel.checkpoint.storage.files` (fsynced writes, checksum-verified reads). See
+`fnaccel.checkpoint.storage.sharded` for the checkpoint they make up.
 
 A stock DCP directory (``.metadata`` and ``*.distcp``, e.g. Accelerate's
 ``pytorch_model_fsdp_0``), which ``fnaccel merge-weights`` reads, pickles its
@@ -18,7 +18,7 @@ through torch's ``weights_only`` loader.
 
 This module imports ``torch.distributed.checkpoint`` (about a second) at its
 top: import it only where a sharded checkpoint is written or read, inside the
-function that does so (`fnaccel.checkpoint.layouts.sharded`, `fnaccel.checkpoint.merge`).
+function that does so (`fnaccel.checkpoint.storage.sharded`, `fnaccel.checkpoint.consolidate`).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import (
-    fsync_dir,
+from fnaccel.atomic import fsync_dir
+from fnaccel.checkpoint.storage.files import (
     read_bounded,
     read_tensors,
     regular_size,
@@ -61,7 +61,7 @@ from fnaccel.checkpoint.files import (
     write_json,
     write_tensors,
 )
-from fnaccel.checkpoint.shardindex import (
+from fnaccel.checkpoint.storage.shardindex import (
     FORMAT,
     FORMAT_VERSION,
     LAYOUTS,
@@ -72,7 +72,7 @@ from fnaccel.checkpoint.shardindex import (
     check_chunks,
     read_index,
 )
-from fnaccel.checkpoint.tensorfile import torch_dtype
+from fnaccel.checkpoint.storage.tensorfile import torch_dtype
 
 __all__ = [
     "DCP_METADATA",

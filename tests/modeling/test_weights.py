@@ -19,15 +19,10 @@ from safetensors import safe_open
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.checkpoint import weights
-from fnaccel.checkpoint.weights import (
-    IncompatibleKeys,
-    consolidated_state_dict,
-    load_checkpoint_in_model,
-    save_model,
-    shard_checkpoint,
-)
-from fnaccel.modeling.memory_budget import convert_file_size_to_int
+from fnaccel.checkpoint.storage import weightfiles
+from fnaccel.checkpoint.storage.weightfiles import convert_file_size_to_int, shard_checkpoint
+from fnaccel.modeling.loading import IncompatibleKeys, load_checkpoint_in_model
+from fnaccel.modeling.weights import consolidated_state_dict, save_model
 
 
 class TiedLM(nn.Module):
@@ -419,7 +414,7 @@ def test_an_interrupted_write_leaves_the_previous_weights(
             raise OSError("disk full (simulated)")
         real_save_file(*args, **kwargs)
 
-    monkeypatch.setattr(weights, "save_file", failing_save_file)
+    monkeypatch.setattr(weightfiles, "save_file", failing_save_file)
     with pytest.raises(OSError, match="simulated"):
         save_model(prepared(make_mlp(1)), tmp_path, max_shard_size="5KB")
     assert sorted(os.listdir(tmp_path)) == before  # no staging folder left

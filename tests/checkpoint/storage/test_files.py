@@ -1,4 +1,4 @@
-"""The streaming safetensors writer and the bounded, hashed, mapped reader of checkpoint/files.py."""
+"""The streaming safetensors writer and the bounded, hashed, mapped reader of checkpoint/storage/files.py."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import read_tensors, read_verified, verify_file, write_tensors
-from fnaccel.checkpoint.tensorfile import Checksum, python_block_sums
+from fnaccel.checkpoint.storage.files import read_tensors, read_verified, verify_file, write_tensors
+from fnaccel.checkpoint.storage.tensorfile import Checksum, python_block_sums
 
 DTYPES = [
     torch.float64,

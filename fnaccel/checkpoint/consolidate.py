@@ -8,7 +8,7 @@ Reads either
   checksum; nothing is unpickled;
 - a ``torch.distributed.checkpoint`` directory (``.metadata`` and
   ``*.distcp`` files, e.g. Accelerate's ``pytorch_model_fsdp_0``), through
-  `fnaccel.checkpoint.dcpstore.DirectoryReader` (an allowlist unpickler for
+  `fnaccel.checkpoint.storage.dcpstore.DirectoryReader` (an allowlist unpickler for
   its ``.metadata``, torch's ``weights_only`` loader for the tensors).
 
 Both are read as hostile: the index (``sharded/metadata.json`` or
@@ -37,12 +37,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.storage import StorageReader
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint import dcpstore
-from fnaccel.checkpoint.files import read_json, read_tensors
 from fnaccel.checkpoint.manifest import MANIFEST, read_manifest
-from fnaccel.checkpoint.shardindex import METADATA
-from fnaccel.checkpoint.tied import retie
-from fnaccel.checkpoint.weights import write_weights
+from fnaccel.checkpoint.storage import dcpstore
+from fnaccel.checkpoint.storage.aliases import retie
+from fnaccel.checkpoint.storage.files import read_json, read_tensors
+from fnaccel.checkpoint.storage.shardindex import METADATA
+from fnaccel.checkpoint.storage.weightfiles import write_weights
 from fnaccel.constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 __all__ = ["MAX_SHARD_SIZE", "Merged", "merge_fsdp_weights", "merge_weights"]

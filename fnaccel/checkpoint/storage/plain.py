@@ -11,7 +11,7 @@ model's own parameters (ZeRO-0 in fp32), is saved so::
                             between accumulation micro-steps
 
 It loads on any number of processes: into a replicated run here, or into a
-sharded one (`fnaccel.checkpoint.layouts.sharded`), which reads the same
+sharded one (`fnaccel.checkpoint.storage.sharded`), which reads the same
 whole tensors through `read_model` and `read_optimizer` and keeps its chunks.
 """
 
@@ -20,24 +20,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.checks import check_tensors
-from fnaccel.checkpoint.codec import optimizer_payload, optimizer_state
-from fnaccel.checkpoint.files import read_json, read_tensors
-from fnaccel.checkpoint.hooks import loaded_weights, saved_weights
-from fnaccel.checkpoint.reshard import source_rank
-from fnaccel.checkpoint.tied import retie, untie
-from fnaccel.transforms.parallel import unwrap_model
+from fnaccel.checkpoint.storage.aliases import retie, untie
+from fnaccel.checkpoint.storage.codec import optimizer_payload, optimizer_state
+from fnaccel.checkpoint.storage.files import read_json, read_tensors
+from fnaccel.checkpoint.storage.layout import CheckpointFiles
+from fnaccel.checkpoint.storage.modules import unwrap_model
+from fnaccel.checkpoint.storage.reshard import source_rank
+from fnaccel.checkpoint.storage.schema import check_tensors
+from fnaccel.checkpoint.storage.weight_hooks import loaded_weights, saved_weights
+
+if TYPE_CHECKING:
+    from fnaccel.dist import DistContext
+    from fnaccel.state import RunState
 
 __all__ = ["PlainLayout", "read_model", "read_optimizer"]
 
 
 def read_model(
-    state: Any, module: torch.nn.Module, directory: Path, manifest: dict[str, Any]
+    state: RunState, module: torch.nn.Module, directory: Path, manifest: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
     """``model.safetensors`` re-tied and passed through the run's load hooks, checked
     against ``module``'s keys, shapes and dtypes (its global ones when sharded)."""
@@ -55,7 +60,7 @@ def read_model(
 
 
 def read_optimizer(
-    state: Any, module: torch.nn.Module, directory: Path, manifest: dict[str, Any]
+    state: RunState, module: torch.nn.Module, directory: Path, manifest: dict[str, Any]
 ) -> dict[str, Any] | None:
     """``optimizer.*`` as the state_dict ``state.optimizer`` takes (parameters by index),
     checked against it; None for a run without an optimizer."""
@@ -79,11 +84,15 @@ class PlainRead:
     gradients: Mapping[str, torch.Tensor]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PlainLayout:
     """The whole model and optimizer in ``model.safetensors`` and ``optimizer.*``
-    (`fnaccel.protocols.CheckpointLayout`)."""
+    (`CheckpointLayout`): a run whose parallelism declares no layout of its own."""
 
-    def snapshot(self, state: Any, files: Any) -> None:
+    def holds(self, state: RunState) -> bool:
+        return True
+
+    def snapshot(self, state: RunState, files: CheckpointFiles) -> None:
         if state.model is None:
             return
         module = unwrap_model(state.model)
@@ -101,11 +110,15 @@ class PlainLayout:
                 files.add_tensors("optimizer.safetensors", tensors)
                 files.add_json("optimizer.json", values)
 
-    def write(self, captured: None, ctx: Any, directory: Path) -> dict[str, Any]:
+    def write(self, captured: None, ctx: DistContext, directory: Path) -> dict[str, Any]:
         return {}  # every file is in the snapshot's own
 
     def read(
-        self, state: Any, directory: Path, manifest: dict[str, Any], gradients: Mapping[str, torch.Tensor]
+        self,
+        state: RunState,
+        directory: Path,
+        manifest: dict[str, Any],
+        gradients: Mapping[str, torch.Tensor],
     ) -> PlainRead | None:
         module = None if state.model is None else unwrap_model(state.model)
         read = (
@@ -126,12 +139,13 @@ class PlainLayout:
         )
         return read
 
-    def restore(self, state: Any, read: PlainRead | None) -> None:
+    def restore(self, state: RunState, read: PlainRead | None) -> None:
         if read is None:
             return
         module = unwrap_model(state.model)
         module.load_state_dict(read.weights, strict=True)
         if read.optimizer is not None:
+            assert state.optimizer is not None, "read_optimizer reads none without an optimizer"
             state.optimizer.load_state_dict(read.optimizer)
         for name, p in module.named_parameters():
             grad = read.gradients.get(name)

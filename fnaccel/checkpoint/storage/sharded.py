@@ -21,10 +21,10 @@ even with ``SerializationFormat.SAFETENSORS`` and stores non-tensor values
 with ``torch.save``; `HuggingFaceStorageWriter` in distributed mode writes no
 metadata at all, and its reader rediscovers it by listing the directory and
 memory-mapping the files, past the manifest's checksums. Here a small
-`StorageWriter`/`StorageReader` pair (`fnaccel.checkpoint.dcpstore`) stores the same Metadata as JSON and
-moves every byte through `fnaccel.checkpoint.files` (fsynced writes,
+`StorageWriter`/`StorageReader` pair (`fnaccel.checkpoint.storage.dcpstore`) stores the same Metadata as JSON and
+moves every byte through `fnaccel.checkpoint.storage.files` (fsynced writes,
 checksum-verified reads), so a sharded checkpoint is as safe as a plain one.
-A load checks the index first (`fnaccel.checkpoint.shardindex.read_index`,
+A load checks the index first (`fnaccel.checkpoint.storage.shardindex.read_index`,
 which needs no torch: chunks inside their tensors, files among the
 manifest's, declared sizes within theirs) and the live model's keys, shapes
 and dtypes against it before DCP writes a byte.
@@ -38,16 +38,15 @@ this rank's entry against its optimizer, which refuses another stage layout.
 
 The layout also loads across kinds of run: a sharded checkpoint into a
 replicated model (DCP reads whole tensors), and a replicated checkpoint's
-whole tensors (`fnaccel.checkpoint.layouts.plain`) into a sharded run, each
+whole tensors (`fnaccel.checkpoint.storage.plain`) into a sharded run, each
 rank keeping its chunks (`shard_into`). The run's save and load hooks never
 see sharded weights, so such a run that has hooks is refused.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,19 +54,19 @@ import torch
 
 from fnaccel import ops
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.checks import check_layout, kind_of
-from fnaccel.checkpoint.codec import check_kind, restore_groups
-from fnaccel.checkpoint.files import (
-    fsync_dir,
+from fnaccel.atomic import fsync_dir
+from fnaccel.checkpoint.storage.codec import check_kind, restore_groups
+from fnaccel.checkpoint.storage.files import (
     json_copy,
     read_json,
     write_json,
 )
-from fnaccel.checkpoint.hooks import check_unsharded
-from fnaccel.checkpoint.layouts.plain import read_model, read_optimizer
-from fnaccel.checkpoint.shardindex import METADATA, SHARDED_DIR, VALUES
-from fnaccel.transforms.parallel import unwrap_compiled, unwrap_model
-from fnaccel.transforms.pipelining import PipelinedModel
+from fnaccel.checkpoint.storage.layout import CheckpointFiles
+from fnaccel.checkpoint.storage.modules import unwrap_compiled, unwrap_model
+from fnaccel.checkpoint.storage.plain import read_model, read_optimizer
+from fnaccel.checkpoint.storage.schema import check_layout, kind_of
+from fnaccel.checkpoint.storage.shardindex import METADATA, SHARDED_DIR, VALUES
+from fnaccel.checkpoint.storage.weight_hooks import check_unsharded
 
 if TYPE_CHECKING:
     from fnaccel.dist import DistContext
@@ -77,41 +76,12 @@ __all__ = [
     "ShardedLayout",
     "ShardedRead",
     "ShardedSnapshot",
-    "is_pipelined",
-    "is_sharded",
     "is_stored_sharded",
     "load_sharded",
     "shard_into",
     "snapshot_sharded",
     "write_sharded",
 ]
-
-
-def is_sharded(model: Any) -> bool:
-    """True for a model whose parameters are sharded over the ranks (DTensors, as `fsdp()`
-    leaves them, or pipeline stages, as `pp()` does), compiled or wrapped or not.
-
-    >>> is_sharded(torch.nn.Linear(2, 2)), is_sharded(None)
-    (False, False)
-    """
-    if is_pipelined(model):
-        return True
-    dtensor = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
-    if model is None or dtensor is None:
-        return False
-    return any(isinstance(p, dtensor.DTensor) for p in unwrap_model(model).parameters())
-
-
-def is_pipelined(model: Any) -> bool:
-    """True for a model split into pipeline stages over several processes by `pp()`
-    (this rank's stages only; in a world of one it holds the whole model and is
-    saved as any model is).
-
-    >>> is_pipelined(torch.nn.Linear(2, 2))
-    False
-    """
-    inner = None if model is None else unwrap_model(model)
-    return isinstance(inner, PipelinedModel) and inner.group is not None
 
 
 def is_stored_sharded(manifest: Mapping[str, Any]) -> bool:
@@ -176,12 +146,12 @@ def _state_dicts(state: RunState, *, for_load: bool) -> tuple[dict[str, Any], li
     return tree, groups
 
 
-def _refuse_mid_accumulation(state: RunState, action: str) -> None:
+def _refuse_mid_accumulation(state: RunState, action: str, pipelined: bool) -> None:
     plan = state.plan
     if plan is not None and state.micro_step % plan.micro_steps != 0:
         why = (
             "a pp() run's checkpoint holds no gradients"
-            if is_pipelined(state.model)
+            if pipelined
             else "an fsdp() run between accumulation micro-steps holds its gradients in FSDP's private "
             "unsharded buffers, which torch.distributed.checkpoint cannot save"
         )
@@ -210,11 +180,12 @@ def _copied(tree: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def snapshot_sharded(state: RunState, *, copy: bool, per_node: bool) -> ShardedSnapshot:
+def snapshot_sharded(state: RunState, *, copy: bool, per_node: bool, pipelined: bool) -> ShardedSnapshot:
     """Capture the model's and optimizer's shards now, for `write_sharded`.
 
     ``copy``: shards cloned to the CPU (an asynchronous save writes them while
     training goes on); otherwise the live tensors, for a save that writes at once.
+    ``pipelined``: a pp() run's stages, whose optimizer's groups differ per rank.
     Not collective. Fails here, before anything is written, when the state
     cannot be saved.
 
@@ -223,7 +194,7 @@ def snapshot_sharded(state: RunState, *, copy: bool, per_node: bool) -> ShardedS
             (``save_on_each_node``) over several machines; a non-tensor value
             that JSON cannot hold.
     """
-    _refuse_mid_accumulation(state, "fa.save")
+    _refuse_mid_accumulation(state, "fa.save", pipelined)
     if per_node and state.dist.num_nodes > 1:
         raise CheckpointError(
             "fa.save: save_on_each_node with fsdp(): a sharded checkpoint is one directory that "
@@ -238,7 +209,7 @@ def snapshot_sharded(state: RunState, *, copy: bool, per_node: bool) -> ShardedS
         values=payload["values"],
         param_groups=payload["param_groups"],
         kind=None if state.optimizer is None else kind_of(state.optimizer),
-        per_rank=is_pipelined(state.model),
+        per_rank=pipelined,
     )
 
 
@@ -249,7 +220,7 @@ def write_sharded(snap: ShardedSnapshot, ctx: DistContext, directory: Path) -> d
     asynchronous save passes its own group). Every file is fsynced, and the
     directory. Returns the manifest entries of the files this rank wrote.
     """
-    from fnaccel.checkpoint import dcpstore  # imports DCP: only a sharded save pays for it
+    from fnaccel.checkpoint.storage import dcpstore  # imports DCP: only a sharded save pays for it
 
     root = Path(directory)
     (root / SHARDED_DIR).mkdir(exist_ok=True)
@@ -322,8 +293,9 @@ def _own_stage(saved: Any, rank: int, num_processes: int, source: str) -> dict[s
     return {"kind": saved["kind"], **stages[rank]}
 
 
-def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> None:
-    """Read the shards `write_sharded` wrote back into ``state.model`` and ``state.optimizer``, in place.
+def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any], *, pipelined: bool) -> None:
+    """Read the shards `write_sharded` wrote back into ``state.model`` and ``state.optimizer``, in place
+    (``pipelined``: into a pp() run's stages, each rank its own keys and param groups).
 
     Collective: every rank calls it. The run may have another number of
     processes than the one that saved (DCP reads each rank's chunks of the new
@@ -338,7 +310,7 @@ def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> 
             missing or unexpected keys, mismatched shapes, dtypes or parameter
             groups, an optimizer of another class.
     """
-    from fnaccel.checkpoint import dcpstore  # imports DCP: only a sharded load pays for it
+    from fnaccel.checkpoint.storage import dcpstore  # imports DCP: only a sharded load pays for it
 
     root = Path(directory)
     metadata, storage = dcpstore.metadata_from(
@@ -346,7 +318,6 @@ def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any]) -> 
     )
     saved = read_json(root, VALUES, manifest)
     source = str(root / VALUES)
-    pipelined = is_pipelined(state.model)
     if pipelined:
         saved = _own_stage(saved, state.dist.rank, state.dist.num_processes, source)
     if (
@@ -422,13 +393,34 @@ class ShardedRead:
     optimizer: dict[str, Any] | None = None
 
 
+def _always(ctx: DistContext) -> bool:
+    return True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ShardedLayout:
     """The model's and optimizer's shards under ``sharded/``, through DCP
-    (`fnaccel.protocols.CheckpointLayout`)."""
+    (`CheckpointLayout`), as `fa.fsdp`, `fa.tp` and `fa.pp` declare it.
 
-    def snapshot(self, state: RunState, files: Any) -> ShardedSnapshot:
+    Attributes:
+        splits: whether the declaring transform splits the model in a run with
+            this context (`fa.fsdp`: more than one data-parallel rank); a run it
+            leaves whole is stored plainly.
+        pipelined: the model is split into `fa.pp` stages, whose optimizers'
+            param groups differ per rank.
+    """
+
+    splits: Callable[[DistContext], bool] = field(default=_always, compare=False)
+    pipelined: bool = False
+
+    def holds(self, state: RunState) -> bool:
+        return self.splits(state.dist)
+
+    def snapshot(self, state: RunState, files: CheckpointFiles) -> ShardedSnapshot:
         check_unsharded(state)
-        return snapshot_sharded(state, copy=files.staging is not None, per_node=files.per_node)
+        return snapshot_sharded(
+            state, copy=files.background, per_node=files.per_node, pipelined=self.pipelined
+        )
 
     def write(
         self, captured: ShardedSnapshot, ctx: DistContext, directory: Path
@@ -460,6 +452,6 @@ class ShardedLayout:
 
     def restore(self, state: RunState, read: ShardedRead) -> None:
         if read.weights is None:
-            load_sharded(state, read.directory, read.manifest)
+            load_sharded(state, read.directory, read.manifest, pipelined=self.pipelined)
         else:
             shard_into(state, read.weights, read.optimizer)

@@ -2,7 +2,7 @@
 
 What moves and how (docs/checkpoints.md, "Another number of processes"):
 
-- the model and the optimizer: the checkpoint layouts' (`fnaccel.checkpoint.layouts`).
+- the model and the optimizer: the checkpoint layouts' (`fnaccel.checkpoint.storage.choice`).
   A replicated run's (``model.safetensors``, ``optimizer.*``) load on any
   number of processes as they are, into a replicated run or, whole tensors
   sharded, an `fsdp()` one; a sharded run's (``sharded/``) go through

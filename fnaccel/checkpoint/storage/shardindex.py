@@ -1,11 +1,11 @@
 """A sharded checkpoint's index, ``sharded/metadata.json``, read and checked without torch.
 
-An `fsdp()` or `pp()` checkpoint (`fnaccel.checkpoint.layouts.sharded`) stores DCP's
+An `fsdp()` or `pp()` checkpoint (`fnaccel.checkpoint.storage.sharded`) stores DCP's
 Metadata as JSON: every key's global size, dtype and chunks, and which file
 and key hold each chunk. `read_index` checks all of it (known dtypes and
 layouts, integer sizes, chunks inside their tensors and tiling them, files
 among the manifest's under ``sharded/``, declared bytes within what those
-files hold) and returns it as plain records. `fnaccel.checkpoint.dcpstore.metadata_from`
+files hold) and returns it as plain records. `fnaccel.checkpoint.storage.dcpstore.metadata_from`
 turns those records into DCP's classes for a load; `fnaccel checkpoint inspect`
 reads sizes and dtypes from them directly, so a new process answers without
 importing torch.
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.files import safe_relative
-from fnaccel.checkpoint.tensorfile import ITEMSIZES
+from fnaccel.checkpoint.storage.files import safe_relative
+from fnaccel.checkpoint.storage.tensorfile import ITEMSIZES
 
 __all__ = [
     "FORMAT",
@@ -52,7 +52,7 @@ Shape = tuple[int, ...]
 class IndexKey:
     """One tensor of the index: DCP's TensorStorageMetadata, with torch's names for dtype and layout."""
 
-    dtype: str  # a key of `fnaccel.checkpoint.tensorfile.ITEMSIZES` ("float32")
+    dtype: str  # a key of `fnaccel.checkpoint.storage.tensorfile.ITEMSIZES` ("float32")
     layout: str
     memory_format: str
     requires_grad: bool

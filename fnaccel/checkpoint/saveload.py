@@ -55,20 +55,20 @@ from fnaccel import ops
 from fnaccel._errors import CheckpointError
 from fnaccel.calls import collective
 from fnaccel.checkpoint import extras as extras_codec
-from fnaccel.checkpoint.checks import check_like
-from fnaccel.checkpoint.codec import check_kind, rng_from
-from fnaccel.checkpoint.files import SaveLock, read_json, read_tensors
 from fnaccel.checkpoint.finite import first_nonfinite
-from fnaccel.checkpoint.layouts import layout_for
 from fnaccel.checkpoint.manifest import read_manifest, target_problem
 from fnaccel.checkpoint.project import next_checkpoint, project_of, rotate
 from fnaccel.checkpoint.queue import SaveHandle, SaveQueue
-from fnaccel.checkpoint.reshard import derived_generators, refuse_moved_gradients, source_rank
 from fnaccel.checkpoint.runinfo import ResumeDriftWarning, resume_drift
+from fnaccel.checkpoint.storage.choice import layout_for
+from fnaccel.checkpoint.storage.codec import check_kind, rng_from
+from fnaccel.checkpoint.storage.files import SaveLock, read_json, read_tensors
+from fnaccel.checkpoint.storage.layout import CheckpointLayout
+from fnaccel.checkpoint.storage.reshard import derived_generators, refuse_moved_gradients, source_rank
+from fnaccel.checkpoint.storage.schema import check_like
 from fnaccel.checkpoint.writer import take_snapshot, write_snapshot
 from fnaccel.checks import is_int
 from fnaccel.dist import DistContext
-from fnaccel.protocols import CheckpointLayout
 from fnaccel.rng import RNGState
 from fnaccel.state import DataPosition, RunState
 
@@ -286,9 +286,10 @@ def _data_position(
             f"{where}: the checkpoint was saved without a loader but this run has one; "
             "prepare the loader after fa.load, or resume a run saved with its loader"
         )
-    return state.loader.resume_position(
+    resumed: DataPosition = state.loader.resume_position(
         data["layout"], position, str(where), allow_global_batch_change=allow_global_batch_change
     )
+    return resumed
 
 
 def _check_drift(state: RunState, directory: Path, manifest: dict[str, Any], strict: bool) -> None:
@@ -333,7 +334,8 @@ def _scheduler(state: RunState, directory: Path, manifest: dict[str, Any]) -> di
     if set(saved) != {"kind", "state_dict"}:
         raise CheckpointError(f"{source}: must hold exactly the keys 'kind' and 'state_dict'")
     check_like(saved["state_dict"], state.scheduler.state_dict(), f"{source}: state_dict")
-    return saved["state_dict"]
+    scheduler: dict[str, Any] = saved["state_dict"]  # an object: check_like held it to the live one
+    return scheduler
 
 
 def _extras(state: RunState, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:

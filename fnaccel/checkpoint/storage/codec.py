@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.checks import check_like, kind_of
+from fnaccel.checkpoint.storage.schema import check_like, kind_of
 from fnaccel.checks import is_int
 from fnaccel.rng import RNGState
 

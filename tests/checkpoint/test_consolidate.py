@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.checkpoint import merge
+from fnaccel.checkpoint import consolidate as merge
 from fnaccel.commands.main import build_parser, main
 from fnaccel.modeling.loading import load_checkpoint_in_model
 from tests.checkpoint.test_resume import fresh_run, train
@@ -380,7 +380,7 @@ def test_a_hostile_fnaccel_sharded_index_is_refused(
         item["chunks"] = [{"offsets": [0] * len(item["size"]), "sizes": item["size"]}]
     index.write_text(json.dumps(content))
     _rehash(source)
-    # the torch-free reading of the index (fnaccel.checkpoint.shardindex) that inspect and verify use too
+    # the torch-free reading of the index (fnaccel.checkpoint.storage.shardindex) that inspect and verify use too
     for command in (
         ["merge-weights", str(source), str(tmp_path / "out")],
         ["checkpoint", "inspect", str(source)],

@@ -2,8 +2,8 @@
 
 `save_model` writes what ``Accelerator.save_model`` writes: ``model.safetensors``,
 or, past ``max_shard_size``, ``model-00001-of-0000N.safetensors`` shards plus
-``model.safetensors.index.json``. `load_checkpoint_in_model` (in
-`fnaccel.modeling.loading`, re-exported here) reads that layout back whoever
+``model.safetensors.index.json`` (the files: `fnaccel.checkpoint.storage.weightfiles`).
+`load_checkpoint_in_model` (`fnaccel.modeling.loading`) reads that layout back whoever
 wrote it (fnaccel, Accelerate, transformers, ``safetensors.torch.save_model``).
 
 Tied tensors are stored once, under their first name; each other name is
@@ -27,27 +27,21 @@ next successful save removes. One save per directory at a time.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
-import uuid
-from collections import Counter
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 
 from fnaccel._errors import CheckpointError
 from fnaccel.atomic import fsync_dir
-from fnaccel.checkpoint.files import write_bytes
-from fnaccel.checkpoint.layouts.sharded import is_pipelined, is_sharded
-from fnaccel.checkpoint.tied import retie, untie
-from fnaccel.constants import SAFE_MODEL_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+from fnaccel.checkpoint.storage.aliases import retie, untie
+from fnaccel.checkpoint.storage.files import write_bytes
+from fnaccel.checkpoint.storage.weightfiles import fsync_file, size_in_bytes, staging_folder, write_weights
+from fnaccel.modeling.placement import is_pipelined, is_sharded
 from fnaccel.ops.collectives import broadcast_object_list
 from fnaccel.transforms.deepspeed import gathered_parameters
 from fnaccel.transforms.parallel import unwrap_model
@@ -55,33 +49,7 @@ from fnaccel.transforms.parallel import unwrap_model
 if TYPE_CHECKING:
     from fnaccel.state import RunState
 
-__all__ = [
-    "consolidated_state_dict",
-    "save_model",
-    "shard_checkpoint",
-    "write_configs",
-    "write_weights",
-]
-
-_PRIVATE = ".fnaccel-"  # staging and parked folders inside a save directory
-_SHARD_NAME = re.compile(
-    re.escape(SAFE_MODEL_NAME) + r"-\d{5}-of-\d{5}\.safetensors"
-)  # as shard_checkpoint names them
-
-
-def __getattr__(name: str) -> Any:
-    # the loading half lives in fnaccel.modeling.loading, imported on first use
-    if name in ("IncompatibleKeys", "load_checkpoint_in_model"):
-        from fnaccel.modeling import loading
-
-        return getattr(loading, name)
-    raise AttributeError(f"module 'fnaccel.checkpoint.weights' has no attribute {name!r}")
-
-
-def _read_index(index: Path) -> dict[str, Any]:
-    from fnaccel.modeling.checkpoint_files import read_index
-
-    return read_index(index)
+__all__ = ["consolidated_state_dict", "save_model", "write_configs"]
 
 
 def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -136,60 +104,6 @@ def _gathered_stages(module: Any) -> dict[str, torch.Tensor]:
     return {name: tensor for part in parts for name, tensor in part.items()}
 
 
-def shard_checkpoint(
-    state_dict: Mapping[str, torch.Tensor],
-    max_shard_size: int | str = "10GB",
-    weights_name: str = SAFE_WEIGHTS_NAME,
-) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any] | None]:
-    """Split ``state_dict`` into shards of at most ``max_shard_size`` bytes each.
-
-    Greedy in key order (no bin packing), as in Accelerate and transformers: a
-    tensor that would tip the current shard over the limit starts the next
-    one, and a tensor larger than the limit gets a shard of its own.
-
-    Args:
-        state_dict: tensor names to tensors (tied names once: see `untie`).
-        max_shard_size: bytes, or a size such as ``"10GB"``, ``"500MB"``,
-            ``"5GiB"``, read as `convert_file_size_to_int` reads ``max_memory``:
-            KB/MB/GB/TB are decimal (10^3 ... 10^12), KiB/MiB/GiB/TiB binary
-            (2^10 ... 2^40); as in transformers, a lowercase final ``b`` of a
-            decimal unit means bits (``"8Mb"`` is 10^6 bytes).
-        weights_name: the file name of an unsharded checkpoint.
-
-    Returns:
-        ``(shards, index)``: shards maps file names to their tensors. One shard
-        is ``{weights_name: ...}`` with index None; several are named
-        ``model-00001-of-00003.safetensors`` and so on, and the index is
-        ``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``.
-
-    Raises:
-        ValueError: ``max_shard_size`` is not a positive size.
-
-    >>> weights = {"a": torch.zeros(100, dtype=torch.uint8), "b": torch.zeros(100, dtype=torch.uint8)}
-    >>> shards, index = shard_checkpoint(weights, max_shard_size=150)
-    >>> index["weight_map"]
-    {'a': 'model-00001-of-00002.safetensors', 'b': 'model-00002-of-00002.safetensors'}
-    """
-    limit = _size_in_bytes(max_shard_size)
-    blocks: list[dict[str, torch.Tensor]] = [{}]
-    block_size = total_size = 0
-    for name, tensor in state_dict.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if blocks[-1] and block_size + nbytes > limit:
-            blocks.append({})
-            block_size = 0
-        blocks[-1][name] = tensor
-        block_size += nbytes
-        total_size += nbytes
-    if len(blocks) == 1:
-        return {weights_name: blocks[0]}, None
-    stem, suffix = os.path.splitext(weights_name)
-    names = [f"{stem}-{i:05d}-of-{len(blocks):05d}{suffix}" for i in range(1, len(blocks) + 1)]
-    shards = dict(zip(names, blocks, strict=False))
-    weight_map = {key: file for file, block in shards.items() for key in block}
-    return shards, {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-
-
 def save_model(
     state: RunState,
     path: str | os.PathLike[str],
@@ -237,7 +151,7 @@ def save_model(
         )
     if state.model is None:
         raise ValueError("fa.save_model: this state has no model; fa.prepare(state, model) first")
-    limit = _size_in_bytes(max_shard_size)  # on every rank, before the gather
+    limit = size_in_bytes(max_shard_size)  # on every rank, before the gather
     ctx = state.dist
     module = unwrap_model(state.model)
     gather = (
@@ -296,7 +210,7 @@ def write_configs(module: nn.Module, path: Path) -> list[str]:
         # FSDP2 shards in place under a class named "FSDP<name>"; the checkpoint names the user's class
         cls_name = type(module).__name__
         configs[0][0].architectures = [cls_name.removeprefix("FSDP") if is_sharded(module) else cls_name]
-    staging = _staging_folder(path)
+    staging = staging_folder(path)
     try:
         for config, name in configs:
             if callable(getattr(config, "save_pretrained", None)):
@@ -305,7 +219,7 @@ def write_configs(module: nn.Module, path: Path) -> list[str]:
                 write_bytes(staging / name, config.to_json_string().encode())
         written = sorted(entry.name for entry in staging.iterdir() if entry.is_file())
         for name in written:
-            _fsync_file(staging / name)
+            fsync_file(staging / name)
             os.replace(staging / name, path / name)
         fsync_dir(path)
         return written
@@ -319,22 +233,6 @@ def _is_config(value: Any) -> bool:
     )
 
 
-def _size_in_bytes(size: int | str) -> int:
-    # sizes read as max_memory's; imported here: `import fnaccel` never loads fnaccel.modeling
-    from fnaccel.modeling.memory_budget import convert_file_size_to_int
-
-    try:
-        nbytes = convert_file_size_to_int(size)
-    except ValueError:
-        nbytes = 0
-    if nbytes <= 0:
-        raise ValueError(
-            f"max_shard_size must be a positive number of bytes or a size such as '10GB', "
-            f"'500MB' or '5GiB' (KB/MB/GB/TB: powers of 10; KiB/MiB/GiB/TiB: powers of 2), got {size!r}"
-        )
-    return nbytes
-
-
 def _shared_names(module: nn.Module) -> dict[str, str]:
     """``{alias: first name}`` for the state-dict names of one tensor object."""
     first: dict[int, str] = {}
@@ -344,104 +242,3 @@ def _shared_names(module: nn.Module) -> dict[str, str]:
         if kept != name:
             aliases[name] = kept
     return aliases
-
-
-def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors takes contiguous tensors that own their storage: copy the
-    others (views into one storage, transposed parameters), and only those."""
-    users = Counter(t.untyped_storage().data_ptr() for t in tensors.values())
-    return {
-        name: t
-        if t.is_contiguous() and users[t.untyped_storage().data_ptr()] == 1
-        else t.clone(memory_format=torch.contiguous_format)
-        for name, t in tensors.items()
-    }
-
-
-def write_weights(weights: Mapping[str, torch.Tensor], path: Path, limit: int) -> None:
-    """Write ``weights`` into the directory ``path`` as `save_model` does (shards past
-    ``limit`` bytes, tied tensors once), replacing an older save file by file."""
-    kept, aliases = untie(weights)
-    shards, index = shard_checkpoint(_storable(kept), limit)
-    staging = _staging_folder(path)
-    try:
-        for file, tensors in shards.items():
-            metadata = {"format": "pt", **{a: k for a, k in aliases.items() if k in tensors}}
-            save_file(tensors, staging / file, metadata=metadata)
-            _fsync_file(staging / file)
-        if index is not None:
-            _write_index(staging / SAFE_WEIGHTS_INDEX_NAME, index)
-        fsync_dir(staging)
-        _commit(path, staging, list(shards), sharded=index is not None)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _staging_folder(path: Path) -> Path:
-    """A new private folder inside the save directory ``path`` (created if missing)."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"fa.save_model writes into a directory, but {path} is a file; pass a directory")
-    path.mkdir(parents=True, exist_ok=True)
-    staging = path / f"{_PRIVATE}tmp-{uuid.uuid4().hex}"
-    staging.mkdir()
-    return staging
-
-
-def _fsync_file(file: Path) -> None:
-    with open(file, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _write_index(file: Path, index: Mapping[str, Any]) -> None:
-    write_bytes(file, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-
-
-def _commit(path: Path, staging: Path, files: list[str], sharded: bool) -> None:
-    """Rename the staged files into ``path``, keeping it loadable throughout."""
-    live_index = path / SAFE_WEIGHTS_INDEX_NAME
-    try:
-        old_index = _read_index(live_index) if live_index.is_file() else None
-    except CheckpointError:  # an unreadable old index loads nothing: nothing to keep loadable
-        old_index = None
-    old_files = set(old_index["weight_map"].values()) if old_index else set()
-    if sharded and old_index and old_files & set(files):
-        _park(path, staging, old_index, old_files & set(files))
-    for file in files:
-        os.replace(staging / file, path / file)
-    if sharded:
-        os.replace(staging / SAFE_WEIGHTS_INDEX_NAME, live_index)
-    fsync_dir(path)
-    # the new set is live (model.safetensors shadows an index, so a single file
-    # took over at its rename; an old single file goes now): clear the old one
-    current = {*files, SAFE_WEIGHTS_INDEX_NAME} if sharded else set(files)
-    stale = {SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, *old_files}
-    stale.update(name for name in os.listdir(path) if _SHARD_NAME.fullmatch(name))
-    for name in stale - current:
-        if Path(name).name == name and (path / name).is_file():
-            (path / name).unlink()
-    for entry in path.iterdir():
-        if entry.name.startswith(_PRIVATE) and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
-    fsync_dir(path)
-
-
-def _park(path: Path, staging: Path, old_index: Mapping[str, Any], files: set[str]) -> None:
-    """Hard-link the old shards the new ones will overwrite into a private
-    folder, and point the live index at the links (copies where the
-    filesystem has no hard links)."""
-    parked = path / f"{_PRIVATE}old-{uuid.uuid4().hex}"
-    parked.mkdir()
-    for file in files:
-        try:
-            os.link(path / file, parked / file)
-        except OSError:
-            shutil.copyfile(path / file, parked / file)
-            _fsync_file(parked / file)
-    fsync_dir(parked)
-    weight_map = {
-        name: f"{parked.name}/{file}" if file in files else file
-        for name, file in old_index["weight_map"].items()
-    }
-    _write_index(staging / "parked.index.json", {**old_index, "weight_map": weight_map})
-    os.replace(staging / "parked.index.json", path / SAFE_WEIGHTS_INDEX_NAME)
-    fsync_dir(path)
