@@ -37,13 +37,13 @@ skips again.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch import nn
 
 from fnaccel._errors import FnaccelError
 from fnaccel.checks import is_int
 from fnaccel.dist import DistContext
+from fnaccel.state import DataPosition
 from fnaccel.transforms.clip import dtensor_class, global_grad_norm
 from fnaccel.transforms.kinds import StepTransform, options
 from fnaccel.transforms.phases import Phase
@@ -95,7 +95,7 @@ def _poison_nonfinite(loss: torch.Tensor, state: SkipNonfiniteState) -> torch.Te
     return loss / torch.isfinite(loss.detach())
 
 
-def _nonfinite(optimizer: Any, metrics: dict[str, Any]) -> torch.Tensor:
+def _nonfinite(optimizer: torch.optim.Optimizer, metrics: dict[str, torch.Tensor]) -> torch.Tensor:
     """A bool tensor: some gradient is NaN or inf."""
     norm = metrics.get("grad_norm")  # clip_grad_norm's global norm: already reduced
     if norm is not None:
@@ -164,12 +164,12 @@ def skip_nonfinite(max_consecutive: int = DEFAULT_MAX_CONSECUTIVE) -> StepTransf
         return SkipNonfiniteState()
 
     def check_update(
-        model: Any,
-        optimizer: Any,
-        metrics: dict[str, Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        metrics: dict[str, torch.Tensor],
         state: SkipNonfiniteState,
         step: int,
-        position: Any,
+        position: DataPosition,
     ) -> bool:
         flag = metrics.get("skipped")  # an optimizer_step hook (the fp16 scaler) already decided
         if flag is None:
