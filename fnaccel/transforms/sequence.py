@@ -91,7 +91,7 @@ class SequenceShard:
         self.num_total: torch.Tensor | None = None
 
     @property
-    def group(self) -> Any:
+    def group(self) -> dist.ProcessGroup:
         mesh = mesh_dim(self.ctx, "sp")
         assert mesh is not None, "sp_size > 1 without an sp mesh dimension"
         return mesh.get_group()
@@ -176,7 +176,7 @@ class _AllToAll(torch.autograd.Function):
     exchange run backwards (chunk ``j`` of rank ``i`` went to rank ``j`` as its chunk ``i``)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x, group=group)
