@@ -16,7 +16,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import TextIO, TypeVar
 
 from fnaccel.checks import str_to_bool
 from fnaccel.commands.main import CommandError, Subcommands
@@ -186,11 +186,11 @@ _MACHINES = ("No distributed training", "multi-CPU", "multi-GPU")
 _DYNAMO = ("INDUCTOR", "AOT_EAGER", "EAGER", "CUDAGRAPHS")
 
 
-def ask_config(q: Questions) -> dict[str, Any]:
+def ask_config(q: Questions) -> dict[str, object]:
     """Accelerate's ``accelerate config`` questions (for what this build runs); the answers
     as config keys."""
     basic = basic_config()
-    config: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE"}
+    config: dict[str, object] = {"compute_environment": "LOCAL_MACHINE"}
     machine = q.choose(
         "Which type of machine are you using?", _MACHINES, 2 if basic.distributed_type == "MULTI_GPU" else 0
     )
@@ -251,8 +251,8 @@ def ask_config(q: Questions) -> dict[str, Any]:
     return config
 
 
-def _ask_fsdp(q: Questions) -> dict[str, Any]:
-    fsdp: dict[str, Any] = {
+def _ask_fsdp(q: Questions) -> dict[str, object]:
+    fsdp: dict[str, object] = {
         "fsdp_version": 2,
         "fsdp_sharding_strategy": q.choose(
             "What should be your sharding strategy?", ("FULL_SHARD", "SHARD_GRAD_OP")

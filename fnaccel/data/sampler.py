@@ -19,7 +19,7 @@ recomputed, let alone loaded.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -191,7 +191,7 @@ class ShardedBatchSampler(Sampler[list[int]]):
         """The position: ``{"epoch": ..., "batches_yielded": ...}`` (plain ints)."""
         return {"epoch": self.epoch, "batches_yielded": self._position}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, object]) -> None:
         """Jump to a position from `state_dict`, in O(1)."""
         epoch = _check_int("state_dict['epoch']", state_dict.get("epoch"), 0)
         position = _check_int("state_dict['batches_yielded']", state_dict.get("batches_yielded"), 0)

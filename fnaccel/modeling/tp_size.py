@@ -30,7 +30,7 @@ def get_model_tp_size(model: nn.Module) -> int | None:
     recorded = getattr(inner, "tp_size", None)
     if recorded is not None:
         return int(recorded)
-    distributed: Any = getattr(getattr(inner, "config", None), "distributed_config", None)
+    distributed: object = getattr(getattr(inner, "config", None), "distributed_config", None)
     recorded = (
         distributed.get("tp_size") if isinstance(distributed, dict) else getattr(distributed, "tp_size", None)
     )

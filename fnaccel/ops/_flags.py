@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ __all__ = [
     "call_of",
     "flag_carrier",
 ]
+
+# An agreed call: operation, arguments, leaf paths, and each leaf's dtype and shape.
+Call: TypeAlias = tuple[str, str, tuple[str, ...], tuple[tuple[torch.dtype, tuple[int, ...]], ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +143,7 @@ class NonFinite:
     """
 
     leaf: int
-    op: Any
+    op: dist.ReduceOp.RedOpType
     value: float
 
     def run(
@@ -163,7 +166,7 @@ class NonFinite:
 
 
 def flag_carrier(
-    call: tuple[Any, ...], ctx: DistContext, reduce_op: Any = None
+    call: Call, ctx: DistContext, reduce_op: dist.ReduceOp.RedOpType | None = None
 ) -> Marked | Staging | NonFinite | None:
     """How the agreed call ``call`` carries its flag in its data: a gather with a leaf
     of at least 16 bytes by `Marked`, one with smaller leaves only by `Staging`, a
@@ -171,10 +174,11 @@ def flag_carrier(
     None for anything else (the flag then needs its own collective)."""
     if call[0] == "reduce":
         floating = [
-            i for i, (dtype, shape) in enumerate(call[3]) if dtype.is_floating_point and math.prod(shape)
+            i for i, (dtype, shape) in enumerate(call[3]) if dtype.is_floating_point and math.prod(shape) > 0
         ]
         if not floating:
             return None
+        assert reduce_op is not None, "a reduce is agreed with its operation"
         value = -math.inf if reduce_op == dist.ReduceOp.MIN else math.inf
         return NonFinite(leaf=floating[0], op=reduce_op, value=value)
     sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in call[3]]
@@ -205,8 +209,8 @@ class Agreed:
         carrier: how a gather's flag travels in its data (`flag_carrier`), or None.
     """
 
-    call: tuple[Any, ...]
-    param: Any
+    call: Call
+    param: str | int | None
     carrier: Marked | Staging | NonFinite | None = None
 
     @property
@@ -218,7 +222,7 @@ class Agreed:
         return [torch.zeros(shape, dtype=dtype, device=device) for dtype, shape in self.call[3]]
 
 
-def call_of(signature: Signature) -> tuple[Any, ...]:
+def call_of(signature: Signature) -> Call:
     """The `Agreed.call` of ``signature``: equal on two ranks exactly when their
     collectives move the same sizes and their checks would agree."""
     return (signature.op, signature.key, signature.paths, signature.layout())
