@@ -27,7 +27,6 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -61,7 +60,7 @@ def train_steps(state: RunState, num_steps: int) -> tuple[RunState, list[torch.T
     return state, losses
 
 
-def _train(state: RunState, num_steps: int) -> tuple[RunState, list[torch.Tensor], list[list[Any]]]:
+def _train(state: RunState, num_steps: int) -> tuple[RunState, list[torch.Tensor], list[list[object]]]:
     """`train_steps`, also returning each batch's leaves (on the CPU) to compare the data read."""
     if state.loader is None:
         raise ValueError(
@@ -69,7 +68,7 @@ def _train(state: RunState, num_steps: int) -> tuple[RunState, list[torch.Tensor
             "(fa.prepare(state, model, optimizer, loader, ...)); the check steps its batches"
         )
     losses: list[torch.Tensor] = []
-    read: list[list[Any]] = []
+    read: list[list[object]] = []
     while len(losses) < num_steps:
         before = len(losses)
         for batch in batches(state, epochs=state.epoch + 1):
@@ -83,7 +82,7 @@ def _train(state: RunState, num_steps: int) -> tuple[RunState, list[torch.Tensor
     return state, losses, read
 
 
-def _leaves(tree: Any) -> list[Any]:
+def _leaves(tree: object) -> list[object]:
     """A batch's leaves in order (tensors on the CPU), for comparing what two runs read."""
     if isinstance(tree, torch.Tensor):
         return [tree.detach().cpu()]
@@ -94,14 +93,14 @@ def _leaves(tree: Any) -> list[Any]:
     return [tree]
 
 
-def _same_leaves(a: list[Any], b: list[Any]) -> bool:
+def _same_leaves(a: list[object], b: list[object]) -> bool:
     return len(a) == len(b) and all(
         torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
         for x, y in zip(a, b, strict=False)
     )
 
 
-def _global_batch(per_rank: Sequence[list[Any]]) -> list[Any]:
+def _global_batch(per_rank: Sequence[list[object]]) -> list[object]:
     """The ranks' batches of one step concatenated in rank order: the global batch, which
     a run on another number of processes must read (DESIGN principle 5)."""
     return [
@@ -113,7 +112,9 @@ def _global_batch(per_rank: Sequence[list[Any]]) -> list[Any]:
 def _shared_temporary(state: RunState) -> Path:
     """A fresh directory made by rank 0, named the same on every rank."""
     made = tempfile.mkdtemp(prefix="fnaccel-resume-") if state.dist.is_main_process else None
-    return Path(ops.broadcast_object_list(state, [made])[0])
+    shared = ops.broadcast_object_list(state, [made])[0]
+    assert shared is not None  # rank 0's, made above
+    return Path(shared)
 
 
 @contextmanager
@@ -187,7 +188,7 @@ class _Chain:
         self,
         whole: RunState,
         losses: list[torch.Tensor],
-        read: list[list[Any]],
+        read: list[list[object]],
         steps: int,
         resumes: int,
         atol: float,
@@ -211,7 +212,7 @@ class _Chain:
         resume: int,
         size: int,
         losses: list[torch.Tensor],
-        read: list[list[Any]],
+        read: list[list[object]],
         restored: Diff | None,
         exact: bool,
     ) -> str | None:
