@@ -254,56 +254,18 @@ BAD_CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def bad_config_launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
-    """``fnaccel launch`` of each of BAD_CONFIGS, all at once (each ends in its launcher, one
-    process that spends its seconds importing torch): ``text: (config file, completed process)``."""
-    configs = {}
-    for number, text in enumerate(BAD_CONFIGS):
-        config = tmp_path_factory.mktemp("bad_config") / f"bad{number}.yaml"
-        config.write_text(text)
-        configs[text] = config
-    started = {
-        text: subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fnaccel",
-                "launch",
-                "-q",
-                "--config_file",
-                str(config),
-                str(SCRIPT),
-                str(config.parent),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for text, config in configs.items()
-    }
-    try:
-        outputs = {text: process.communicate(timeout=60) for text, process in started.items()}
-    finally:
-        for process in started.values():
-            process.kill()
-            process.wait()
-    return {
-        text: (configs[text], subprocess.CompletedProcess(process.args, process.returncode, *outputs[text]))
-        for text, process in started.items()
-    }
-
-
 @pytest.mark.parametrize(("text", "message"), BAD_CONFIGS.items())
-@pytest.mark.multiprocess
 def test_bad_config_files_give_one_line_and_exit_2(
-    bad_config_launches: dict[str, tuple[Path, Any]], text: str, message: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
 ) -> None:
-    config, result = bad_config_launches[text]
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    """Refused before any process starts (the console script's own no-traceback path:
+    tests/commands/test_cli_errors.py), so in this process."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    assert main(["launch", "-q", "--config_file", str(config), str(SCRIPT), str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
     assert message in lines[0] and str(config) in lines[0]
 
 
@@ -669,8 +631,7 @@ def test_launch_help_lists_every_accelerate_flag() -> None:
     assert not missing
 
 
-@pytest.mark.slow
-def test_every_help_lists_every_flag_of_its_parser() -> None:
+def test_every_help_lists_every_flag_of_its_parser(capsys: pytest.CaptureFixture[str]) -> None:
     def walk(parser: Any, path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
         found = [(path, parser)]
         for action in parser._actions:
@@ -687,5 +648,7 @@ def test_every_help_lists_every_flag_of_its_parser() -> None:
         for action in parser._actions:
             for option in action.option_strings:
                 assert option in text, (path, option)
-    top = subprocess.run([sys.executable, "-m", "fnaccel", "--help"], capture_output=True, text=True)
-    assert top.returncode == 0 and all(name in top.stdout for name in names)
+    with pytest.raises(SystemExit) as done:  # `fnaccel --help` (the console entry: test_cli_errors.py)
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and [name for name in names if name not in out] == [], out
