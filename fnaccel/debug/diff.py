@@ -216,7 +216,7 @@ def diff(
     states = [s for s in (a, b) if isinstance(s, RunState)]
     ranks = {states[0].dist.rank} if states else None
 
-    def items(source: object) -> dict[str, Any]:
+    def items(source: object) -> dict[str, object]:
         if isinstance(source, RunState):
             return items_of_state(source)
         if isinstance(source, (str, os.PathLike)):

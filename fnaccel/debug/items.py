@@ -41,6 +41,7 @@ from fnaccel.checkpoint.storage.sharded import ShardedSnapshot
 from fnaccel.checkpoint.storage.shardindex import METADATA, VALUES
 from fnaccel.checkpoint.storage.tensorfile import torch_dtype
 from fnaccel.checkpoint.writer import take_snapshot
+from fnaccel.state import RunState
 
 __all__ = ["TensorItem", "items_of_directory", "items_of_state"]
 
@@ -57,7 +58,7 @@ class TensorItem:
     load: Callable[[], torch.Tensor]
 
 
-def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+def _flatten(prefix: str, value: object, out: dict[str, object]) -> None:
     """Objects are walked key by key, lists of objects index by index; any other
     value (numbers, strings, lists of numbers such as a generator's words) is one item."""
     if isinstance(value, Mapping):  # an empty one holds no item: {} and absent compare equal
@@ -70,7 +71,7 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
-def _json_file(name: str, value: Any, out: dict[str, Any]) -> None:
+def _json_file(name: str, value: object, out: dict[str, object]) -> None:
     """One JSON file of a checkpoint (or of a snapshot), under its items' names."""
     if name == RUN_FILE and isinstance(value, dict):
         for transform in value.get("pipeline") or []:
@@ -123,7 +124,7 @@ def _sharded_name(fqn: str) -> str:
     return fqn.replace(".", "/", 1)
 
 
-def items_of_state(state: Any) -> dict[str, Any]:
+def items_of_state(state: RunState) -> dict[str, object]:
     """Every item of a live ``state`` (this rank's own generators and data position).
 
     Reads the state; consumes nothing. A sharded (``fsdp()``) state's tensors
@@ -131,7 +132,7 @@ def items_of_state(state: Any) -> dict[str, Any]:
     """
     state.check_fresh("fa.diff")  # a consumed state's model and optimizer have moved on: a lie about it
     snap = take_snapshot(state, layout_for(state), writer=True, per_node=False, staging=None)
-    out: dict[str, Any] = {key: snap.manifest[key] for key in _COUNTERS}
+    out: dict[str, object] = {key: snap.manifest[key] for key in _COUNTERS}
     for name, value in snap.json_files.items():
         _json_file(name, value, out)
     _flatten("config", yaml.safe_load(snap.raw_files["config.yaml"]), out)
@@ -197,7 +198,7 @@ def _file_tensors(directory: Path, name: str, manifest: dict[str, Any]) -> dict[
     }
 
 
-def items_of_directory(directory: Path, ranks: set[int] | None = None) -> dict[str, Any]:
+def items_of_directory(directory: Path, ranks: set[int] | None = None) -> dict[str, object]:
     """Every item of the checkpoint at ``directory`` (only ``ranks``' own files, when given).
 
     JSON files are read verified (size and checksum); tensors are read one at
@@ -205,7 +206,7 @@ def items_of_directory(directory: Path, ranks: set[int] | None = None) -> dict[s
     """
     manifest = read_manifest(directory)
     files = manifest["files"]
-    out: dict[str, Any] = {key: manifest[key] for key in _COUNTERS}
+    out: dict[str, object] = {key: manifest[key] for key in _COUNTERS}
     for name in files:
         if not _keep(name, ranks):
             continue
