@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -64,7 +63,7 @@ def dispatch_model(
     main_device: int | str | torch.device | None = None,
     state_dict: Mapping[str, torch.Tensor] | None = None,
     offload_dir: str | os.PathLike[str] | None = None,
-    offload_index: Mapping[str, Any] | None = None,
+    offload_index: Mapping[str, Mapping[str, object]] | None = None,
     offload_buffers: bool = False,
     skip_keys: str | Sequence[str] | None = None,
     preload_module_classes: Sequence[str] | None = None,

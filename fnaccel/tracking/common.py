@@ -7,8 +7,7 @@ import importlib.util
 import sys
 from collections.abc import Mapping
 from numbers import Real
-from types import MappingProxyType
-from typing import Any
+from types import MappingProxyType, ModuleType
 
 __all__ = ["PACKAGES", "flatten", "is_installed", "numbers_and_text", "require"]
 
@@ -27,7 +26,7 @@ PACKAGES: Mapping[str, tuple[str, str]] = MappingProxyType(
 )
 
 
-def require(name: str) -> Any:
+def require(name: str) -> ModuleType:
     """The tracker's package, imported; an ImportError naming the pip package and the extra if absent."""
     module, package = PACKAGES[name]
     try:

@@ -187,7 +187,7 @@ def count_flops(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any]
 def _meta_copy(model: nn.Module) -> nn.Module:
     """``model`` deep-copied with every parameter and buffer replaced by an empty
     ``meta`` tensor (tied parameters stay tied: the copy's memo maps each once)."""
-    memo: dict[int, Any] = {}
+    memo: dict[int, object] = {}  # deepcopy's: id -> the copy
     for param in model.parameters():
         memo[id(param)] = nn.Parameter(
             torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
