@@ -32,7 +32,6 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 import torch
 from torch import nn
@@ -143,7 +142,7 @@ def _local_model(path: Path, library_name: str | None, trust_remote_code: bool) 
     raise CommandError(f"{path} is not a .safetensors file, a shard index or a config.json")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> dict[str, object]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
