@@ -14,11 +14,12 @@ rotation.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fnaccel.checkpoint.manifest import MANIFEST
+from fnaccel.checkpoint.manifest import MANIFEST, target_problem
 from fnaccel.checkpoint.storage.files import discard, remove_leftovers
 from fnaccel.kwargs.mixin import KwargsHandler
 
@@ -84,10 +85,20 @@ def next_checkpoint(project_dir: Path) -> Path:
 
 def rotate(project_dir: Path, total_limit: int, newest: Path) -> None:
     """Delete the oldest complete checkpoints beyond ``total_limit``, never ``newest``,
-    and the leftovers of crashed saves and deletions there."""
+    and the leftovers of crashed saves and deletions there.
+
+    A checkpoint holding a file fnaccel did not write is the user's now: never deleted and
+    not counted; a warning names it when the rotation passes over it."""
     root = project_dir / "checkpoints"
     existing = [path for _, path in _numbered(root, complete=True) if path != newest]
-    for path in existing[: max(0, len(existing) + 1 - total_limit)]:
+    problems = {path: target_problem(path) for path in existing}
+    owned = [path for path in existing if problems[path] is None]
+    doomed = owned[: max(0, len(owned) + 1 - total_limit)]
+    passed = existing[: existing.index(doomed[-1])] if doomed else []  # in number order
+    for path in passed:
+        if problems[path] is not None:
+            warnings.warn(f"total_limit: {path} is kept: {problems[path]}", stacklevel=3)
+    for path in doomed:
         discard(path, MANIFEST)
     remove_leftovers(root, _NAMES)
 

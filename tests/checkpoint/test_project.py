@@ -100,6 +100,26 @@ def test_automatic_naming_and_total_limit_rotation(tmp_path: Path) -> None:
         fa.ProjectConfiguration(total_limit=0)
 
 
+def test_total_limit_rotation_keeps_a_checkpoint_holding_a_users_file(tmp_path: Path) -> None:
+    """fnaccel deletes only what it wrote: a checkpoint_<n> the user added a file to stays,
+    uncounted, with a warning naming the file; the rotation goes on among the others."""
+    project = fa.ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2)
+    state = fa.init(seed=0, cpu=True, project_dir=tmp_path, kwargs_handlers=[project])
+    run, _, _ = fresh_run(state, fa.compose())
+    fa.save(run)
+    notes = tmp_path / "checkpoints" / "checkpoint_0" / "notes.txt"
+    notes.write_text("the run with the good learning rate")
+    for _ in range(2):
+        run, _ = train(run, epochs=1, stop_after=run.micro_step + 1)
+        fa.save(run)
+    run, _ = train(run, epochs=1, stop_after=run.micro_step + 1)
+    with pytest.warns(UserWarning, match=r"checkpoint_0 is kept: .*notes\.txt"):
+        fa.save(run)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["checkpoint_0", "checkpoint_2", "checkpoint_3"]
+    assert notes.read_text() == "the run with the good learning rate"
+
+
 class Ema:
     """A typical object saved with a run: tensors, numbers and nested containers."""
 
