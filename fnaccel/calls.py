@@ -353,7 +353,7 @@ class Calls:
 
     def _exiting(self) -> None:
         """At a clean interpreter exit without ``fa.shutdown``: enter its agreement without
-        waiting, as the group's exit finalizer ends the run too, so that a rank that did
+        waiting, as the group's exit handler ends the run too, so that a rank that did
         call ``fa.shutdown`` agrees with this one instead of asking where it is."""
         if self._closed or exception_in_flight():
             return
