@@ -46,6 +46,23 @@ def _end_process(report: str, error: BaseException, start: float) -> None:
     os._exit(0)  # as the uncaught error would: the process's connections close
 
 
+def _shutdown_on_rank0_rank1_exits(state: fa.RunState) -> str:
+    if state.dist.rank == 0:
+        fa.shutdown(state)
+        return "shut down"
+    # what interpreter exit runs on a rank that ends its script without fa.shutdown
+    state.dist.group_owner.calls._exiting()
+    return "exited"
+
+
+def test_an_exit_without_shutdown_counts_as_it(world2: World) -> None:
+    """A clean end with fa.shutdown on rank 0 only: rank 1's exit enters the agreement.
+    (First: it leaves the world whole, and each test after it ends one of its ranks.)"""
+    start = time.monotonic()
+    assert world2.run(_shutdown_on_rank0_rank1_exits) == ["shut down", "exited"]
+    assert time.monotonic() - start < DEFAULT_COLLECTIVE_TIMEOUT
+
+
 def _save_on_rank0_only(state: fa.RunState, path: str, report: str, timeout: float) -> Any:
     state, batch = _prepared(state)
     calls = state.dist.group_owner.calls
@@ -101,8 +118,8 @@ def test_save_on_one_rank_ends_both_naming_fa_save_and_the_step(world2: World, t
     name, message, detected = json.loads(report.read_text())
     assert (name, message) == ("CollectiveCallError", expected)  # rank 0's, the same cause
     assert float(report.with_suffix(".default").read_text()) == DEFAULT_COLLECTIVE_TIMEOUT
-    assert 2.0 <= detected < 30
-    assert elapsed < 30
+    assert 2.0 <= detected < 2.0 + 30  # the margin the default's bound had (30 <= detected < 60)
+    assert elapsed < 2.0 + 30
     assert not (tmp_path / "ckpt").exists()
 
 
@@ -153,22 +170,6 @@ def test_a_rank_nothing_releases_ends_its_process(world2: World, tmp_path: Path)
     assert message.startswith(
         "fa.evaluate was called on rank 0 only (rank 1 is in fa.step at step 3): fa.evaluate is collective"
     )
-
-
-def _shutdown_on_rank0_rank1_exits(state: fa.RunState) -> str:
-    if state.dist.rank == 0:
-        fa.shutdown(state)
-        return "shut down"
-    # what interpreter exit runs on a rank that ends its script without fa.shutdown
-    state.dist.group_owner.calls._exiting()
-    return "exited"
-
-
-def test_an_exit_without_shutdown_counts_as_it(world2: World) -> None:
-    """A clean end with fa.shutdown on rank 0 only: rank 1's exit enters the agreement."""
-    start = time.monotonic()
-    assert world2.run(_shutdown_on_rank0_rank1_exits) == ["shut down", "exited"]
-    assert time.monotonic() - start < DEFAULT_COLLECTIVE_TIMEOUT
 
 
 def test_collective_timeout_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
