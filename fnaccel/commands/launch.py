@@ -442,7 +442,7 @@ def torchrun_arguments(args: argparse.Namespace, config: LaunchConfig) -> list[s
 
 
 def launch_environment(args: argparse.Namespace, config: LaunchConfig) -> dict[str, str]:
-    """The variables every process gets: the resolved config (`fnaccel.config.launch_env`),
+    """The variables every process gets: the resolved config (`fnaccel.config.launch.launch_env`),
     plus thread and GPU settings."""
     env = launch_env(config)
     if config.gpu_ids not in ("all", ""):

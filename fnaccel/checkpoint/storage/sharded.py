@@ -1,7 +1,7 @@
 """The sharded layout: a run whose model is split over the ranks, through `torch.distributed.checkpoint`.
 
-An `fsdp()`, `tp()` or `pp()` run over several processes (a pipeline that
-declares `Capability.SHARDS_PARAMETERS`, `TENSOR_PARALLEL` or `SPLITS_MODEL`)
+An `fsdp()`, `tp()` or `pp()` run over several processes (those transforms
+declare this layout, which `holds` a run whose model is split over its ranks)
 has no whole model on any rank, and is saved pickle-free so. Every rank
 writes the shards it holds; nothing is gathered onto one rank.
 The model's and the optimizer's state come from DCP's own
