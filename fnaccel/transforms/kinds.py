@@ -155,7 +155,7 @@ class ParallelismTransform(StepTransform):
     """A transform that decides where the model and the batch live (ddp, fsdp, tp, pp, sp).
 
     Attributes:
-        mesh_dims: the mesh dimensions (`fnaccel.config.MESH_DIMS`) it lays the
+        mesh_dims: the mesh dimensions (`fnaccel.config.parallelism.MESH_DIMS`) it lays the
             model over (``fa.tp``: ``tp``); `fa.prepare` refuses a run whose
             mesh has such a dimension larger than one that no transform consumes.
         layout: how `fa.save` / `fa.load` store the model and optimizer it
