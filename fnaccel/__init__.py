@@ -44,7 +44,7 @@ _PUBLIC = MappingProxyType(
         "SchedulerRuleWarning": "fnaccel.train",
         # Evaluation
         "evaluate": "fnaccel.evaluation",
-        "eval_batches": "fnaccel.data.evaluation",
+        "eval_batches": "fnaccel.data.eval_batches",
         # The loop's helpers and launching from a notebook
         "autocast_context": "fnaccel.precision",
         "skip_first_batches": "fnaccel.data.skip",

@@ -52,7 +52,7 @@ from fnaccel.constants import (
 from fnaccel.data.config import (
     DataLoaderConfiguration as DataLoaderConfiguration,
 )
-from fnaccel.data.evaluation import (
+from fnaccel.data.eval_batches import (
     eval_batches as eval_batches,
 )
 from fnaccel.data.prepared import (

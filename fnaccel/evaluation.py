@@ -4,7 +4,7 @@ Evaluation is a reading of the state, not a step: it consumes nothing, draws
 nothing from the run's generators (it runs under a copy of them and gives the
 process its own generators back), leaves the data position alone and puts
 every module's train/eval mode back as it found it. The split is
-`fnaccel.data.evaluation.eval_batches`'s, so gathering is exact for any
+`fnaccel.data.eval_batches.eval_batches`'s, so gathering is exact for any
 dataset length and world size. With `fa.PreemptionKwargs`, a signal stops an
 evaluation at a batch boundary on every rank alike (docs/training.md, "Preemption").
 """
@@ -17,7 +17,7 @@ from typing import Any, TypeGuard
 import torch
 
 from fnaccel.calls import collective
-from fnaccel.data.evaluation import eval_batches
+from fnaccel.data.eval_batches import eval_batches
 from fnaccel.dist import data_parallel_context
 from fnaccel.ops.collectives import gather_object
 from fnaccel.ops.metrics import gather_for_metrics

@@ -30,9 +30,9 @@ from fnaccel.constants import PrecisionType
 from fnaccel.dist import data_parallel
 from fnaccel.state import RunState
 from fnaccel.train import SchedulerRuleWarning, StepPlan, scheduler_steps, training_transforms
+from fnaccel.transforms.contract import EngineRequest, PrepareRequest
 from fnaccel.transforms.declared import Capability, Precision
 from fnaccel.transforms.fp8 import recipe_from_config
-from fnaccel.transforms.hooks import EngineRequest, PrepareRequest
 from fnaccel.transforms.kinds import ParallelismTransform, Transform
 from fnaccel.transforms.mixed_precision import autocast, fp8, grad_scaler
 from fnaccel.transforms.parallel import ddp, unwrap_model

@@ -6,7 +6,7 @@ sharding the model, the default pipeline, the checks on what is passed in)
 happens once and lives in fnaccel/preparation.py, which imports the plan from here.
 
 A step is a fixed sequence; transforms contribute through named hooks, whose
-order is described once, in `fnaccel.transforms.hooks`.
+order is described once, in `fnaccel.transforms.contract`.
 
 Metrics are detached tensors on the device: nothing here reads a tensor on
 the host, so there is no host-device sync beyond what torch's GradScaler does
@@ -27,8 +27,7 @@ from fnaccel.dist import DistContext, data_parallel
 from fnaccel.kwargs.mixin import KwargsHandler
 from fnaccel.rng import put_back, swap_in, swap_out
 from fnaccel.state import DataPosition, RunState
-from fnaccel.transforms.declared import Accumulation
-from fnaccel.transforms.hooks import (
+from fnaccel.transforms.contract import (
     AfterBackwardFn,
     AfterStepFn,
     BackwardFn,
@@ -40,6 +39,7 @@ from fnaccel.transforms.hooks import (
     SplitBatchFn,
     UpdateCheckFn,
 )
+from fnaccel.transforms.declared import Accumulation
 from fnaccel.transforms.kinds import Transform
 from fnaccel.transforms.pipeline import Pipeline
 
@@ -149,7 +149,7 @@ class StepPlan:
     scheduler_steps: int = 1  # per optimizer update (`scheduler_steps`)
     sync_each_batch: bool = False
     divide_loss: bool = True
-    # Each hook with its transform's state (`fnaccel.transforms.hooks` documents the hooks).
+    # Each hook with its transform's state (`fnaccel.transforms.contract` documents the hooks).
     scale_loss: tuple[tuple[ScaleLossFn, object], ...] = ()
     before_update: tuple[tuple[BeforeUpdateFn, object], ...] = ()
     optimizer_step: tuple[OptimizerStepFn, object] | None = None

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
 from fnaccel.testing import World
-from fnaccel.transforms.hooks import EngineRequest
+from fnaccel.transforms.contract import EngineRequest
 from fnaccel.transforms.kinds import EngineTransform
 from fnaccel.transforms.phases import Phase
 

@@ -136,7 +136,7 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/transforms/plugins/test_fsdp.py",
         "the key refusals every plugin shares, checked through FSDP's",
     ),
-    "data/evaluation.py": ("tests/test_evaluation.py", "fa.eval_batches, beside fa.evaluate"),
+    "data/eval_batches.py": ("tests/test_evaluation.py", "fa.eval_batches, beside fa.evaluate"),
     "data/iterable.py": ("tests/data/test_prepared.py", "iterable datasets split across ranks"),
     "data/sharding.py": ("tests/data/test_sampler.py", "how batches are split across ranks"),
     "debug/divergence.py": ("tests/debug/test_two_runs_tools.py", "find_divergence on two real runs"),

@@ -13,9 +13,9 @@ from fnaccel.transforms.collective_steps import (
     reduce,
 )
 from fnaccel.transforms.compile import compile
+from fnaccel.transforms.contract import EngineRequest, PrepareRequest
 from fnaccel.transforms.declared import Capability
 from fnaccel.transforms.deepspeed import deepspeed
-from fnaccel.transforms.hooks import EngineRequest, PrepareRequest
 from fnaccel.transforms.kinds import (
     EngineTransform,
     ParallelismTransform,

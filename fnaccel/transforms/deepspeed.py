@@ -42,8 +42,8 @@ from fnaccel.checkpoint.storage.weight_hooks import saved_weights
 from fnaccel.checks import is_int
 from fnaccel.constants import PrecisionType
 from fnaccel.dist import DistContext
+from fnaccel.transforms.contract import EngineRequest
 from fnaccel.transforms.declared import Accumulation, Capability, GradientClipping, Precision
-from fnaccel.transforms.hooks import EngineRequest
 from fnaccel.transforms.kinds import EngineTransform, options
 from fnaccel.transforms.phases import Phase
 from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin, EngineSettings, resolve_ds_config

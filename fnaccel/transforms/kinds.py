@@ -20,7 +20,7 @@ subtype, never by optional fields every transform carries:
   optimizer to an engine of its own (`fa.deepspeed`).
 
 When each hook runs, and with what, is described once, in
-`fnaccel.transforms.hooks`, which also holds what `fa.prepare` hands them
+`fnaccel.transforms.contract`, which also holds what `fa.prepare` hands them
 (`PrepareRequest`, `EngineRequest`).
 
 A transform declares what it is, so that nothing outside it asks its name:
@@ -40,7 +40,7 @@ from fnaccel.transforms.declared import Capability, Precision
 
 if TYPE_CHECKING:
     from fnaccel.checkpoint.storage.layout import CheckpointLayout
-    from fnaccel.transforms.hooks import (
+    from fnaccel.transforms.contract import (
         AfterBackwardFn,
         AfterStepFn,
         BackwardFn,

@@ -27,9 +27,9 @@ from fnaccel.constants import PrecisionType
 from fnaccel.dist import DistContext
 from fnaccel.kwargs import FP8RecipeKwargs, GradScalerKwargs
 from fnaccel.ops.tree import convert_to_fp32
+from fnaccel.transforms.contract import PipelineView, PrepareRequest
 from fnaccel.transforms.declared import Capability, Precision
 from fnaccel.transforms.fp8 import check_fp8_recipe, convert_to_fp8
-from fnaccel.transforms.hooks import PipelineView, PrepareRequest
 from fnaccel.transforms.kinds import PrecisionTransform, StepTransform, options
 from fnaccel.transforms.phases import Phase
 from fnaccel.transforms.pipeline import Pipeline, compose

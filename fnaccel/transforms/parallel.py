@@ -26,8 +26,8 @@ from fnaccel.checkpoint.storage.sharded import ShardedLayout
 from fnaccel.dist import DistContext, data_parallel, data_parallel_context
 from fnaccel.kwargs import DistributedDataParallelKwargs
 from fnaccel.resources import GroupOwner
+from fnaccel.transforms.contract import PipelineView, PrepareRequest
 from fnaccel.transforms.declared import Capability
-from fnaccel.transforms.hooks import PipelineView, PrepareRequest
 from fnaccel.transforms.kinds import ParallelismTransform, options
 from fnaccel.transforms.phases import Phase
 

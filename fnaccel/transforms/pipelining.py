@@ -40,8 +40,8 @@ from torch import nn
 from fnaccel.checkpoint.storage.sharded import ShardedLayout
 from fnaccel.checks import is_int
 from fnaccel.dist import DistContext, data_parallel, mesh_dim
+from fnaccel.transforms.contract import PipelineView, PrepareRequest
 from fnaccel.transforms.declared import Accumulation, Capability
-from fnaccel.transforms.hooks import PipelineView, PrepareRequest
 from fnaccel.transforms.kinds import ParallelismTransform, options
 from fnaccel.transforms.mixed_precision import AutocastForward
 from fnaccel.transforms.parallel import check_optimizer_holds_model, unwrap_compiled

@@ -35,8 +35,8 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 
 from fnaccel.checks import is_int
 from fnaccel.dist import DistContext, mesh_dim
+from fnaccel.transforms.contract import PipelineView, PrepareRequest
 from fnaccel.transforms.declared import Accumulation
-from fnaccel.transforms.hooks import PipelineView, PrepareRequest
 from fnaccel.transforms.kinds import ParallelismTransform, options
 from fnaccel.transforms.phases import Phase
 

@@ -11,8 +11,8 @@ from torch import nn
 
 import fnaccel as fa
 from fnaccel.transforms import EngineTransform, StepTransform, Transform
+from fnaccel.transforms.contract import EngineRequest
 from fnaccel.transforms.declared import Capability
-from fnaccel.transforms.hooks import EngineRequest
 from fnaccel.transforms.phases import Phase
 
 

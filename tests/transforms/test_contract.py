@@ -1,6 +1,6 @@
 """The hooks: each on the kind of transform that has it, and their order described in one place.
 
-`fnaccel.transforms.hooks` holds one Protocol per hook and the one description
+`fnaccel.transforms.contract` holds one Protocol per hook and the one description
 of the order a run meets them; every other module refers to it instead of
 repeating it (the order was described in four places, and drifted).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import fnaccel as fa
-from fnaccel.transforms import hooks
+from fnaccel.transforms import contract
 
 PACKAGE = Path(fa.__file__).parent
 KINDS = (fa.Transform, fa.StepTransform, fa.ParallelismTransform, fa.EngineTransform, fa.PrecisionTransform)
@@ -34,7 +34,7 @@ def hook_fields() -> dict[str, str]:
 
 
 def test_every_hook_is_in_the_one_description_of_the_order() -> None:
-    described = hooks.__doc__ or ""
+    described = contract.__doc__ or ""
     found = hook_fields()
     assert {"check", "prepare_model", "scale_loss", "set_sync", "prepare_engine"} <= set(found), found
     missing = [name for name in found if not re.search(rf"^\s+{name}\b|\b{name} hooks?\b", described, re.M)]
@@ -44,17 +44,17 @@ def test_every_hook_is_in_the_one_description_of_the_order() -> None:
 @pytest.mark.parametrize(("hook", "kind"), sorted(hook_fields().items()))
 def test_each_hooks_protocol_names_the_kind_that_carries_it(hook: str, kind: str) -> None:
     field_type = next(f.type for f in dataclasses.fields(getattr(fa, kind)) if f.name == hook)
-    protocol = getattr(hooks, str(field_type).split(" | ")[0])
+    protocol = getattr(contract, str(field_type).split(" | ")[0])
     assert (protocol.__doc__ or "").startswith(f"``{kind}.{hook}``"), protocol.__doc__
 
 
 def test_no_other_module_describes_the_order() -> None:
-    """A line chaining two hooks with ``->`` outside hooks.py is a second description of the order."""
+    """A line chaining two hooks with ``->`` outside contract.py is a second description of the order."""
     names = "|".join(hook_fields())
     chained = re.compile(rf"\b({names})\b[^\n]*->[^\n]*\b({names})\b")
     found = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "hooks.py" and path.parent.name == "transforms":
+        if path.name == "contract.py" and path.parent.name == "transforms":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and chained.search(node.value):
