@@ -11,7 +11,7 @@ from torch import nn
 
 import fnaccel as fa
 from fnaccel.transforms import EngineTransform, StepTransform, Transform
-from fnaccel.transforms.contract import EngineRequest
+from fnaccel.transforms.contract import EngineRequest, PipelineView
 from fnaccel.transforms.declared import Capability
 from fnaccel.transforms.phases import Phase
 
@@ -160,7 +160,7 @@ def test_a_transforms_check_gets_what_each_prepare_call_passes() -> None:
     optimizer's parameters and the models are there."""
     seen: list[fa.PrepareRequest] = []
 
-    def check(request: fa.PrepareRequest) -> fa.Pipeline:
+    def check(request: fa.PrepareRequest) -> PipelineView:
         seen.append(request)
         return request.pipeline
 
