@@ -6,8 +6,9 @@ sections are history and keep the names of their day) and the source of fnaccel/
 docstrings and comments). Each ``fnaccel/...py`` path, ``tests/...``, ``docs/...md``,
 ``benchmarks/...`` or ``examples/...`` path, and each dotted ``fnaccel.x.y`` name is resolved
 from the files, without importing anything: a dotted name's longest prefix that is a module,
-then its next part defined at that module's top level (for a facade, named in its ``_PUBLIC``
-table). In fnaccel/README.md, a backticked ``name.py`` or ``folder/`` is relative to fnaccel/.
+then its next part defined at that module's top level (a module's imports do not count; a
+package's do, and so do the names in a facade's ``_PUBLIC`` or a module's ``__all__``).
+In fnaccel/README.md, a backticked ``name.py`` or ``folder/`` is relative to fnaccel/.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def _module_path(module: str) -> Path | None:
 
 @functools.cache
 def _defined(path: Path) -> frozenset[str]:
-    """The names ``path`` defines at its top level, and a facade's ``_PUBLIC`` names."""
+    """The names ``path`` defines at its top level, a package's imports, and the names of a
+    facade's ``_PUBLIC`` table or a module's ``__all__`` (which re-export)."""
     tree = ast.parse(path.read_text())
     names: set[str] = set()
     node: ast.stmt
@@ -97,12 +99,15 @@ def _defined(path: Path) -> frozenset[str]:
             names |= {
                 e.id for t in targets if isinstance(t, ast.Tuple) for e in t.elts if isinstance(e, ast.Name)
             }
-        elif isinstance(node, ast.Import | ast.ImportFrom):
+        elif isinstance(node, ast.Import | ast.ImportFrom) and path.name == "__init__.py":
+            # a package re-exports what it imports; a module's imports are not its names
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
     public = [
-        n.value for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "_PUBLIC"
+        n.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) in ("_PUBLIC", "__all__")
     ]
-    for value in public:  # a facade's table: its keys are the names, its values module paths
+    for value in public:  # _PUBLIC: its keys are the names, its values module paths
         names |= {
             c.value for c in ast.walk(value) if isinstance(c, ast.Constant) and isinstance(c.value, str)
         }
@@ -176,6 +181,7 @@ def test_every_path_and_module_the_docs_name_exists() -> None:
         "Its hook is `check_pipeline(pipeline, ctx)`.",
         "Tested by tests/test_missing.py::test_it.",
         "Import it from fnaccel.transforms.base.",
+        "Its settings record is fnaccel.transforms.kinds.Precision.",  # imported there, defined in declared
     ],
 )
 def test_a_planted_stale_reference_is_found(planted: str) -> None:
