@@ -8,7 +8,8 @@ docstrings and comments). Each ``fnaccel/...py`` path, ``tests/...``, ``docs/...
 from the files, without importing anything: a dotted name's longest prefix that is a module,
 then its next part defined at that module's top level (a module's imports do not count; a
 package's do, and so do the names in a facade's ``_PUBLIC`` or a module's ``__all__``).
-In fnaccel/README.md, a backticked ``name.py`` or ``folder/`` is relative to fnaccel/.
+In fnaccel/README.md, a backticked ``name.py``, ``folder/`` or ``module.name`` is relative to
+fnaccel/.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def _stale(texts: dict[str, str]) -> list[str]:
                 found.append(f"{where}: {name}")
         if where == "fnaccel/README.md":
             found += [f"{where}: `{ref}`" for ref in _relative_stale(text)]
+            found += [f"{where}: `{name}`" for name in _relative_names_stale(text)]
         if not where.endswith(".py") and not history:
             found += [f"{where}: {gone}" for gone in _GONE if gone in text]
     return found
@@ -165,6 +167,18 @@ def _relative_stale(text: str) -> list[str]:
             bases.append(PACKAGE / refs[0])
             bases += [PACKAGE / refs[0] / r for r in refs[1:] if r.endswith("/")]
         stale += [r for r in refs if not any((base / r).exists() for base in bases)]
+    return stale
+
+
+def _relative_names_stale(text: str) -> list[str]:
+    """The backticked dotted names of fnaccel/README.md relative to fnaccel (``rng.swap_in``,
+    ``runtime._group_store``) that name nothing."""
+    stale = []
+    for name in re.findall(r"`([a-z_]\w*(?:\.[A-Za-z_]\w*)+)`", text):
+        if name.endswith((".py", ".pyi", ".md", ".json", ".yaml")) or name.startswith("state."):
+            continue  # a file, or a field of the run's state (`state.rng`), not the module
+        if _module_path(f"fnaccel.{name.split('.')[0]}") and not _dotted_exists(f"fnaccel.{name}"):
+            stale.append(name)
     return stale
 
 
@@ -190,10 +204,15 @@ def test_a_planted_stale_reference_is_found(planted: str) -> None:
     assert len(_stale(texts)) == 1
 
 
-def test_a_planted_stale_relative_path_in_the_map_is_found() -> None:
+def test_a_planted_stale_relative_path_and_name_in_the_map_are_found() -> None:
     texts = _texts()
-    texts["fnaccel/README.md"] += "\nThe hooks are in `transforms/base.py`.\n"
-    assert _stale(texts) == ["fnaccel/README.md: `transforms/base.py`"]
+    texts["fnaccel/README.md"] += (
+        "\nThe hooks are in `transforms/base.py`, read by `config.with_launch_env`.\n"
+    )
+    assert _stale(texts) == [
+        "fnaccel/README.md: `transforms/base.py`",
+        "fnaccel/README.md: `config.with_launch_env`",
+    ]
 
 
 def _map_layers(text: str) -> dict[str, str]:
