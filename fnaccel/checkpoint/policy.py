@@ -580,7 +580,9 @@ def _act(
             else [None] * len(acting)
         )
         decisions = ops.broadcast_object_list(ctx, [decisions], from_process=0)[0]
-        for (policy, _), (save, steps) in zip(acting, decisions, strict=True):
+        for (policy, _), decision in zip(acting, decisions, strict=True):
+            assert decision is not None  # rank 0's, broadcast
+            save, steps = decision
             progress[policy].act_at = state.step + steps
             verdicts[policy] = save
     preempted = state.preempted is not None

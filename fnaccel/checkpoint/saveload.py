@@ -185,6 +185,7 @@ def start_save(
     # one exchange: rank 0's token for the temporary directory, and every rank's verdicts
     votes = ops.gather_object(ctx, [(uuid.uuid4().hex if ctx.is_main_process else None, problem, nonfinite)])
     token = votes[0][0]
+    assert token is not None  # rank 0's, made above (gather_object keeps each rank's entry's type)
     problem = next((problem for _, problem, _ in votes if problem is not None), None)
     bad = next(((rank, what) for rank, (_, _, what) in enumerate(votes) if what is not None), None)
     if problem is None and bad is not None and not allow_nonfinite:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
 
 __all__ = [
     "add_launch_arguments",
@@ -224,7 +223,9 @@ _REFUSED: tuple[tuple[str, str, tuple[Flag, ...]], ...] = (
 )
 
 
-def _add(group: Any, flag: str, kind: Callable[[str], object] | None, text: str) -> None:
+def _add(
+    group: argparse._ActionsContainer, flag: str, kind: Callable[[str], object] | None, text: str
+) -> None:
     if kind is None:
         group.add_argument(flag, action="store_true", default=None, help=text)
     else:

@@ -145,9 +145,10 @@ def test_two_processes_saving_to_one_path_never_remove_each_others_directories(t
             _stop(process, kill=True)
         raise
     outputs = []
-    for process in (first, second):
-        if process is None:
+    for maybe in (first, second):
+        if maybe is None:
             continue
+        process = maybe
         assert process.stdin is not None
         try:
             process.stdin.write("\n" * 10)
@@ -155,9 +156,9 @@ def test_two_processes_saving_to_one_path_never_remove_each_others_directories(t
         except BrokenPipeError:  # refused and ended already
             pass
     deadline = time.monotonic() + 120
-    for process in (first, second):
-        if process is not None:
-            outputs.append(_stop(process) if time.monotonic() < deadline else ("", ""))
+    for maybe in (first, second):
+        if maybe is not None:
+            outputs.append(_stop(maybe) if time.monotonic() < deadline else ("", ""))
     errors = "\n".join(err for _, err in outputs)
     assert "FileNotFoundError" not in errors, errors[-3000:]
     assert "another save to this path is in progress" in errors, errors[-3000:]  # they did meet

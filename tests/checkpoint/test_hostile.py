@@ -124,6 +124,11 @@ def _set_scalar(tensors: dict[str, torch.Tensor], key: str, value: torch.Tensor)
     tensors[key] = value
 
 
+def _deep_json(checkpoint: Path) -> None:
+    (checkpoint / "scheduler.json").write_text("[" * 100_000 + "]" * 100_000)
+    _rehash(checkpoint)
+
+
 FILE_EDITS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "scheduler step": (
         r"scheduler.json: state_dict: key 'last_epoch' must be an integer",
@@ -243,7 +248,7 @@ FILE_EDITS: dict[str, tuple[str, Callable[[Path], None]]] = {
     ),
     "deep json": (
         r"scheduler.json: not valid JSON \(or nested too deeply\)",
-        lambda c: ((c / "scheduler.json").write_text("[" * 100_000 + "]" * 100_000), _rehash(c)),
+        _deep_json,
     ),
 }
 

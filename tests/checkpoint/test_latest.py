@@ -205,7 +205,9 @@ def test_the_two_tier_block_of_the_docs_runs_and_resumes_from_ram(
                 "loss_fn": lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]),
             }
             exec(code, names)
-            steps.append((names["found"], names["state"].step))
+            state = names["state"]
+            assert isinstance(state, fa.RunState)
+            steps.append((names["found"], state.step))
             fa.shutdown(names["state"])
         assert steps == [(None, 36), (Path(f"/dev/shm/{job}/latest"), 36)]
     finally:

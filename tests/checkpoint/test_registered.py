@@ -41,6 +41,7 @@ def _train(
     state: fa.RunState, disc: nn.Module, disc_opt: torch.optim.Optimizer, stop_after: int | None = None
 ) -> fa.RunState:
     gen = state.model
+    assert gen is not None
     for (real,) in fa.batches(state, epochs=2):
         # the discriminator's noise from its own generator: the process's is not the run's (fa.load
         # restores the run's generators, which fa.step draws gen_loss's noise from)
@@ -231,4 +232,4 @@ def test_an_ordered_dict_keeps_its_order_and_metadata(tmp_path: Path) -> None:
     value._metadata = {"": {"version": 2}}  # type: ignore[attr-defined]
     back = _round_trip(tmp_path, value, {})
     assert type(back) is OrderedDict and list(back) == ["b", "a"]
-    assert back._metadata == {"": {"version": 2}}
+    assert getattr(back, "_metadata") == {"": {"version": 2}}

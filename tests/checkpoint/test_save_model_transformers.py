@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,11 @@ def hf_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(**batch).loss
 
 
-ENGINES = {"ddp": fa.ddp, "fsdp": fa.fsdp, "zero3": lambda: fa.deepspeed(zero_stage=3)}
+ENGINES: dict[str, Callable[[], fa.Transform]] = {
+    "ddp": fa.ddp,
+    "fsdp": fa.fsdp,
+    "zero3": lambda: fa.deepspeed(zero_stage=3),
+}
 
 
 def train_and_save(state: fa.RunState, kind: str, engine: str, path: str) -> torch.Tensor | None:

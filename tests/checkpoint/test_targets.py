@@ -129,10 +129,10 @@ def _crash_after(monkeypatch: pytest.MonkeyPatch, steps: int) -> list[str]:
 
         return run
 
-    monkeypatch.setattr(files.os, "rename", step("rename", os.rename))
+    monkeypatch.setattr(getattr(files, "os"), "rename", step("rename", os.rename))
     monkeypatch.setattr(files, "_exchange", step("exchange", files._exchange))
     monkeypatch.setattr(files, "_mark", step("mark", files._mark))
-    monkeypatch.setattr(files, "fsync_dir", step("fsync", files.fsync_dir))
+    monkeypatch.setattr(files, "fsync_dir", step("fsync", getattr(files, "fsync_dir")))
     monkeypatch.setattr(Path, "unlink", step("unlink", Path.unlink))
     return taken
 
