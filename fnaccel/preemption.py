@@ -190,7 +190,7 @@ class SignalWatch:
         self._check_every = handler.check_every if ctx.num_processes > 1 else 1
         self._ctx = ctx
         self._checked_at: int | None = None
-        self._pending: tuple[Any, torch.Tensor, Any] | None = None  # (work, result, cuda event)
+        self._pending: tuple[dist.Work, torch.Tensor, torch.cuda.Event | None] | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._launch_dir = os.environ.get(LAUNCH_DIR_ENV)  # under fnaccel launch: how the run ended
         for sig in handler.signal_numbers:

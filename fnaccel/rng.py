@@ -15,6 +15,7 @@ import random
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ ALL_KINDS = ("python", "torch", "cuda", "numpy")
 STEP_KINDS = ("torch", "cuda")
 
 
-def _numpy() -> Any:
+def _numpy() -> ModuleType | None:
     try:
         import numpy
     except ImportError:

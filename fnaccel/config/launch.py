@@ -85,7 +85,7 @@ class LaunchConfig:
     parallelism_config: dict[str, object] = field(default_factory=dict)
     source: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The fields that a YAML file would hold (``source`` left out)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "source"}
 

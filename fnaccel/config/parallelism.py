@@ -132,7 +132,7 @@ class ParallelismConfig:
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
 
-    def to_config(self) -> dict[str, Any]:
+    def to_config(self) -> dict[str, object]:
         """The config file's ``parallelism_config`` section (`from_config`'s inverse)."""
         return {
             f"{_KEY_PREFIX}{name}": getattr(self, name)

@@ -98,7 +98,7 @@ class LoaderLayout:
     even_batches: bool
     split_batches: bool
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
     @property
