@@ -87,7 +87,8 @@ def test_sp2_equals_one_process_on_the_whole_sequence(world2: Any) -> None:
     tokens = fns.Tokens()
     with torch.no_grad():
         whole = fns.per_row_loss(
-            model, {k: torch.stack([tokens[i][k] for i in range(len(tokens))]) for k in ("input_ids", "labels")}
+            model,
+            {k: torch.stack([tokens[i][k] for i in range(len(tokens))]) for k in ("input_ids", "labels")},
         )
     for result in results:
         torch.testing.assert_close(result["evaluated"], whole, rtol=1e-5, atol=1e-5)
