@@ -79,7 +79,8 @@ def test_one_process_hears_a_signal_during_evaluate_and_before_the_loop() -> Non
     that came before the loop stops it before its first batch (one process already did;
     2 processes: the launch test's ``prepare`` case)."""
     model = nn.Linear(2, 1)
-    data = DataLoader(TensorDataset(torch.randn(40, 2)), batch_size=2)
+    samples = TensorDataset(torch.randn(40, 2))
+    data = DataLoader(samples, batch_size=2)
     handlers = [fa.PreemptionKwargs(signals=("SIGUSR1",))]
     state = fa.prepare(
         fa.init(seed=0, cpu=True, kwargs_handlers=handlers),
@@ -91,7 +92,7 @@ def test_one_process_hears_a_signal_during_evaluate_and_before_the_loop() -> Non
     try:
 
         def fn(m: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
-            if batch[0].shape[0] and torch.equal(batch[0], data.dataset.tensors[0][4:6]):
+            if batch[0].shape[0] and torch.equal(batch[0], samples.tensors[0][4:6]):
                 os.kill(os.getpid(), signal.SIGUSR1)  # during the third batch
             return m(batch[0])[:, 0]
 
