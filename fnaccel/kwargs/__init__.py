@@ -10,7 +10,6 @@ package's configuration records inherit in `fnaccel.kwargs.mixin`. Pass them to
 {'init_scale': 1024.0}
 """
 
-from fnaccel.kwargs.mixin import KwargsHandler
 from fnaccel.kwargs.handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -19,6 +18,7 @@ from fnaccel.kwargs.handlers import (
     InitProcessGroupKwargs,
     ProfileKwargs,
 )
+from fnaccel.kwargs.mixin import KwargsHandler
 
 __all__ = [
     "KwargsHandler",

@@ -12,8 +12,8 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from fnaccel.transforms.parallel import unwrap_model
 from fnaccel.transforms.mixed_precision import AutocastForward
+from fnaccel.transforms.parallel import unwrap_model
 
 __all__ = ["extract_model_from_parallel"]
 
