@@ -251,7 +251,7 @@ class OffloadedWeightsLoader(Mapping[str, torch.Tensor]):
             with safe_open(
                 info["safetensors_file"], framework="pt", device=str(self.device or "cpu")
             ) as handle:
-                tensor = handle.get_tensor(stored)
+                tensor: torch.Tensor = handle.get_tensor(stored)
             if "dtype" in info:
                 tensor = tensor.to(_parse_dtype(info["dtype"], info["safetensors_file"]))
         elif self.save_folder is None:
