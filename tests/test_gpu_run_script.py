@@ -62,7 +62,7 @@ def test_the_tiny_run_writes_every_figure_and_the_suite_selection(tmp_path: Path
     save = rows["async_save", None]
     assert save["checkpoint_bytes"] > 0 and save["async_blocked_s"] > 0 and save["blocking_save_s"] > 0
     suite = (tmp_path / "suite.log").read_text().splitlines()
-    assert "tests/test_tracking_throughput.py" in suite and "tests/checkpoint/test_weights.py" in suite
+    assert "tests/test_tracking_throughput.py" in suite and "tests/modeling/test_weights.py" in suite
     assert "tests/test_tracking.py" not in suite  # CPU-only: not part of the device run
 
 
