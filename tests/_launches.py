@@ -11,10 +11,41 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
-__all__ = ["alive", "end_launch", "worker_pids"]
+__all__ = ["alive", "end_launch", "free_port", "start_launch", "start_two_machines", "worker_pids"]
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback address now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_launch(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """``python -m fnaccel launch -q *argv``, its pipes captured, one intra-op thread a worker."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fnaccel", "launch", "-q", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+def start_two_machines(*program: str) -> list[subprocess.Popen[str]]:
+    """Two machines of one process each on the loopback address, both running ``program``
+    (the script and its arguments): the launchers of machine 0 and machine 1."""
+    machines = ("--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1")
+    port = str(free_port())
+    return [
+        start_launch(*machines, "--main_process_port", port, "--machine_rank", str(rank), *program)
+        for rank in (0, 1)
+    ]
 
 
 def alive(pid: int) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 
 from fnaccel.commands.launch import launch_environment, resolve, torchrun_arguments
 from fnaccel.commands.main import CommandError, build_parser, main
+from tests._launches import start_two_machines
 
 SCRIPT = Path(__file__).with_name("_launched.py")
 
@@ -159,12 +159,6 @@ def test_parallelism_flags_override_the_file_and_reach_the_processes(tmp_path: P
         resolve(bad)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.multiprocess
 def test_two_machines_form_one_world(tmp_path: Path, uninterrupted: Path) -> None:
     """Two machines simulated on the loopback address (one process each) resume the
@@ -173,36 +167,7 @@ def test_two_machines_form_one_world(tmp_path: Path, uninterrupted: Path) -> Non
     out = tmp_path / "out"
     out.mkdir()
     shutil.copytree(uninterrupted / "ckpt", out / "ckpt")
-    port = str(free_port())
-    machines = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fnaccel",
-                "launch",
-                "-q",
-                "--cpu",
-                "--num_machines",
-                "2",
-                "--num_processes",
-                "2",
-                "--machine_rank",
-                str(rank),
-                "--main_process_ip",
-                "127.0.0.1",
-                "--main_process_port",
-                port,
-                str(SCRIPT),
-                str(out),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for rank in (0, 1)
-    ]
+    machines = start_two_machines(str(SCRIPT), str(out))
     for machine in machines:
         _, stderr = machine.communicate(timeout=240)
         assert machine.returncode == 0, stderr

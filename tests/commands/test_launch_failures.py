@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._launches import alive, end_launch, worker_pids
+from tests._launches import alive, end_launch, start_two_machines, worker_pids
 
 CRASHING = Path(__file__).with_name("_crashing.py")
 
@@ -69,40 +69,7 @@ def test_a_rank_failing_on_another_machine_is_named_by_every_machine(tmp_path: P
     after fa.init while rank 0 waits in a collective: both launches end within seconds, and
     no worker is left. Before: machine 0's last line blamed its own rank 0, which had only
     seen the connection close."""
-    from tests.commands.test_launch import free_port
-
-    port = str(free_port())
-    launchers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fnaccel",
-                "launch",
-                "-q",
-                "--cpu",
-                "--num_machines",
-                "2",
-                "--num_processes",
-                "2",
-                "--machine_rank",
-                str(machine),
-                "--main_process_ip",
-                "127.0.0.1",
-                "--main_process_port",
-                port,
-                str(CRASHING),
-                str(tmp_path),
-                "init",
-                "plain",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        for machine in (0, 1)
-    ]
+    launchers = start_two_machines(str(CRASHING), str(tmp_path), "init", "plain")
     try:
         stderrs = [launcher.communicate(timeout=180)[1] for launcher in launchers]
         elapsed = time.time() - float((tmp_path / "failed_at").read_text())

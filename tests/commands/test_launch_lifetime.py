@@ -5,30 +5,18 @@ lost mid-run is named by the survivors (docs/cli.md, "The launcher's own life").
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from fnaccel.commands.main import main
-from tests._launches import alive, end_launch, worker_pids
+from tests._launches import alive, end_launch, free_port, start_launch, start_two_machines, worker_pids
 
 SCRIPT = Path(__file__).with_name("_lifetime.py")
-
-
-def _start(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "fnaccel", "launch", "-q", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
 
 
 def _wait_for(condition, seconds: float, launcher: subprocess.Popen[str]) -> None:  # type: ignore[no-untyped-def]
@@ -57,7 +45,7 @@ def _first_line(launcher: subprocess.Popen[str], seconds: float) -> str:
 def test_sigterm_reaches_the_workers_and_ends_the_launch_with_143(tmp_path: Path) -> None:
     """Before: a 28-line traceback and exit 1. The workers exit 0 on SIGTERM, an asynchronous
     save perhaps still writing: the checkpoint left is whole."""
-    launcher = _start("--cpu", "--num_processes", "2", str(SCRIPT), str(tmp_path), "save")
+    launcher = start_launch("--cpu", "--num_processes", "2", str(SCRIPT), str(tmp_path), "save")
     try:
         _wait_for(lambda: len(worker_pids(tmp_path)) == 2, 240, launcher)
         launcher.send_signal(signal.SIGTERM)
@@ -73,24 +61,18 @@ def test_sigterm_reaches_the_workers_and_ends_the_launch_with_143(tmp_path: Path
     assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".")) == []  # no temporary
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.multiprocess
 def test_waiting_for_machines_speaks_hears_ctrl_c_and_times_out(tmp_path: Path) -> None:
     """Before: silent for torchrun's whole timeout (900 s), deaf to Ctrl-C, then a 43-line
     traceback. Machine 0 waits alone for 4 s; machine 1, on a port nobody serves, gets Ctrl-C."""
     every_second = {"FNACCEL_LAUNCH_REPORT_INTERVAL": "1"}
     machine = ["--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1"]
-    alone = _start(
+    alone = start_launch(
         *machine,
         "--machine_rank",
         "0",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         "--rdzv_conf",
         "timeout=4",
         str(SCRIPT),
@@ -98,12 +80,12 @@ def test_waiting_for_machines_speaks_hears_ctrl_c_and_times_out(tmp_path: Path) 
         "sleep",
         env=every_second,
     )
-    interrupted = _start(
+    interrupted = start_launch(
         *machine,
         "--machine_rank",
         "1",
         "--main_process_port",
-        str(_free_port()),
+        str(free_port()),
         str(SCRIPT),
         str(tmp_path),
         "sleep",
@@ -174,7 +156,7 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
 def test_sigterm_while_the_launcher_imports_is_one_line_and_143(tmp_path: Path) -> None:
     """Before: no handler until the launch had imported torch (seconds), so SIGTERM then
     ended it with -15 and no word; now the console entry's first line installs one."""
-    launcher = _start("--cpu", "--num_processes", "2", str(SCRIPT), str(tmp_path), "sleep")
+    launcher = start_launch("--cpu", "--num_processes", "2", str(SCRIPT), str(tmp_path), "sleep")
     try:
         deadline = time.monotonic() + 60
         while not _catches(launcher.pid, signal.SIGTERM):
@@ -196,20 +178,7 @@ def test_a_launcher_killed_with_sigkill_leaves_no_worker_and_the_survivor_names_
     ran on forever as orphans). Machine 0 then ends naming the lost machine (before: it
     ended within seconds, but its last line blamed its own rank, ``rank 0 exited with code
     1 (its traceback is above ...)``, under gloo's ``Connection closed by peer``)."""
-    machine = [
-        "--cpu",
-        "--num_machines",
-        "2",
-        "--num_processes",
-        "2",
-        "--main_process_ip",
-        "127.0.0.1",
-        "--main_process_port",
-        str(_free_port()),
-    ]
-    survivor, lost = (
-        _start(*machine, "--machine_rank", str(rank), str(SCRIPT), str(tmp_path), "reduce") for rank in (0, 1)
-    )
+    survivor, lost = start_two_machines(str(SCRIPT), str(tmp_path), "reduce")
     try:
         _wait_for(lambda: len(worker_pids(tmp_path)) == 2, 240, survivor)
         time.sleep(1)  # both ranks in their loop of all-reduces
