@@ -15,7 +15,7 @@ that gathers and truncates only when distributed counts every sample once.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sized
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -25,15 +25,16 @@ from fnaccel.data.iterable import shard_iterable
 from fnaccel.data.loader import Collate, CollateSteps, loader_plan
 from fnaccel.data.prepared import Batches, Collated
 from fnaccel.data.sharding import eval_shards, num_steps
+from fnaccel.data.skip import ReaderSettings
 from fnaccel.dist import DistLike, as_dist, data_parallel_context
 from fnaccel.ops.tree import send_to_device, tree_leaves
 
 __all__ = ["eval_batches"]
 
 
-def _reader(loader: DataLoader[object]) -> dict[str, Any]:
+def _reader(loader: DataLoader[object]) -> ReaderSettings:
     """How the user's loader reads; its workers are seeded without drawing from the process."""
-    kwargs: dict[str, Any] = {
+    kwargs: ReaderSettings = {
         "num_workers": loader.num_workers,
         "pin_memory": loader.pin_memory,
         "timeout": loader.timeout,
@@ -150,9 +151,11 @@ _UNKNOWN = (
 )
 
 
-def _length(sized: Any) -> int | None:  # anything; a __len__ may raise TypeError itself
+def _length(sized: object) -> int | None:
     """``len(sized)``, or None for an object without a length."""
-    try:
+    if not isinstance(sized, Sized):
+        return None
+    try:  # a __len__ may raise TypeError itself
         return len(sized)
     except TypeError:
         return None

@@ -12,10 +12,10 @@ way the batches are the ones the user's `DataLoader` would yield.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from fnaccel.ops.tree import send_to_device
 
@@ -29,7 +29,7 @@ class BatchFetch(Protocol):
 
     placed: bool
 
-    def __call__(self, indices: torch.Tensor) -> Any: ...
+    def __call__(self, indices: torch.Tensor) -> object: ...
 
 
 class ItemFetch:
@@ -41,14 +41,16 @@ class ItemFetch:
 
     placed = False  # the reader places the batch on the device
 
-    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any], *, batched: bool) -> None:
+    def __init__(
+        self, dataset: Dataset[object], collate: Callable[[list[object]], object], *, batched: bool
+    ) -> None:
         self.dataset = dataset
         self.collate = collate
         getitems = getattr(dataset, "__getitems__", None)
         # torch's rule: present and truthy, and only when batching
         self._getitems = getitems if getitems and batched else None
 
-    def __call__(self, indices: torch.Tensor) -> Any:
+    def __call__(self, indices: torch.Tensor) -> object:
         batch = indices.tolist()  # what torch's fetcher gets from a batch sampler: a list of ints
         if self._getitems is not None:
             samples = self._getitems(batch)
@@ -91,7 +93,7 @@ class IndexFetch:
         # Tensors already on the device are indexed there: no copy beyond the batch's own.
         self._move = any(t.device != device for t in tensors)
 
-    def __call__(self, indices: torch.Tensor) -> Any:
+    def __call__(self, indices: torch.Tensor) -> object:
         if not len(indices):
             return send_to_device(self.fallback(indices), self._device, non_blocking=self._non_blocking)
         out = self.index(indices)
@@ -160,7 +162,7 @@ def _same(a: object, b: object) -> bool:
 
 def batch_fetch(
     loader: DataLoader[object],
-    collate: Callable[[list[Any]], Any],
+    collate: Callable[[list[object]], object],
     device: torch.device | str,
     *,
     non_blocking: bool = False,

@@ -22,26 +22,34 @@ O(1); otherwise the loader falls back to replaying the stream.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Iterator, Sized
+from typing import Protocol, cast, runtime_checkable
 
 from torch.utils.data import IterableDataset
-from torchdata.stateful_dataloader import Stateful
 
 from fnaccel.data.sharding import num_steps, shard_batch
 
 __all__ = ["IterableShard", "StatefulIterableShard", "shard_iterable"]
 
-Step = tuple[list[Any], int]
+Step = tuple[list[object], int]
 
 
 @runtime_checkable
 class _StatefulIterator(Iterator[object], Protocol):
     """An iterator that saves and restores its position (torchdata's `Stateful`)."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, object]: ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, object]) -> None: ...
+
+
+@runtime_checkable
+class _StatefulIterable(Iterable[object], Protocol):
+    """A dataset that saves and restores its position (torchdata's `Stateful`)."""
+
+    def state_dict(self) -> dict[str, object]: ...
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None: ...
 
 
 class _ShardIterator(Iterator[Step]):
@@ -73,10 +81,10 @@ class _StatefulShardIterator(_ShardIterator):
         super().__init__(shard, source)
         self._stateful = source
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return self._stateful.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
         self._stateful.load_state_dict(state_dict)
 
 
@@ -98,7 +106,7 @@ class IterableShard(IterableDataset[Step]):
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: Iterable[object],
         *,
         batch_size: int,
         num_processes: int,
@@ -115,6 +123,8 @@ class IterableShard(IterableDataset[Step]):
 
     def __len__(self) -> int:
         """Steps per pass, when the dataset has a length (one worker's view)."""
+        if not isinstance(self.dataset, Sized):
+            raise TypeError(f"object of type {type(self.dataset).__name__!r} has no len()")
         return num_steps(len(self.dataset), self.batch_size, self.num_processes, self.drop_last)
 
     def __iter__(self) -> Iterator[Step]:
@@ -127,15 +137,34 @@ class IterableShard(IterableDataset[Step]):
 class StatefulIterableShard(IterableShard):
     """An `IterableShard` over a dataset with ``state_dict``: its state is the dataset's."""
 
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = self.dataset.state_dict()
-        return state
+    def state_dict(self) -> dict[str, object]:
+        return self._stateful().state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state_dict)
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        self._stateful().load_state_dict(state_dict)
+
+    def _stateful(self) -> _StatefulIterable:
+        # `shard_iterable` builds this class only over a dataset that has both methods
+        return cast(_StatefulIterable, self.dataset)
 
 
-def shard_iterable(dataset: Any, **kwargs: Any) -> IterableShard:
-    """An `IterableShard` of ``dataset``, stateful exactly when the dataset is."""
-    cls = StatefulIterableShard if isinstance(dataset, Stateful) else IterableShard
-    return cls(dataset, **kwargs)
+def shard_iterable(
+    dataset: Iterable[object],
+    *,
+    batch_size: int,
+    num_processes: int,
+    rank: int,
+    drop_last: bool = False,
+    even_batches: bool = True,
+) -> IterableShard:
+    """An `IterableShard` of ``dataset``, stateful exactly when the dataset is (it has
+    ``state_dict`` and ``load_state_dict``, torchdata's `Stateful`)."""
+    cls = StatefulIterableShard if isinstance(dataset, _StatefulIterable) else IterableShard
+    return cls(
+        dataset,
+        batch_size=batch_size,
+        num_processes=num_processes,
+        rank=rank,
+        drop_last=drop_last,
+        even_batches=even_batches,
+    )

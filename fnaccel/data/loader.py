@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    Dataset,
     DistributedSampler,
     IterableDataset,
     RandomSampler,
@@ -36,20 +37,21 @@ from torchdata.stateful_dataloader import sampler as stateful_sampler
 from fnaccel.checks import is_int
 from fnaccel.data.config import DataLoaderConfiguration
 from fnaccel.data.fetch import BatchFetch, batch_fetch
-from fnaccel.data.iterable import shard_iterable
+from fnaccel.data.iterable import Step, shard_iterable
 from fnaccel.data.prepared import Collated, LoaderLayout, PreparedLoader
 from fnaccel.data.sampler import ShardedBatchSampler
 from fnaccel.data.sharding import per_rank_batch_size
+from fnaccel.data.skip import ReaderSettings
 from fnaccel.dist import DistContext, data_parallel
 
 
-def _stateful_loader(*args: Any, **kwargs: Any) -> StatefulDataLoader:
+def _stateful_loader(dataset: Dataset[object], /, **kwargs: object) -> StatefulDataLoader:
     """`StatefulDataLoader(...)`, without the warning torchdata 0.11 emits on every
     construction under torch 2.13 ("'set_vital' is deprecated": torchdata calls a
     deprecated torch function; nothing the user can act on)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-        return StatefulDataLoader(*args, **kwargs)
+        return StatefulDataLoader(dataset, **kwargs)
 
 
 __all__ = ["prepare_loader"]
@@ -119,7 +121,7 @@ class CollateSteps:
     def __init__(self, collate: Collate) -> None:
         self.collate = collate
 
-    def __call__(self, step: tuple[list[Any], int]) -> Collated:
+    def __call__(self, step: Step) -> Collated:
         samples, num_valid = step
         return Collated(self.collate(samples), num_valid)
 
@@ -204,14 +206,14 @@ def _resolve_shard(shard: bool | None, plan: LoaderPlan, num_processes: int) -> 
     return shard
 
 
-def _reader_kwargs(loader: DataLoader[object]) -> dict[str, Any]:
+def _reader_kwargs(loader: DataLoader[object]) -> ReaderSettings:
     """How the user's loader reads data, for the rebuilt loader."""
     if not getattr(loader, "in_order", True):
         raise ValueError(
             "the DataLoader has in_order=False, which makes the batch order depend on worker "
             "timing and cannot be resumed exactly; use in_order=True (the default)"
         )
-    kwargs: dict[str, Any] = {
+    kwargs: ReaderSettings = {
         "num_workers": loader.num_workers,
         "pin_memory": loader.pin_memory,
         "timeout": loader.timeout,
@@ -365,6 +367,7 @@ def prepare_loader(
     collate = Collate(loader.collate_fn, unbatched=plan.batch_size is None)
     even_batches = config.even_batches and num_processes > 1  # one process has nobody to be even with
     if plan.kind == "iterable":
+        assert isinstance(loader.dataset, IterableDataset)  # what made the plan's kind
         dataset = shard_iterable(
             loader.dataset,
             batch_size=per_rank,

@@ -41,7 +41,7 @@ class SetsEpoch(Protocol):
 class Collated(NamedTuple):
     """A collated step of an `IterableShard`, with its count of real samples."""
 
-    batch: Any
+    batch: object
     num_valid: int
 
 
@@ -253,7 +253,7 @@ class PreparedLoader:
         self.fetch = fetch if sampler is not None else None
         self._placed = self.fetch is not None and self.fetch.placed
         self._read = False  # whether a batch was fetched since the loader was built
-        self._iterator: Iterator[Any] | None = None
+        self._iterator: Iterator[object] | None = None
         dataset = dataloader.dataset
         # A dataset with a position of its own (a stream's reader) as a fresh process
         # builds it, for `start_epoch` (a sampler's order is pure in seed and epoch).
@@ -391,7 +391,7 @@ class PreparedLoader:
         # and ranks augment differently.
         return (self._seed + epoch) * self.layout.num_processes + self._rank
 
-    def _begin(self) -> Iterator[Any]:
+    def _begin(self) -> Iterator[object]:
         at = self._at
         self._iter_epoch = at.epoch
         for hook in self._epoch_hooks:
@@ -414,7 +414,7 @@ class PreparedLoader:
         snapshot = None if self.sampler is not None else loader_snapshot(self.dataloader, self._snapshots)
         return DataPosition(epoch=before.epoch, num_batches=num_batches, loader_state=snapshot)
 
-    def read(self, end_epoch: int) -> Iterator[Any]:
+    def read(self, end_epoch: int) -> Iterator[object]:
         """Batches on ``device`` from where the live iterator stands, through epoch
         ``end_epoch - 1``."""
         while self._at.epoch < end_epoch:

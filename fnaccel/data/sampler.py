@@ -20,7 +20,7 @@ recomputed, let alone loaded.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from typing import Literal, cast, overload
 
 import torch
 from torch.utils.data import Sampler
@@ -161,7 +161,13 @@ class ShardedBatchSampler(Sampler[list[int]]):
         """
         return self._batches(tensors=True)
 
-    def _batches(self, *, tensors: bool) -> Iterator[Any]:
+    @overload
+    def _batches(self, *, tensors: Literal[True]) -> Iterator[torch.Tensor]: ...
+
+    @overload
+    def _batches(self, *, tensors: Literal[False]) -> Iterator[list[int]]: ...
+
+    def _batches(self, *, tensors: bool) -> Iterator[torch.Tensor | list[int]]:
         order = self.order()
         while self._position < self._num_batches:
             step = self._position

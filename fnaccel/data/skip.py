@@ -14,9 +14,11 @@ itself; this is for loaders fnaccel does not manage.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sized
-from typing import Any, TypeVar
+import multiprocessing.context
+from collections.abc import Callable, Iterable, Iterator, Sized
+from typing import Generic, TypedDict, TypeVar
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from fnaccel.checks import is_int
@@ -24,6 +26,28 @@ from fnaccel.checks import is_int
 __all__ = ["skip_first_batches"]
 
 T = TypeVar("T")
+
+
+class ReaderSettings(TypedDict, total=False):
+    """How a `DataLoader` reads (its workers, pinning, generator): the keyword arguments a
+    loader rebuilt from a user's keeps of it."""
+
+    num_workers: int
+    pin_memory: bool
+    timeout: float
+    worker_init_fn: Callable[[int], None] | None
+    multiprocessing_context: str | multiprocessing.context.BaseContext | None
+    generator: torch.Generator | None
+    persistent_workers: bool
+    pin_memory_device: str
+    prefetch_factor: int | None
+    in_order: bool
+
+
+class LoaderSettings(ReaderSettings, Generic[T], total=False):
+    """A `DataLoader`'s keyword arguments but for its sampling: how it reads and collates."""
+
+    collate_fn: Callable[[list[T]], object]
 
 
 class _SkipFirst(Sampler[T]):
@@ -53,9 +77,9 @@ class _SkipFirstLoader(DataLoader[T]):
         return max(super().__len__() - self.num_skipped, 0)
 
 
-def _settings(loader: DataLoader[T]) -> dict[str, Any]:
+def _settings(loader: DataLoader[T]) -> LoaderSettings[T]:
     """The constructor arguments ``loader`` was built with, but for its sampling."""
-    settings = {
+    settings: LoaderSettings[T] = {
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory,

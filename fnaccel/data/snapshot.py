@@ -16,7 +16,7 @@ iterator asks the same question of its sampler at every call and is read the sam
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Protocol, cast
 
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
@@ -53,6 +53,45 @@ except (ImportError, AttributeError):  # pragma: no cover - another torchdata
 _SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
+class _Stateful(Protocol):
+    """A part torchdata serializes (its `Stateful`)."""
+
+    def state_dict(self) -> dict[str, object]: ...
+
+
+# (the part, itself when torchdata serializes it, else None)
+_Found = tuple[object, _Stateful | None]
+
+
+class _Fetcher(Protocol):
+    dataset: object
+    dataset_iter: object
+    ended: bool
+
+
+class _SingleProcessIter(Protocol):
+    """What the snapshot reads of torchdata's single-process iterator (torchdata's private
+    attributes, those its own ``state_dict()`` reads)."""
+
+    _dataset_fetcher: _Fetcher
+    _dataset_kind: int
+    _index_sampler: object
+    _sampler_iter: object
+    _sampler_iter_yielded: int
+    _num_yielded: int
+    _IterableDataset_len_called: int | None
+    _shared_seed: int | None
+    _finished: bool
+
+
+class _BatchSamplerIter(Protocol):
+    """torchdata's batch-sampler iterator, as its ``state_dict()`` reads it."""
+
+    sampler: object
+    sampler_iter: object
+    samples_yielded: int
+
+
 class _Parts:
     """What one single-process iterator's snapshot reads, its `Stateful` parts found once."""
 
@@ -67,7 +106,7 @@ class _Parts:
         "sampler_iter",
     )
 
-    def __init__(self, iterator: Any) -> None:
+    def __init__(self, iterator: _SingleProcessIter) -> None:
         self.iterator = iterator
         fetcher = iterator._dataset_fetcher
         self.iterable = iterator._dataset_kind == _DatasetKind.Iterable
@@ -89,12 +128,12 @@ class _Parts:
             and (not self.iterable or _same(self.dataset_iter, fetcher.dataset_iter))
         )
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, object]:
         """The dict torchdata's ``state_dict()`` builds, its parts' states copied."""
         it = self.iterator
         if self.iterable:
             fetcher = it._dataset_fetcher
-            fetcher_state: dict[str, Any] | None = dict(
+            fetcher_state: dict[str, object] | None = dict(
                 zip(_ITER_KEYS, (_state(self.dataset_iter), fetcher.ended), strict=True)
             )
             dataset_state = None if fetcher.dataset_iter is fetcher.dataset else _state(self.dataset)
@@ -119,12 +158,12 @@ class _Parts:
         )
 
 
-def _stateful(part: Any) -> tuple[Any, bool]:
-    # (the part, whether torchdata serializes it): the one slow isinstance per part
-    return part, isinstance(part, Stateful)
+def _stateful(part: object) -> _Found:
+    # the one slow isinstance per part (torchdata ships no types: the cast says what it proved)
+    return part, cast(_Stateful, part) if isinstance(part, Stateful) else None
 
 
-def _same(found: tuple[Any, bool] | None, part: Any) -> bool:
+def _same(found: _Found | None, part: object) -> bool:
     return found is not None and found[0] is part
 
 
@@ -135,28 +174,33 @@ class _BatchIterParts:
     __slots__ = ("sampler", "sampler_iter")
 
     def __init__(self) -> None:
-        self.sampler: tuple[Any, bool] | None = None
-        self.sampler_iter: tuple[Any, bool] | None = None
+        self.sampler: _Found | None = None
+        self.sampler_iter: _Found | None = None
 
-    def state(self, batch_iter: Any) -> dict[str, Any]:
+    def state(self, batch_iter: _BatchSamplerIter) -> dict[str, object]:
         sampler, sampler_iter = self.sampler, self.sampler_iter
         if sampler is None or sampler[0] is not batch_iter.sampler:
             sampler = self.sampler = _stateful(batch_iter.sampler)
         # a new sampler iterator after load_state_dict
         if sampler_iter is None or sampler_iter[0] is not batch_iter.sampler_iter:
             sampler_iter = self.sampler_iter = _stateful(batch_iter.sampler_iter)
-        state: dict[str, Any] = {_BATCH_KEYS[0]: batch_iter.samples_yielded}
-        if sampler[1]:
-            state[_BATCH_KEYS[1]] = batch_iter.sampler.state_dict()
-        if sampler_iter[1]:
-            state[_BATCH_KEYS[2]] = batch_iter.sampler_iter.state_dict()
+        state: dict[str, object] = {_BATCH_KEYS[0]: batch_iter.samples_yielded}
+        if sampler[1] is not None:
+            state[_BATCH_KEYS[1]] = sampler[1].state_dict()
+        if sampler_iter[1] is not None:
+            state[_BATCH_KEYS[2]] = sampler_iter[1].state_dict()
         return state
 
 
-def _state(found: tuple[Any, bool] | None, batch_iter: _BatchIterParts | None = None) -> Any:
-    if found is None or not found[1]:
+def _state(found: _Found | None, batch_iter: _BatchIterParts | None = None) -> dict[str, object] | None:
+    if found is None or found[1] is None:
         return None
-    state = batch_iter.state(found[0]) if batch_iter is not None else found[0].state_dict()
+    # the batch-sampler iterator's own state_dict() asks the slow question again: built here
+    state = (
+        batch_iter.state(cast(_BatchSamplerIter, found[0]))
+        if batch_iter is not None
+        else found[1].state_dict()
+    )
     # A dict of scalars (a sampler's counters) needs no deep copy; anything else may
     # be the part's live object, which the next batch changes.
     if type(state) is dict and all(type(value) in _SCALARS for value in state.values()):
@@ -173,7 +217,7 @@ class _Cache:
         self.parts: _Parts | None = None
 
 
-def loader_snapshot(dataloader: StatefulDataLoader, cache: _Cache) -> dict[str, Any]:
+def loader_snapshot(dataloader: StatefulDataLoader, cache: _Cache) -> dict[str, object]:
     """``copy.deepcopy(dataloader.state_dict())``, built without torchdata's per-call
     `Protocol` checks where its iterator runs in this process.
 
@@ -192,7 +236,7 @@ def loader_snapshot(dataloader: StatefulDataLoader, cache: _Cache) -> dict[str, 
         return copy.deepcopy(dataloader.state_dict())
     parts = cache.parts
     if parts is None or parts.iterator is not iterator or not parts.current():
-        parts = cache.parts = _Parts(iterator)
+        parts = cache.parts = _Parts(cast(_SingleProcessIter, iterator))  # its type, checked above
         general = dataloader.state_dict()
         built = parts.state()
         parts.fast = _shape(built) == _shape(general)
@@ -202,7 +246,7 @@ def loader_snapshot(dataloader: StatefulDataLoader, cache: _Cache) -> dict[str, 
     return parts.state()
 
 
-def _shape(state: Any) -> Any:
+def _shape(state: object) -> object:
     # The keys at every depth and the kinds of the leaves: what a torchdata whose
     # dict differs from the one built here would change.
     if isinstance(state, dict):
