@@ -55,15 +55,7 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     ),
     "checkpoint/headers.py": (
         "tests/checkpoint/storage/test_files.py",
-        "the tensor file format, with tensorfile.py",
-    ),
-    "checkpoint/storage/tensorfile.py": (
-        "tests/checkpoint/storage/test_files.py",
-        "the tensor file format, with headers.py",
-    ),
-    "checkpoint/storage/aliases.py": (
-        "tests/modeling/test_weights.py",
-        "tied weights stored once by fa.save_model",
+        "the tensor file format, with storage/files.py",
     ),
     "checkpoint/storage/choice.py": (
         "tests/checkpoint/storage/test_layout.py",

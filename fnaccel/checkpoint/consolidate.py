@@ -39,8 +39,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.manifest import MANIFEST, read_manifest
 from fnaccel.checkpoint.storage import dcpstore
-from fnaccel.checkpoint.storage.aliases import retie
-from fnaccel.checkpoint.storage.files import read_json, read_tensors
+from fnaccel.checkpoint.storage.files import read_json, read_tensors, retie
 from fnaccel.checkpoint.storage.shardindex import METADATA
 from fnaccel.checkpoint.storage.weightfiles import write_weights
 from fnaccel.constants import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME

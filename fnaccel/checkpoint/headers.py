@@ -5,7 +5,7 @@ dtypes and shapes) and `fa.diff` reads one tensor at a time, so neither
 holds a whole file. Every read is bounded as a load's is: the file must be
 a regular file inside the checkpoint of the size its manifest says, the
 header length must fit inside the file (and under `MAX_HEADER_BYTES`), the
-header is checked field by field (`fnaccel.checkpoint.storage.tensorfile.layout`),
+header is checked field by field (`fnaccel.checkpoint.storage.files.layout`),
 and a tensor's bytes are read at the offsets the checked header gives.
 
 These reads check layout, not checksums: `fnaccel checkpoint verify` (or
@@ -23,8 +23,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.storage.files import open_inside
-from fnaccel.checkpoint.storage.tensorfile import layout, memory_of, not_safetensors, torch_dtype
+from fnaccel.checkpoint.storage.files import layout, memory_of, not_safetensors, open_inside, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +38,7 @@ class TensorSpec:
     """One tensor of a safetensors file: its dtype, shape and byte range in the file."""
 
     dtype: (
-        str  # torch's name ("float32"; `fnaccel.checkpoint.storage.tensorfile.torch_dtype` makes it a dtype)
+        str  # torch's name ("float32"; `fnaccel.checkpoint.storage.files.torch_dtype` makes it a dtype)
     )
     shape: tuple[int, ...]
     begin: int

@@ -26,8 +26,14 @@ from types import MappingProxyType
 from typing import Any
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.storage.files import LEFTOVER_MARKER, NAME_MAX, read_bounded, safe_relative
-from fnaccel.checkpoint.storage.tensorfile import CHECKSUM, CHECKSUM_PATTERN
+from fnaccel.checkpoint.storage.files import (
+    CHECKSUM,
+    CHECKSUM_PATTERN,
+    LEFTOVER_MARKER,
+    NAME_MAX,
+    read_bounded,
+    safe_relative,
+)
 from fnaccel.checks import is_int
 
 __all__ = [

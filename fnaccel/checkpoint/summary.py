@@ -27,9 +27,8 @@ from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.headers import TensorFile
 from fnaccel.checkpoint.manifest import read_manifest
 from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
-from fnaccel.checkpoint.storage.files import read_json, read_tensors, verify_file
+from fnaccel.checkpoint.storage.files import ITEMSIZES, read_json, read_tensors, verify_file
 from fnaccel.checkpoint.storage.shardindex import METADATA, read_index
-from fnaccel.checkpoint.storage.tensorfile import ITEMSIZES
 
 __all__ = ["CheckpointSummary", "summarize", "verify"]
 

@@ -36,10 +36,9 @@ from fnaccel.checkpoint.headers import TensorFile
 from fnaccel.checkpoint.manifest import read_manifest
 from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
 from fnaccel.checkpoint.storage.choice import layout_for
-from fnaccel.checkpoint.storage.files import read_json
+from fnaccel.checkpoint.storage.files import read_json, torch_dtype
 from fnaccel.checkpoint.storage.sharded import ShardedSnapshot
 from fnaccel.checkpoint.storage.shardindex import METADATA, VALUES
-from fnaccel.checkpoint.storage.tensorfile import torch_dtype
 from fnaccel.checkpoint.writer import take_snapshot
 from fnaccel.state import RunState
 
@@ -167,7 +166,7 @@ def _chunked(
             with TensorFile(directory, file, manifest) as f:
                 part = f.read(key)
             target = whole
-            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=False)):
+            for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
                 target = target.narrow(dim, offset, size)
             if tuple(part.shape) != tuple(chunk.sizes) or part.dtype != whole.dtype:
                 raise CheckpointError(

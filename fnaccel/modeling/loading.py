@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.storage.aliases import retie
+from fnaccel.checkpoint.storage.files import retie
 from fnaccel.checkpoint.storage.weightfiles import (
     PICKLE_SUFFIXES,
     checkpoint_files,

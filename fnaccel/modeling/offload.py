@@ -42,7 +42,7 @@ from torch import nn
 
 from fnaccel._errors import CheckpointError
 from fnaccel.atomic import replace_atomically
-from fnaccel.checkpoint.storage.aliases import untie
+from fnaccel.checkpoint.storage.files import untie
 from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.modeling.tensors import DeviceLike, as_device, owner_of, set_module_tensor_to_device
 from fnaccel.modeling.tied import find_tied_parameters, retie_parameters

@@ -7,7 +7,7 @@ can break the link; `find_tied_parameters` records the groups beforehand and
 `retie_parameters` restores them.
 
 These work on parameter identity, so they see ties on the meta device too.
-(`fnaccel.checkpoint.storage.aliases` is the storage-level counterpart used when writing
+(`fnaccel.checkpoint.storage.files` is the storage-level counterpart used when writing
 state dicts: it compares data pointers, which meta tensors do not have.)
 
 >>> from torch import nn

@@ -38,8 +38,7 @@ from torch import nn
 
 from fnaccel._errors import CheckpointError
 from fnaccel.atomic import fsync_dir
-from fnaccel.checkpoint.storage.aliases import retie, untie
-from fnaccel.checkpoint.storage.files import write_bytes
+from fnaccel.checkpoint.storage.files import retie, untie, write_bytes
 from fnaccel.checkpoint.storage.weightfiles import fsync_file, size_in_bytes, staging_folder, write_weights
 from fnaccel.modeling.placement import is_pipelined, is_sharded
 from fnaccel.ops.collectives import broadcast_object_list

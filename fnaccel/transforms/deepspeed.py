@@ -24,17 +24,17 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.storage.aliases import untie
 from fnaccel.checkpoint.storage.codec import optimizer_payload, optimizer_state
-from fnaccel.checkpoint.storage.files import read_json, read_tensors, verify_file
+from fnaccel.checkpoint.storage.files import read_json, read_tensors, untie, verify_file
 from fnaccel.checkpoint.storage.layout import CheckpointFiles
 from fnaccel.checkpoint.storage.modules import unwrap_compiled, unwrap_model
 from fnaccel.checkpoint.storage.schema import check_tensors
@@ -64,10 +64,60 @@ __all__ = [
 ]
 
 
-def deepspeed_engine(model: Any) -> Any:
+class ZeroOptimizer(Protocol):
+    """What fnaccel reads of a DeepSpeed engine's optimizer wrapper for every stage (the
+    stage-specific members are asked with ``getattr``/``hasattr``)."""
+
+    optimizer: torch.optim.Optimizer  # the base optimizer, stepping the master partitions
+
+
+class _Stage3Optimizer(ZeroOptimizer, Protocol):
+    """ZeRO-3's optimizer wrapper: its masters are partitioned flat groups that it swaps
+    into the base optimizer's parameter groups for a step."""
+
+    fp32_partitioned_groups_flat: list[torch.Tensor]
+
+    def _set_fp32_optimizer_param_groups(self) -> None: ...
+
+    def _clear_fp32_optimizer_param_groups(self) -> None: ...
+
+    def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id: int) -> None: ...
+
+
+class _LowPrecisionCopies(ZeroOptimizer, Protocol):
+    """ZeRO-1/2's (and bf16's) optimizer wrapper: sets the model's parameters from its masters."""
+
+    def update_lp_params(self) -> None: ...
+
+
+def _stage3(opt: ZeroOptimizer) -> _Stage3Optimizer | None:
+    # DeepSpeed's classes are untyped: the member ZeRO-3's wrapper alone has says which it is
+    return cast(_Stage3Optimizer, opt) if hasattr(opt, "_set_fp32_optimizer_param_groups") else None
+
+
+class DeepSpeedEngine(Protocol):
+    """What fnaccel asks of a ``deepspeed.DeepSpeedEngine`` (DeepSpeed ships no types)."""
+
+    module: torch.nn.Module
+    optimizer: ZeroOptimizer
+
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool) -> object: ...
+
+    def step(self) -> None: ...
+
+    def was_step_applied(self) -> bool: ...
+
+    def get_global_grad_norm(self) -> float | torch.Tensor | None: ...
+
+    def destroy(self) -> None: ...
+
+
+def deepspeed_engine(model: object) -> DeepSpeedEngine | None:
     """The DeepSpeed engine ``model`` is, or None (DeepSpeed is not imported for this)."""
     ds = sys.modules.get("deepspeed")
-    return model if ds is not None and isinstance(model, ds.DeepSpeedEngine) else None
+    if ds is None or not isinstance(model, ds.DeepSpeedEngine):
+        return None
+    return cast(DeepSpeedEngine, model)  # the isinstance above; DeepSpeed's class is untyped
 
 
 class DeepSpeedState:
@@ -77,8 +127,8 @@ class DeepSpeedState:
     __slots__ = ("clipping", "config", "engine")
 
     def __init__(self, ctx: DistContext) -> None:
-        self.engine: Any = None
-        self.config: dict[str, Any] = {}
+        self.engine: DeepSpeedEngine | None = None
+        self.config: dict[str, object] = {}
         self.clipping = False
 
     def close(self) -> None:
@@ -162,7 +212,9 @@ def _start_comm(ctx: DistContext) -> None:
     deepspeed.comm.init_distributed(dist_backend=ctx.backend, dist_init_required=False)
 
 
-def _prepare_engine(plugin: DeepSpeedPlugin, request: EngineRequest) -> tuple[Any, Any]:
+def _prepare_engine(
+    plugin: DeepSpeedPlugin, request: EngineRequest
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     import deepspeed as ds  # loads deepspeed.utils with it
 
     if request.optimizer is None:
@@ -201,7 +253,7 @@ def _prepare_engine(plugin: DeepSpeedPlugin, request: EngineRequest) -> tuple[An
     return engine, request.optimizer
 
 
-def zero_init(plugin: DeepSpeedPlugin, state: Any) -> Any:
+def zero_init(plugin: DeepSpeedPlugin, state: RunState) -> AbstractContextManager[object]:
     """``deepspeed.zero.Init`` for ``plugin``'s ZeRO-3 settings over ``state``'s processes, its
     parameters in the launch's precision (bf16 under ``mixed_precision`` bf16)."""
     import deepspeed as ds
@@ -214,18 +266,24 @@ def zero_init(plugin: DeepSpeedPlugin, state: Any) -> Any:
     if config["zero_optimization"]["stage"] != 3:
         raise ValueError("zero3_init_context_manager: zero3_init_flag needs zero_stage 3")
     _start_comm(state.dist)
-    return ds.zero.Init(config_dict_or_path=config)
+    init: AbstractContextManager[object] = ds.zero.Init(config_dict_or_path=config)
+    return init
+
+
+def _engine(state: DeepSpeedState) -> DeepSpeedEngine:
+    assert state.engine is not None, "fa.prepare built the engine before any step"
+    return state.engine
 
 
 def _backward(loss: torch.Tensor, state: DeepSpeedState) -> None:
     # fnaccel has divided the loss by the accumulation already
-    state.engine.backward(loss, scale_wrt_gas=False)
+    _engine(state).backward(loss, scale_wrt_gas=False)
 
 
-def _optimizer_step(optimizer: Any, state: DeepSpeedState) -> dict[str, Any]:
-    engine = state.engine
+def _optimizer_step(optimizer: torch.optim.Optimizer, state: DeepSpeedState) -> dict[str, torch.Tensor]:
+    engine = _engine(state)
     engine.step()
-    metrics: dict[str, Any] = {}
+    metrics: dict[str, torch.Tensor] = {}
     if not engine.was_step_applied():
         # DeepSpeed skipped it (gradients with inf/NaN: bf16's check_grad_overflow, on by default
         # in 0.19.8, or fp16's scaler): fa.step holds the scheduler and says so, as for fp16's scaler
@@ -291,7 +349,7 @@ def deepspeed(**settings: Any) -> EngineTransform:
     )
 
 
-def master_partitions(engine: Any) -> list[torch.Tensor] | None:
+def master_partitions(engine: DeepSpeedEngine) -> list[torch.Tensor] | None:
     """This rank's fp32 master partitions (the tensors its base optimizer steps), or None
     when the engine steps the model's own parameters (stage 0 in fp32)."""
     opt = engine.optimizer
@@ -307,28 +365,28 @@ def master_partitions(engine: Any) -> list[torch.Tensor] | None:
 
 
 @contextlib.contextmanager
-def optimizer_over_partitions(engine: Any) -> Iterator[Any]:
+def optimizer_over_partitions(engine: DeepSpeedEngine) -> Iterator[torch.optim.Optimizer]:
     """The base optimizer with its parameter groups over the master partitions (ZeRO-3
     empties them between steps), for reading or loading its state."""
-    opt = engine.optimizer
-    if hasattr(opt, "_set_fp32_optimizer_param_groups"):
-        opt._set_fp32_optimizer_param_groups()
-        try:
-            yield opt.optimizer
-        finally:
-            opt._clear_fp32_optimizer_param_groups()
-    else:
+    opt = _stage3(engine.optimizer)
+    if opt is None:
+        yield engine.optimizer.optimizer
+        return
+    opt._set_fp32_optimizer_param_groups()
+    try:
         yield opt.optimizer
+    finally:
+        opt._clear_fp32_optimizer_param_groups()
 
 
-def refresh_parameters(engine: Any) -> None:
+def refresh_parameters(engine: DeepSpeedEngine) -> None:
     """Set the model's (16-bit or fp32) parameters from the master partitions, as a step does."""
-    opt = engine.optimizer
-    if hasattr(opt, "_reassign_or_swap_out_partitioned_parameters"):  # ZeRO-3
+    opt = _stage3(engine.optimizer)
+    if opt is not None:
         for group in range(len(opt.fp32_partitioned_groups_flat)):
             opt._reassign_or_swap_out_partitioned_parameters(group)
     else:
-        opt.update_lp_params()
+        cast(_LowPrecisionCopies, engine.optimizer).update_lp_params()  # ZeRO-1/2's, bf16's
 
 
 @contextlib.contextmanager
@@ -348,17 +406,25 @@ def gathered_parameters(module: torch.nn.Module) -> Iterator[None]:
 # writes the optimizer partitions it holds in safetensors, and rank 0 the consolidated weights.
 
 
-def zero_engine(model: Any) -> Any:
+def zero_engine(model: torch.nn.Module | None) -> DeepSpeedEngine | None:
     """The DeepSpeed engine of a run whose optimizer steps master partitions, or None."""
     engine = None if model is None else deepspeed_engine(unwrap_compiled(model))
     return engine if engine is not None and master_partitions(engine) is not None else None
+
+
+def _held_zero_engine(state: RunState) -> DeepSpeedEngine:
+    engine = zero_engine(state.model)
+    assert engine is not None, "ZeroLayout.holds found this engine"
+    return engine
 
 
 def _names(masters: list[torch.Tensor]) -> dict[int, str]:
     return {id(m): f"partition{i}" for i, m in enumerate(masters)}
 
 
-def snapshot_zero(state: RunState, engine: Any) -> tuple[str, dict[str, torch.Tensor], str, dict[str, Any]]:
+def snapshot_zero(
+    state: RunState, engine: DeepSpeedEngine
+) -> tuple[str, dict[str, torch.Tensor], str, dict[str, object]]:
     """``(tensor file, tensors, json file, json)`` of this rank's ZeRO files."""
     if state.plan is not None and state.micro_step % state.plan.micro_steps != 0:
         raise CheckpointError(
@@ -375,7 +441,9 @@ def snapshot_zero(state: RunState, engine: Any) -> tuple[str, dict[str, torch.Te
     return f"rank{rank}.zero.safetensors", tensors, f"rank{rank}.zero.json", saved
 
 
-def read_zero(state: RunState, engine: Any, directory: Path, manifest: dict[str, Any]) -> tuple[Any, Any]:
+def read_zero(
+    state: RunState, engine: DeepSpeedEngine, directory: Path, manifest: dict[str, Any]
+) -> tuple[list[torch.Tensor], dict[str, object]]:
     """This rank's ZeRO files, checked against the live engine: ``(masters, optimizer state_dict)``."""
     rank = state.dist.rank
     name = f"rank{rank}.zero.safetensors"
@@ -399,7 +467,7 @@ def read_zero(state: RunState, engine: Any, directory: Path, manifest: dict[str,
     return [masters[f"master/{i}"] for i in range(len(live))], state_dict
 
 
-def load_zero(engine: Any, masters: list[torch.Tensor], state_dict: Any) -> None:
+def load_zero(engine: DeepSpeedEngine, masters: list[torch.Tensor], state_dict: dict[str, object]) -> None:
     """Restore what `read_zero` read, then the model's parameters from the masters."""
     live = master_partitions(engine)
     assert live is not None and len(live) == len(masters)
@@ -415,9 +483,9 @@ def load_zero(engine: Any, masters: list[torch.Tensor], state_dict: Any) -> None
 class ZeroRead:
     """What `ZeroLayout.read` checked, for `ZeroLayout.restore`."""
 
-    engine: Any
+    engine: DeepSpeedEngine
     masters: list[torch.Tensor]
-    optimizer: Any
+    optimizer: dict[str, object]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -431,7 +499,7 @@ class ZeroLayout:
         return zero_engine(state.model) is not None
 
     def snapshot(self, state: RunState, files: CheckpointFiles) -> None:
-        tensor_file, tensors, json_file, values = snapshot_zero(state, zero_engine(state.model))
+        tensor_file, tensors, json_file, values = snapshot_zero(state, _held_zero_engine(state))
         files.add_tensors(tensor_file, tensors)
         files.add_json(json_file, values)
         module = unwrap_model(state.model)
@@ -455,7 +523,7 @@ class ZeroLayout:
                 f"{directory}: holds gradients saved between accumulation micro-steps; a "
                 "DeepSpeed ZeRO run keeps them in buffers of its own and cannot take them"
             )
-        engine = zero_engine(state.model)
+        engine = _held_zero_engine(state)
         verify_file(
             directory, "model.safetensors", manifest
         )  # the masters hold the weights: checked, not used

@@ -28,7 +28,7 @@ from safetensors.torch import save as save_tensors
 
 import fnaccel as fa
 from fnaccel.checkpoint.manifest import manifest_hash
-from fnaccel.checkpoint.storage.tensorfile import Checksum
+from fnaccel.checkpoint.storage.files import Checksum
 from tests.checkpoint.test_resume import fresh_run, train
 
 HOSTILE_JOB = Path(__file__).with_name("_hostile_load.py")

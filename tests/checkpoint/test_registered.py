@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
 from fnaccel.checkpoint.manifest import manifest_hash
-from fnaccel.checkpoint.storage.tensorfile import Checksum
+from fnaccel.checkpoint.storage.files import Checksum
 
 
 def _gan(seed_state: fa.RunState) -> tuple[fa.RunState, nn.Module, nn.Module, torch.optim.Optimizer]:

@@ -58,6 +58,7 @@ from fnaccel.checkpoint.storage.files import (
     read_tensors,
     regular_size,
     safe_relative,
+    torch_dtype,
     write_json,
     write_tensors,
 )
@@ -72,7 +73,6 @@ from fnaccel.checkpoint.storage.shardindex import (
     check_chunks,
     read_index,
 )
-from fnaccel.checkpoint.storage.tensorfile import torch_dtype
 
 __all__ = [
     "DCP_METADATA",

@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.storage.aliases import retie, untie
 from fnaccel.checkpoint.storage.codec import optimizer_payload, optimizer_state
-from fnaccel.checkpoint.storage.files import read_json, read_tensors
+from fnaccel.checkpoint.storage.files import read_json, read_tensors, retie, untie
 from fnaccel.checkpoint.storage.layout import CheckpointFiles
 from fnaccel.checkpoint.storage.modules import unwrap_model
 from fnaccel.checkpoint.storage.reshard import source_rank

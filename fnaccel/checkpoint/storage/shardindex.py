@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.storage.files import safe_relative
-from fnaccel.checkpoint.storage.tensorfile import ITEMSIZES
+from fnaccel.checkpoint.storage.files import ITEMSIZES, safe_relative
 
 __all__ = [
     "FORMAT",
@@ -52,7 +51,7 @@ Shape = tuple[int, ...]
 class IndexKey:
     """One tensor of the index: DCP's TensorStorageMetadata, with torch's names for dtype and layout."""
 
-    dtype: str  # a key of `fnaccel.checkpoint.storage.tensorfile.ITEMSIZES` ("float32")
+    dtype: str  # a key of `fnaccel.checkpoint.storage.files.ITEMSIZES` ("float32")
     layout: str
     memory_format: str
     requires_grad: bool

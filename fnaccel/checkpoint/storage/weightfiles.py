@@ -34,9 +34,7 @@ from safetensors.torch import save_file
 
 from fnaccel._errors import CheckpointError
 from fnaccel.atomic import fsync_dir
-from fnaccel.checkpoint.storage.aliases import untie
-from fnaccel.checkpoint.storage.files import write_bytes
-from fnaccel.checkpoint.storage.tensorfile import DTYPES, torch_dtype
+from fnaccel.checkpoint.storage.files import DTYPES, torch_dtype, untie, write_bytes
 from fnaccel.checks import is_int
 from fnaccel.constants import SAFE_MODEL_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 

@@ -14,8 +14,14 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.storage.files import read_tensors, read_verified, verify_file, write_tensors
-from fnaccel.checkpoint.storage.tensorfile import Checksum, python_block_sums
+from fnaccel.checkpoint.storage.files import (
+    Checksum,
+    python_block_sums,
+    read_tensors,
+    read_verified,
+    verify_file,
+    write_tensors,
+)
 
 DTYPES = [
     torch.float64,
