@@ -241,7 +241,7 @@ def _summarise(case: str, label: str, numel: int, per_rank: list[dict[str, Any]]
     row: dict[str, Any] = {"case": case, "size": label, "bytes": numel * 4, "k": k, "rounds": rounds}
     for name in ("baseline", "fnaccel"):
         # a block lasts until its slowest rank is done
-        blocks = [max(times) for times in zip(*(r[name] for r in per_rank), strict=False)]
+        blocks = [max(times) for times in zip(*(r[name] for r in per_rank), strict=True)]
         per_call = [b / k for b in blocks]
         row[f"{name}_s"] = statistics.median(per_call)
         row[f"{name}_min_s"] = min(per_call)

@@ -160,7 +160,7 @@ def loops(
     def difference() -> float:
         return max(
             (a - b).abs().max().item()
-            for a, b in zip(hand_model.parameters(), model.parameters(), strict=False)
+            for a, b in zip(hand_model.parameters(), model.parameters(), strict=True)
         )
 
     return hand, fnaccel, difference

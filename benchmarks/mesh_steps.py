@@ -118,9 +118,8 @@ def main() -> None:
             for size, label, layout, names in CASES:
                 world = worlds.get(size) or worlds.setdefault(size, World(size, timeout=600))
                 per_rank = world.run(time_layout, layout, names, args.steps)
-                block = min(
-                    max(ranks) for ranks in zip(*per_rank, strict=False)
-                )  # the slowest rank, best block
+                # the slowest rank of each block, then the best block
+                block = min(max(ranks) for ranks in zip(*per_rank, strict=True))
                 best[label] = min(best.get(label, float("inf")), block)
         print("| layout | processes | ms/step |\n|---|---|---|")
         for size, label, _, _ in CASES:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -108,7 +109,7 @@ def _cycle(cycle: int, fail_at: int | None) -> dict[str, object]:
     other = None if kind in ("alone", "verify_resume") else _prepared(1)
     rank = state.dist.rank
     model = state.model
-    for step, batch in zip(range(3), fa.batches(state), strict=False):
+    for step, batch in enumerate(itertools.islice(fa.batches(state), 3)):
         state, _ = fa.step(state, batch)
         if other is not None:
             other, _ = fa.step(other, batch)

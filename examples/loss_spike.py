@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def main(output: Path) -> dict[str, object]:
 
     # 4. the batches after the checkpoint, read without stepping them
     reader = fa.load(make_run(), before)
-    upcoming = [batch for batch, _ in zip(fa.batches(reader), range(SAVE_EVERY), strict=False)]
+    upcoming = list(itertools.islice(fa.batches(reader), SAVE_EVERY))
     fa.shutdown(reader)
     culprit = upcoming[spike - reader.step]
     worst = int(culprit[0].abs().amax(dim=1).argmax())

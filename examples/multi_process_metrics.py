@@ -79,7 +79,7 @@ def main() -> None:
         for (x, y), num_valid in fa.eval_batches(state, evaluation):
             batches.append(fa.ops.gather_for_metrics(state, (model(x).argmax(1), y), num_valid=num_valid))
     model.train()
-    predictions, labels = (torch.cat(column) for column in zip(*batches, strict=False))
+    predictions, labels = (torch.cat(column) for column in zip(*batches, strict=True))
     accuracy = (predictions == labels).float().mean().item()
     fa.print_on_main(
         state,

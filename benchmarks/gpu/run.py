@@ -182,7 +182,7 @@ def step_row(
         tokens = args.steps * shape.batch * shape.seq
         diff = max(
             (a.float() - b.float()).abs().max().item()
-            for a, b in zip(hand_model.parameters(), model.parameters(), strict=False)
+            for a, b in zip(hand_model.parameters(), model.parameters(), strict=True)
         )
         fa.shutdown(holder[0])
     result: dict[str, Any] = {

@@ -276,7 +276,7 @@ def human_size(size: float) -> str:
 
 def box_table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: str) -> str:
     """A box-drawn table, centred cells, the title across the top (Accelerate's layout)."""
-    widths = [max(len(cell) for cell in column) + 2 for column in zip(headers, *rows, strict=False)]
+    widths = [max(len(cell) for cell in column) + 2 for column in zip(headers, *rows, strict=True)]
     inner = sum(widths) + len(widths) - 1
     if len(title) + 2 > inner:
         widths[-1] += len(title) + 2 - inner
@@ -286,7 +286,7 @@ def box_table(headers: Sequence[str], rows: Sequence[Sequence[str]], title: str)
         return left + middle.join("─" * width for width in widths) + right
 
     def cells(values: Sequence[str]) -> str:
-        return "│" + "│".join(value.center(width) for value, width in zip(values, widths, strict=False)) + "│"
+        return "│" + "│".join(value.center(width) for value, width in zip(values, widths, strict=True)) + "│"
 
     return "\n".join(
         [

@@ -259,13 +259,13 @@ def check_training(state: fa.RunState) -> str:
     finally:
         fa.shutdown(run)
     expected = _hand_written_loop(reference, ctx)
-    pairs = list(zip(model.parameters(), reference.parameters(), strict=False))
+    pairs = list(zip(model.parameters(), reference.parameters(), strict=True))
     if losses == expected and all(torch.equal(p, q) for p, q in pairs):
         return f"{NUM_STEPS} steps, parameters bit-identical to plain PyTorch"
     worst = max((p - q).abs().max().item() for p, q in pairs)
     # Summation order may differ between two all-reduce bucketings (3+ ranks): equal within float32.
     close = all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in pairs) and all(
-        math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(losses, expected, strict=False)
+        math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6) for a, b in zip(losses, expected, strict=True)
     )
     _require(
         close,
@@ -431,7 +431,7 @@ def check_mixed_precision(state: fa.RunState) -> str:
     _require(all(math.isfinite(v) for v in losses), f"non-finite losses {losses}")
     _require(all(torch.isfinite(p).all().item() for p in model.parameters()), "non-finite parameters")
     _require(
-        any(not torch.equal(p.cpu(), q) for p, q in zip(model.parameters(), before, strict=False)),
+        any(not torch.equal(p.cpu(), q) for p, q in zip(model.parameters(), before, strict=True)),
         "the parameters did not change",
     )
     if precision == PrecisionType.FP16:

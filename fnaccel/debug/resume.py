@@ -96,7 +96,7 @@ def _leaves(tree: object) -> list[object]:
 def _same_leaves(a: list[object], b: list[object]) -> bool:
     return len(a) == len(b) and all(
         torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
-        for x, y in zip(a, b, strict=False)
+        for x, y in zip(a, b, strict=True)
     )
 
 
@@ -105,7 +105,7 @@ def _global_batch(per_rank: Sequence[list[object]]) -> list[object]:
     a run on another number of processes must read (DESIGN principle 5)."""
     return [
         torch.cat(column) if isinstance(column[0], torch.Tensor) else column[0]
-        for column in zip(*per_rank, strict=False)
+        for column in zip(*per_rank, strict=True)
     ]
 
 
@@ -221,7 +221,7 @@ class _Chain:
         (after one, the weights, and so the losses, are equal within the tolerance only)."""
         start = resume * self.steps
         same_world = size == self.whole.dist.num_processes
-        for k, (loss, leaves) in enumerate(zip(losses, read, strict=False)):
+        for k, (loss, leaves) in enumerate(zip(losses, read, strict=True)):
             index = start + k
             if same_world:
                 expected_leaves, expected = self.read[index], self.losses[index]

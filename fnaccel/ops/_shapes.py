@@ -183,7 +183,7 @@ class Signature:
         """A hash of everything but the sizes: operation, arguments, paths, dtypes, ranks."""
         parts = [
             f"{p}:{t.dtype}/{'nested' if t.is_nested else t.ndim}"
-            for p, t in zip(self.paths, self.leaves, strict=False)
+            for p, t in zip(self.paths, self.leaves, strict=True)
         ]
         return zlib.crc32(f"{self.op}|{self.key}|{';'.join(parts)}".encode())
 
@@ -195,7 +195,7 @@ class Signature:
         """``(path, shape, dtype)`` of each leaf, for the error message."""
         return [
             (p, self.shape(i), str(t.dtype).replace("torch.", "") + (" nested" if t.is_nested else ""))
-            for i, (p, t) in enumerate(zip(self.paths, self.leaves, strict=False))
+            for i, (p, t) in enumerate(zip(self.paths, self.leaves, strict=True))
         ]
 
 

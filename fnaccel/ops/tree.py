@@ -143,7 +143,7 @@ def tree_paths(data: object, test_type: Callable[[object], bool] = is_torch_tens
         if test_type(node):
             paths.append(path)
         elif is_namedtuple(node):
-            for name, value in zip(getattr(node, "_fields"), node, strict=False):
+            for name, value in zip(getattr(node, "_fields"), node, strict=True):
                 walk(value, f"{path}.{name}")
         elif isinstance(node, (list, tuple)):
             for i, value in enumerate(node):
@@ -391,7 +391,7 @@ def concatenate(data: Sequence[T], dim: int = 0) -> T:
     others = [tree_leaves(tree, test_type=is_other_leaf) for tree in data]
     paths = tree_paths(data[0], test_type=is_other_leaf)
     for i, leaves in enumerate(others[1:], start=1):
-        for path, mine, theirs in zip(paths, others[0], leaves, strict=False):
+        for path, mine, theirs in zip(paths, others[0], leaves, strict=True):
             if not _same_value(mine, theirs):
                 raise TypeError(
                     f"concatenate: Can only concatenate tensors, but the leaf {path or 'itself'} "
@@ -400,7 +400,7 @@ def concatenate(data: Sequence[T], dim: int = 0) -> T:
                 )
     columns = [tree_leaves(tree) for tree in data]
     joined: T = tree_unflatten(
-        data[0], [torch.cat(list(parts), dim=dim) for parts in zip(*columns, strict=False)]
+        data[0], [torch.cat(list(parts), dim=dim) for parts in zip(*columns, strict=True)]
     )
     return joined
 

@@ -80,7 +80,7 @@ def _to_host(tensors: list[torch.Tensor]) -> list[Scalar]:
             values = _to_cpu_at_once(values)
         # float64 holds every float dtype exactly (and integers up to 2**53)
         stacked = torch.stack([value.to(torch.float64) for value in values])
-        for index, number in zip(indices, stacked.tolist(), strict=False):
+        for index, number in zip(indices, stacked.tolist(), strict=True):
             dtype = tensors[index].dtype
             numbers[index] = (
                 bool(number) if dtype == torch.bool else number if dtype.is_floating_point else int(number)
