@@ -45,33 +45,9 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/checkpoint/test_crash.py",
         "fa.save's snapshot and write, reached only by it",
     ),
-    "checkpoint/storage/codec.py": (
-        "tests/checkpoint/test_resume.py",
-        "optimizer and RNG payloads, proven by the bit-for-bit resume",
-    ),
-    "checkpoint/storage/schema.py": (
-        "tests/checkpoint/test_hostile.py",
-        "fa.load's validation of what it reads",
-    ),
     "checkpoint/headers.py": (
         "tests/checkpoint/storage/test_files.py",
         "the tensor file format, with storage/files.py",
-    ),
-    "checkpoint/storage/choice.py": (
-        "tests/checkpoint/storage/test_layout.py",
-        "which declared layout stores a run, with the storage half's protocol",
-    ),
-    "checkpoint/storage/modules.py": (
-        "tests/checkpoint/test_resume.py",
-        "the user's module inside ddp/compile wrappers, which every replicated resume stores",
-    ),
-    "checkpoint/storage/reshard.py": (
-        "tests/checkpoint/test_reshard.py",
-        "loading on another number of processes",
-    ),
-    "checkpoint/storage/weight_hooks.py": (
-        "tests/checkpoint/test_hooks.py",
-        "the save and load hooks on the weights",
     ),
     "checkpoint/storage/weightfiles.py": (
         "tests/modeling/test_weights.py",
@@ -80,6 +56,10 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
     "modeling/placement.py": (
         "tests/checkpoint/test_sharded.py",
         "is_sharded needs fsdp() on several processes",
+    ),
+    "checkpoint/storage/parts.py": (
+        "tests/checkpoint/test_hostile.py",
+        "the parts as stored, checked against the live ones: each refusal of fa.load; also test_hooks.py",
     ),
     "checkpoint/storage/plain.py": (
         "tests/checkpoint/test_resume.py",

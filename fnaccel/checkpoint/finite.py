@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from fnaccel.checkpoint.storage.modules import unwrap_model
+from fnaccel.checkpoint.storage.parts import unwrap_model
 
 if TYPE_CHECKING:
     from fnaccel.state import RunState

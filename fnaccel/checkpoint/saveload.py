@@ -34,7 +34,7 @@ the manifest and moves the directory into place atomically (writer.py,
 files.commit). With ProjectConfiguration(save_on_each_node=True) every
 machine's first process does rank 0's part on that machine's disk.
 
-A load reads and checks every file (manifest.py, checks.py, codec.py) before
+A load reads and checks every file (manifest.py, storage/files.py, storage/parts.py) before
 it restores anything, so a checkpoint that does not fit leaves the state fresh.
 """
 
@@ -60,12 +60,17 @@ from fnaccel.checkpoint.manifest import read_manifest, target_problem
 from fnaccel.checkpoint.project import next_checkpoint, project_of, rotate
 from fnaccel.checkpoint.queue import SaveHandle, SaveQueue
 from fnaccel.checkpoint.runinfo import ResumeDriftWarning, resume_drift
-from fnaccel.checkpoint.storage.choice import layout_for
-from fnaccel.checkpoint.storage.codec import check_kind, rng_from
 from fnaccel.checkpoint.storage.files import SaveLock, read_json, read_tensors
 from fnaccel.checkpoint.storage.layout import CheckpointLayout
-from fnaccel.checkpoint.storage.reshard import derived_generators, refuse_moved_gradients, source_rank
-from fnaccel.checkpoint.storage.schema import check_like
+from fnaccel.checkpoint.storage.parts import (
+    check_kind,
+    check_like,
+    derived_generators,
+    refuse_moved_gradients,
+    rng_from,
+    source_rank,
+)
+from fnaccel.checkpoint.storage.plain import layout_for
 from fnaccel.checkpoint.writer import take_snapshot, write_snapshot
 from fnaccel.checks import is_int
 from fnaccel.dist import DistContext
@@ -229,7 +234,7 @@ def start_save(
 def _rank_files(
     state: RunState, directory: Path, manifest: dict[str, Any], allow_global_batch_change: bool, strict: bool
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor], RNGState, DataPosition]:
-    """This rank's file pair (rank 0's for a rank the saving run did not have: reshard.py),
+    """This rank's file pair (rank 0's for a rank the saving run did not have: `source_rank`),
     checked: generators, transform states, the data position, and the gradients (which
     the layout checks against the model). Returns ``(rank<r>.json, gradients by
     parameter name, generators, data position)``."""

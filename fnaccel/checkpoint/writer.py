@@ -35,7 +35,6 @@ from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.manifest import FORMAT, MANIFEST, SCHEMA_VERSION, manifest_hash
 from fnaccel.checkpoint.queue import SaveQueue
 from fnaccel.checkpoint.runinfo import RUN_FILE, describe_run
-from fnaccel.checkpoint.storage.codec import rng_payload
 from fnaccel.checkpoint.storage.files import (
     SaveLock,
     commit,
@@ -50,7 +49,7 @@ from fnaccel.checkpoint.storage.files import (
     write_tensors,
 )
 from fnaccel.checkpoint.storage.layout import CheckpointLayout
-from fnaccel.checkpoint.storage.schema import kind_of
+from fnaccel.checkpoint.storage.parts import kind_of, rng_payload
 from fnaccel.dist import DistContext
 from fnaccel.process import wait_for_everyone
 

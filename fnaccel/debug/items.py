@@ -35,8 +35,8 @@ from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.headers import TensorFile
 from fnaccel.checkpoint.manifest import read_manifest
 from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
-from fnaccel.checkpoint.storage.choice import layout_for
 from fnaccel.checkpoint.storage.files import read_json, torch_dtype
+from fnaccel.checkpoint.storage.plain import layout_for
 from fnaccel.checkpoint.storage.sharded import ShardedSnapshot
 from fnaccel.checkpoint.storage.shardindex import METADATA, VALUES
 from fnaccel.checkpoint.writer import take_snapshot

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from fnaccel.checkpoint.storage.modules import unwrap_model
+from fnaccel.checkpoint.storage.parts import unwrap_model
 from fnaccel.transforms.pipelining import PipelinedModel
 
 __all__ = ["is_pipelined", "is_sharded"]

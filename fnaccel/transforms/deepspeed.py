@@ -33,12 +33,16 @@ import torch
 import torch.distributed as dist
 
 from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.storage.codec import optimizer_payload, optimizer_state
 from fnaccel.checkpoint.storage.files import read_json, read_tensors, untie, verify_file
 from fnaccel.checkpoint.storage.layout import CheckpointFiles
-from fnaccel.checkpoint.storage.modules import unwrap_compiled, unwrap_model
-from fnaccel.checkpoint.storage.schema import check_tensors
-from fnaccel.checkpoint.storage.weight_hooks import saved_weights
+from fnaccel.checkpoint.storage.parts import (
+    check_tensors,
+    optimizer_payload,
+    optimizer_state,
+    saved_weights,
+    unwrap_compiled,
+    unwrap_model,
+)
 from fnaccel.checks import is_int
 from fnaccel.constants import PrecisionType
 from fnaccel.dist import DistContext

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fnaccel.checkpoint.storage.modules import unwrap_compiled, unwrap_model
+from fnaccel.checkpoint.storage.parts import unwrap_compiled, unwrap_model
 from fnaccel.checkpoint.storage.sharded import ShardedLayout
 from fnaccel.dist import DistContext, data_parallel, data_parallel_context
 from fnaccel.kwargs import DistributedDataParallelKwargs

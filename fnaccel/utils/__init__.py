@@ -239,7 +239,7 @@ _PUBLIC = MappingProxyType(
         "autocast_context": "fnaccel.precision",
         **dict.fromkeys(
             ("CheckpointHooks", "register_load_state_pre_hook", "register_save_state_pre_hook"),
-            "fnaccel.checkpoint.storage.weight_hooks",
+            "fnaccel.checkpoint.storage.parts",
         ),
         "skip_first_batches": "fnaccel.data.skip",
         **dict.fromkeys(("LocalSGDState", "local_sgd"), "fnaccel.transforms.local_sgd"),

@@ -18,7 +18,7 @@ from fnaccel.checkpoint.single import (
     load as load,
     save as save,
 )
-from fnaccel.checkpoint.storage.weight_hooks import (
+from fnaccel.checkpoint.storage.parts import (
     CheckpointHooks as CheckpointHooks,
     register_load_state_pre_hook as register_load_state_pre_hook,
     register_save_state_pre_hook as register_save_state_pre_hook,

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import fnaccel as fa
-from fnaccel.checkpoint.storage.weight_hooks import (
+from fnaccel.checkpoint.storage.parts import (
     CheckpointHooks,
     register_load_state_pre_hook,
     register_save_state_pre_hook,

@@ -24,54 +24,25 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fnaccel._errors import CheckpointError
-from fnaccel.checkpoint.storage.codec import optimizer_payload, optimizer_state
-from fnaccel.checkpoint.storage.files import read_json, read_tensors, retie, untie
-from fnaccel.checkpoint.storage.layout import CheckpointFiles
-from fnaccel.checkpoint.storage.modules import unwrap_model
-from fnaccel.checkpoint.storage.reshard import source_rank
-from fnaccel.checkpoint.storage.schema import check_tensors
-from fnaccel.checkpoint.storage.weight_hooks import loaded_weights, saved_weights
+from fnaccel.checkpoint.storage.files import untie
+from fnaccel.checkpoint.storage.layout import CheckpointFiles, CheckpointLayout
+from fnaccel.checkpoint.storage.parts import (
+    check_tensors,
+    optimizer_payload,
+    read_model,
+    read_optimizer,
+    saved_weights,
+    source_rank,
+    unwrap_model,
+)
+from fnaccel.checkpoint.storage.sharded import ShardedLayout
+from fnaccel.checkpoint.storage.shardindex import is_stored_sharded
 
 if TYPE_CHECKING:
     from fnaccel.dist import DistContext
     from fnaccel.state import RunState
 
-__all__ = ["PlainLayout", "read_model", "read_optimizer"]
-
-
-def read_model(
-    state: RunState, module: torch.nn.Module, directory: Path, manifest: dict[str, Any]
-) -> dict[str, torch.Tensor]:
-    """``model.safetensors`` re-tied and passed through the run's load hooks, checked
-    against ``module``'s keys, shapes and dtypes (its global ones when sharded)."""
-    source = str(directory / "model.safetensors")
-    weights = read_tensors(directory, "model.safetensors", manifest)
-    for alias, name in manifest["tied"].items():
-        if name not in weights or alias in weights:
-            raise CheckpointError(
-                f"{directory / 'fnaccel.json'}: key 'tied/{alias}' names {name!r}, "
-                f"which is not a stored weight of {source} (or {alias!r} is stored too)"
-            )
-    weights = loaded_weights(state, module, retie(weights, manifest["tied"]))
-    check_tensors(weights, module.state_dict(), source)
-    return weights
-
-
-def read_optimizer(
-    state: RunState, module: torch.nn.Module, directory: Path, manifest: dict[str, Any]
-) -> dict[str, Any] | None:
-    """``optimizer.*`` as the state_dict ``state.optimizer`` takes (parameters by index),
-    checked against it; None for a run without an optimizer."""
-    if state.optimizer is None:
-        return None
-    return optimizer_state(
-        state.optimizer,
-        dict(module.named_parameters()),
-        read_tensors(directory, "optimizer.safetensors", manifest),
-        read_json(directory, "optimizer.json", manifest),
-        str(directory / "optimizer.json"),
-    )
+__all__ = ["PlainLayout", "layout_for"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,3 +120,29 @@ class PlainLayout:
         for name, p in module.named_parameters():
             grad = read.gradients.get(name)
             p.grad = None if grad is None else grad.to(p.device, p.dtype)
+
+
+def layout_for(state: RunState, manifest: dict[str, Any] | None = None) -> CheckpointLayout:
+    """The layout that stores ``state``'s model and optimizer: the first one its pipeline's
+    transforms declare that holds the run (`CheckpointLayout.holds`), else the plain one.
+    The model is never asked. A load passes the checkpoint's ``manifest``: a sharded
+    checkpoint goes into a run stored plainly through the sharded layout (DCP reads
+    whole tensors).
+
+    >>> import fnaccel as fa, torch
+    >>> model = torch.nn.Linear(1, 1)
+    >>> type(layout_for(fa.prepare(fa.init(cpu=True), model, pipeline=fa.accumulate(2)))).__name__
+    'PlainLayout'
+    """
+    declared = () if state.pipeline is None else state.pipeline.layouts
+    for layout in declared:
+        if not isinstance(layout, CheckpointLayout):
+            raise TypeError(
+                f"fa.save/fa.load: a transform's layout must implement CheckpointLayout (holds, snapshot, "
+                f"write, read, restore), got {type(layout).__name__}"
+            )
+        if layout.holds(state):
+            return layout
+    if manifest is not None and state.model is not None and is_stored_sharded(manifest):
+        return ShardedLayout()
+    return PlainLayout()

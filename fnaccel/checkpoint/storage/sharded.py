@@ -55,18 +55,24 @@ import torch
 from fnaccel import ops
 from fnaccel._errors import CheckpointError
 from fnaccel.atomic import fsync_dir
-from fnaccel.checkpoint.storage.codec import check_kind, restore_groups
 from fnaccel.checkpoint.storage.files import (
     json_copy,
     read_json,
     write_json,
 )
 from fnaccel.checkpoint.storage.layout import CheckpointFiles
-from fnaccel.checkpoint.storage.modules import unwrap_compiled, unwrap_model
-from fnaccel.checkpoint.storage.plain import read_model, read_optimizer
-from fnaccel.checkpoint.storage.schema import check_layout, kind_of
-from fnaccel.checkpoint.storage.shardindex import METADATA, SHARDED_DIR, VALUES
-from fnaccel.checkpoint.storage.weight_hooks import check_unsharded
+from fnaccel.checkpoint.storage.parts import (
+    check_kind,
+    check_layout,
+    check_unsharded,
+    kind_of,
+    read_model,
+    read_optimizer,
+    restore_groups,
+    unwrap_compiled,
+    unwrap_model,
+)
+from fnaccel.checkpoint.storage.shardindex import METADATA, SHARDED_DIR, VALUES, is_stored_sharded
 
 if TYPE_CHECKING:
     from fnaccel.dist import DistContext
@@ -76,21 +82,11 @@ __all__ = [
     "ShardedLayout",
     "ShardedRead",
     "ShardedSnapshot",
-    "is_stored_sharded",
     "load_sharded",
     "shard_into",
     "snapshot_sharded",
     "write_sharded",
 ]
-
-
-def is_stored_sharded(manifest: Mapping[str, Any]) -> bool:
-    """Whether the checkpoint's model and optimizer are under ``sharded/`` (a sharded run saved it).
-
-    >>> is_stored_sharded({"files": {"sharded/metadata.json": {}, "rank0.json": {}}})
-    True
-    """
-    return any(name.startswith(f"{SHARDED_DIR}/") for name in manifest["files"])
 
 
 # -- the state dicts, split into tensors (DCP) and plain values (JSON) -----------------
@@ -353,7 +349,7 @@ def shard_into(
     """Restore a replicated checkpoint's whole tensors into a sharded run, in place.
 
     ``weights``: the model's tensors by name, checked against the model's global
-    shapes; ``optimizer_sd``: the optimizer's ``state_dict`` as `codec.optimizer_state`
+    shapes; ``optimizer_sd``: the optimizer's ``state_dict`` as `parts.optimizer_state`
     builds it (parameters by index), checked the same way. Every rank keeps its own
     chunk of each tensor (torch's ``set_*_state_dict`` with ``full_state_dict``).
     """

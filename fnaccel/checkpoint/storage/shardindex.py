@@ -22,6 +22,7 @@ from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.storage.files import ITEMSIZES, safe_relative
 
 __all__ = [
+    "is_stored_sharded",
     "FORMAT",
     "FORMAT_VERSION",
     "IndexKey",
@@ -194,3 +195,12 @@ def read_index(saved: Any, files: Mapping[str, Any], source: str) -> ShardIndex:
         planner_data=planner_data,
         dcp_version=saved.get("dcp_version") if isinstance(saved.get("dcp_version"), str) else None,
     )
+
+
+def is_stored_sharded(manifest: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint's model and optimizer are under ``sharded/`` (a sharded run saved it).
+
+    >>> is_stored_sharded({"files": {"sharded/metadata.json": {}, "rank0.json": {}}})
+    True
+    """
+    return any(name.startswith(f"{SHARDED_DIR}/") for name in manifest["files"])

@@ -27,9 +27,8 @@ import torch
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.checkpoint.storage.choice import layout_for
 from fnaccel.checkpoint.storage.layout import CheckpointLayout
-from fnaccel.checkpoint.storage.plain import PlainLayout
+from fnaccel.checkpoint.storage.plain import PlainLayout, layout_for
 from fnaccel.checkpoint.storage.sharded import ShardedLayout
 from fnaccel.transforms.deepspeed import ZeroLayout
 
@@ -182,8 +181,8 @@ def test_no_layout_is_chosen_from_the_model() -> None:
     ],
 )
 def test_a_planted_model_probe_is_caught(planted: str) -> None:
-    source = (CHECKPOINT / "storage" / "choice.py").read_text() + "\n\n" + planted
-    assert len(model_probes(source)) > len(model_probes((CHECKPOINT / "storage" / "choice.py").read_text()))
+    source = (CHECKPOINT / "storage" / "plain.py").read_text() + "\n\n" + planted
+    assert len(model_probes(source)) > len(model_probes((CHECKPOINT / "storage" / "plain.py").read_text()))
 
 
 # -- the outsider test uses public names only ------------------------------------------------
