@@ -146,7 +146,7 @@ _PUBLIC = MappingProxyType(
         "CollectiveCallError": "fnaccel._errors",
         "CheckpointError": "fnaccel._errors",
         "NonFiniteUpdateError": "fnaccel.transforms.nonfinite",
-        "ResumeDriftWarning": "fnaccel.checkpoint.runinfo",
+        "ResumeDriftWarning": "fnaccel.checkpoint.manifest",
         "SkippedCheckpointWarning": "fnaccel.checkpoint.latest",
         # Modules
         "ops": "fnaccel.ops",

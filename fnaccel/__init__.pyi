@@ -19,15 +19,15 @@ from fnaccel.checkpoint.latest import (
     SkippedCheckpointWarning as SkippedCheckpointWarning,
     latest_checkpoint as latest_checkpoint,
 )
+from fnaccel.checkpoint.manifest import (
+    ResumeDriftWarning as ResumeDriftWarning,
+)
 from fnaccel.checkpoint.policy import (
     autosave as autosave,
     save_policy as save_policy,
 )
 from fnaccel.checkpoint.project import (
     ProjectConfiguration as ProjectConfiguration,
-)
-from fnaccel.checkpoint.runinfo import (
-    ResumeDriftWarning as ResumeDriftWarning,
 )
 from fnaccel.checkpoint.saveload import (
     load as load,

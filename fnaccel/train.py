@@ -240,7 +240,7 @@ def _require(state: RunState, action: str) -> tuple[nn.Module, torch.optim.Optim
     if state.model is None or state.optimizer is None or state.plan is None:
         raise ValueError(f"{action}: prepare a model and an optimizer first (fa.prepare)")
     saves = state.resources.get("saves")
-    if saves is not None:  # an asynchronous save that failed is raised here (fnaccel/checkpoint/queue.py)
+    if saves is not None:  # an asynchronous save that failed is raised here (fnaccel/checkpoint/writer.py)
         saves.raise_failure()
     plan = state.plan
     assert isinstance(plan, StepPlan), "a state's plan comes from fa.prepare"

@@ -24,7 +24,7 @@ fnaccel takes part as fnaccel's own do. This test parses them and fails on:
   (`Pipeline.get`): conveniences for users, not for fnaccel;
 - any read of ``.options``: a transform's printed options are for printing,
   equality and the saved pipeline record, so the one function that writes
-  that record (checkpoint/runinfo.py ``_setup``) is the one place allowed.
+  that record (checkpoint/manifest.py ``_setup``) is the one place allowed.
 
 A name that reaches a comparison through a variable is not visible to a
 parser; it is caught where the name is written, as a constant in these files.
@@ -48,7 +48,7 @@ CORE = (
     *sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "checkpoint").rglob("*.py")),
 )
 # (module, function) allowed to read .options: it writes the saved pipeline record (run.json)
-OPTIONS_READERS = frozenset({("checkpoint/runinfo.py", "_setup")})
+OPTIONS_READERS = frozenset({("checkpoint/manifest.py", "_setup")})
 # calls whose string arguments name something other than a transform (see the module docstring)
 OTHER_NAMESPACES = frozenset({"mesh_dim", "find_spec", "modules.get"})
 
@@ -188,8 +188,8 @@ PLANTED = [
         '("accumulate", "clip_grad_norm", "autocast"))\n',
     ),
     ("transforms/deepspeed.py", 'max_norm = float(dict(clip.options)["max_norm"])\n'),
-    ("checkpoint/runinfo.py", 'autocast = next((e for e in pipeline if e["name"] == "autocast"), None)\n'),
-    ("checkpoint/runinfo.py", '_LAYOUT_ITEMS = frozenset({"pipeline/ddp", "pipeline/fsdp"})\n'),
+    ("checkpoint/manifest.py", 'autocast = next((e for e in pipeline if e["name"] == "autocast"), None)\n'),
+    ("checkpoint/manifest.py", '_LAYOUT_ITEMS = frozenset({"pipeline/ddp", "pipeline/fsdp"})\n'),
     ("checkpoint/saveload.py", 'def f(state):\n    return "fsdp" in state.pipeline.names\n'),
 ]
 

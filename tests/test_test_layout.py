@@ -41,10 +41,6 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/checkpoint/test_resume.py",
         "fa.save / fa.load: every checkpoint test's entry",
     ),
-    "checkpoint/writer.py": (
-        "tests/checkpoint/test_crash.py",
-        "fa.save's snapshot and write, reached only by it",
-    ),
     "checkpoint/headers.py": (
         "tests/checkpoint/storage/test_files.py",
         "the tensor file format, with storage/files.py",
@@ -74,11 +70,6 @@ COVERED_ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/checkpoint/test_integrity.py",
         "checked by corrupting real checkpoints",
     ),
-    "checkpoint/queue.py": (
-        "tests/checkpoint/test_save_failures.py",
-        "asynchronous saves and their failures",
-    ),
-    "checkpoint/runinfo.py": ("tests/debug/test_drift.py", "what fa.load compares on resume"),
     "checkpoint/storage/shardindex.py": (
         "tests/checkpoint/test_sharded.py",
         "the DCP index, also read by merge",

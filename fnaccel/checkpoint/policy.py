@@ -66,9 +66,9 @@ from typing import Any
 from fnaccel import ops
 from fnaccel.calls import collective
 from fnaccel.checkpoint.manifest import MANIFEST, target_problem
-from fnaccel.checkpoint.queue import SaveHandle
 from fnaccel.checkpoint.saveload import start_save
 from fnaccel.checkpoint.storage.files import discard, locked, remove_leftovers, sibling_stem
+from fnaccel.checkpoint.writer import SaveHandle
 from fnaccel.checks import check_value, is_int, is_number, require
 from fnaccel.state import RunState
 

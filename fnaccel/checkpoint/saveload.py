@@ -55,11 +55,8 @@ from fnaccel import ops
 from fnaccel._errors import CheckpointError
 from fnaccel.calls import collective
 from fnaccel.checkpoint import extras as extras_codec
-from fnaccel.checkpoint.finite import first_nonfinite
-from fnaccel.checkpoint.manifest import read_manifest, target_problem
+from fnaccel.checkpoint.manifest import ResumeDriftWarning, read_manifest, resume_drift, target_problem
 from fnaccel.checkpoint.project import next_checkpoint, project_of, rotate
-from fnaccel.checkpoint.queue import SaveHandle, SaveQueue
-from fnaccel.checkpoint.runinfo import ResumeDriftWarning, resume_drift
 from fnaccel.checkpoint.storage.files import SaveLock, read_json, read_tensors
 from fnaccel.checkpoint.storage.layout import CheckpointLayout
 from fnaccel.checkpoint.storage.parts import (
@@ -71,7 +68,7 @@ from fnaccel.checkpoint.storage.parts import (
     source_rank,
 )
 from fnaccel.checkpoint.storage.plain import layout_for
-from fnaccel.checkpoint.writer import take_snapshot, write_snapshot
+from fnaccel.checkpoint.writer import SaveHandle, SaveQueue, first_nonfinite, take_snapshot, write_snapshot
 from fnaccel.checks import is_int
 from fnaccel.dist import DistContext
 from fnaccel.rng import RNGState

@@ -25,8 +25,7 @@ from typing import Any
 
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.headers import TensorFile
-from fnaccel.checkpoint.manifest import read_manifest
-from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
+from fnaccel.checkpoint.manifest import RUN_FILE, read_manifest, saved_config
 from fnaccel.checkpoint.storage.files import ITEMSIZES, read_json, read_tensors, verify_file
 from fnaccel.checkpoint.storage.shardindex import METADATA, read_index
 

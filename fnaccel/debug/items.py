@@ -33,8 +33,7 @@ import yaml
 
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.headers import TensorFile
-from fnaccel.checkpoint.manifest import read_manifest
-from fnaccel.checkpoint.runinfo import RUN_FILE, saved_config
+from fnaccel.checkpoint.manifest import RUN_FILE, read_manifest, saved_config
 from fnaccel.checkpoint.storage.files import read_json, torch_dtype
 from fnaccel.checkpoint.storage.plain import layout_for
 from fnaccel.checkpoint.storage.sharded import ShardedSnapshot

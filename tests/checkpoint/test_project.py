@@ -50,7 +50,7 @@ def test_consecutive_async_saves_each_hold_their_own_moment(tmp_path: Path) -> N
 
 
 def test_the_queue_reuses_a_staging_buffer_of_the_same_shape_and_dtype() -> None:
-    from fnaccel.checkpoint.queue import SaveQueue
+    from fnaccel.checkpoint.writer import SaveQueue
 
     queue = SaveQueue()
     first = queue.staged("m/w", torch.ones(3))

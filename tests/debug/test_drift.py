@@ -13,8 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fnaccel as fa
-from fnaccel.checkpoint.manifest import manifest_hash
-from fnaccel.checkpoint.runinfo import ResumeDriftWarning
+from fnaccel.checkpoint.manifest import ResumeDriftWarning, manifest_hash
 
 
 def run(pipeline: fa.Pipeline) -> fa.RunState:

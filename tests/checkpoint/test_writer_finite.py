@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fnaccel as fa
-from fnaccel.checkpoint.finite import first_nonfinite
+from fnaccel.checkpoint.writer import first_nonfinite
 
 NAN, INF = float("nan"), float("inf")
 
