@@ -18,16 +18,17 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 from fnaccel import dryrun
 from fnaccel.config.parallelism import DATA_PARALLEL_DIMS, TRANSFORM_FOR_DIM
 from fnaccel.constants import PrecisionType
-from fnaccel.dist import data_parallel
+from fnaccel.dist import DistContext, data_parallel
 from fnaccel.state import RunState
 from fnaccel.train import SchedulerRuleWarning, StepPlan, scheduler_steps, training_transforms
 from fnaccel.transforms.contract import EngineRequest, PrepareRequest
@@ -39,6 +40,10 @@ from fnaccel.transforms.parallel import ddp, unwrap_model
 from fnaccel.transforms.pipeline import Collective, Pipeline, compose
 from fnaccel.transforms.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from fnaccel.transforms.plugins.deepspeed import DeepSpeedPlugin
+
+if TYPE_CHECKING:
+    from fnaccel.config.launch import LaunchConfig
+    from fnaccel.resources import Resource
 
 __all__ = ["default_pipeline", "prepare"]
 
@@ -113,7 +118,7 @@ def default_pipeline(state: RunState) -> Pipeline:
     return compose(*parts)
 
 
-def _section(config: Any, key: str) -> str:
+def _section(config: LaunchConfig, key: str) -> str:
     return f"{config.source}: {key}" if config.source else key
 
 
@@ -178,7 +183,7 @@ def _rebind_optimizer(optimizer: torch.optim.Optimizer, before: dict[int, str], 
         group["params"] = kept
 
 
-def _as_pipeline(pipeline: Any) -> Pipeline | None:
+def _as_pipeline(pipeline: object) -> Pipeline | None:
     """A single transform is a pipeline of one; anything else but a pipeline (a list of
     transforms, a function, a name) is refused here rather than deep inside `prepare`."""
     if pipeline is None or isinstance(pipeline, Pipeline):
@@ -195,8 +200,8 @@ def prepare(
     state: RunState,
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    loader: Any = None,
-    scheduler: Any = None,
+    loader: DataLoader[object] | None = None,
+    scheduler: object = None,
     *,
     pipeline: Pipeline | Transform | None = None,
     loss_fn: LossFn | None = None,
@@ -266,7 +271,8 @@ def prepare(
     transform_states = pipeline.init(ctx, state.transform_states)
     for name, value in transform_states.items():
         if callable(getattr(value, "close", None)) and state.resources.get(f"transform:{name}") is None:
-            state.resources.register(f"transform:{name}", value)  # a profiler run: fa.shutdown closes it
+            # a profiler run: fa.shutdown closes it (the check above found its close())
+            state.resources.register(f"transform:{name}", cast("Resource", value))
 
     changes: dict[str, Any] = {"pipeline": pipeline}
     engine = pipeline.engine  # fa.deepspeed
@@ -418,7 +424,7 @@ _PER_GROUP_LISTS = (
 
 
 def _realign_scheduler(
-    scheduler: Any, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
+    scheduler: object, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
 ) -> None:
     """Keep a scheduler built before `fa.prepare` in step with an engine's optimizer.
 
@@ -463,7 +469,7 @@ def _realign_scheduler(
         part.optimizer = optimizer
 
 
-def _check_scheduler_groups(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+def _check_scheduler_groups(scheduler: object, optimizer: torch.optim.Optimizer) -> None:
     """A scheduler built on the optimizer's groups before an engine changed them (and
     passed to a later `fa.prepare`) would fail at the first update, inside torch."""
     rates = getattr(scheduler, "base_lrs", None)
@@ -475,7 +481,7 @@ def _check_scheduler_groups(scheduler: Any, optimizer: torch.optim.Optimizer) ->
         )
 
 
-def _refuse_meta(model: nn.Module, ctx: Any) -> None:
+def _refuse_meta(model: nn.Module, ctx: DistContext) -> None:
     """A model with tensors on the meta device cannot be moved or trained. In a larger
     world the ranks agree first (one small all-reduce per prepare), so that every rank
     raises instead of one raising while the others wait in DDP's or FSDP2's first

@@ -10,16 +10,17 @@ checks the padded shapes without another collective.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import cast
 
 from fnaccel._errors import CollectiveMismatchError
 from fnaccel.dist import DistContext
 from fnaccel.ops import collectives as ops
 from fnaccel.ops.metrics import gather_for_metrics as _gather_for_metrics
 from fnaccel.ops.tree import tree_leaves
-from fnaccel.transforms.kinds import options
+from fnaccel.transforms.kinds import Options, options
 from fnaccel.transforms.phases import Phase
-from fnaccel.transforms.pipeline import CallInfo, Collective
+from fnaccel.transforms.pipeline import CallInfo, Collective, TransformApplyFn
 
 __all__ = [
     "broadcast",
@@ -36,7 +37,7 @@ _COMMUNICATING = frozenset(
 )
 
 
-def _communicating(name: str, opts: tuple[tuple[str, Any], ...], apply: Any) -> Collective:
+def _communicating(name: str, opts: Options, apply: TransformApplyFn) -> Collective:
     return Collective(
         name=name,
         options=opts,
@@ -54,7 +55,7 @@ def gather() -> Collective:
     tensor([1.])
     """
 
-    def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
+    def apply(ctx: DistContext, tree: object, call: CallInfo) -> tuple[object, CallInfo]:
         if call.shapes is None:
             return ops.gather(ctx, tree), call
         leaves = tree_leaves(tree)
@@ -74,7 +75,7 @@ def reduce(reduction: ops.Reduction = "mean", scale: float = 1.0) -> Collective:
     """`fnaccel.ops.reduce` as a transform: ``fa.reduce("sum")``."""
     ops.check_reduction(reduction)
 
-    def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
+    def apply(ctx: DistContext, tree: object, call: CallInfo) -> tuple[object, CallInfo]:
         return ops.reduce(ctx, tree, reduction, scale), call
 
     opts = options(reduction=reduction) + (options(scale=scale) if scale != 1.0 else ())
@@ -84,7 +85,7 @@ def reduce(reduction: ops.Reduction = "mean", scale: float = 1.0) -> Collective:
 def broadcast(from_process: int = 0) -> Collective:
     """`fnaccel.ops.broadcast` as a transform: ``fa.broadcast(0)``."""
 
-    def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
+    def apply(ctx: DistContext, tree: object, call: CallInfo) -> tuple[object, CallInfo]:
         return ops.broadcast(ctx, tree, from_process), call
 
     return _communicating("broadcast", options(from_process=from_process), apply)
@@ -93,8 +94,9 @@ def broadcast(from_process: int = 0) -> Collective:
 def broadcast_object_list(from_process: int = 0) -> Collective:
     """`fnaccel.ops.broadcast_object_list` as a transform."""
 
-    def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
-        return ops.broadcast_object_list(ctx, tree, from_process), call
+    def apply(ctx: DistContext, tree: object, call: CallInfo) -> tuple[object, CallInfo]:
+        # a tree that is not a list is refused inside, on every rank together
+        return ops.broadcast_object_list(ctx, cast(Sequence[object], tree), from_process), call
 
     return _communicating("broadcast_object_list", options(from_process=from_process), apply)
 
@@ -102,8 +104,8 @@ def broadcast_object_list(from_process: int = 0) -> Collective:
 def gather_object() -> Collective:
     """`fnaccel.ops.gather_object` as a transform."""
 
-    def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
-        return ops.gather_object(ctx, tree), call
+    def apply(ctx: DistContext, tree: object, call: CallInfo) -> tuple[object, CallInfo]:
+        return ops.gather_object(ctx, cast(Sequence[object], tree)), call  # (as above)
 
     return _communicating("gather_object", (), apply)
 
@@ -112,7 +114,7 @@ def gather_for_metrics(use_gather_object: bool = False) -> Collective:
     """`fnaccel.ops.gather_for_metrics` as a transform; ``num_valid`` is given per call:
     ``collect(state, outputs, num_valid=n)``."""
 
-    def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
+    def apply(ctx: DistContext, tree: object, call: CallInfo) -> tuple[object, CallInfo]:
         out = _gather_for_metrics(ctx, tree, use_gather_object, num_valid=call.num_valid)
         return out, call
 
@@ -128,7 +130,7 @@ def pad_across_processes(dim: int = 0, pad_index: int = 0, pad_first: bool = Fal
     pad_across_processes(dim=1, pad_index=-100)
     """
 
-    def apply(ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]:
+    def apply(ctx: DistContext, tree: object, call: CallInfo) -> tuple[object, CallInfo]:
         padded, table = ops.pad_with_table(ctx, tree, dim, pad_index, pad_first)
         return padded, dataclasses.replace(call, shapes=table)
 

@@ -335,7 +335,7 @@ def deepspeed(**settings: Any) -> EngineTransform:
         for f in fields(plugin)
         if getattr(plugin, f.name) != getattr(defaults, f.name)
     }
-    if isinstance(shown.get("hf_ds_config"), dict):
+    if isinstance(shown.get("hf_ds_config"), Mapping):
         shown["hf_ds_config"] = "{...}"
     return EngineTransform(
         name="deepspeed",

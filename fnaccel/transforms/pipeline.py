@@ -57,7 +57,7 @@ class CallInfo:
 class TransformApplyFn(Protocol):
     """``Collective.apply``: a collective step on a tree (the tree is the user's: any nesting)."""
 
-    def __call__(self, ctx: DistContext, tree: Any, call: CallInfo) -> tuple[Any, CallInfo]: ...
+    def __call__(self, ctx: DistContext, tree: object, call: CallInfo) -> tuple[object, CallInfo]: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,8 +163,8 @@ class Pipeline:
         )
 
     def init(
-        self, ctx: RunState | DistContext, existing: Mapping[str, Any] = MappingProxyType({})
-    ) -> Mapping[str, Any]:
+        self, ctx: RunState | DistContext, existing: Mapping[str, object] = MappingProxyType({})
+    ) -> Mapping[str, object]:
         """Each stateful transform's state, keyed by its name: ``existing``'s where it
         has one (a state prepared in parts keeps its scaler), a new one otherwise."""
         dist_ctx = as_dist(ctx)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fnaccel.checks import is_int, require_bools
 from fnaccel.transforms.plugins.sections import refuse
+
+if TYPE_CHECKING:
+    from fnaccel.transforms.kinds import StepTransform
 
 __all__ = ["GradientAccumulationPlugin"]
 
@@ -50,7 +53,7 @@ class GradientAccumulationPlugin:
                 "num_steps batches across epoch ends; pick num_steps dividing an epoch",
             )
 
-    def transform(self) -> Any:
+    def transform(self) -> StepTransform:
         """The `fa.accumulate` transform these settings describe."""
         from fnaccel.transforms.accumulate import accumulate
 

@@ -16,14 +16,19 @@ import contextlib
 import copy
 import json
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fnaccel._errors import ConfigError
 from fnaccel.checks import config_bool, require_bools, require_count, require_number
 from fnaccel.config.launch import read_config_bytes
+
+if TYPE_CHECKING:
+    from fnaccel.state import RunState
+    from fnaccel.transforms.kinds import EngineTransform
 
 __all__ = ["DeepSpeedPlugin", "EngineSettings", "resolve_ds_config"]
 
@@ -88,7 +93,7 @@ class DeepSpeedPlugin:
     fnaccel._errors.ConfigError: DeepSpeedPlugin: zero_stage must be 0, 1, 2 or 3, got 4
     """
 
-    hf_ds_config: Any = None
+    hf_ds_config: str | Path | Mapping[str, object] | None = None
     gradient_accumulation_steps: int | None = None
     gradient_clipping: float | None = None
     zero_stage: int | None = None
@@ -103,7 +108,7 @@ class DeepSpeedPlugin:
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
-        if self.hf_ds_config is not None and not isinstance(self.hf_ds_config, (str, Path, dict)):
+        if self.hf_ds_config is not None and not isinstance(self.hf_ds_config, (str, Path, Mapping)):
             raise ConfigError(
                 f"{owner}: hf_ds_config must be a path to a JSON file or a dict, "
                 f"got {type(self.hf_ds_config).__name__}"
@@ -261,7 +266,7 @@ class DeepSpeedPlugin:
             config["gradient_clipping"] = self.gradient_clipping
         return config
 
-    def zero3_init_context_manager(self, state: Any) -> Any:
+    def zero3_init_context_manager(self, state: RunState) -> AbstractContextManager[object]:
         """Accelerate's method: a context in which modules are built with their parameters
         already partitioned over ``state``'s processes (``deepspeed.zero.Init``), for
         models too large for one process; a no-op context unless ``zero3_init_flag``.
@@ -278,7 +283,7 @@ class DeepSpeedPlugin:
 
         return zero_init(self, state)
 
-    def transform(self) -> Any:
+    def transform(self) -> EngineTransform:
         """`fa.deepspeed` with these settings.
 
         >>> DeepSpeedPlugin(zero_stage=1).transform()
@@ -296,7 +301,7 @@ class DeepSpeedPlugin:
         )
 
 
-def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+def load_ds_config(config: str | Path | Mapping[str, object]) -> dict[str, Any]:
     """A DeepSpeed JSON config (a path or a mapping) as a fresh dict, checked to be an object."""
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
@@ -335,7 +340,7 @@ class EngineSettings:
     hidden_size: int | None = None
 
 
-def _fill(config: dict[str, Any], key: str, value: Any, ours: str, where: str) -> None:
+def _fill(config: dict[str, object], key: str, value: float | None, ours: str, where: str) -> None:
     """Put ``value`` (what the run says, None if it says nothing) under ``key``: an ``"auto"``
     or absent entry takes it; a number that disagrees is refused."""
     current = config.get(key, "auto")
@@ -451,7 +456,7 @@ def resolve_ds_config(
     return config
 
 
-def _first_auto(tree: Any, prefix: str = "") -> str | None:
+def _first_auto(tree: object, prefix: str = "") -> str | None:
     if isinstance(tree, dict):
         for key, value in tree.items():
             found = _first_auto(value, f"{prefix}{key}.")

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fnaccel._errors import ConfigError
 from fnaccel.checks import config_bool, config_choice, require_bools
 from fnaccel.constants import DynamoBackend
 from fnaccel.kwargs.mixin import KwargsHandler
 from fnaccel.transforms.plugins.sections import refuse, section_record
+
+if TYPE_CHECKING:
+    from fnaccel.transforms.kinds import Transform
 
 __all__ = ["TorchDynamoPlugin"]
 
@@ -109,7 +112,7 @@ class TorchDynamoPlugin(KwargsHandler):
                 kwargs["backend"] = backend
         return kwargs
 
-    def transform(self) -> Any:
+    def transform(self) -> Transform | None:
         """The `fa.compile` transform, or None when the backend is NO or ``disable`` is set."""
         from fnaccel.transforms.compile import compile
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fnaccel._errors import ConfigError
 from fnaccel.checks import config_bool, config_choice, config_int, config_names, is_int, require_bools
 from fnaccel.transforms.plugins.sections import refuse, section_record
+
+if TYPE_CHECKING:
+    from fnaccel.transforms.kinds import ParallelismTransform, Transform
 
 __all__ = ["FullyShardedDataParallelPlugin"]
 
@@ -228,7 +231,7 @@ class FullyShardedDataParallelPlugin:
                 "true is not supported: explicit forward prefetching is not built",
             )
 
-    def transform(self) -> Any:
+    def transform(self) -> ParallelismTransform:
         """The `fa.fsdp` transform these settings describe."""
         from fnaccel.transforms.parallel import fsdp
 
@@ -246,7 +249,7 @@ class FullyShardedDataParallelPlugin:
             sync_module_states=self.sync_module_states,
         )
 
-    def checkpointing(self) -> Any:
+    def checkpointing(self) -> Transform | None:
         """The `fa.checkpoint_activations` transform ``activation_checkpointing`` asks for, or None."""
         from fnaccel.transforms.checkpointing import checkpoint_activations
 

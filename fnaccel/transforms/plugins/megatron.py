@@ -8,8 +8,9 @@ only). DeepSpeed, the engine fnaccel does drive, is `fnaccel.transforms.plugins.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import NoReturn
 
 from fnaccel._errors import ConfigError
 from fnaccel.checks import require_bools, require_count, require_number
@@ -48,8 +49,8 @@ class MegatronLMPlugin:
     lr_warmup_fraction: float | None = None
     min_lr: float = 0
     consumed_samples: list[int] | None = None
-    no_wd_decay_cond: Any = None
-    scale_lr_cond: Any = None
+    no_wd_decay_cond: Callable[..., bool] | None = None
+    scale_lr_cond: Callable[..., bool] | None = None
     lr_mult: float = 1.0
     megatron_dataset_flag: bool = False
     seq_length: int | None = None
@@ -60,11 +61,11 @@ class MegatronLMPlugin:
     eval_iters: int = 100
     eval_interval: int = 1000
     return_logits: bool = False
-    custom_train_step_class: Any = None
-    custom_train_step_kwargs: Any = None
-    custom_model_provider_function: Any = None
-    custom_prepare_model_function: Any = None
-    other_megatron_args: Any = None
+    custom_train_step_class: type | None = None
+    custom_train_step_kwargs: Mapping[str, object] | None = None
+    custom_model_provider_function: Callable[..., object] | None = None
+    custom_prepare_model_function: Callable[..., object] | None = None
+    other_megatron_args: Mapping[str, object] | None = None
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -116,7 +117,7 @@ class MegatronLMPlugin:
         if (self.pp_degree or 1) > 1 and self.num_micro_batches is None:
             raise ConfigError(f"{owner}: pp_degree {self.pp_degree} needs num_micro_batches")
 
-    def transform(self) -> Any:
+    def transform(self) -> NoReturn:
         """Always raises: Megatron-LM's engine is for CUDA GPUs only.
 
         Measured on megatron-core 0.16 (its process groups do start on gloo):
