@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -110,7 +110,7 @@ def scheduler_steps(ctx: DistContext, loader: object, kwargs_handlers: Mapping[s
     return 1 if data_config is not None and data_config.split_batches else data_parallel(ctx)[1]
 
 
-def default_loss_fn(model: nn.Module, batch: object) -> Any:
+def default_loss_fn(model: nn.Module, batch: object) -> torch.Tensor:
     """The model called on the batch (``model(**batch)`` for a mapping,
     ``model(*batch)`` for a tuple or list); its output if that is a scalar
     tensor, else its ``loss`` (attribute or key)."""
@@ -123,10 +123,10 @@ def default_loss_fn(model: nn.Module, batch: object) -> Any:
     if isinstance(out, torch.Tensor) and out.ndim == 0:
         return out
     loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
-    if loss is None:
+    if not isinstance(loss, torch.Tensor):
         raise TypeError(
             f"fa.step: the model returned a {type(out).__name__} that is neither a scalar "
-            "loss nor has a .loss; pass loss_fn=lambda model, batch: ... to fa.prepare"
+            "loss nor has a .loss tensor; pass loss_fn=lambda model, batch: ... to fa.prepare"
         )
     return loss
 
@@ -247,7 +247,7 @@ def _require(state: RunState, action: str) -> tuple[nn.Module, torch.optim.Optim
     return state.model, state.optimizer, plan
 
 
-def _backward(plan: StepPlan, loss: torch.Tensor, aux: Any) -> dict[str, Any] | None:
+def _backward(plan: StepPlan, loss: torch.Tensor, aux: object) -> dict[str, torch.Tensor] | None:
     """Backward as the plan says; the metrics an after_backward hook reports, if any."""
     if plan.plain_backward:  # nothing to divide, scale or call after: PyTorch's backward alone
         loss.backward(inputs=plan.backward_inputs)
@@ -272,14 +272,14 @@ def _update(
     optimizer: torch.optim.Optimizer,
     plan: StepPlan,
     position: DataPosition,
-) -> dict[str, Any]:
+) -> dict[str, torch.Tensor | float]:
     if plan.plain_update:  # no hook can skip the update or add metrics
         optimizer.step()
         lr = optimizer.param_groups[0]["lr"]  # the rate this update used
         if state.scheduler is not None:
             _step_scheduler(state.scheduler, plan.scheduler_steps)
         return {"lr": lr}
-    metrics: dict[str, Any] = {}
+    metrics: dict[str, torch.Tensor] = {}
     for before_update, transform_state in plan.before_update:
         metrics.update(before_update(model, optimizer, transform_state))
     if plan.optimizer_step is not None:  # it skips a non-finite update itself (the fp16 scaler)
@@ -295,13 +295,13 @@ def _update(
         skip = skipped is not None and bool(skipped)
     if plan.optimizer_step is None and not skip:
         optimizer.step()
-    metrics["lr"] = optimizer.param_groups[0]["lr"]  # the rate this update used
+    lr = optimizer.param_groups[0]["lr"]  # the rate this update used
     if state.scheduler is not None and not skip:
         _step_scheduler(state.scheduler, plan.scheduler_steps)
-    return metrics
+    return {**metrics, "lr": lr}
 
 
-def _step_scheduler(scheduler: Any, steps: int) -> None:
+def _step_scheduler(scheduler: _Scheduler, steps: int) -> None:
     if steps == 1:
         scheduler.step()
         return
@@ -314,6 +314,14 @@ def _step_scheduler(scheduler: Any, steps: int) -> None:
         if total is not None and scheduler.last_epoch >= total:
             return
         scheduler.step()
+
+
+class _Scheduler(Protocol):
+    """What a step asks of the run's scheduler (torch's `LRScheduler`, or one like it)."""
+
+    last_epoch: int
+
+    def step(self) -> object: ...
 
 
 def _start_window(state: RunState, optimizer: torch.optim.Optimizer, plan: StepPlan) -> None:
@@ -430,7 +438,7 @@ def step(state: RunState, batch: Any) -> tuple[RunState, dict[str, Any]]:
     return new, metrics
 
 
-def backward(state: RunState, loss: torch.Tensor, aux: Any = None) -> RunState:
+def backward(state: RunState, loss: torch.Tensor, aux: object = None) -> RunState:
     """Consumes ``state``: backward of ``loss`` as `fa.step` does it (accumulation
     scaling, fp16 loss scaling), counted as one micro-step. ``aux`` is what
     the loss function returned beside the loss (``{"num_items": n}`` under

@@ -28,7 +28,7 @@ Loss normalisation is explicit:
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ class ItemCount:
         self.total: torch.Tensor | None = None
         self.loss_sum: torch.Tensor | None = None
 
-    def add(self, loss: torch.Tensor, aux: Any) -> dict[str, torch.Tensor]:
+    def add(self, loss: torch.Tensor, aux: object) -> dict[str, torch.Tensor]:
         """Count a micro-step's items and loss; the window's metrics so far."""
         count = aux.get("num_items") if isinstance(aux, dict) else None
         if count is None:

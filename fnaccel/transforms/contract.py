@@ -146,7 +146,7 @@ class EngineRequest:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     micro_batch_size: int | None
-    state: Any
+    state: object
 
 
 class PrepareCheckFn(Protocol):
@@ -171,7 +171,7 @@ class TransformInitFn(Protocol):
     closed by `fa.shutdown`.
     """
 
-    def __call__(self, ctx: DistContext, /) -> Any: ...
+    def __call__(self, ctx: DistContext, /) -> object: ...
 
 
 class PrepareModelFn(Protocol):
@@ -209,7 +209,7 @@ class AfterBackwardFn(Protocol):
     None adds nothing.
     """
 
-    def __call__(self, loss: torch.Tensor, aux: Any, state: Any, /) -> dict[str, torch.Tensor] | None: ...
+    def __call__(self, loss: torch.Tensor, aux: object, state: Any, /) -> dict[str, torch.Tensor] | None: ...
 
 
 class BeforeUpdateFn(Protocol):
@@ -274,7 +274,7 @@ class SplitBatchFn(Protocol):
     sequence-parallel group read one batch and each computes on its part.
     """
 
-    def __call__(self, batch: Any, state: Any, /) -> Any: ...
+    def __call__(self, batch: object, state: Any, /) -> object: ...
 
 
 class ForwardBackwardFn(Protocol):
@@ -286,8 +286,8 @@ class ForwardBackwardFn(Protocol):
     """
 
     def __call__(
-        self, model: nn.Module, batch: Any, divisor: int | None, state: Any, /
-    ) -> tuple[torch.Tensor, Any]: ...
+        self, model: nn.Module, batch: object, divisor: int | None, state: Any, /
+    ) -> tuple[torch.Tensor, object]: ...
 
 
 class PrepareEngineFn(Protocol):

@@ -226,7 +226,8 @@ def _prepare_engine(
             "fa.prepare: fa.deepspeed() builds its engine from the model and the optimizer "
             "together; pass both in the same fa.prepare call"
         )
-    state: DeepSpeedState = request.state
+    state = request.state
+    assert isinstance(state, DeepSpeedState), "fa.prepare hands the engine its own state"
     if state.engine is not None:
         raise ValueError(
             "fa.prepare: this fa.deepspeed() already holds an engine; each model gets its own "
