@@ -1,5 +1,5 @@
-"""The life of an ``fnaccel launch`` once its command line is resolved: from the
-launcher's first signal handler to the line that says what ended the run.
+"""The life of an ``fnaccel launch`` once its command line is resolved: from taking over
+the signals to the line that says what ended the run.
 
 `fnaccel.commands.launch` turns the flags into torchrun's arguments and the
 workers' environment; `supervise` runs torchrun's agent on them in this
