@@ -251,9 +251,10 @@ def _check_offloaded(
     ):
         full = prefix + name
         if full in weights.state_dict:
-            shape = list(weights.state_dict[full].shape)
-        elif full in weights.index:
-            shape = list(weights.index[full].get("shape", list(tensor.shape)))
+            shape: object = list(weights.state_dict[full].shape)
+        elif full in weights.index:  # a JSON value: anything but a list is a mismatch too
+            saved = weights.index[full].get("shape", list(tensor.shape))
+            shape = list(saved) if isinstance(saved, (list, tuple)) else saved
         else:
             where = weights.save_folder or "the offload index"
             raise ValueError(

@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -40,6 +40,7 @@ from fnaccel.checkpoint.storage.weightfiles import (
 )
 from fnaccel.modeling.device_map import check_device_map
 from fnaccel.modeling.offload import (
+    OffloadIndex,
     index_tied_names,
     load_offloaded_weights,
     offload_weight,
@@ -218,7 +219,7 @@ def load_checkpoint_in_model(
     keep_fp32 = tuple(name.split(".") for name in keep_in_fp32_modules or ())
     files, result = _check_fit(module, targets, Path(checkpoint), strict)
     tied = find_tied_parameters(module)
-    folders: dict[str, tuple[Path, dict[str, Any]]] = {}  # "disk" and, when parking, "cpu"
+    folders: dict[str, tuple[Path, OffloadIndex]] = {}  # "disk" and, when parking, "cpu"
     if to_disk:
         folders["disk"] = (Path(str(offload_folder)), {})
     with ExitStack() as stack:
@@ -323,7 +324,7 @@ def _file_tensors(
     for name in names:
         by_stored.setdefault(aliases.get(name, name), []).append(name)
     stack = ExitStack()
-    handle: Any = None
+    handle: safe_open | None = None
     mapped = 0
     try:
         for stored, stored_as in by_stored.items():
@@ -331,7 +332,7 @@ def _file_tensors(
                 stack.close()
                 handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
                 mapped = 0
-            tensor = handle.get_tensor(stored)
+            tensor: torch.Tensor = handle.get_tensor(stored)
             mapped += tensor.numel() * tensor.element_size()
             for name in stored_as:
                 yield name, tensor

@@ -34,7 +34,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 from safetensors import safe_open
@@ -43,6 +43,7 @@ from torch import nn
 from fnaccel._errors import CheckpointError
 from fnaccel.atomic import replace_atomically
 from fnaccel.checkpoint.storage.files import untie
+from fnaccel.checks import is_int
 from fnaccel.modeling.sizes import as_torch_dtype
 from fnaccel.modeling.tensors import DeviceLike, as_device, owner_of, set_module_tensor_to_device
 from fnaccel.modeling.tied import find_tied_parameters, retie_parameters
@@ -64,11 +65,27 @@ INDEX_NAME = "index.json"
 PathLike = str | os.PathLike[str]
 
 
+class OffloadEntry(TypedDict, total=False):
+    """One tensor's entry in an offload folder's ``index.json`` (Accelerate's keys).
+
+    An index read back is a mapping of plain JSON values: each value is checked
+    where it is used.
+    """
+
+    dtype: str
+    shape: list[int]
+    weight_name: str  # the name its data was written under (a tied partner's)
+    safetensors_file: str  # served from this safetensors file instead of a .dat
+
+
+OffloadIndex = dict[str, OffloadEntry]
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _parse_dtype(name: Any, where: str) -> torch.dtype:
+def _parse_dtype(name: object, where: str) -> torch.dtype:
     dtype = as_torch_dtype(name) if isinstance(name, str) else None
     if dtype is None:
         raise CheckpointError(f"{where}: {name!r} is not a torch dtype name such as 'float32' or 'bfloat16'")
@@ -87,8 +104,8 @@ def offload_weight(
     weight: torch.Tensor,
     weight_name: str,
     offload_folder: PathLike,
-    index: dict[str, Any] | None = None,
-) -> dict[str, Any] | None:
+    index: OffloadIndex | None = None,
+) -> OffloadIndex | None:
     """Write ``weight`` to ``<offload_folder>/<weight_name>.dat`` and note it in ``index``.
 
     Args:
@@ -121,7 +138,7 @@ def offload_weight(
     return index
 
 
-def load_offloaded_weight(weight_file: PathLike, weight_info: Mapping[str, Any]) -> torch.Tensor:
+def load_offloaded_weight(weight_file: PathLike, weight_info: Mapping[str, object]) -> torch.Tensor:
     """The tensor in ``weight_file`` (written by `offload_weight`), memory-mapped.
 
     Nothing is read until the tensor is used; writing to it does not change
@@ -142,7 +159,13 @@ def load_offloaded_weight(weight_file: PathLike, weight_info: Mapping[str, Any])
     """
     path = Path(weight_file)
     dtype = _parse_dtype(weight_info.get("dtype"), str(path))
-    shape = tuple(int(n) for n in weight_info.get("shape", ()))
+    saved_shape = weight_info.get("shape", ())
+    if not isinstance(saved_shape, (list, tuple)) or not all(is_int(n) and n >= 0 for n in saved_shape):
+        raise CheckpointError(
+            f"{path}: its index entry's shape must be a list of sizes, got {saved_shape!r:.80}; "
+            "offload the weights again"
+        )
+    shape = tuple(int(n) for n in saved_shape)
     numel = math.prod(shape)
     try:
         size = path.stat().st_size
@@ -158,7 +181,7 @@ def load_offloaded_weight(weight_file: PathLike, weight_info: Mapping[str, Any])
     return torch.from_file(str(path), shared=False, size=numel, dtype=dtype).view(shape)
 
 
-def read_offload_index(offload_folder: PathLike) -> dict[str, Any]:
+def read_offload_index(offload_folder: PathLike) -> dict[str, dict[str, object]]:
     """The ``index.json`` of an offload folder ({} where there is none)."""
     path = Path(offload_folder) / INDEX_NAME
     if not path.is_file():
@@ -172,7 +195,7 @@ def read_offload_index(offload_folder: PathLike) -> dict[str, Any]:
     return index
 
 
-def save_offload_index(index: Mapping[str, Any] | None, offload_folder: PathLike) -> None:
+def save_offload_index(index: Mapping[str, Mapping[str, object]] | None, offload_folder: PathLike) -> None:
     """Merge ``index`` into ``<offload_folder>/index.json`` (written whole, then renamed into place)."""
     if not index:
         return
@@ -194,7 +217,7 @@ def offload_state_dict(save_dir: PathLike, state_dict: Mapping[str, torch.Tensor
     ...     sorted(os.listdir(folder))
     ['bias.dat', 'index.json', 'weight.dat']
     """
-    index: dict[str, Any] = {}
+    index: OffloadIndex = {}
     kept, aliases = untie(state_dict)
     for name, tensor in kept.items():
         offload_weight(tensor, name, save_dir, index=index)
@@ -227,7 +250,7 @@ class OffloadedWeightsLoader(Mapping[str, torch.Tensor]):
         self,
         state_dict: Mapping[str, torch.Tensor] | None = None,
         save_folder: PathLike | None = None,
-        index: Mapping[str, Any] | None = None,
+        index: Mapping[str, Mapping[str, object]] | None = None,
         device: DeviceLike | None = None,
     ) -> None:
         if state_dict is None and save_folder is None and index is None:
@@ -238,7 +261,7 @@ class OffloadedWeightsLoader(Mapping[str, torch.Tensor]):
         self.save_folder = None if save_folder is None else Path(save_folder)
         if index is None and self.save_folder is not None:
             index = read_offload_index(self.save_folder)
-        self.index: Mapping[str, Any] = {} if index is None else index
+        self.index: Mapping[str, Mapping[str, object]] = {} if index is None else index
         self.all_keys = (*self.state_dict, *(key for key in self.index if key not in self.state_dict))
         self.device = None if device is None else as_device(device)
 
@@ -246,14 +269,15 @@ class OffloadedWeightsLoader(Mapping[str, torch.Tensor]):
         if key in self.state_dict:
             return self.state_dict[key]
         info = self.index[key]
-        stored = info.get("weight_name", key)
-        if info.get("safetensors_file") is not None:
-            with safe_open(
-                info["safetensors_file"], framework="pt", device=str(self.device or "cpu")
-            ) as handle:
+        stored = _entry_text(info, "weight_name")
+        if stored is None:
+            stored = key
+        file = _entry_text(info, "safetensors_file")
+        if file is not None:
+            with safe_open(file, framework="pt", device=str(self.device or "cpu")) as handle:
                 tensor: torch.Tensor = handle.get_tensor(stored)
             if "dtype" in info:
-                tensor = tensor.to(_parse_dtype(info["dtype"], info["safetensors_file"]))
+                tensor = tensor.to(_parse_dtype(info["dtype"], file))
         elif self.save_folder is None:
             raise ValueError(f"{key!r} is offloaded to a .dat file, but this loader was given no save_folder")
         else:
@@ -268,6 +292,13 @@ class OffloadedWeightsLoader(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.all_keys)
+
+
+def _entry_text(info: Mapping[str, object], field: str) -> str | None:
+    value = info.get(field)
+    if value is not None and not isinstance(value, str):
+        raise CheckpointError(f"an offload index entry's {field} must be a string, got {value!r:.80}")
+    return value
 
 
 class PrefixedDataset(Mapping[str, torch.Tensor]):
@@ -307,7 +338,7 @@ def extract_submodules_state_dict(
 
 
 def load_offloaded_weights(
-    model: nn.Module, index: Mapping[str, Any] | None, offload_folder: PathLike
+    model: nn.Module, index: Mapping[str, Mapping[str, object]] | None, offload_folder: PathLike
 ) -> None:
     """Load the weights offloaded in ``offload_folder`` back into ``model``, on the CPU.
 
@@ -337,7 +368,7 @@ def load_offloaded_weights(
     weights = OffloadedWeightsLoader(save_folder=offload_folder, index=index)
     read: dict[tuple[str, str], torch.Tensor] = {}
     for name, info in index.items():
-        key = (str(info.get("safetensors_file")), info.get("weight_name", name))
+        key = (str(info.get("safetensors_file")), str(info.get("weight_name", name)))
         if key not in read:
             read[key] = weights[name].clone()
         set_module_tensor_to_device(model, name, "cpu", value=read[key])
@@ -345,7 +376,7 @@ def load_offloaded_weights(
 
 
 def index_tied_names(
-    model: nn.Module, tied: Sequence[Sequence[str]], offloaded: set[str], folder: Path, index: dict[str, Any]
+    model: nn.Module, tied: Sequence[Sequence[str]], offloaded: set[str], folder: Path, index: OffloadIndex
 ) -> None:
     """Give each offloaded name of a tied group an ``index`` entry: the file its
     group was written to, or, where none was, a file written from a partner in memory."""

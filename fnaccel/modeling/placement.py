@@ -8,7 +8,8 @@ declares its checkpoint layout).
 from __future__ import annotations
 
 import sys
-from typing import Any
+
+from torch import nn
 
 from fnaccel.checkpoint.storage.parts import unwrap_model
 from fnaccel.transforms.pipelining import PipelinedModel
@@ -16,7 +17,7 @@ from fnaccel.transforms.pipelining import PipelinedModel
 __all__ = ["is_pipelined", "is_sharded"]
 
 
-def is_sharded(model: Any) -> bool:
+def is_sharded(model: object) -> bool:
     """True for a model whose parameters are sharded over the ranks (DTensors, as `fsdp()`
     leaves them, or pipeline stages, as `pp()` does), compiled or wrapped or not.
 
@@ -27,12 +28,12 @@ def is_sharded(model: Any) -> bool:
     if is_pipelined(model):
         return True
     dtensor = sys.modules.get("torch.distributed.tensor")  # never imported: no DTensor exists
-    if model is None or dtensor is None:
+    if not isinstance(model, nn.Module) or dtensor is None:
         return False
     return any(isinstance(p, dtensor.DTensor) for p in unwrap_model(model).parameters())
 
 
-def is_pipelined(model: Any) -> bool:
+def is_pipelined(model: object) -> bool:
     """True for a model split into pipeline stages over several processes by `pp()`
     (this rank's stages only; in a world of one it holds the whole model).
 
@@ -40,5 +41,5 @@ def is_pipelined(model: Any) -> bool:
     >>> is_pipelined(torch.nn.Linear(2, 2))
     False
     """
-    inner = None if model is None else unwrap_model(model)
+    inner = unwrap_model(model) if isinstance(model, nn.Module) else None
     return isinstance(inner, PipelinedModel) and inner.group is not None

@@ -14,8 +14,7 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any
+from types import MappingProxyType, ModuleType
 
 import torch
 from torch import nn
@@ -163,7 +162,7 @@ def _target_device(
     model: nn.Module,
     config: BnbQuantizationConfig,
     keep: Sequence[str],
-    device_map: Any,
+    device_map: Mapping[str, int | str | torch.device] | str | None,
     no_split_module_classes: Sequence[str] | None,
     max_memory: Mapping[int | str, int | str] | None,
 ) -> int | None:
@@ -237,7 +236,7 @@ def _load_weights(model: nn.Module, weights_location: str | os.PathLike[str]) ->
 
 
 def _replace_linear_layers(
-    model: nn.Module, config: BnbQuantizationConfig, keep: Sequence[str], bnb_nn: Any
+    model: nn.Module, config: BnbQuantizationConfig, keep: Sequence[str], bnb_nn: ModuleType
 ) -> int:
     """Swap every ``nn.Linear`` outside ``keep`` for its bitsandbytes layer; return how many."""
     swapped = 0

@@ -44,6 +44,7 @@ from fnaccel.modeling.placement import is_pipelined, is_sharded
 from fnaccel.ops.collectives import broadcast_object_list
 from fnaccel.transforms.deepspeed import gathered_parameters
 from fnaccel.transforms.parallel import unwrap_model
+from fnaccel.transforms.pipelining import PipelinedModel
 
 if TYPE_CHECKING:
     from fnaccel.state import RunState
@@ -69,6 +70,7 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     module = unwrap_model(model)
     if is_pipelined(module):  # a pp() stage: every rank's stages, gathered on the first
+        assert isinstance(module, PipelinedModel)  # unwrapped above: what is_pipelined found
         return _gathered_stages(module)
     if is_sharded(module):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -90,17 +92,20 @@ def consolidated_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return retie(kept, aliases)
 
 
-def _gathered_stages(module: Any) -> dict[str, torch.Tensor]:
+def _gathered_stages(module: PipelinedModel) -> dict[str, torch.Tensor]:
     """The weights of every stage of a `pp()` model on its group's first rank ({} on the
     others); tied weights cannot span stages (`pp` refuses them), so none are untied."""
     own = {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}
     group = module.group
+    assert group is not None, "is_pipelined: a model split over processes"
     first = dist.get_global_rank(group, 0)
-    parts: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    parts: list[dict[str, torch.Tensor] | None] | None = (
+        [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    )
     dist.gather_object(own, parts, dst=first, group=group)  # in memory, between this run's processes
     if parts is None:
         return {}
-    return {name: tensor for part in parts for name, tensor in part.items()}
+    return {name: tensor for part in parts if part is not None for name, tensor in part.items()}
 
 
 def save_model(
@@ -226,7 +231,7 @@ def write_configs(module: nn.Module, path: Path) -> list[str]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _is_config(value: Any) -> bool:
+def _is_config(value: object) -> bool:
     return value is not None and any(
         callable(getattr(value, method, None)) for method in ("save_pretrained", "to_json_string")
     )

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from numbers import Real
 from pathlib import Path
 from types import MappingProxyType
-from typing import IO, Any, Protocol, runtime_checkable
+from typing import IO, TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -24,6 +24,9 @@ from fnaccel.tracking.hosted import (
     WandBTracker,
 )
 from fnaccel.tracking.stores import AimTracker, DVCLiveTracker, MLflowTracker
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 __all__ = ["GeneralTracker", "JSONLTracker", "TensorBoardTracker", "resolve_trackers"]
 
@@ -181,7 +184,7 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-def _summary_writer_class() -> Any:
+def _summary_writer_class() -> type[SummaryWriter]:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -226,13 +229,17 @@ def _tensorboard_installed() -> bool:
 
 
 def resolve_trackers(
-    log_with: Any, registered: Mapping[str, type] = MappingProxyType({})
+    log_with: object, registered: Mapping[str, type] = MappingProxyType({})
 ) -> list[str | GeneralTracker]:
     """Tracker names (built in, or ``registered`` with `register_tracker`) and tracker
     objects, checked on every rank alike."""
-    single = isinstance(log_with, (str, GeneralTracker)) or not isinstance(log_with, Iterable)
+    items: Iterable[object]
+    if isinstance(log_with, (str, GeneralTracker)) or not isinstance(log_with, Iterable):
+        items = [log_with]
+    else:
+        items = log_with
     chosen: list[str | GeneralTracker] = []
-    for item in [log_with] if single else log_with:
+    for item in items:
         found: list[str | GeneralTracker]
         if isinstance(item, str):
             found = [item] if item in registered else list(_built_in_names(item))

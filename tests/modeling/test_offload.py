@@ -99,6 +99,16 @@ def test_truncated_and_missing_files_name_the_file(tmp_path: Path) -> None:
         read_offload_index(tmp_path)
 
 
+def test_index_entries_of_the_wrong_kind_are_refused_naming_the_field(tmp_path: Path) -> None:
+    """index.json is JSON read from disk: a shape that is not a list of sizes, or a file
+    name that is not a string, is refused by name (not an int() or safe_open() error)."""
+    offload_weight(torch.zeros(3), "w", tmp_path, index={})
+    with pytest.raises(fa.CheckpointError, match="shape must be a list of sizes, got 'abc'"):
+        load_offloaded_weight(tmp_path / "w.dat", {"dtype": "float32", "shape": "abc"})
+    with pytest.raises(fa.CheckpointError, match="safetensors_file must be a string, got 3"):
+        OffloadedWeightsLoader(index={"w": {"safetensors_file": 3}}, save_folder=tmp_path)["w"]
+
+
 def test_writes_leave_no_partial_files_and_meta_tensors_are_refused(tmp_path: Path) -> None:
     offload_state_dict(tmp_path / "new", nn.Linear(3, 2).state_dict())
     assert sorted(os.listdir(tmp_path / "new")) == ["bias.dat", "index.json", "weight.dat"]
