@@ -73,16 +73,20 @@ def exception_in_flight() -> bool:
     return sys.exc_info()[1] is not None or getattr(sys, "last_value", None) is not None
 
 
-class Resources:
-    """The live resources of one run, closed in reverse order of registration.
+class Resources(dict[str, Any]):  # values are `Resource`s; a reader knows which it asked for
+    """The live resources of one run by name, closed in reverse order of registration.
+
+    Read as a mapping: ``resources.get(name)`` is a dictionary lookup, which
+    every `fa.step` and `fa.save` makes. `register` adds one, closing the one
+    it replaces.
 
     >>> class File:
     ...     def __init__(self, name): self.name = name
     ...     def close(self): print("closed", self.name)
     >>> resources = Resources()
     >>> _ = resources.register("log", File("log"))
-    >>> resources.setdefault("saves", lambda: File("saves")).name
-    'saves'
+    >>> resources.get("saves") or resources.register("saves", File("saves"))  # doctest: +ELLIPSIS
+    <...File object at ...>
     >>> resources.close()
     closed saves
     closed log
@@ -90,36 +94,22 @@ class Resources:
     True
     """
 
-    __slots__ = ("_entries",)
-
-    def __init__(self) -> None:
-        self._entries: dict[str, Resource] = {}
+    __slots__ = ()
 
     def register(self, name: str, resource: R) -> R:
         """Hold ``resource`` under ``name``; one already there is closed and replaced."""
-        old = self._entries.pop(name, None)
+        old = self.pop(name, None)
         if old is not None and old is not resource:
             old.close()
-        self._entries[name] = resource
+        self[name] = resource
         return resource
-
-    def setdefault(self, name: str, factory: Callable[[], R]) -> R:
-        """The resource under ``name``, registering ``factory()`` first if there is none."""
-        found = self._entries.get(name)
-        if found is None:
-            found = self._entries[name] = factory()
-        return found  # type: ignore[return-value]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        """The resource registered under ``name``, else ``default``."""
-        return self._entries.get(name, default)
 
     def close(self) -> None:
         """Close every resource, last registered first; the first error is raised
         after all of them were closed."""
         error: BaseException | None = None
-        while self._entries:
-            _, resource = self._entries.popitem()
+        while self:
+            _, resource = self.popitem()
             try:
                 resource.close()
             except BaseException as exc:  # close the rest, then report the first
@@ -128,7 +118,7 @@ class Resources:
             raise error
 
     def __repr__(self) -> str:
-        return f"Resources({list(self._entries)})"
+        return f"Resources({list(self)})"
 
 
 def _record_failure() -> None:

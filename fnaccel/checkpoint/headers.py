@@ -37,9 +37,7 @@ MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on a header
 class TensorSpec:
     """One tensor of a safetensors file: its dtype, shape and byte range in the file."""
 
-    dtype: (
-        str  # torch's name ("float32"; `fnaccel.checkpoint.storage.files.torch_dtype` makes it a dtype)
-    )
+    dtype: str  # torch's name ("float32"; `fnaccel.checkpoint.storage.files.torch_dtype` makes it a dtype)
     shape: tuple[int, ...]
     begin: int
     end: int

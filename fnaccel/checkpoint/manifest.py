@@ -59,7 +59,6 @@ from fnaccel.checkpoint.storage.files import (
     read_verified,
     safe_relative,
 )
-from fnaccel.checks import is_int
 from fnaccel.constants import PrecisionType
 
 if TYPE_CHECKING:
@@ -101,7 +100,7 @@ def manifest_hash(manifest: dict[str, Any]) -> str:
 
 
 def _count(value: Any) -> bool:
-    return is_int(value) and value >= 0
+    return type(value) is int and value >= 0  # JSON's integers: a bool is not one
 
 
 def _files(value: Any) -> bool:
@@ -129,7 +128,7 @@ _FIELDS: Mapping[str, tuple[str, Callable[[Any], bool]]] = MappingProxyType(
         "step": ("an integer >= 0", _count),
         "micro_step": ("an integer >= 0", _count),
         "epoch": ("an integer >= 0", _count),
-        "seed": ("an integer or null", lambda v: v is None or is_int(v)),
+        "seed": ("an integer or null", lambda v: v is None or type(v) is int),
         "pipeline": ("a string", lambda v: isinstance(v, str)),
         "finite": ("true or false", lambda v: type(v) is bool),
         "tied": (

@@ -542,7 +542,7 @@ def autosave(state: RunState, policy: SavePolicy | AnySavePolicy) -> RunState:
 
 def _save_due(state: RunState, members: tuple[SavePolicy, ...]) -> None:
     """Save for each member due at this update boundary (agreeing first where needed)."""
-    book = state.resources.setdefault(_RESOURCE, Autosaves)
+    book: Autosaves = state.resources.get(_RESOURCE) or state.resources.register(_RESOURCE, Autosaves())
     now = _clock()
     ctx = state.dist
     verdicts: dict[SavePolicy, bool] = {}

@@ -26,7 +26,14 @@ from fnaccel.kwargs.mixin import KwargsHandler
 if TYPE_CHECKING:
     from fnaccel.state import RunState
 
-__all__ = ["ProjectConfiguration", "next_checkpoint", "project_of", "rotate"]
+__all__ = [
+    "DEFAULT_PROJECT",
+    "ProjectConfiguration",
+    "next_checkpoint",
+    "project_dir_of",
+    "project_of",
+    "rotate",
+]
 
 _NAMES = r"checkpoint_\d+"
 _NAME = re.compile(r"checkpoint_(\d+)")
@@ -103,10 +110,18 @@ def rotate(project_dir: Path, total_limit: int, newest: Path) -> None:
     remove_leftovers(root, _NAMES)
 
 
+DEFAULT_PROJECT = ProjectConfiguration()  # a run without the handler: built once, not at every save
+
+
+def project_dir_of(state: RunState, config: ProjectConfiguration) -> Path | None:
+    """The run's project directory, absolute: ``config``'s, else ``fa.init(project_dir=...)``'s."""
+    directory = config.project_dir or state.project_dir
+    return None if directory is None else Path(directory).absolute()
+
+
 def project_of(state: RunState) -> tuple[ProjectConfiguration, Path | None]:
     """A run's `ProjectConfiguration` (its kwargs handler, else the defaults) and its
-    project directory (the handler's, else ``fa.init(project_dir=...)``), absolute."""
-    config = state.kwargs_handlers.get("ProjectConfiguration") or ProjectConfiguration()
+    project directory (`project_dir_of`)."""
+    config = state.kwargs_handlers.get("ProjectConfiguration", DEFAULT_PROJECT)
     assert isinstance(config, ProjectConfiguration)
-    directory = config.project_dir or state.project_dir
-    return config, None if directory is None else Path(directory).absolute()
+    return config, project_dir_of(state, config)

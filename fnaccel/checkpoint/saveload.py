@@ -56,7 +56,13 @@ from fnaccel._errors import CheckpointError
 from fnaccel.calls import collective
 from fnaccel.checkpoint import extras as extras_codec
 from fnaccel.checkpoint.manifest import ResumeDriftWarning, read_manifest, resume_drift, target_problem
-from fnaccel.checkpoint.project import next_checkpoint, project_of, rotate
+from fnaccel.checkpoint.project import (
+    DEFAULT_PROJECT,
+    ProjectConfiguration,
+    next_checkpoint,
+    project_dir_of,
+    rotate,
+)
 from fnaccel.checkpoint.storage.files import SaveLock, read_json, read_tensors
 from fnaccel.checkpoint.storage.layout import CheckpointLayout
 from fnaccel.checkpoint.storage.parts import (
@@ -69,7 +75,6 @@ from fnaccel.checkpoint.storage.parts import (
 )
 from fnaccel.checkpoint.storage.plain import layout_for
 from fnaccel.checkpoint.writer import SaveHandle, SaveQueue, first_nonfinite, take_snapshot, write_snapshot
-from fnaccel.checks import is_int
 from fnaccel.dist import DistContext
 from fnaccel.rng import RNGState
 from fnaccel.state import DataPosition, RunState
@@ -84,7 +89,6 @@ def _target(path: Path) -> Path:
     return final.resolve() if os.path.islink(final) else final  # False for a name too long: refused next
 
 
-@collective("fa.save")
 def save(
     state: RunState, path: str | Path | None = None, *, blocking: bool = True, allow_nonfinite: bool = False
 ) -> SaveHandle:
@@ -141,6 +145,8 @@ def save(
     >>> fa.save(fa.init(cpu=True), folder / "ckpt").path.name
     'ckpt'
     """
+    if state.dist.num_processes > 1:  # only then may another rank be elsewhere: agree first
+        return _agreed_save(state, path, blocking=blocking, allow_nonfinite=allow_nonfinite)
     return start_save(state, path, blocking=blocking, allow_nonfinite=allow_nonfinite)
 
 
@@ -158,9 +164,11 @@ def start_save(
     state.check_fresh("fa.save")
     if not isinstance(allow_nonfinite, bool):
         raise TypeError(f"fa.save: allow_nonfinite must be True or False, got {allow_nonfinite!r}")
-    saves = state.resources.setdefault("saves", SaveQueue)
+    saves: SaveQueue = state.resources.get("saves") or state.resources.register("saves", SaveQueue())
     saves.wait()
-    project, project_dir = project_of(state)
+    project: ProjectConfiguration = state.kwargs_handlers.get("ProjectConfiguration", DEFAULT_PROJECT)
+    # the project directory only where a save uses it: naming the checkpoint, or rotating
+    project_dir = project_dir_of(state, project) if path is None or project.total_limit else None
     if path is None:
         if not (project.automatic_checkpoint_naming and project_dir is not None):
             raise ValueError(
@@ -170,7 +178,7 @@ def start_save(
         path = next_checkpoint(project_dir)
     final = _target(Path(path))
     ctx = state.dist
-    writer = ctx.is_main_process or (project.save_on_each_node and ctx.is_local_main_process)
+    writer = ctx.rank == 0 or (project.save_on_each_node and ctx.local_rank == 0)
     problem, lock = None, None
     if writer:  # a target it may not replace or write in, or one another live save holds, is refused
         problem = target_problem(final)
@@ -185,7 +193,8 @@ def start_save(
         problem = problem or str(exc)
     nonfinite = first_nonfinite(state)  # this rank's tensors (its shards): NaN or inf?
     # one exchange: rank 0's token for the temporary directory, and every rank's verdicts
-    votes = ops.gather_object(ctx, [(uuid.uuid4().hex if ctx.is_main_process else None, problem, nonfinite)])
+    mine = (uuid.uuid4().hex if ctx.rank == 0 else None, problem, nonfinite)
+    votes = ops.gather_object(ctx, [mine]) if ctx.num_processes > 1 else [mine]
     token = votes[0][0]
     assert token is not None  # rank 0's, made above (gather_object keeps each rank's entry's type)
     problem = next((problem for _, problem, _ in votes if problem is not None), None)
@@ -277,7 +286,7 @@ def _data_position(
         raise CheckpointError(f"{where}: 'data' must hold num_batches, loader_state and layout, got {data!r}")
     epoch, num_batches, loader_state = manifest["epoch"], data["num_batches"], data["loader_state"]
     for key, value in (("epoch", epoch), ("num_batches", num_batches)):
-        if not is_int(value) or value < 0:
+        if type(value) is not int or value < 0:  # JSON's integers: a bool is not one
             raise CheckpointError(f"{where}: the data position's {key} must be an int >= 0, got {value!r}")
     if loader_state is not None and not isinstance(loader_state, dict):
         raise CheckpointError(f"{where}: the data position's loader_state must be a mapping or null")
@@ -410,7 +419,6 @@ def _read_stable(state: RunState, directory: Path, allow_global_batch_change: bo
     )
 
 
-@collective("fa.load")
 def load(
     state: RunState, path: str | Path, *, allow_global_batch_change: bool = False, strict: bool = True
 ) -> RunState:
@@ -472,6 +480,13 @@ def load(
     >>> fa.load(prepared(), path).step
     3
     """
+    if state.dist.num_processes > 1:  # only then may another rank be elsewhere: agree first
+        return _agreed_load(state, path, allow_global_batch_change=allow_global_batch_change, strict=strict)
+    return _load(state, path, allow_global_batch_change=allow_global_batch_change, strict=strict)
+
+
+def _load(state: RunState, path: str | Path, *, allow_global_batch_change: bool, strict: bool) -> RunState:
+    """`load` on this rank, once the ranks agreed on the call."""
     by = "fa.load"
     state.check_fresh(by)
     if not isinstance(allow_global_batch_change, bool):
@@ -498,6 +513,11 @@ def load(
         state.loader.forget()  # the next fa.batches positions it from the loaded state
     for name, obj in state.extras.items():
         obj.load_state_dict(saved.extras[name])
-    if new.plan is not None and new.model is not None:
-        new.plan.set_sync_for(new.model, new.micro_step)
+    if new.plan is not None and new.model is not None and new.dist.num_processes > 1:
+        new.plan.set_sync_for(new.model, new.micro_step)  # gradient communication, between processes
     return new
+
+
+# the collective forms (`fnaccel.calls`): a run of several processes agrees on the call first
+_agreed_save = collective("fa.save")(start_save)
+_agreed_load = collective("fa.load")(_load)

@@ -260,7 +260,8 @@ def write_snapshot(
             prepared = True
         except Exception as exc:
             failure = _cause(exc)
-    wait_for_everyone(ctx)
+    if ctx.num_processes > 1:  # the writers' leftovers are gone and the directory exists
+        wait_for_everyone(ctx)
     files: dict[str, Any] = {}
     try:  # collective: every rank, over ctx's group, whatever failed before
         files.update(snap.layout.write(snap.captured, ctx, tmp))
@@ -277,7 +278,8 @@ def write_snapshot(
                 files[name] = write_bytes(tmp / name, data)
         except Exception as exc:
             failure = _cause(exc)
-    everyone = ops.gather_object(ctx, [(snap.node_rank, files, failure, prepared)])
+    mine = (snap.node_rank, files, failure, prepared)
+    everyone = ops.gather_object(ctx, [mine]) if ctx.num_processes > 1 else [mine]
     failed = [(rank, cause) for rank, (_, _, cause, _) in enumerate(everyone) if cause is not None]
     if failed:
         _abandon(snap, tmp)

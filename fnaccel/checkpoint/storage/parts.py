@@ -49,7 +49,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fnaccel._errors import CheckpointError
 from fnaccel.checkpoint.storage.files import read_json, read_tensors, retie
-from fnaccel.checks import is_int
 from fnaccel.dist import DistContext
 from fnaccel.kwargs.mixin import KwargsHandler
 from fnaccel.rng import RNGState
@@ -458,7 +457,7 @@ def _check_settings(
     """Numbers a C double holds, and, for torch's own optimizers, settings their constructor
     accepts (``0 <= betas[0] < 1``, ``eps >= 0``, ...), checked on a `_throwaway` one."""
     for key, value in settings.items():
-        if is_int(value) and not -(2**63) <= value < 2**63:
+        if type(value) is int and not -(2**63) <= value < 2**63:  # JSON's integers (a bool is not one)
             raise CheckpointError(f"{where}: key {key!r} is {value}, out of any range torch computes in")
     cls = type(optimizer)
     if not cls.__module__.startswith("torch.optim."):
