@@ -127,9 +127,11 @@ def both(state: fa.RunState, case: str) -> tuple[dict[str, Any], dict[str, Any]]
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_a_schedule_sized_from_the_loader_follows_accelerate(num_processes: int) -> None:
+def test_a_schedule_sized_from_the_loader_follows_accelerate(
+    num_processes: int, preload: tuple[str, ...]
+) -> None:
     pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[test]')")
-    with World(num_processes, timeout=90) as world:
+    with World(num_processes, timeout=90, preload=preload) as world:
         for case in CASES:
             for ours, theirs in world.run(both, case):
                 assert ours == theirs, f"{case} on {num_processes} process(es)"

@@ -28,15 +28,18 @@ class _World:
 
     world: World | None = None
 
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        self.preload = preload
+
     def get(self) -> World:
         if self.world is None or not self.world.alive:
-            self.world = World(2, timeout=_TASK_SECONDS)
+            self.world = World(2, timeout=_TASK_SECONDS, preload=self.preload)
         return self.world
 
 
 @pytest.fixture(scope="module")
-def shared() -> Iterator[_World]:
-    holder = _World()
+def shared(preload: tuple[str, ...]) -> Iterator[_World]:
+    holder = _World(preload)
     yield holder
     if holder.world is not None:
         holder.world.close()
