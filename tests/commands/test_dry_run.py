@@ -33,21 +33,23 @@ SCRIPT = Path(__file__).with_name("_dry_run_script.py")
 WORLD = ("--cpu", "--num_machines", "8", "--num_processes", "64", "--parallelism_config_tp_size", "8")
 
 
-def launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fnaccel", "launch", "-q", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def dry_launch(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``fnaccel launch -q --dry_run *args`` in this process (the launcher's side of a dry run
+    is this process's own; its two workers are processes as in any dry run): the status, the
+    output and the errors. A launcher process of its own would import torch only to start them."""
+    capsys.readouterr()
+    status = main(["launch", "-q", "--dry_run", *args])
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
-def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes() -> None:
+def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # How long it takes is measured, not asserted (docs/cli.md, "Dry runs", quotes the figure):
     # a test must not depend on the machine's load.
-    done = launch("--dry_run", *WORLD, str(SCRIPT))
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
+    status, out, err = dry_launch(capsys, *WORLD, str(SCRIPT))
+    assert status == 0, err
     assert "64 processes on 8 machine(s)" in out and "mesh: dp_shard=8 x tp=8" in out
     assert "step: one fa.step taken" in out
     # alike ranks computed once: dp_shard coordinates 0-6 hold 32 rows of the embedding, 7 holds 26
@@ -73,7 +75,9 @@ def test_a_64_process_fsdp_x_tp_launch_prints_its_mesh_and_each_ranks_bytes() ->
     )
 
 
-def test_the_dry_runs_bytes_and_refusals_equal_a_real_gloo_runs(worlds: Any, tmp_path: Path) -> None:
+def test_the_dry_runs_bytes_and_refusals_equal_a_real_gloo_runs(
+    worlds: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """At 2 and 4 processes: every rank's bytes (FSDP; FSDP x TP) and the refusals (pp_size 2 without
     fa.pp; a tp plan naming no submodule) of the dry run, against the same script on real gloo ranks."""
     cases = {
@@ -82,52 +86,29 @@ def test_the_dry_runs_bytes_and_refusals_equal_a_real_gloo_runs(worlds: Any, tmp
         "pp_without_pp": (2, {"pp_size": 2}, False),
         "wrong_plan": (4, {"tp_size": 2}, True),
     }
+    real = {
+        name: worlds.get(num).run(script.real_figures, layout, wrong)
+        for name, (num, layout, wrong) in cases.items()
+    }
     dry = {}
-    try:  # the dry runs beside the real runs: each is a launcher and two small processes
-        for name, (num, layout, wrong) in cases.items():
-            flags = [f for dim, size in layout.items() for f in (f"--parallelism_config_{dim}", str(size))]
-            dry[name] = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "fnaccel",
-                    "launch",
-                    "-q",
-                    "--dry_run",
-                    "--dry_run_json",
-                    str(tmp_path / f"{name}.json"),
-                    "--cpu",
-                    "--num_processes",
-                    str(num),
-                    *flags,
-                    str(SCRIPT),
-                    *(["--wrong_plan"] if wrong else []),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        real = {
-            name: worlds.get(num).run(script.real_figures, layout, wrong)
-            for name, (num, layout, wrong) in cases.items()
-        }
-        done = {name: process.communicate(timeout=240) for name, process in dry.items()}
-    finally:
-        for process in dry.values():
-            process.kill()
-            process.wait()
+    for name, (num, layout, wrong) in cases.items():
+        flags = [f for dim, size in layout.items() for f in (f"--parallelism_config_{dim}", str(size))]
+        json_flags = ("--dry_run_json", str(tmp_path / f"{name}.json"))
+        program = (str(SCRIPT), *(["--wrong_plan"] if wrong else []))
+        dry[name] = dry_launch(capsys, *json_flags, "--cpu", "--num_processes", str(num), *flags, *program)
     for name in ("fsdp", "fsdp_tp"):
-        assert dry[name].returncode == 0, done[name][1]
+        assert dry[name][0] == 0, dry[name][2]
         report = json.loads((tmp_path / f"{name}.json").read_text())
         assert report["ranks"] == real[name], name  # every rank, as each real rank measured itself
         assert all(report["measured"][str(rank)] == real[name][rank] for rank in (0, cases[name][0] - 1))
     assert len({str(r) for r in real["fsdp_tp"]}) == 1 and real["fsdp_tp"][0]["parameters"] > 0
     for name, fix in (("pp_without_pp", "add fa.pp(loss_fn="), ("wrong_plan", "names 'blocks.*.mlp.up'")):
         refusal = real[name][0]
+        status, out, err = dry[name]
         assert set(real[name]) == {refusal} and fix in refusal, real[name]
-        assert dry[name].returncode == 1 and refusal in done[name][1], done[name][1]
-        assert f"failed as rank 0 of {cases[name][0]} (exit code 1)" in done[name][1]
-        assert "Bytes held per rank" not in done[name][0]
+        assert status == 1 and refusal in err, err
+        assert f"failed as rank 0 of {cases[name][0]} (exit code 1)" in err
+        assert "Bytes held per rank" not in out
 
 
 HANGING = """import os, sys, time
@@ -232,9 +213,11 @@ def test_an_impossible_mesh_is_refused_as_the_real_launch_refuses_it(
     assert dry == real
 
 
-def test_a_script_without_a_prepare_is_said_to_be_checked_up_to_its_init(tmp_path: Path) -> None:
+def test_a_script_without_a_prepare_is_said_to_be_checked_up_to_its_init(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     script = tmp_path / "init_only.py"
     script.write_text("import fnaccel as fa\nfa.shutdown(fa.init())\n")
-    done = launch("--dry_run", "--cpu", "--num_processes", "4", str(script))
-    assert done.returncode == 1
-    assert "ended without an fa.prepare holding a model and an optimizer" in done.stderr
+    status, _, err = dry_launch(capsys, "--cpu", "--num_processes", "4", str(script))
+    assert status == 1
+    assert "ended without an fa.prepare holding a model and an optimizer" in err
