@@ -338,6 +338,24 @@ def test_default_loss_fn_uses_scalar_output_or_loss_attribute() -> None:
         fa.step(state, torch.ones(2, 8))
 
 
+def test_a_loss_that_is_not_a_tensor_is_refused_at_the_step() -> None:
+    """A model whose ``loss`` is a plain number gets fa.step's TypeError naming the fix,
+    not an AttributeError from deep inside the backward."""
+
+    class NumberLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor) -> dict[str, float]:
+            return {"loss": float(self.linear(x).detach().sum())}
+
+    model = NumberLoss()
+    state = fa.prepare(fa.init(seed=0, cpu=True), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"neither a scalar loss nor has a \.loss tensor; pass loss_fn="):
+        fa.step(state, {"x": torch.ones(2, 8)})
+
+
 def test_default_pipeline_follows_the_launch_precision() -> None:
     state = fa.init(cpu=True, mixed_precision="bf16")
     model = make_model()
