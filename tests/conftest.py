@@ -17,6 +17,8 @@ itself, and `multiprocess_marker_is_set` fails a test that starts one unmarked.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 import multiprocessing.process
 import subprocess
 from collections.abc import Iterator
@@ -142,6 +144,17 @@ PRELOAD = (
 def preload() -> tuple[str, ...]:
     """`PRELOAD`, for a test that starts a `World` of its own (``World(2, preload=preload)``)."""
     return PRELOAD
+
+
+@pytest.fixture(scope="session")
+def forked_context(preload: tuple[str, ...]) -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver with the worlds' preload, for a test's processes of its own
+    (a group it forms itself): each starts without importing torch. A process gets the server's
+    environment (a test's of this session, launch variables removed), not the test's of the
+    moment: its target sets what it reads."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["fnaccel.testing", *preload])  # as `World` sets it
+    return context
 
 
 @pytest.fixture(scope="session", autouse=True)

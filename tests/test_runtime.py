@@ -181,6 +181,8 @@ def test_a_second_run_in_the_same_processes_gets_its_own_group(world2: Any) -> N
 
 def _init_with_file_rendezvous(rank: int, rendezvous: str, results: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # whatever the forkserver's environment holds
+        os.environ.pop(name, None)
     handler = fa.InitProcessGroupKwargs(backend="gloo", init_method=rendezvous, timeout=timedelta(seconds=33))
     state = fa.init(cpu=True, kwargs_handlers=[handler])
     group = state.dist.process_group
@@ -197,15 +199,12 @@ def _init_with_file_rendezvous(rank: int, rendezvous: str, results: Any) -> None
 
 
 @pytest.mark.multiprocess
-def test_init_method_and_timeout_are_honoured(tmp_path: Path) -> None:
+def test_init_method_and_timeout_are_honoured(forked_context: Any, tmp_path: Path) -> None:
     """No MASTER_ADDR: the handler's file:// rendezvous says where to meet."""
-    import multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    results = context.Queue()
+    results = forked_context.Queue()
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
     procs = [
-        context.Process(target=_init_with_file_rendezvous, args=(rank, rendezvous, results))
+        forked_context.Process(target=_init_with_file_rendezvous, args=(rank, rendezvous, results))
         for rank in range(2)
     ]
     for proc in procs:

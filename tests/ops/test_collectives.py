@@ -624,12 +624,10 @@ def _wait_past_the_timeout(rank: int, rendezvous: str, results: Any, gone: Any, 
     os._exit(0)  # the group is broken after a timeout: no shutdown handshake to wait for
 
 
-def _two_ranks(tmp_path: Path, scenario: str) -> list[tuple[float, tuple[str, ...]]]:
-    """Runs `_wait_past_the_timeout` on 2 fresh processes; what rank 0 (and, when
-    out of step, rank 1) reported, in the order they reported it."""
-    import multiprocessing as mp
-
-    context = mp.get_context("spawn")
+def _two_ranks(context: Any, tmp_path: Path, scenario: str) -> list[tuple[float, tuple[str, ...]]]:
+    """Runs `_wait_past_the_timeout` on 2 fresh processes (forked from ``context``, the
+    `forked_context` fixture's); what rank 0 (and, when out of step, rank 1) reported, in the
+    order they reported it."""
     results, gone = context.Queue(), context.Event()
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
     procs = [
@@ -650,9 +648,11 @@ def _two_ranks(tmp_path: Path, scenario: str) -> list[tuple[float, tuple[str, ..
 
 
 @pytest.mark.multiprocess
-def test_a_collective_timeout_names_the_collective_and_the_setting(tmp_path: Path) -> None:
+def test_a_collective_timeout_names_the_collective_and_the_setting(
+    forked_context: Any, tmp_path: Path
+) -> None:
     """InitProcessGroupKwargs(timeout=2 s) bounds the wait for a rank that never comes."""
-    [(elapsed, outcome)] = _two_ranks(tmp_path, "absent")
+    [(elapsed, outcome)] = _two_ranks(forked_context, tmp_path, "absent")
     assert outcome[0] == "CollectiveTimeoutError", outcome
     assert outcome[1].startswith("gather: timed out waiting for the other ranks"), outcome
     assert "InitProcessGroupKwargs(timeout=...)" in outcome[1] and outcome[2] == "True"
@@ -660,12 +660,12 @@ def test_a_collective_timeout_names_the_collective_and_the_setting(tmp_path: Pat
 
 
 @pytest.mark.multiprocess
-def test_ranks_out_of_step_get_errors_never_a_result(tmp_path: Path) -> None:
+def test_ranks_out_of_step_get_errors_never_a_result(forked_context: Any, tmp_path: Path) -> None:
     """A repeated gather meeting another rank's header exchange of the same size:
     gloo moves the bytes, the padding rank finds no mark in the gather's row and
     raises, the gathering rank takes the header's mark for a differing call and
     waits in the full check until the timeout. Neither returns."""
-    outcomes = dict((o[0], o) for _, o in _two_ranks(tmp_path, "out_of_step"))
+    outcomes = dict((o[0], o) for _, o in _two_ranks(forked_context, tmp_path, "out_of_step"))
     assert set(outcomes) == {"CollectiveMismatchError", "CollectiveTimeoutError"}, outcomes
     assert outcomes["CollectiveMismatchError"][1].startswith(
         "pad_across_processes: rank 0 is in another collective"
