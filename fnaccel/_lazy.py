@@ -17,13 +17,13 @@ __all__ = ["lazy_attributes", "stub"]
 
 def lazy_attributes(
     module: str, table: Mapping[str, str], namespace: MutableMapping[str, Any]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """A module's ``__getattr__`` and ``__dir__`` for the names in ``table``
     (name -> the module defining it, or the submodule itself when it is
     ``<module>.<name>``). A name loaded once becomes a plain attribute of
     ``namespace`` (the module's ``globals()``)."""
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str) -> object:
         source = table.get(name)
         if source is None:
             raise AttributeError(f"module '{module}' has no attribute {name!r}")

@@ -20,10 +20,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ import torch.distributed as dist
 from fnaccel.config.parallelism import DATA_PARALLEL_DIMS, ParallelismConfig
 from fnaccel.resources import GroupOwner
 from fnaccel.state import RunState
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 __all__ = [
     "DRY_RUN_ENV",
@@ -81,7 +84,7 @@ class Held:
     element_size: int
     mesh_dims: tuple[str, ...] = ()
     mesh_shape: tuple[int, ...] = ()
-    placements: tuple[Any, ...] = ()
+    placements: tuple[Placement, ...] = ()
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> Held:
@@ -153,7 +156,7 @@ class _Axes:
             coords["dp"] = coords["dp_replicate"] * self.layout.sizes["dp_shard"] + coords["dp_shard"]
         return coords
 
-    def locate(self, name: str) -> tuple[str, Any]:
+    def locate(self, name: str) -> tuple[str, Callable[[int], int]]:
         """The axis a tensor's mesh dimension ``name`` reads, and its coordinate as a function of the axis'."""
         if name in self.sizes:
             return name, lambda c: c
@@ -177,7 +180,7 @@ def _classes(axes: _Axes, sharded: Sequence[Held]) -> dict[str, list[int]]:
     from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
     rows: dict[str, list[list[int]]] = {axis: [[] for _ in range(size)] for axis, size in axes.sizes.items()}
-    done: set[tuple[Any, ...]] = set()
+    done: set[tuple[str, int, int | None, int]] = set()
     for held in sharded:
         steps: dict[int, list[tuple[str, int, int | None]]] = {}
         for name, size, placement in zip(held.mesh_dims, held.mesh_shape, held.placements, strict=True):

@@ -124,7 +124,7 @@ def get_grad_scaler(
 
 def get_mixed_precision_context_manager(
     state: RunState, native_amp: bool = False, autocast_kwargs: AutocastKwargs | None = None
-) -> AbstractContextManager[Any]:
+) -> AbstractContextManager[object]:
     """Reads the state's mixed precision and returns the autocast region for it (Accelerate's helper).
 
     Args:

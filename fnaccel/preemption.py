@@ -39,9 +39,9 @@ import dataclasses
 import os
 import signal
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -191,7 +191,8 @@ class SignalWatch:
         self._ctx = ctx
         self._checked_at: int | None = None
         self._pending: tuple[dist.Work, torch.Tensor, torch.cuda.Event | None] | None = None
-        self._previous: dict[signal.Signals, Any] = {}
+        # each signal's handler before ours, put back by `close`
+        self._previous: dict[signal.Signals, Callable[[int, FrameType | None], object] | int | None] = {}
         self._launch_dir = os.environ.get(LAUNCH_DIR_ENV)  # under fnaccel launch: how the run ended
         for sig in handler.signal_numbers:
             self._previous[sig] = signal.signal(sig, self._on_signal)

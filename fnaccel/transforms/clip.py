@@ -8,7 +8,8 @@ then combined with the plain gradients' norm.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from fnaccel.transforms.declared import Capability, GradientClipping
 from fnaccel.transforms.kinds import StepTransform, options
 from fnaccel.transforms.phases import Phase
 from fnaccel.transforms.pipelining import reduce_norm
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DeviceMesh, DTensor, Placement
 
 __all__ = ["clip_grad_norm", "clip_grad_value", "global_grad_norm"]
 
@@ -31,12 +35,14 @@ def _parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torc
     return [p for p in ordered if p.grad is not None]
 
 
-def dtensor_class() -> Any:
-    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists unless it was loaded
-    return getattr(dtensor, "DTensor", ())
+def dtensor_class() -> type[DTensor] | tuple[()]:
+    """DTensor, for isinstance, or () (no DTensor exists unless its module was loaded)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    found: type[DTensor] | tuple[()] = getattr(dtensor, "DTensor", ())
+    return found
 
 
-def global_grad_norm(grads: list[Any], norm_type: float = 2.0) -> torch.Tensor:
+def global_grad_norm(grads: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The ``norm_type``-norm of all of ``grads`` together, as a plain tensor: each
     DTensor group's norm is reduced over its mesh (a collective), then the group
     norms and the plain tensors' norm are combined (a norm of norms is the norm).
@@ -46,7 +52,7 @@ def global_grad_norm(grads: list[Any], norm_type: float = 2.0) -> torch.Tensor:
     """
     kind = dtensor_class()
     plain = [g for g in grads if not isinstance(g, kind)]
-    groups: dict[Any, list[Any]] = {}
+    groups: dict[tuple[DeviceMesh, tuple[Placement, ...]], list[DTensor]] = {}
     for g in grads:
         if isinstance(g, kind):
             groups.setdefault((g.device_mesh, g.placements), []).append(g)
@@ -74,11 +80,12 @@ def _clip(model: nn.Module, params: list[torch.Tensor], max_norm: float, norm_ty
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         full = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2
         return full() if full else norm
-    norm = global_grad_norm([p.grad for p in params], norm_type)
+    norm = global_grad_norm([p.grad for p in params if p.grad is not None], norm_type)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     with torch.no_grad():
         for p in params:
-            grad: Any = p.grad  # _parameters keeps those with a gradient
+            grad = p.grad
+            assert grad is not None, "_parameters keeps those with a gradient"
             (grad.to_local() if isinstance(grad, kind) else grad).mul_(scale.to(grad.device))
     return norm
 

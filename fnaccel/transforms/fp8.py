@@ -33,13 +33,16 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from fnaccel.config.environment import is_torchao_available
 from fnaccel.kwargs import FP8RecipeKwargs
+
+if TYPE_CHECKING:
+    from torchao.float8 import CastConfig, Float8LinearConfig
 
 __all__ = [
     "check_fp8_recipe",
@@ -130,7 +133,7 @@ def recipe_from_config(section: Mapping[str, Any], source: str = "fp8_config") -
     if unknown:
         raise ConfigError(f"{source}: unknown key '{unknown[0]}'; known keys are {', '.join(sorted(known))}")
 
-    def flag(key: str, text: Any) -> bool:
+    def flag(key: str, text: object) -> bool:
         if isinstance(text, bool):
             return text
         lowered = str(text).strip().lower()
@@ -163,7 +166,7 @@ def recipe_from_config(section: Mapping[str, Any], source: str = "fp8_config") -
         raise ConfigError(f"{source}: {exc}") from None
 
 
-def float8_linear_config(recipe: FP8RecipeKwargs) -> Any:
+def float8_linear_config(recipe: FP8RecipeKwargs) -> Float8LinearConfig:
     """torchao's ``Float8LinearConfig`` for ``recipe`` (see the module docstring).
 
     >>> config = float8_linear_config(FP8RecipeKwargs(fp8_format="E4M3"))
@@ -178,7 +181,7 @@ def float8_linear_config(recipe: FP8RecipeKwargs) -> Any:
     backward = torch.float8_e4m3fn if fmt == "E4M3" else torch.float8_e5m2
     fprop, dgrad, wgrad = recipe.override_linear_precision or (False, False, False)
 
-    def cast(dtype: torch.dtype, high_precision: bool) -> Any:
+    def cast(dtype: torch.dtype, high_precision: bool) -> CastConfig:
         # torchao wants an operand's dtype the same in both matmuls, even where one keeps it unscaled
         scaling = ScalingType.DISABLED if high_precision else ScalingType.DYNAMIC
         return CastConfig(scaling_type=scaling, target_dtype=dtype)
@@ -261,7 +264,9 @@ def convert_to_fp8(model: nn.Module, recipe: FP8RecipeKwargs) -> nn.Module:
     return converted
 
 
-def _plain_weight(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _plain_weight(
+    module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, local_metadata: object
+) -> None:
     """For float8 all-gather, torchao wraps each weight in a tensor subclass without
     storage of its own; checkpoints read and write the plain tensor it wraps instead
     (the same storage, so a load still lands in the parameter)."""

@@ -83,7 +83,7 @@ def local_sgd(local_sgd_steps: int) -> Transform:
     def init(ctx: DistContext) -> LocalSGDState:
         return LocalSGDState(ctx, local_sgd_steps)
 
-    def prepare_model(ctx: DistContext, model: Any, sgd: LocalSGDState) -> Any:
+    def prepare_model(ctx: DistContext, model: torch.nn.Module, sgd: LocalSGDState) -> torch.nn.Module:
         sgd.parameters = [p for p in model.parameters() if p.requires_grad]
         if ctx.num_processes == 1:
             return model

@@ -17,6 +17,7 @@ step, skipping it (and the scheduler) when a gradient is inf or nan.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
@@ -79,7 +80,7 @@ class AutocastForward:
     """``forward`` run under ``torch.autocast``, outputs cast to fp32 (picklable)."""
 
     def __init__(
-        self, forward: Any, device_type: str, dtype: torch.dtype, cache_enabled: bool | None
+        self, forward: Callable[..., object], device_type: str, dtype: torch.dtype, cache_enabled: bool | None
     ) -> None:
         self.forward, self.device_type = forward, device_type
         self.dtype, self.cache_enabled = dtype, cache_enabled

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from fnaccel.transforms.contract import PipelineView, PrepareRequest
 from fnaccel.transforms.declared import Capability
 from fnaccel.transforms.kinds import ParallelismTransform, options
 from fnaccel.transforms.phases import Phase
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "broadcast_from_first_rank",
@@ -133,7 +136,7 @@ def broadcast_from_first_rank(model: nn.Module, group: Any) -> None:
             dist.broadcast(local() if local else tensor.data, src=first, group=group)
 
 
-def _shard_mesh(ctx: DistContext) -> Any:
+def _shard_mesh(ctx: DistContext) -> DeviceMesh:
     """The mesh FSDP2 shards over: the data-parallel dimensions (2-D under HSDP)."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -181,7 +184,13 @@ def fsdp(
     >>> fa.fsdp(transformer_cls_names_to_wrap=["Block"])
     fsdp(transformer_cls_names_to_wrap=('Block',))
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     class_names = frozenset(transformer_cls_names_to_wrap)
     if min_num_params is not None and min_num_params < 1:
@@ -209,15 +218,22 @@ def fsdp(
         mesh = _shard_mesh(ctx)
         if sync_module_states:
             broadcast_from_first_rank(model, data_parallel_context(ctx).process_group)
-        shard_options: dict[str, Any] = {
-            "mesh": mesh,
-            "reshard_after_forward": reshard_after_forward,
-        }
-        if cpu_offload:
-            shard_options["offload_policy"] = CPUOffloadPolicy()
+        offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()  # fully_shard's default: none
         for module in _wrap_targets(model, class_names, min_num_params):
-            fully_shard(module, mp_policy=inner_policy, **shard_options)
-        fully_shard(model, mp_policy=root_policy, **shard_options)
+            fully_shard(
+                module,
+                mesh=mesh,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=inner_policy,
+                offload_policy=offload,
+            )
+        fully_shard(
+            model,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=root_policy,
+            offload_policy=offload,
+        )
         return model
 
     def set_sync(model: nn.Module, enabled: bool) -> None:

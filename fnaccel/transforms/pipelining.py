@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -142,27 +142,27 @@ class PipelinedModel(nn.Module):
         super().__init__()
         for name, child in children.items():
             self.add_module(name, child)
-        self.schedule: Any = None  # set by `_build_schedule`, which needs `scaled_loss`
+        self.schedule: _Schedule | None = None  # set by `_build_schedule`, which needs `scaled_loss`
         self.group, self.last_rank, self.device = group, last_rank, device
         self.is_first, self.is_last = is_first, is_last
         self.num_microbatches, self.loss_fn = num_microbatches, loss_fn
         self.loss_factor = 1.0
         self.losses: list[torch.Tensor] = []
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError(
             "a model split by fa.pp holds only this rank's stages and runs through its schedule: "
             "train it with fa.step(state, (inputs, target)); to evaluate, load fa.save_model's "
             "weights into the unsplit model"
         )
 
-    def scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
+    def scaled_loss(self, output: object, target: object) -> torch.Tensor:
         """The schedule's loss function: the user's, kept for the metrics, scaled for backward."""
         loss: torch.Tensor = self.loss_fn(output, target)
         self.losses.append(loss.detach())
         return loss * self.loss_factor
 
-    def run(self, batch: Any, divisor: int) -> torch.Tensor:
+    def run(self, batch: object, divisor: int) -> torch.Tensor:
         """One schedule step on ``batch`` (gradients added to ``.grad``); the mean
         micro-batch loss on every rank."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -186,6 +186,7 @@ class PipelinedModel(nn.Module):
                 )
         self.loss_factor = 1.0 / (self.num_microbatches * divisor)
         self.losses = []
+        assert self.schedule is not None, "_build_schedule set it"
         self.schedule.step(*args if self.is_first else (), target=target if self.is_last else None)
         if self.is_last:  # the first step's shape inference calls the loss function first
             loss = torch.stack(self.losses[-self.num_microbatches :]).mean().float()
@@ -197,6 +198,12 @@ class PipelinedModel(nn.Module):
         return loss
 
 
+class _Schedule(Protocol):
+    """What a step asks of a pipeline schedule (torch's, or `InOrder`)."""
+
+    def step(self, *args: torch.Tensor, target: torch.Tensor | None) -> object: ...
+
+
 class InOrder:
     """What every schedule computes, in a world of one: each micro-batch's forward
     and backward in turn, through all the stages (torch's schedules need a group)."""
@@ -204,7 +211,8 @@ class InOrder:
     def __init__(self, body: nn.Module, num_microbatches: int, loss_fn: Callable[..., torch.Tensor]) -> None:
         self.body, self.num_microbatches, self.loss_fn = body, num_microbatches, loss_fn
 
-    def step(self, *args: torch.Tensor, target: torch.Tensor) -> None:
+    def step(self, *args: torch.Tensor, target: torch.Tensor | None) -> None:
+        assert target is not None, "one process holds the last stage"
         chunks = [torch.tensor_split(a, self.num_microbatches) for a in args]
         for i, part in enumerate(torch.tensor_split(target, self.num_microbatches)):
             self.loss_fn(self.body(*(c[i] for c in chunks)), part).backward()
@@ -373,7 +381,7 @@ def pp(
         return _build_schedule(ctx, model, schedule, num_microbatches, num_stages, points, loss_fn)
 
     def forward_backward(
-        model: nn.Module, batch: Any, divisor: int | None, state: object
+        model: nn.Module, batch: object, divisor: int | None, state: object
     ) -> tuple[torch.Tensor, None]:
         assert divisor is not None, "check refused accumulate(normalize='items')"
         inner = unwrap_compiled(model)

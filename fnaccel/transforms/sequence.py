@@ -97,18 +97,18 @@ class SequenceShard:
         return mesh.get_group()
 
 
-def _leaves(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+def _leaves(tree: object, fn: Callable[[torch.Tensor], object]) -> object:
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if isinstance(tree, Mapping):
         return type(tree)({key: _leaves(value, fn) for key, value in tree.items()})  # type: ignore[call-arg]
     if isinstance(tree, (tuple, list)):
         out = [_leaves(value, fn) for value in tree]
-        return type(tree)(*out) if hasattr(tree, "_fields") else type(tree)(out)
+        return tree._make(out) if hasattr(tree, "_make") else type(tree)(out)  # a namedtuple: its _make
     return tree
 
 
-def _with_positions(batch: Any, seq_dim: int, position_ids: str | None) -> Any:
+def _with_positions(batch: object, seq_dim: int, position_ids: str | None) -> object:
     """``batch`` with the global position ids under ``position_ids`` when it is a mapping without them."""
     if position_ids is None or not isinstance(batch, Mapping) or position_ids in batch:
         return batch
@@ -340,7 +340,7 @@ def sp(
             model.forward = SequenceParallelForward(model.forward, shard)
         return model
 
-    def split_batch(batch: Any, shard: SequenceShard) -> Any:
+    def split_batch(batch: object, shard: SequenceShard) -> object:
         if shard.size == 1:  # the same batch keys as on sp ranks: a script runs unchanged on one process
             return _with_positions(batch, seq_dim, position_ids)
         return _split(batch, shard, seq_dim, labels, ignore_index, position_ids)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from torch import nn
 
@@ -23,12 +23,17 @@ from fnaccel.dist import DistContext, mesh_dim
 from fnaccel.transforms.kinds import ParallelismTransform, options
 from fnaccel.transforms.phases import Phase
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
 __all__ = ["tp"]
 
-Plan = Mapping[str, Any] | Callable[[nn.Module, Any], nn.Module]
+# (torch's parallel styles load with the transform, not with fnaccel: the alias is a string)
+Plan: TypeAlias = "Mapping[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], nn.Module]"
 
 
-def _check_plan(plan: Any) -> None:
+def _check_plan(plan: object) -> None:
     from torch.distributed.tensor.parallel import ParallelStyle
 
     if callable(plan) and not isinstance(plan, Mapping):
@@ -47,7 +52,7 @@ def _check_plan(plan: Any) -> None:
             )
 
 
-def _check_names(model: nn.Module, plan: Mapping[str, Any]) -> None:
+def _check_names(model: nn.Module, plan: Mapping[str, object]) -> None:
     names = [name for name, _ in model.named_modules() if name]
     missing = [key for key in plan if not fnmatch.filter(names, key)]
     if missing:

@@ -220,7 +220,7 @@ def test_compose_puts_tp_before_checkpointing_before_fsdp() -> None:
 
 def test_a_tp_plan_must_hold_parallel_styles_and_name_real_modules() -> None:
     with pytest.raises(TypeError, match="not a torch ParallelStyle"):
-        fa.tp({"blocks.0.up": "colwise"})
+        fa.tp({"blocks.0.up": "colwise"})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="non-empty dict"):
         fa.tp({})
     from torch.distributed.tensor.parallel import ColwiseParallel
