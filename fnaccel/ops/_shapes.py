@@ -170,8 +170,12 @@ class Signature:
 
     @classmethod
     def of(cls, op: str, tree: object, leaves: Sequence[torch.Tensor], key: str = "") -> Signature:
-        """The signature of ``tree`` whose tensor leaves are ``leaves``."""
-        paths = ("",) if isinstance(tree, torch.Tensor) else tuple(tree_paths(tree))
+        """The signature of ``tree`` whose tensor leaves are ``leaves``: none, and so no paths,
+        where this rank refused its tree (the refusal travels beside the signature)."""
+        if not leaves:
+            paths: tuple[str, ...] = ()
+        else:
+            paths = ("",) if isinstance(tree, torch.Tensor) else tuple(tree_paths(tree))
         return cls(op=op, key=key, paths=paths, leaves=tuple(leaves))
 
     def shape(self, i: int) -> tuple[int, ...]:
