@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -108,7 +107,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def find_divergence(
     a: RunState,
     b: RunState,
-    batches: Iterable[Any],
+    batches: Iterable[object],
     *,
     atol: float = 0.0,
     rtol: float = 0.0,

@@ -38,7 +38,7 @@ class TorchDynamoPlugin(KwargsHandler):
     mode: str | None = None
     fullgraph: bool = False
     dynamic: bool | None = None
-    options: Mapping[str, Any] | None = None
+    options: Mapping[str, object] | None = None
     disable: bool = False
     use_regional_compilation: bool = False
 
