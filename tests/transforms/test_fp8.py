@@ -121,12 +121,21 @@ def test_fp8_trains_a_small_lm_within_tolerance_of_bf16() -> None:
     assert ours["losses"] != bf16["losses"]  # and is not bf16 under another name
 
 
+@pytest.fixture(scope="module")
+def bf16_under_fsdp(worlds: Any) -> list[dict[str, Any]]:
+    """The bf16 run both recipes below are compared with (the same seeded run: computed once)."""
+    result: list[dict[str, Any]] = worlds.get(2).run(train_lm, fa.bf16, True)
+    return result
+
+
 @needs_torchao
 @pytest.mark.parametrize("all_gather", [False, True])
-def test_fp8_with_fsdp_on_two_processes(world2: Any, all_gather: bool) -> None:
+def test_fp8_with_fsdp_on_two_processes(
+    world2: Any, bf16_under_fsdp: list[dict[str, Any]], all_gather: bool
+) -> None:
     recipe = FP8RecipeKwargs(enable_fsdp_float8_all_gather=all_gather)
     ours = world2.run(train_lm, fp8, True, recipe)
-    bf16 = world2.run(train_lm, fa.bf16, True)
+    bf16 = bf16_under_fsdp
     assert ours[0]["losses"] == ours[1]["losses"]  # one reduced loss on both ranks
     assert ours[0]["layers"]["blocks.0.up"] == "Float8Linear"
     expected = "WeightWithDynamicFloat8CastTensor" if all_gather else "Tensor"
