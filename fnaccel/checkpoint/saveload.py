@@ -69,12 +69,20 @@ from fnaccel.checkpoint.storage.parts import (
     check_kind,
     check_like,
     derived_generators,
+    rank_payload,
     refuse_moved_gradients,
     rng_from,
+    scheduler_payload,
     source_rank,
 )
 from fnaccel.checkpoint.storage.plain import layout_for
-from fnaccel.checkpoint.writer import SaveHandle, SaveQueue, first_nonfinite, take_snapshot, write_snapshot
+from fnaccel.checkpoint.writer import (
+    SaveHandle,
+    SaveQueue,
+    first_nonfinite,
+    take_snapshot,
+    write_snapshot,
+)
 from fnaccel.dist import DistContext
 from fnaccel.rng import RNGState
 from fnaccel.state import DataPosition, RunState
@@ -249,19 +257,19 @@ def _rank_files(
     tensor_source = str(directory / f"rank{rank}.safetensors")
     tensors = read_tensors(directory, f"rank{rank}.safetensors", manifest)
     own = read_json(directory, f"rank{rank}.json", manifest)
-    if not isinstance(own, dict) or set(own) != {"rng", "transforms", "data"}:
-        raise CheckpointError(f"{source}: must hold exactly the keys 'rng', 'transforms', 'data'")
+    _, live = rank_payload(state)  # what this rank would save now: the file must be shaped so
+    check_like(own, live, source, depth=1)
     rng = rng_from(tensors, own["rng"], state.rng, source)
     if rank != state.dist.rank:
         rng = derived_generators(rng, state.dist.rank)
-    position = _data_position(own["data"], manifest, state, Path(source), allow_global_batch_change)
+    position = _data_position(
+        own["data"], live["data"], manifest, state, Path(source), allow_global_batch_change
+    )
     grads = {key.removeprefix("grad/"): t for key, t in tensors.items() if key.startswith("grad/")}
     refuse_moved_gradients(grads, manifest, state.dist, tensor_source)
     other = sorted(k for k in tensors if not k.startswith(("grad/", "rng/torch", "rng/cuda/")))
     if other:
         raise CheckpointError(f"{tensor_source}: key {other[0]!r} is not a generator state or a gradient")
-    if not isinstance(own["transforms"], dict):
-        raise CheckpointError(f"{source}: key 'transforms' must be an object of transform names")
     if not strict:  # a transform this run dropped (fp16's grad scaler, resuming in bf16): its state goes too
         own["transforms"] = {
             name: saved for name, saved in own["transforms"].items() if name in state.transform_states
@@ -279,11 +287,21 @@ def _rank_files(
 
 
 def _data_position(
-    data: Any, manifest: dict[str, Any], state: RunState, where: Path, allow_global_batch_change: bool
+    data: dict[str, Any],
+    live: object,
+    manifest: dict[str, Any],
+    state: RunState,
+    where: Path,
+    allow_global_batch_change: bool,
 ) -> DataPosition:
-    """The saved data position, refused when this run's loader would read it differently."""
-    if not isinstance(data, dict) or set(data) != {"num_batches", "loader_state", "layout"}:
-        raise CheckpointError(f"{where}: 'data' must hold num_batches, loader_state and layout, got {data!r}")
+    """The saved data position (checked against ``live``, this run's), refused when this
+    run's loader would read it differently."""
+    if data.get("layout", {}) is None and state.loader is not None:  # said better than "must be an object"
+        raise CheckpointError(
+            f"{where}: the checkpoint was saved without a loader but this run has one; "
+            "prepare the loader after fa.load, or resume a run saved with its loader"
+        )
+    check_like(data, live, f"{where}: data", depth=1)
     epoch, num_batches, loader_state = manifest["epoch"], data["num_batches"], data["loader_state"]
     for key, value in (("epoch", epoch), ("num_batches", num_batches)):
         if type(value) is not int or value < 0:  # JSON's integers: a bool is not one
@@ -293,11 +311,6 @@ def _data_position(
     position = DataPosition(epoch=epoch, num_batches=num_batches, loader_state=loader_state)
     if state.loader is None:
         return position
-    if data["layout"] is None:
-        raise CheckpointError(
-            f"{where}: the checkpoint was saved without a loader but this run has one; "
-            "prepare the loader after fa.load, or resume a run saved with its loader"
-        )
     resumed: DataPosition = state.loader.resume_position(
         data["layout"], position, str(where), allow_global_batch_change=allow_global_batch_change
     )
@@ -343,9 +356,9 @@ def _scheduler(state: RunState, directory: Path, manifest: dict[str, Any]) -> di
     saved = read_json(directory, "scheduler.json", manifest)
     source = str(directory / "scheduler.json")
     check_kind(saved, state.scheduler, source)
-    if set(saved) != {"kind", "state_dict"}:
-        raise CheckpointError(f"{source}: must hold exactly the keys 'kind' and 'state_dict'")
-    check_like(saved["state_dict"], state.scheduler.state_dict(), f"{source}: state_dict")
+    live = scheduler_payload(state.scheduler)  # what this run would save: the file must be shaped so
+    check_like(saved, live, source, depth=1)
+    check_like(saved["state_dict"], live["state_dict"], f"{source}: state_dict")
     scheduler: dict[str, Any] = saved["state_dict"]  # an object: check_like held it to the live one
     return scheduler
 

@@ -90,7 +90,7 @@ from fnaccel.checkpoint.storage.files import (
     write_tensors,
 )
 from fnaccel.checkpoint.storage.layout import CheckpointLayout
-from fnaccel.checkpoint.storage.parts import kind_of, rng_payload, unwrap_model
+from fnaccel.checkpoint.storage.parts import rank_payload, scheduler_payload, unwrap_model
 from fnaccel.dist import DistContext
 from fnaccel.process import wait_for_everyone
 from fnaccel.resources import GroupOwner
@@ -147,17 +147,6 @@ class Snapshot:
         self.json_files[file] = json_copy(value, file)
 
 
-def data_payload(state: RunState) -> dict[str, Any]:
-    """The data position past the epoch (the manifest has the epoch), and the layout
-    of the loader it belongs to (None without a loader)."""
-    position = state.data_position
-    return {
-        "num_batches": position.num_batches,
-        "loader_state": None if position.loader_state is None else dict(position.loader_state),
-        "layout": None if state.loader is None else state.loader.layout.to_dict(),
-    }
-
-
 def take_snapshot(
     state: RunState, layout: CheckpointLayout, writer: bool, per_node: bool, staging: SaveQueue | None
 ) -> Snapshot:
@@ -175,23 +164,13 @@ def take_snapshot(
         per_node=per_node,
         staging=staging,
     )
-    rank_tensors, rng_json = rng_payload(state.rng)
-    transforms = {
-        name: value.state_dict()
-        for name, value in state.transform_states.items()
-        if callable(getattr(value, "state_dict", None))
-    }
+    rank_tensors, rank_json = rank_payload(state)
     snap.add_tensors(f"rank{ctx.rank}.safetensors", rank_tensors)
-    snap.add_json(
-        f"rank{ctx.rank}.json", {"rng": rng_json, "transforms": transforms, "data": data_payload(state)}
-    )
+    snap.add_json(f"rank{ctx.rank}.json", rank_json)
     snap.captured = layout.snapshot(state, snap)
     if writer:
         if state.scheduler is not None:
-            snap.add_json(
-                "scheduler.json",
-                {"kind": kind_of(state.scheduler), "state_dict": state.scheduler.state_dict()},
-            )
+            snap.add_json("scheduler.json", scheduler_payload(state.scheduler))
         if state.extras:
             extra_tensors: dict[str, torch.Tensor] = {}
             trees = {

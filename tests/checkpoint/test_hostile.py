@@ -7,6 +7,7 @@ checks against the live run can catch it.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import json
@@ -46,6 +47,54 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def checkpoint(saved: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(saved, tmp_path / "ckpt"))
+
+
+CHECKPOINT_PACKAGE = Path(fa.__file__).parent / "checkpoint"
+
+
+# Formats of fnaccel's own, not parts of the run: a manifest entry (the manifest's schema, _FIELDS)
+# and the tagged encoding of a registered object's values (decoded, then checked against the live one).
+OWN_FORMATS = frozenset({("manifest.py", "_files"), ("extras.py", "_decode")})
+
+
+def key_set_checks(source: str, file: str = "") -> list[str]:
+    """Where a part is held to a hand-written key set (``set(saved) != {"kind", ...}``) instead of
+    to its live counterpart (`check_like` against what the live run would save), as
+    ``function:line``; `OWN_FORMATS` aside."""
+    found = []
+    for function in ast.walk(ast.parse(source)):
+        if not isinstance(function, ast.FunctionDef) or (file, function.name) in OWN_FORMATS:
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                literal = any(isinstance(s, ast.Set) for s in sides)
+                keys = any(isinstance(s, ast.Call) and getattr(s.func, "id", "") == "set" for s in sides)
+                if literal and keys:
+                    found.append(f"{function.name}:{node.lineno}")
+    return found
+
+
+def test_each_part_is_checked_against_its_live_counterpart_not_a_key_set() -> None:
+    """Issue 34 point 1: the live tree is the schema; six key-set checks were written out by hand."""
+    found = {
+        path.name: lines
+        for path in sorted(CHECKPOINT_PACKAGE.rglob("*.py"))
+        if (lines := key_set_checks(path.read_text(), path.name))
+    }
+    assert not found, found
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        'def f(saved):\n    if set(saved) != {"kind", "state_dict"}:\n        raise ValueError\n',
+        'def g(own):\n    return {"rng", "data"} == set(own)\n',
+        'def _files(entry):\n    return set(entry) == {"size"}\n',  # _files is manifest.py's only
+    ],
+)
+def test_a_planted_key_set_check_is_caught(planted: str) -> None:
+    assert key_set_checks(planted)
 
 
 def _fresh() -> fa.RunState:
@@ -193,7 +242,7 @@ FILE_EDITS: dict[str, tuple[str, Callable[[Path], None]]] = {
         lambda c: _edit_json(c, "rank0.json", lambda v: v.update(transforms=[])),
     ),
     "rank keys": (
-        r"rank0.json: must hold exactly the keys",
+        r"rank0.json: holds keys that differ from this run's: missing \['rng'\]",
         lambda c: _edit_json(c, "rank0.json", lambda v: v.pop("rng")),
     ),
     "unknown transform": (

@@ -41,7 +41,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -59,6 +59,10 @@ if TYPE_CHECKING:
     from fnaccel.state import RunState
 
 __all__ = [
+    "data_payload",
+    "rank_payload",
+    "Stateful",
+    "scheduler_payload",
     "CheckpointHooks",
     "StateDictHook",
     "check_kind",
@@ -152,24 +156,30 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
-def check_like(saved: Any, live: Any, where: str, *, strict: bool = True) -> None:
-    """``saved`` has the structure of ``live`` (what the live object's ``state_dict()`` gives).
+def check_like(
+    saved: object, live: object, where: str, *, strict: bool = True, depth: int | None = None
+) -> None:
+    """``saved`` has the structure of ``live`` (what the live object's ``state_dict()`` gives,
+    or the part a save of the live run would write: the live tree is the schema).
 
     Tensors: same shape and dtype. Objects: the same keys (``strict``; else
     the keys both have are compared). Lists: the same length (``strict``; else
     the items both have). Numbers: an integer where the live value is one (a
     float may be saved as an integer); booleans, strings and nulls as live.
-    ``where`` names the file and the key path.
+    ``where`` names the file and the key path. ``depth``: how many levels of
+    objects and lists are opened (None: all); below it only each value's kind
+    (object, list, number, ...) is compared, and the part's own reader checks
+    inside (a file's top level against the part the live run would save).
 
     >>> check_like({"last_epoch": 3}, {"last_epoch": 0}, "scheduler.json")
     >>> check_like({"last_epoch": "abc"}, {"last_epoch": 0}, "scheduler.json")
     Traceback (most recent call last):
     fnaccel._errors.CheckpointError: scheduler.json: key 'last_epoch' must be an integer, not a string ('abc')
     """
-    _like(saved, live, where, "", strict)
+    _like(saved, live, where, "", strict, -1 if depth is None else depth)
 
 
-def _like(saved: Any, live: Any, file: str, key: str, strict: bool) -> None:
+def _like(saved: object, live: object, file: str, key: str, strict: bool, depth: int) -> None:
     def fail(detail: str) -> CheckpointError:
         at = f" key {key!r}" if key else ""
         return CheckpointError(f"{file}:{at} {detail}")
@@ -186,6 +196,8 @@ def _like(saved: Any, live: Any, file: str, key: str, strict: bool) -> None:
     if isinstance(live, Mapping):
         if not isinstance(saved, Mapping):
             raise fail(f"must be an object, not {_kind(saved)}")
+        if depth == 0:
+            return
         live_keys = {str(k): k for k in live}
         saved_keys = {str(k): k for k in saved}
         if strict and set(live_keys) != set(saved_keys):
@@ -197,19 +209,20 @@ def _like(saved: Any, live: Any, file: str, key: str, strict: bool) -> None:
                 f"holds keys that differ from this run's: missing {missing[:5]}, unexpected {extra[:5]}"
             )
         for name in sorted(set(live_keys) & set(saved_keys)):
-            _like(
-                saved[saved_keys[name]], live[live_keys[name]], file, f"{key}/{name}" if key else name, strict
-            )
+            path = f"{key}/{name}" if key else name
+            _like(saved[saved_keys[name]], live[live_keys[name]], file, path, strict, depth - 1)
         return
     if isinstance(live, (list, tuple)):
         if not isinstance(saved, (list, tuple)):
             raise fail(f"must be a list, not {_kind(saved)}")
+        if depth == 0:
+            return
         if strict and len(saved) != len(live):
             raise fail(f"holds {len(saved)} items in the checkpoint but {len(live)} in this run")
         if all(type(x) is int for x in live) and all(type(x) is int for x in saved):
             return  # integers where integers are (a generator's 625 words): no call per item
         for i, (item, now) in enumerate(zip(saved, live, strict=False)):
-            _like(item, now, file, f"{key}/{i}" if key else str(i), strict)
+            _like(item, now, file, f"{key}/{i}" if key else str(i), strict, depth - 1)
         return
     if live is None:
         return  # unset in a fresh object: nothing says what it must hold later
@@ -242,6 +255,14 @@ def unwrap_model(model: Any) -> nn.Module:
     return cast(
         nn.Module, inner.module if ds is not None and isinstance(inner, ds.DeepSpeedEngine) else inner
     )
+
+
+class Stateful(Protocol):
+    """What a checkpoint stores a part of through its own pair (a scheduler, a registered object)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> object: ...
 
 
 StateDictHook = Callable[[torch.nn.Module, dict[str, torch.Tensor]], "dict[str, torch.Tensor] | None"]
@@ -411,6 +432,11 @@ def optimizer_payload(
         for group in state_dict["param_groups"]
     ]
     return tensors, {"kind": kind_of(optimizer), "param_groups": groups, "scalars": scalars}
+
+
+def scheduler_payload(scheduler: Stateful) -> dict[str, object]:
+    """``scheduler.json``: the scheduler's class and its ``state_dict``."""
+    return {"kind": kind_of(scheduler), "state_dict": scheduler.state_dict()}
 
 
 def check_kind(saved: Any, live: object, source: str) -> None:
@@ -612,10 +638,9 @@ def optimizer_state(
 ) -> dict[str, Any]:
     """The state_dict to give ``optimizer``, built from `optimizer_payload`'s output and checked
     (class, groups, every state entry) before anything is restored. ``params``: name to parameter."""
-    if not isinstance(saved, dict) or set(saved) != {"kind", "param_groups", "scalars"}:
-        raise CheckpointError(f"{source}: must hold exactly the keys 'kind', 'param_groups', 'scalars'")
-    check_kind(saved, optimizer, source)
     by_id = {id(p): n for n, p in params.items()}
+    check_like(saved, optimizer_payload(optimizer, by_id)[1], source, depth=1)  # what this run would save
+    check_kind(saved, optimizer, source)
     order = _param_names(optimizer, by_id)
     index = {name: i for i, name in enumerate(order)}
     current = optimizer.state_dict()
@@ -634,9 +659,7 @@ def optimizer_state(
             )
         _check_state_tensor(key, value, params[name], tensor_source)
         state.setdefault(index[name], {})[field] = value
-    scalars = saved["scalars"]
-    if not isinstance(scalars, dict):
-        raise CheckpointError(f"{source}: key 'scalars' must be an object of parameter names")
+    scalars = saved["scalars"]  # an object: held to the live part's above
     for name, fields in scalars.items():
         if name not in index or not isinstance(fields, dict):
             raise CheckpointError(f"{source}: key 'scalars/{name}': not a parameter of this optimizer")
@@ -662,6 +685,29 @@ def rng_payload(rng: RNGState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
         kind, key, pos, has_gauss, cached = rng.numpy
         numpy = [kind, [int(k) for k in key], int(pos), int(has_gauss), float(cached)]
     return tensors, {"python": [version, list(words), gauss], "cuda": len(rng.cuda), "numpy": numpy}
+
+
+def rank_payload(state: RunState) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """This rank's own part (``rank<r>.safetensors``, ``rank<r>.json``): its generators, its
+    transforms' states and the data position; what a load checks ``rank<r>.json`` against."""
+    tensors, rng = rng_payload(state.rng)
+    transforms = {
+        name: value.state_dict()
+        for name, value in state.transform_states.items()
+        if callable(getattr(value, "state_dict", None))
+    }
+    return tensors, {"rng": rng, "transforms": transforms, "data": data_payload(state)}
+
+
+def data_payload(state: RunState) -> dict[str, Any]:
+    """The data position past the epoch (the manifest has the epoch), and the layout
+    of the loader it belongs to (None without a loader)."""
+    position = state.data_position
+    return {
+        "num_batches": position.num_batches,
+        "loader_state": None if position.loader_state is None else dict(position.loader_state),
+        "layout": None if state.loader is None else state.loader.layout.to_dict(),
+    }
 
 
 def _uint32s(words: list[int]) -> bool:

@@ -64,6 +64,7 @@ from fnaccel.checkpoint.storage.layout import CheckpointFiles
 from fnaccel.checkpoint.storage.parts import (
     check_kind,
     check_layout,
+    check_like,
     check_unsharded,
     kind_of,
     read_model,
@@ -274,19 +275,19 @@ def _nest(flat: Mapping[str, Any], paths: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _own_stage(saved: Any, rank: int, num_processes: int, source: str) -> dict[str, Any]:
-    """A pp() run's ``state.json`` as this rank's ``{"kind", "values", "param_groups"}``."""
-    if not isinstance(saved, dict) or set(saved) != {"kind", "stages"}:
+def _own_stage(
+    saved: Any, live: dict[str, Any], rank: int, num_processes: int, source: str
+) -> dict[str, Any]:
+    """A pp() run's ``state.json`` as this rank's ``{"kind", "values", "param_groups"}``,
+    checked against the record this run would save (``live``, one stage per rank)."""
+    own = {key: value for key, value in live.items() if key != "kind"}
+    try:
+        check_like(saved, {"kind": live["kind"], "stages": [own] * num_processes}, source, depth=2)
+    except CheckpointError as exc:
         raise CheckpointError(
-            f"{source}: this run is split by fa.pp, so this file must hold exactly the keys "
-            "'kind' and 'stages' (a checkpoint of a pp() run); resume with the pipeline that saved it"
-        )
-    stages = saved["stages"]
-    if not isinstance(stages, list) or len(stages) != num_processes or not isinstance(stages[rank], dict):
-        raise CheckpointError(
-            f"{source}: key 'stages' must be a list of {num_processes} objects, one per rank"
-        )
-    return {"kind": saved["kind"], **stages[rank]}
+            f"{exc}; this run is split by fa.pp (one stage per rank): resume with the pipeline that saved it"
+        ) from None
+    return {"kind": saved["kind"], **saved["stages"][rank]}
 
 
 def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any], *, pipelined: bool) -> None:
@@ -314,18 +315,17 @@ def load_sharded(state: RunState, directory: Path, manifest: dict[str, Any], *, 
     )
     saved = read_json(root, VALUES, manifest)
     source = str(root / VALUES)
-    if pipelined:
-        saved = _own_stage(saved, state.dist.rank, state.dist.num_processes, source)
-    if (
-        not isinstance(saved, dict)
-        or set(saved) != {"kind", "values", "param_groups"}
-        or not isinstance(saved["values"], dict)
-    ):
-        raise CheckpointError(
-            f"{source}: must hold exactly the keys 'kind', 'values' (an object), 'param_groups'"
-        )
     tree, groups = _state_dicts(state, for_load=True)
-    tensors, _ = _split(tree)
+    tensors, values = _split(tree)
+    # the record this run would save (`write_sharded`): the file must be shaped so
+    live: dict[str, object] = {
+        "kind": None if state.optimizer is None else kind_of(state.optimizer),
+        "values": values,
+        "param_groups": groups,
+    }
+    if pipelined:
+        saved = _own_stage(saved, live, state.dist.rank, state.dist.num_processes, source)
+    check_like(saved, live, source, depth=1)
     flat, paths = _targets(tensors, metadata, str(root / METADATA), own_keys_only=pipelined)
     param_groups = None
     if state.optimizer is not None:
