@@ -99,11 +99,11 @@ def manifest_hash(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def _count(value: Any) -> bool:
+def _count(value: object) -> bool:
     return type(value) is int and value >= 0  # JSON's integers: a bool is not one
 
 
-def _files(value: Any) -> bool:
+def _files(value: object) -> bool:
     if not isinstance(value, dict):
         return False
     for name, entry in value.items():
@@ -120,11 +120,11 @@ def _files(value: Any) -> bool:
 
 
 # every key of a manifest, what it must be, and the test
-_FIELDS: Mapping[str, tuple[str, Callable[[Any], bool]]] = MappingProxyType(
+_FIELDS: Mapping[str, tuple[str, Callable[[object], bool]]] = MappingProxyType(
     {
         "format": (repr(FORMAT), lambda v: v == FORMAT),
         "schema_version": (str(SCHEMA_VERSION), lambda v: type(v) is int and v == SCHEMA_VERSION),
-        "num_processes": ("an integer >= 1", lambda v: _count(v) and v >= 1),
+        "num_processes": ("an integer >= 1", lambda v: type(v) is int and v >= 1),
         "step": ("an integer >= 0", _count),
         "micro_step": ("an integer >= 0", _count),
         "epoch": ("an integer >= 0", _count),
@@ -182,7 +182,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -344,8 +344,8 @@ class Drift:
     """One way the loading run differs from the saved one."""
 
     item: str  # e.g. "pipeline/accumulate/steps", "precision", "config/mixed_precision"
-    saved: Any
-    now: Any
+    saved: object
+    now: object
     exact: bool  # False: the run cannot resume exactly (refused unless strict=False)
 
     def __str__(self) -> str:

@@ -341,7 +341,7 @@ class _Saved:
 
     manifest: dict[str, Any]
     layout: CheckpointLayout
-    model: Any  # the layout's read of the model and optimizer, for its restore
+    model: object  # the layout's read of the model and optimizer, for its restore
     scheduler: dict[str, Any] | None
     transforms: dict[str, Any]
     rng: RNGState

@@ -121,10 +121,10 @@ class Snapshot:
     per_node: bool = False
     staging: SaveQueue | None = None  # an asynchronous save's: tensors are copied into its buffers
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # file -> tensors
-    json_files: dict[str, Any] = field(default_factory=dict)  # file -> JSON value
+    json_files: dict[str, object] = field(default_factory=dict)  # file -> JSON value
     raw_files: dict[str, bytes] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)  # alias -> the stored weight's name (tied.py)
-    captured: Any = None  # the layout's snapshot, for its write (an fsdp() run's shards)
+    captured: object = None  # the layout's snapshot, for its write (an fsdp() run's shards)
     manifest: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -142,7 +142,7 @@ class Snapshot:
             held = {k: t.detach().clone() if transient else t.detach() for k, t in tensors.items()}
         self.tensors.setdefault(file, {}).update(held)
 
-    def add_json(self, file: str, value: Any) -> None:
+    def add_json(self, file: str, value: object) -> None:
         """Add ``file`` holding ``value``, copied (refused when JSON cannot hold it)."""
         self.json_files[file] = json_copy(value, file)
 
@@ -376,7 +376,7 @@ class SaveQueue:
         self._pending: SaveHandle | None = None
         self._failed: SaveHandle | None = None  # set by a save's thread when it fails
         self._ctx: DistContext | None = None
-        self._owner: Any = None
+        self._owner: GroupOwner | None = None
         self._staging: dict[str, torch.Tensor] = {}
 
     def staged(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -410,7 +410,7 @@ class SaveQueue:
             self._ctx = dataclasses.replace(ctx, _owner=self._owner)
         return self._ctx
 
-    def start(self, path: Path, work: Any) -> SaveHandle:
+    def start(self, path: Path, work: Callable[[], None]) -> SaveHandle:
         handle = SaveHandle(path)
 
         def run() -> None:

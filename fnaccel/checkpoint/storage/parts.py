@@ -136,7 +136,7 @@ def check_tensors(
     )
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -239,7 +239,7 @@ def unwrap_compiled(model: Any) -> Any:
     return getattr(model, "_orig_mod", model)
 
 
-def unwrap_model(model: Any) -> nn.Module:
+def unwrap_model(model: object) -> nn.Module:
     """The user's module inside `torch.compile`, `DistributedDataParallel` and DeepSpeed
     engine wrappers (FSDP2 shards in place, so a sharded model is its own module).
 
@@ -439,7 +439,7 @@ def scheduler_payload(scheduler: Stateful) -> dict[str, object]:
     return {"kind": kind_of(scheduler), "state_dict": scheduler.state_dict()}
 
 
-def check_kind(saved: Any, live: object, source: str) -> None:
+def check_kind(saved: object, live: object, source: str) -> None:
     """Refuse an optimizer or scheduler saved from another class (AdamW's state into SGD)."""
     kind = saved.get("kind") if isinstance(saved, Mapping) else None
     if kind != kind_of(live):
@@ -566,7 +566,7 @@ def _check_state_fits(
 
 
 def restore_groups(
-    saved: Any, current: list[dict[str, Any]], source: str, optimizer: torch.optim.Optimizer
+    saved: object, current: list[dict[str, Any]], source: str, optimizer: torch.optim.Optimizer
 ) -> list[dict[str, Any]]:
     """The saved param groups, checked against the live optimizer's (``params`` as names in
     both), with the live ``params`` and the live tuple types (JSON has none) put back.
@@ -633,13 +633,14 @@ def optimizer_state(
     optimizer: torch.optim.Optimizer,
     params: Mapping[str, torch.Tensor],
     tensors: Mapping[str, torch.Tensor],
-    saved: Any,
+    saved: object,
     source: str,
 ) -> dict[str, Any]:
     """The state_dict to give ``optimizer``, built from `optimizer_payload`'s output and checked
     (class, groups, every state entry) before anything is restored. ``params``: name to parameter."""
     by_id = {id(p): n for n, p in params.items()}
     check_like(saved, optimizer_payload(optimizer, by_id)[1], source, depth=1)  # what this run would save
+    assert isinstance(saved, dict), "check_like held it to the live part, an object"
     check_kind(saved, optimizer, source)
     order = _param_names(optimizer, by_id)
     index = {name: i for i, name in enumerate(order)}
@@ -720,7 +721,7 @@ def _finite(value: object) -> bool:
     return isinstance(value, float) and math.isfinite(value)
 
 
-def rng_from(tensors: Mapping[str, torch.Tensor], saved: Any, live: RNGState, source: str) -> RNGState:
+def rng_from(tensors: Mapping[str, torch.Tensor], saved: object, live: RNGState, source: str) -> RNGState:
     """The generators `rng_payload` stored, checked against this process's (``live``):
     the same generators, each state of the same size, every word in range."""
     tensor_source = source.removesuffix(".json") + ".safetensors"

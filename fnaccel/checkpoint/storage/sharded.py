@@ -276,7 +276,7 @@ def _nest(flat: Mapping[str, Any], paths: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _own_stage(
-    saved: Any, live: dict[str, Any], rank: int, num_processes: int, source: str
+    saved: object, live: dict[str, object], rank: int, num_processes: int, source: str
 ) -> dict[str, Any]:
     """A pp() run's ``state.json`` as this rank's ``{"kind", "values", "param_groups"}``,
     checked against the record this run would save (``live``, one stage per rank)."""
@@ -287,6 +287,7 @@ def _own_stage(
         raise CheckpointError(
             f"{exc}; this run is split by fa.pp (one stage per rank): resume with the pipeline that saved it"
         ) from None
+    assert isinstance(saved, dict), "check_like held it to the live record, an object"
     return {"kind": saved["kind"], **saved["stages"][rank]}
 
 
