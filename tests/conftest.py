@@ -2,10 +2,13 @@
 
 Starting a world (processes that import torch and join a process group) is
 the expensive part of a distributed test, so one 2-rank and one 3-rank world
-serve the whole session; a test that breaks a world gets it rebuilt for the
-next one. Under pytest-xdist (`make test` and `make check` run 2 workers, each
-file's tests in one worker) each worker has its own worlds, started when its
-first test asks.
+(and a 4-rank one where asked) serve the whole session; a test that breaks a
+world gets it rebuilt for the next one. Their ranks are forked from a server
+that imported torch once (`PRELOAD`), so a rebuild, or a `World` a test starts
+itself, costs a fraction of a second, and a rank's end skips the interpreter's
+teardown. Under pytest-xdist (`make test` and `make check` run 2 workers, each
+file's tests in one worker) each worker has its own worlds and server, started
+when its first test asks.
 
 Every test that starts a process group carries the ``multiprocess`` marker, so
 that ``pytest -m "not multiprocess"`` is the fast loop (`make check` also leaves
