@@ -78,6 +78,16 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, sign
 HEARTBEAT_S = 0.5
 LOST_AFTER_S = 5.0
 
+# A machine whose counter stays still this long while no worker here has failed is lost too:
+# its ranks may have vanished before this machine's could notice (inside `fa.init`, or the
+# agents' own rendezvous), where they would wait for it until a timeout of many minutes. The
+# launcher then stops its own workers as torchrun stops them on SIGTERM and names the machine.
+# Longer than LOST_AFTER_S, which only confirms a loss a failure already points to: a launcher
+# that merely stalls (a loaded host) must not end a healthy run. Detection plus torchrun's
+# shutdown grace (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s) stays within a minute (DESIGN.md,
+# principle 10). FNACCEL_LAUNCH_LOST_AFTER overrides it (the tests wait seconds).
+WATCH_LOST_AFTER_S = 20.0
+
 
 class _Ended(Exception):
     """The launch ends before or instead of the agent's result: ``status``, and the one line why."""
@@ -124,11 +134,18 @@ def supervise(
                 with _machines_met(config, rdzv_conf) as store:
                     if store is not None and config.num_machines > 1:
                         machines = _Machines(store, config, launch_dir, num_local)
-                    torchrun.run(torchrun_args)
+                    try:
+                        torchrun.run(torchrun_args)
+                    finally:
+                        if machines is not None:  # a loss found from here on is the failure path's
+                            machines.stop_watching()
             except _Ended as exc:
                 print(exc, file=sys.stderr)
                 return exc.status
             except SignalException as exc:
+                if machines is not None and machines.seen_lost:
+                    print(machines.lost_line(machines.seen_lost, watched=True), file=sys.stderr)
+                    return 1
                 outcome = _Outcome.read(launch_dir, num_local)
                 if outcome.preempted is not None:
                     return _preempted(outcome.preempted)
@@ -274,6 +291,11 @@ class _Machines:
         self._launch_dir = launch_dir
         self._published = False
         self._broken: str | None = None  # why the store stopped answering this launcher
+        self._watch_after = float(os.environ.get("FNACCEL_LAUNCH_LOST_AFTER", WATCH_LOST_AFTER_S))
+        self._seen: dict[int, tuple[int, float]] = {}  # machine -> (its counter, when it last moved)
+        self.seen_lost: list[int] = []  # the machines the watch found lost; this launch then ends
+        self._watching = True
+        self._watch_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="fnaccel-launch-heartbeat", daemon=True)
         self._thread.start()
@@ -293,10 +315,36 @@ class _Machines:
                     if len(ranks) >= self._local:
                         self._store.set(self._key("ranks", self._rank), ",".join(map(str, ranks)))
                         self._published = True
+                with self._watch_lock:
+                    if self._watching and not self.seen_lost:
+                        self._watch()
             except Exception as exc:  # the store's server (the machine of rank 0) is gone
                 self._broken = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
                 return
             self._stop.wait(HEARTBEAT_S)
+
+    def _watch(self) -> None:
+        """Note the other machines' counters; one that stood still for the watch's time and
+        marked no end is lost: end this launch (`supervise` names the machine)."""
+        now = time.monotonic()
+        for machine in range(self._total):
+            if machine == self._rank:
+                continue
+            counter = self._counter(machine)
+            if self._seen.get(machine, (None, 0.0))[0] != counter:
+                self._seen[machine] = (counter, now)
+            elif now - self._seen[machine][1] >= self._watch_after and not self._ended(machine):
+                self.seen_lost.append(machine)
+        if self.seen_lost:
+            # torchrun's agent stops the workers on SIGTERM (its grace, then SIGKILL) and
+            # raises SignalException in the main thread, where supervise() reads seen_lost
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop_watching(self) -> None:
+        """End the watch (the agent returned or raised): a SIGTERM it sends after this would
+        reach a launcher no longer in torchrun's hands."""
+        with self._watch_lock:
+            self._watching = False
 
     def _counter(self, machine: int) -> int:
         return int(self._store.add(self._key("alive", machine), 0))
@@ -337,22 +385,28 @@ class _Machines:
         # rendezvous numbers a machine's ranks after the machines before it
         return list(range(machine * self._local, (machine + 1) * self._local))
 
-    def lost_line(self, lost: Sequence[int]) -> str:
-        """The launch's last line when ``lost`` machines vanished."""
+    def lost_line(self, lost: Sequence[int], *, watched: bool = False) -> str:
+        """The launch's last line when ``lost`` machines vanished (``watched``: found by the
+        watch while this machine's ranks still waited, which this launcher then stopped)."""
         named = ", ".join(f"machine {machine} ({_ranks_text(self._ranks_of(machine))})" for machine in lost)
         if self._broken is not None:
             why = (
                 f"connection closed: its launcher's store at {self._where} stopped answering ({self._broken})"
+            )
+        elif watched:
+            why = (
+                f"its launcher stopped answering on the store at {self._where} for {self._watch_after:g} s "
+                "while this machine's ranks waited for it, and this launcher stopped them"
             )
         else:
             why = (
                 f"connection closed: its launcher stopped answering on the store at {self._where} "
                 f"for {LOST_AFTER_S:g} s"
             )
+        follows = "" if watched else "; the errors of this machine's ranks above follow from it"
         return (
-            f"fnaccel launch: {named} was lost: {why}; the errors of this machine's ranks above follow from "
-            "it. Check that machine, then start the launch again on every machine (fa.load resumes from the "
-            "last checkpoint)"
+            f"fnaccel launch: {named} was lost: {why}{follows}. Check that machine, then start the launch "
+            "again on every machine (fa.load resumes from the last checkpoint)"
         )
 
     def failed_first(self, failed_at_ns: int, rank: int) -> tuple[int, int] | None:

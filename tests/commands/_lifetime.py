@@ -1,6 +1,6 @@
 """A script that `fnaccel launch` runs in tests/commands/test_launch_lifetime.py.
 
-    _lifetime.py OUT (sleep|save|reduce)
+    _lifetime.py OUT (sleep|save|reduce|init)
 
 Every process leaves an empty file OUT/pid.<its pid> once it is ready, then
 sleeps until it is ended. ``sleep``: nothing else (the launcher is killed).
@@ -8,7 +8,9 @@ sleeps until it is ended. ``sleep``: nothing else (the launcher is killed).
 before sleeping it saves a checkpoint to OUT/ckpt, takes a step, and starts
 an asynchronous save over it, which may still be writing when SIGTERM comes
 (each rank writes OUT/in_flight.<rank> saying whether it was). ``reduce``: all-reduces
-one number every 50 ms until it is ended (a machine of the run is killed).
+one number every 50 ms until it is ended (a machine of the run is killed; its pid
+file comes after the first one). ``init``: rank 0 calls ``fa.init``, which waits for
+rank 1, which never calls it (a machine is killed before its ranks joined the run).
 """
 
 import os
@@ -45,14 +47,20 @@ def main(out: Path, mode: str) -> None:
             sys.exit(0)  # the interpreter's exit waits for the save's thread
 
         signal.signal(signal.SIGTERM, stop)
-    (out / f"pid.{os.getpid()}").touch()
     if mode == "reduce":
         import fnaccel as fa
 
         state = fa.init(cpu=True, seed=0)
+        fa.ops.reduce(state, torch.ones(1))  # both ranks are in the run before the test kills one
+        (out / f"pid.{os.getpid()}").touch()
         while True:
             fa.ops.reduce(state, torch.ones(1))
             time.sleep(0.05)
+    (out / f"pid.{os.getpid()}").touch()
+    if mode == "init" and os.environ["RANK"] == "0":
+        import fnaccel as fa
+
+        fa.init(cpu=True, seed=0)  # waits for rank 1, which never calls it
     time.sleep(600)
 
 

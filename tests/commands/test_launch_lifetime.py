@@ -1,7 +1,8 @@
 """The launcher's own life: its workers end with it (even by SIGKILL), a signal ends the
 launch with one line and 128 + the signal's number (from the launcher's first line on),
 waiting for machines speaks, hears Ctrl-C and times out with one line, and a machine
-lost mid-run is named by the survivors (docs/cli.md, "The launcher's own life")."""
+lost mid-run, or before its ranks joined, is named by the survivors (docs/cli.md, "The
+launcher's own life")."""
 
 from __future__ import annotations
 
@@ -196,4 +197,31 @@ def test_a_launcher_killed_with_sigkill_leaves_no_worker_and_the_survivor_names_
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("fnaccel launch: machine 1 (rank 1) was lost: connection closed"), stderr
     assert "rank 0" not in last, last
+    assert [pid for pid in worker_pids(tmp_path) if alive(pid)] == []
+
+
+@pytest.mark.multiprocess
+def test_a_machine_lost_before_its_ranks_joined_is_named_within_the_watch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Machine 1 is SIGKILLed while rank 0 waits for its rank inside ``fa.init``. No worker
+    fails there, so nothing asked who was lost: the survivor waited out the init's timeout of
+    many minutes (seen as a launcher that never ended). Now the launchers watch each other's
+    heartbeat: after FNACCEL_LAUNCH_LOST_AFTER seconds (20 by default) the survivor stops its
+    workers and names the machine."""
+    monkeypatch.setenv("FNACCEL_LAUNCH_LOST_AFTER", "2")
+    survivor, lost = start_two_machines(str(SCRIPT), str(tmp_path), "init")
+    try:
+        _wait_for(lambda: len(worker_pids(tmp_path)) == 2, 240, survivor)
+        lost.kill()
+        lost.wait()
+        _, stderr = survivor.communicate(timeout=120)
+    finally:
+        end_launch(tmp_path, survivor, lost)
+    assert survivor.returncode == 1, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "fnaccel launch: machine 1 (rank 1) was lost: its launcher stopped answering on the store at "
+    ), stderr
+    assert "for 2 s while this machine's ranks waited for it" in last and "rank 0" not in last, last
     assert [pid for pid in worker_pids(tmp_path) if alive(pid)] == []
