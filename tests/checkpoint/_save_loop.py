@@ -34,6 +34,13 @@ from torch import nn
 import fnaccel as fa
 
 
+def say(line: str) -> None:
+    """One line to the test, in one write: the held removal's thread writes beside the loop, and an
+    unbuffered print (PYTHONUNBUFFERED=1) writes a line's text and its newline in two writes, between
+    which the other line could land."""
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
 def main(path: str, rotate: bool, step: bool, fork: bool, wait: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4 if step else 20)])  # ~4 or ~21 MB of weights
@@ -56,25 +63,25 @@ def main(path: str, rotate: bool, step: bool, fork: bool, wait: bool) -> None:
         child = os.fork()  # one thread here (OMP_NUM_THREADS=1, no group): safe to fork
         if child == 0:  # the loop, then out: never back into this loop, nor this process's exit handlers
             try:
-                print(f"pid {os.getpid()}", flush=True)
+                say(f"pid {os.getpid()}")
                 save_loop(state, None if rotate else path, step)
             except BaseException:
                 traceback.print_exc()
                 os._exit(1)
             os._exit(0)
         os.waitpid(child, 0)
-        print("ended", flush=True)
+        say("ended")
 
 
 def save_loop(state: fa.RunState, target: str | None, step: bool) -> None:
     fa.save(state, target)
-    print("first save done", flush=True)
+    say("first save done")
     while sys.stdin.readline():
         if step:  # every file but the generators' then differs from the last save's
             state, _ = fa.step(state, torch.ones(2, 512))
         state = state.replace(epoch=state.epoch + 1)  # each save is recognisable by its epoch
         fa.save(state, target)
-        print(f"saved {state.epoch}", flush=True)
+        say(f"saved {state.epoch}")
 
 
 def hold_removals() -> None:
@@ -85,9 +92,7 @@ def hold_removals() -> None:
 
     def held(old: Path, manifest: str) -> None:
         (old / manifest).unlink()
-        # one write to the pipe, beside the loop's buffered prints (a print from this thread could
-        # land between another print's text and its newline)
-        os.write(sys.stdout.fileno(), f"removing {old.name}\n".encode())
+        say(f"removing {old.name}")
         threading.Event().wait()
 
     setattr(writer, "remove_replaced", held)  # the module attribute the save calls
