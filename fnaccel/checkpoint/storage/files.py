@@ -319,7 +319,7 @@ def safe_relative(name: object, where: str) -> str:
     return name
 
 
-def _dumps(value: Any, where: str, **options: Any) -> str:
+def _dumps(value: object, where: str, **options: Any) -> str:
     """JSON text of ``value``; what only pickle could store is refused, naming ``where``."""
     try:
         return json.dumps(value, allow_nan=True, **options)
@@ -330,7 +330,7 @@ def _dumps(value: Any, where: str, **options: Any) -> str:
         ) from None
 
 
-def json_copy(value: Any, where: str) -> Any:
+def json_copy(value: object, where: str) -> Any:
     """A deep copy of ``value`` through the JSON encoder (see `_dumps`)."""
     return json.loads(_dumps(value, where))
 
@@ -349,7 +349,7 @@ def write_bytes(path: Path, data: bytes) -> dict[str, Any]:
     return write_hashed(path, [memoryview(data)])
 
 
-def write_json(path: Path, value: Any) -> dict[str, Any]:
+def write_json(path: Path, value: object) -> dict[str, Any]:
     return write_bytes(path, _dumps(value, path.name, indent=1, sort_keys=True).encode())
 
 

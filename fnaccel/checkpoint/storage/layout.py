@@ -61,7 +61,7 @@ class CheckpointFiles(Protocol):
         """Store ``tensors`` in the safetensors ``file`` (``transient``: copy them now)."""
         ...
 
-    def add_json(self, file: str, value: Any) -> None:
+    def add_json(self, file: str, value: object) -> None:
         """Store ``value`` in the JSON ``file`` (refused when JSON cannot hold it)."""
         ...
 
