@@ -98,6 +98,15 @@ class _BorrowedGroup:
         """Nothing: the World closes the group when it stops."""
 
 
+def _preloaded_context(preload: Sequence[str]) -> mp.context.ForkServerContext:
+    """multiprocessing's forkserver, importing this module and ``preload`` once for every
+    process it forks (`World`'s ranks with ``preload``; a test's own processes). The
+    preload takes effect when the server starts: the first caller's in a process."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([__name__, *preload])
+    return context
+
+
 def _worker(rank: int, num_processes: int, port: int, conn: Connection, env: Mapping[str, str]) -> None:
     # the caller's whole environment: a rank forked from the forkserver starts with the server's
     # (the caller's when the server started), which a test may have changed since
@@ -201,10 +210,7 @@ class World:
             timeout=timedelta(seconds=start_timeout),
         )
         worker_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        context: mp.context.SpawnContext | mp.context.ForkServerContext = mp.get_context("spawn")
-        if preload:
-            context = mp.get_context("forkserver")
-            context.set_forkserver_preload([__name__, *preload])  # no effect once the server runs
+        context = _preloaded_context(preload) if preload else mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         for rank in range(num_processes):

@@ -20,7 +20,6 @@ itself, and `multiprocess_marker_is_set` fails a test that starts one unmarked.
 
 from __future__ import annotations
 
-import multiprocessing
 import multiprocessing.context
 import multiprocessing.process
 import subprocess
@@ -31,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from fnaccel.testing import World
+from fnaccel.testing import World, _preloaded_context
 
 # The tests in this process run with one intra-op thread, as every World rank and launched worker
 # here does (OMP_NUM_THREADS=1): `make test` runs 2 pytest workers on 2 cores, and torch's default
@@ -155,9 +154,7 @@ def forked_context(preload: tuple[str, ...]) -> multiprocessing.context.ForkServ
     (a group it forms itself): each starts without importing torch. A process gets the server's
     environment (a test's of this session, launch variables removed), not the test's of the
     moment: its target sets what it reads."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["fnaccel.testing", *preload])  # as `World` sets it
-    return context
+    return _preloaded_context(preload)
 
 
 @pytest.fixture(scope="session", autouse=True)
